@@ -1,0 +1,36 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv and install.
+#
+# torch: by default `pip install torch==2.13.0`, which on this project's CPU machines resolves
+# to the local CPU build. Elsewhere pick the wheel index explicitly, e.g.
+#   CPU only:  make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#   CUDA 12.8: make demo TORCH_INDEX=https://download.pytorch.org/whl/cu128
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo proto clean bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q $(TORCH_INDEX_ARG) "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m bagel.worker.demo --run examples/digits-2x2.toml --out demo-out
+
+proto: setup
+	$(PY) -m bagel.protocol.gen
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

@@ -1,0 +1,416 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Order(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ORDER_UNSPECIFIED: _ClassVar[Order]
+    ORDER_WAIT: _ClassVar[Order]
+    ORDER_SYNC: _ClassVar[Order]
+    ORDER_TRAIN: _ClassVar[Order]
+    ORDER_REDUCE: _ClassVar[Order]
+    ORDER_LEAVE: _ClassVar[Order]
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_IDLE: _ClassVar[Phase]
+    PHASE_SYNCING: _ClassVar[Phase]
+    PHASE_TRAINING: _ClassVar[Phase]
+    PHASE_READY: _ClassVar[Phase]
+    PHASE_REDUCING: _ClassVar[Phase]
+
+class Verdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERDICT_UNSPECIFIED: _ClassVar[Verdict]
+    VERDICT_PENDING: _ClassVar[Verdict]
+    VERDICT_COMMITTED: _ClassVar[Verdict]
+    VERDICT_RESYNC: _ClassVar[Verdict]
+    VERDICT_ABORTED: _ClassVar[Verdict]
+ORDER_UNSPECIFIED: Order
+ORDER_WAIT: Order
+ORDER_SYNC: Order
+ORDER_TRAIN: Order
+ORDER_REDUCE: Order
+ORDER_LEAVE: Order
+PHASE_UNSPECIFIED: Phase
+PHASE_IDLE: Phase
+PHASE_SYNCING: Phase
+PHASE_TRAINING: Phase
+PHASE_READY: Phase
+PHASE_REDUCING: Phase
+VERDICT_UNSPECIFIED: Verdict
+VERDICT_PENDING: Verdict
+VERDICT_COMMITTED: Verdict
+VERDICT_RESYNC: Verdict
+VERDICT_ABORTED: Verdict
+
+class SignedRequest(_message.Message):
+    __slots__ = ("payload", "signature", "public_key")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    signature: bytes
+    public_key: bytes
+    def __init__(self, payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ...) -> None: ...
+
+class RequestHeader(_message.Message):
+    __slots__ = ("run_id", "method", "timestamp_unix_ms", "nonce")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    method: str
+    timestamp_unix_ms: int
+    nonce: bytes
+    def __init__(self, run_id: _Optional[str] = ..., method: _Optional[str] = ..., timestamp_unix_ms: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class PeerAddress(_message.Message):
+    __slots__ = ("peer_id", "maddrs")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MADDRS_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    maddrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerProfile(_message.Message):
+    __slots__ = ("name", "device_kind", "device_name", "vram_bytes", "num_devices", "link_bandwidth_bytes_per_s", "samples_per_s", "software_version")
+    class SamplesPerSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    VRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    LINK_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    device_kind: str
+    device_name: str
+    vram_bytes: int
+    num_devices: int
+    link_bandwidth_bytes_per_s: float
+    samples_per_s: _containers.ScalarMap[str, float]
+    software_version: str
+    def __init__(self, name: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., vram_bytes: _Optional[int] = ..., num_devices: _Optional[int] = ..., link_bandwidth_bytes_per_s: _Optional[float] = ..., samples_per_s: _Optional[_Mapping[str, float]] = ..., software_version: _Optional[str] = ...) -> None: ...
+
+class LocalState(_message.Message):
+    __slots__ = ("cell_id", "committed_round", "state_hash")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    committed_round: int
+    state_hash: str
+    def __init__(self, cell_id: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("worker_id", "peer", "max_samples")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    peer: PeerAddress
+    max_samples: int
+    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., max_samples: _Optional[int] = ...) -> None: ...
+
+class RoundPlan(_message.Message):
+    __slots__ = ("inner_steps", "micro_batch", "grad_accum", "deadline_unix_ms", "members")
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    GRAD_ACCUM_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    inner_steps: int
+    micro_batch: int
+    grad_accum: int
+    deadline_unix_ms: int
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    def __init__(self, inner_steps: _Optional[int] = ..., micro_batch: _Optional[int] = ..., grad_accum: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+
+class Donor(_message.Message):
+    __slots__ = ("worker_id", "peer", "checkpoint_round")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    peer: PeerAddress
+    checkpoint_round: int
+    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., checkpoint_round: _Optional[int] = ...) -> None: ...
+
+class Instruction(_message.Message):
+    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason")
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_HASH_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    DONOR_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    order: Order
+    cell_id: str
+    round: int
+    committed_round: int
+    committed_hash: str
+    plan: RoundPlan
+    contributors: _containers.RepeatedCompositeFieldContainer[Member]
+    donor: Donor
+    upload_checkpoint: bool
+    reason: str
+    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("header", "profile", "peer", "local", "join_token")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    profile: WorkerProfile
+    peer: PeerAddress
+    local: LocalState
+    join_token: bytes
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., profile: _Optional[_Union[WorkerProfile, _Mapping]] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., join_token: _Optional[bytes] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("worker_id", "lease_expires_unix_ms", "heartbeat_interval_ms", "spec_toml", "spec_hash", "instruction")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    lease_expires_unix_ms: int
+    heartbeat_interval_ms: int
+    spec_toml: str
+    spec_hash: str
+    instruction: Instruction
+    def __init__(self, worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., spec_toml: _Optional[str] = ..., spec_hash: _Optional[str] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("header", "phase", "cell_id", "round", "inner_step", "loss", "samples", "local")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    phase: Phase
+    cell_id: str
+    round: int
+    inner_step: int
+    loss: float
+    samples: int
+    local: LocalState
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_expires_unix_ms", "instruction")
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_unix_ms: int
+    instruction: Instruction
+    def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
+
+class ReportRoundRequest(_message.Message):
+    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMM_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    cell_id: str
+    round: int
+    state_hash: str
+    samples: int
+    loss: float
+    compute_ms: int
+    comm_ms: int
+    bytes_sent: int
+    bytes_received: int
+    failed: bool
+    reason: str
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReportRoundResponse(_message.Message):
+    __slots__ = ("verdict", "instruction")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    instruction: Instruction
+    def __init__(self, verdict: _Optional[_Union[Verdict, str]] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("header", "reason")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    reason: str
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "name", "state", "cell_id", "phase", "lease_expires_unix_ms", "reputation", "samples_per_s", "vram_bytes", "rounds_contributed")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REPUTATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    VRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    name: str
+    state: str
+    cell_id: str
+    phase: Phase
+    lease_expires_unix_ms: int
+    reputation: float
+    samples_per_s: float
+    vram_bytes: int
+    rounds_contributed: int
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., cell_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., lease_expires_unix_ms: _Optional[int] = ..., reputation: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., vram_bytes: _Optional[int] = ..., rounds_contributed: _Optional[int] = ...) -> None: ...
+
+class CellStatus(_message.Message):
+    __slots__ = ("cell_id", "kind", "round", "round_state", "committed_round", "committed_hash", "members", "target_share", "actual_share", "last_loss", "latest_checkpoint_round", "samples_committed")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_STATE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_HASH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_SHARE_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_SHARE_FIELD_NUMBER: _ClassVar[int]
+    LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_CHECKPOINT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    kind: str
+    round: int
+    round_state: str
+    committed_round: int
+    committed_hash: str
+    members: _containers.RepeatedScalarFieldContainer[str]
+    target_share: float
+    actual_share: float
+    last_loss: float
+    latest_checkpoint_round: int
+    samples_committed: int
+    def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[str] = ..., round: _Optional[int] = ..., round_state: _Optional[str] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., target_share: _Optional[float] = ..., actual_share: _Optional[float] = ..., last_loss: _Optional[float] = ..., latest_checkpoint_round: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("run_id", "spec_hash", "now_unix_ms", "workers", "cells")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
+    NOW_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    CELLS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    spec_hash: str
+    now_unix_ms: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    cells: _containers.RepeatedCompositeFieldContainer[CellStatus]
+    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[str] = ..., now_unix_ms: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., cells: _Optional[_Iterable[_Union[CellStatus, _Mapping]]] = ...) -> None: ...
+
+class UploadCheckpointHeader(_message.Message):
+    __slots__ = ("header", "cell_id", "round", "state_hash", "total_bytes", "sha256")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    cell_id: str
+    round: int
+    state_hash: str
+    total_bytes: int
+    sha256: str
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CheckpointUploadChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SignedRequest
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SignedRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UploadCheckpointResponse(_message.Message):
+    __slots__ = ("stored", "round")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    round: int
+    def __init__(self, stored: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
+
+class DownloadCheckpointRequest(_message.Message):
+    __slots__ = ("header", "cell_id", "round")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    cell_id: str
+    round: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class CheckpointInfo(_message.Message):
+    __slots__ = ("cell_id", "round", "state_hash", "total_bytes", "sha256")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    round: int
+    state_hash: str
+    total_bytes: int
+    sha256: str
+    def __init__(self, cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class CheckpointDownloadChunk(_message.Message):
+    __slots__ = ("info", "data")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    info: CheckpointInfo
+    data: bytes
+    def __init__(self, info: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...

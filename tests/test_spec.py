@@ -1,0 +1,42 @@
+"""Run spec parsing: the example parses; unknown and ill-typed keys are named."""
+
+from pathlib import Path
+
+import pytest
+
+from bagel.coordinator.spec import ROUTER_CELL, SpecError, load_spec, parse_cell, parse_spec
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits-2x2.toml"
+
+
+def test_example_parses() -> None:
+    spec = load_spec(EXAMPLE)
+    assert spec.cell_ids == ("k0.r0", "k0.r1", "k1.r0", "k1.r1", ROUTER_CELL)
+    assert len(spec.spec_hash) == 64
+    assert spec.diloco.inner_steps == 50
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('[run]\nid = "x"\n[model]\narhc = "dit"\n', "model.arhc"),
+        ('[run]\nid = "x"\n[bogus]\n', "[bogus]"),
+        ('[run]\nid = "x"\n[data]\nclusters = "two"\n', "data.clusters"),
+        ('[run]\nid = "x"\n[model]\narch = "gan"\n', "model.arch"),
+        ('[run]\nid = "x"\n[diloco]\nnesterov = 1\n', "diloco.nesterov"),
+        ('[run]\nid = "Bad Id"\n', "run.id"),
+        ('[model]\narch = "dit"\n', "[run]"),
+        ('[run]\nid = "x"\n[schedule]\nlease_s = 1.0\nheartbeat_s = 2.0\n', "schedule.lease_s"),
+    ],
+)
+def test_bad_specs_name_the_key(text: str, needle: str) -> None:
+    with pytest.raises(SpecError, match=None) as info:
+        parse_spec(text)
+    assert needle in str(info.value)
+
+
+def test_parse_cell() -> None:
+    assert parse_cell("k3.r1") == (3, 1)
+    assert parse_cell(ROUTER_CELL) is None
+    with pytest.raises(ValueError):
+        parse_cell("k1-r1")
