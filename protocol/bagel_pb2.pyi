@@ -152,7 +152,7 @@ class Donor(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., checkpoint_round: _Optional[int] = ...) -> None: ...
 
 class Instruction(_message.Message):
-    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason")
+    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class Instruction(_message.Message):
     DONOR_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     order: Order
     cell_id: str
     round: int
@@ -173,7 +174,8 @@ class Instruction(_message.Message):
     donor: Donor
     upload_checkpoint: bool
     reason: str
-    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    reduce_attempt: int
+    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "profile", "peer", "local", "join_token")
@@ -206,7 +208,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., spec_toml: _Optional[str] = ..., spec_hash: _Optional[str] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("header", "phase", "cell_id", "round", "inner_step", "loss", "samples", "local")
+    __slots__ = ("header", "phase", "cell_id", "round", "inner_step", "loss", "samples", "local", "reduce_attempt")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +217,7 @@ class HeartbeatRequest(_message.Message):
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     phase: Phase
     cell_id: str
@@ -223,7 +226,8 @@ class HeartbeatRequest(_message.Message):
     loss: float
     samples: int
     local: LocalState
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ...) -> None: ...
+    reduce_attempt: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., reduce_attempt: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_expires_unix_ms", "instruction")
@@ -234,7 +238,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class ReportRoundRequest(_message.Message):
-    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason")
+    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +251,7 @@ class ReportRoundRequest(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     cell_id: str
     round: int
@@ -259,7 +264,8 @@ class ReportRoundRequest(_message.Message):
     bytes_received: int
     failed: bool
     reason: str
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+    reduce_attempt: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
     __slots__ = ("verdict", "instruction")
