@@ -1,0 +1,351 @@
+"""Async client of the coordinator: signs every request and speaks grpc.aio.
+
+Used by the worker agent, the tests' simulated workers and the load benchmark. Every
+method builds the request, signs it with a fresh envelope (`bagel.protocol.envelope`)
+and sends it with a per-call timeout. Failures surface as `grpc.aio.AioRpcError` with the
+server's status code (e.g. NOT_FOUND means "re-register"); integrity problems the client
+detects itself raise `ClientError` subclasses.
+
+Retries belong to the caller, through `with_retries`, because each attempt must be
+re-signed (a fresh nonce and timestamp: the coordinator may have seen the first one).
+Backoff is exponential with "full jitter" (Marc Brooker, "Exponential Backoff And
+Jitter", AWS Architecture Blog, 2015), so workers reconnecting after a coordinator
+restart do not arrive in lock-step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol import bagel_pb2_grpc as pb_grpc
+from bagel.protocol.envelope import sign_request
+from bagel.protocol.grpc_options import CHECKPOINT_CHUNK_BYTES, MAX_MESSAGE_BYTES, channel_options
+from bagel.protocol.identity import Identity
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_MAX_CHECKPOINT_BYTES = 2 << 30
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class ClientError(Exception):
+    """The coordinator's answer failed a client-side check."""
+
+
+class SpecMismatch(ClientError):
+    """The spec the coordinator sent does not hash to the expected spec hash."""
+
+
+class CheckpointIntegrityError(ClientError):
+    """A downloaded checkpoint is malformed, oversized, or fails its size/sha256 check."""
+
+
+class CoordinatorClient:
+    """Signed grpc.aio client for one run.
+
+    `target` is "host:port". `tls` is None (plaintext), a `grpc.ChannelCredentials`, or
+    PEM root certificate bytes. `spec_hash`, if given (from the DHT record), is checked
+    against the spec the coordinator returns on Register.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        identity: Identity,
+        run_id: str,
+        *,
+        spec_hash: str | None = None,
+        tls: grpc.ChannelCredentials | bytes | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self.target = target
+        self.identity = identity
+        self.run_id = run_id
+        self.spec_hash = spec_hash
+        self.timeout_s = timeout_s
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        else:
+            creds = grpc.ssl_channel_credentials(root_certificates=tls) if isinstance(tls, bytes) else tls
+            self._channel = grpc.aio.secure_channel(target, creds, options=channel_options())
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    @property
+    def worker_id(self) -> str:
+        return self.identity.worker_id
+
+    # ------------------------------------------------------------------ plumbing
+
+    def sign(self, method: str, request: Message) -> pb.SignedRequest:
+        """Envelope for `request` (its header is filled in place)."""
+        return sign_request(self.identity, request, run_id=self.run_id, method=method)
+
+    async def call(self, method: str, request: Message, *, timeout_s: float | None = None) -> Message:
+        """Sign `request` and send it to unary RPC `method` ("Register", "Heartbeat", ...)."""
+        rpc = getattr(self._stub, method)
+        return await rpc(self.sign(method, request), timeout=timeout_s or self.timeout_s)
+
+    async def wait_for_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until the channel is connected; asyncio.TimeoutError after `timeout_s`."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def register(
+        self,
+        profile: pb.WorkerProfile,
+        peer: pb.PeerAddress,
+        local: pb.LocalState | None = None,
+        *,
+        join_token: bytes = b"",
+        timeout_s: float | None = None,
+    ) -> pb.RegisterResponse:
+        """Register (or re-register after NOT_FOUND) and check the returned spec's hash."""
+        req = pb.RegisterRequest(profile=profile, peer=peer, local=local or pb.LocalState(), join_token=join_token)
+        resp: pb.RegisterResponse = await self.call("Register", req, timeout_s=timeout_s)  # type: ignore[assignment]
+        actual = hashlib.sha256(resp.spec_toml.encode()).hexdigest()
+        if actual != resp.spec_hash:
+            raise SpecMismatch(f"spec_toml hashes to {actual}, the coordinator says {resp.spec_hash}")
+        if self.spec_hash is not None and resp.spec_hash != self.spec_hash:
+            raise SpecMismatch(f"coordinator runs spec {resp.spec_hash}, expected {self.spec_hash}")
+        return resp
+
+    async def heartbeat(
+        self,
+        phase: int,
+        *,
+        cell_id: str = "",
+        round: int = 0,
+        inner_step: int = 0,
+        loss: float = 0.0,
+        samples: int = 0,
+        local: pb.LocalState | None = None,
+        reduce_attempt: int = 0,
+        timeout_s: float | None = None,
+    ) -> pb.HeartbeatResponse:
+        req = pb.HeartbeatRequest(
+            phase=phase,  # type: ignore[arg-type]
+            cell_id=cell_id,
+            round=round,
+            inner_step=inner_step,
+            loss=loss,
+            samples=samples,
+            local=local or pb.LocalState(),
+            reduce_attempt=reduce_attempt,
+        )
+        return await self.call("Heartbeat", req, timeout_s=timeout_s)  # type: ignore[return-value]
+
+    async def report_round(
+        self,
+        *,
+        cell_id: str,
+        round: int,
+        state_hash: str = "",
+        samples: int = 0,
+        loss: float = 0.0,
+        compute_ms: int = 0,
+        comm_ms: int = 0,
+        bytes_sent: int = 0,
+        bytes_received: int = 0,
+        failed: bool = False,
+        reason: str = "",
+        reduce_attempt: int = 0,
+        timeout_s: float | None = None,
+    ) -> pb.ReportRoundResponse:
+        req = pb.ReportRoundRequest(
+            cell_id=cell_id,
+            round=round,
+            state_hash=state_hash,
+            samples=samples,
+            loss=loss,
+            compute_ms=compute_ms,
+            comm_ms=comm_ms,
+            bytes_sent=bytes_sent,
+            bytes_received=bytes_received,
+            failed=failed,
+            reason=reason,
+            reduce_attempt=reduce_attempt,
+        )
+        return await self.call("ReportRound", req, timeout_s=timeout_s)  # type: ignore[return-value]
+
+    async def leave(self, reason: str = "", *, timeout_s: float | None = None) -> pb.LeaveResponse:
+        return await self.call("Leave", pb.LeaveRequest(reason=reason), timeout_s=timeout_s)  # type: ignore[return-value]
+
+    async def status(self, *, timeout_s: float | None = None) -> pb.StatusResponse:
+        """Unsigned, read-only operator view."""
+        return await self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s or self.timeout_s)
+
+    async def upload_checkpoint(
+        self,
+        cell_id: str,
+        round: int,
+        state_hash: str,
+        data: bytes | str | Path,
+        *,
+        chunk_bytes: int = CHECKPOINT_CHUNK_BYTES,
+        timeout_s: float | None = None,
+    ) -> pb.UploadCheckpointResponse:
+        """Stream a safetensors file (bytes or a path) as a signed header then data chunks.
+
+        A file is read twice (sha256 first, then streamed) so memory stays at one chunk.
+        """
+        if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 4096:
+            raise ValueError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]")
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            blob = bytes(data)
+            total, digest = len(blob), hashlib.sha256(blob).hexdigest()
+            path = None
+        else:
+            path, blob = Path(data), None
+            total, digest = await asyncio.to_thread(_file_sha256, path)
+        header = pb.UploadCheckpointHeader(
+            cell_id=cell_id, round=round, state_hash=state_hash, total_bytes=total, sha256=digest
+        )
+        signed = self.sign("UploadCheckpoint", header)
+
+        async def chunks() -> AsyncIterator[pb.CheckpointUploadChunk]:
+            yield pb.CheckpointUploadChunk(header=signed)
+            if blob is not None:
+                for off in range(0, total, chunk_bytes):
+                    yield pb.CheckpointUploadChunk(data=blob[off : off + chunk_bytes])
+            else:
+                assert path is not None
+                with path.open("rb") as f:
+                    sent = 0
+                    while sent < total:
+                        piece = f.read(min(chunk_bytes, total - sent))
+                        if not piece:
+                            raise CheckpointIntegrityError(f"{path} shrank while uploading")
+                        sent += len(piece)
+                        yield pb.CheckpointUploadChunk(data=piece)
+
+        timeout = timeout_s or max(self.timeout_s, 60.0)
+        return await self._stub.UploadCheckpoint(chunks(), timeout=timeout)
+
+    async def download_checkpoint(
+        self,
+        cell_id: str,
+        round: int = 0,
+        *,
+        max_bytes: int = DEFAULT_MAX_CHECKPOINT_BYTES,
+        timeout_s: float | None = None,
+    ) -> tuple[pb.CheckpointInfo, bytes]:
+        """Download a checkpoint (round 0 = the latest); checks size and sha256 while streaming."""
+        signed = self.sign("DownloadCheckpoint", pb.DownloadCheckpointRequest(cell_id=cell_id, round=round))
+        timeout = timeout_s or max(self.timeout_s, 60.0)
+        call = self._stub.DownloadCheckpoint(signed, timeout=timeout)
+        info: pb.CheckpointInfo | None = None
+        buf = bytearray()
+        hasher = hashlib.sha256()
+        try:
+            async for chunk in call:
+                kind = chunk.WhichOneof("kind")
+                if info is None:
+                    if kind != "info":
+                        raise CheckpointIntegrityError("the first chunk must carry the checkpoint info")
+                    info = chunk.info
+                    if info.cell_id != cell_id or (round and info.round != round):
+                        raise CheckpointIntegrityError(
+                            f"asked for {cell_id}@{round or 'latest'}, got {info.cell_id}@{info.round}"
+                        )
+                    if not 0 <= info.total_bytes <= max_bytes:
+                        raise CheckpointIntegrityError(f"checkpoint of {info.total_bytes} bytes exceeds {max_bytes}")
+                    continue
+                if kind != "data":
+                    raise CheckpointIntegrityError("checkpoint info sent twice")
+                if len(buf) + len(chunk.data) > info.total_bytes:
+                    raise CheckpointIntegrityError(f"more data than the announced {info.total_bytes} bytes")
+                buf += chunk.data
+                hasher.update(chunk.data)
+        except CheckpointIntegrityError:
+            call.cancel()
+            raise
+        if info is None:
+            raise CheckpointIntegrityError("empty checkpoint stream")
+        if len(buf) != info.total_bytes:
+            raise CheckpointIntegrityError(f"got {len(buf)} bytes, expected {info.total_bytes}")
+        if hasher.hexdigest() != info.sha256:
+            raise CheckpointIntegrityError("sha256 of the downloaded bytes does not match the checkpoint info")
+        return info, bytes(buf)
+
+
+def _file_sha256(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while piece := f.read(1 << 20):
+            h.update(piece)
+            size += len(piece)
+    return size, h.hexdigest()
+
+
+# ---------------------------------------------------------------------------- retries
+
+
+def backoff_delay_s(attempt: int, *, base_s: float = 0.2, max_s: float = 10.0, rng: random.Random | None = None) -> float:
+    """Full-jitter delay before retry `attempt` (0-based): uniform(0, min(max_s, base_s * 2^attempt))."""
+    cap = min(max_s, base_s * (2.0 ** min(attempt, 62)))
+    return (rng or random).uniform(0.0, cap)
+
+
+def is_retryable(error: BaseException) -> bool:
+    """UNAVAILABLE (coordinator down/restarting) and DEADLINE_EXCEEDED are worth retrying."""
+    return isinstance(error, grpc.aio.AioRpcError) and error.code() in RETRYABLE
+
+
+async def with_retries(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    max_attempts: int | None = None,
+    deadline_s: float | None = None,
+    base_s: float = 0.2,
+    max_s: float = 10.0,
+    retry_if: Callable[[BaseException], bool] = is_retryable,
+    rng: random.Random | None = None,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> T:
+    """Call `fn()` until it succeeds or fails with a non-retryable error.
+
+    `fn` must build a fresh request each time (client methods do: they re-sign). Gives up
+    after `max_attempts` calls or once `deadline_s` seconds have passed, re-raising the
+    last error; None means no limit (a worker waiting out a coordinator restart).
+    """
+    start = time.monotonic()
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except Exception as e:
+            attempt += 1
+            if not retry_if(e):
+                raise
+            if max_attempts is not None and attempt >= max_attempts:
+                raise
+            delay = backoff_delay_s(attempt - 1, base_s=base_s, max_s=max_s, rng=rng)
+            if deadline_s is not None and time.monotonic() + delay - start > deadline_s:
+                raise
+            logger.info("coordinator call failed (%s); retry %d in %.2fs", getattr(e, "code", lambda: e)(), attempt, delay)
+            await sleep(delay)

@@ -1,0 +1,312 @@
+"""Finding the coordinator through the hivemind DHT, authenticated by the join string's key.
+
+Design section 3: the coordinator publishes its gRPC endpoint and run-spec hash as a DHT
+record signed with its Ed25519 key; a worker resolves it from the join string alone.
+
+Record layout. Key `bagel/<run_id>/coordinator`; subkey the hex of the publisher's public
+key; value `{"body": bytes, "sig": bytes}` where `body` is a msgpack map with a fixed field
+order (`kind`, `v`, `run_id`, `endpoint`, `spec_hash`, `public_key`, `issued_at`,
+`expires_at`) and `sig` is Ed25519 over exactly `body`. The resolver verifies the received
+body bytes (never a re-encoding), then decodes them. `kind` is a domain separator, so no
+other signature made with the coordinator key can pass as a record.
+
+Why subkeys. hivemind keeps, per key, only the value with the latest expiration; an
+attacker who stores a forged record under the same key with a later expiration would
+hide the real one. With one subkey per publisher both survive, and the resolver checks
+every entry, skips the ones that fail (another signer, bad signature, wrong run,
+expired), and uses the freshest valid one. An attacker can still overwrite the subkey of
+the coordinator's own key on the nodes it talks to; that is a denial of service the
+re-publisher repairs on its next refresh, never a forgery: nothing passes without the
+coordinator's signature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from bagel.protocol.identity import PUBLIC_KEY_BYTES, Identity, verify_signature
+from bagel.protocol.joinstring import JoinInfo, parse_join_string
+
+logger = logging.getLogger(__name__)
+
+RECORD_KIND = "bagel/coordinator"
+RECORD_VERSION = 1
+DEFAULT_TTL_S = 60.0
+MAX_TTL_S = 24 * 3600.0  # a record may claim at most a day of validity
+MAX_RECORD_BYTES = 4096
+DEFAULT_MAX_CLOCK_SKEW_S = 30.0
+_ENDPOINT_RE = re.compile(r"[\x21-\x7e]{1,256}")
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class DiscoveryError(Exception):
+    """Base class of discovery failures."""
+
+
+class RecordError(DiscoveryError):
+    """A DHT record is malformed, signed by another key, for another run, or expired."""
+
+
+class CoordinatorNotFound(DiscoveryError):
+    """No valid coordinator record was found before the timeout (the message says what was seen)."""
+
+
+def coordinator_key(run_id: str) -> str:
+    """DHT key of the coordinator record of `run_id`."""
+    return f"bagel/{run_id}/coordinator"
+
+
+@dataclass(frozen=True)
+class CoordinatorRecord:
+    endpoint: str  # gRPC target, "host:port"
+    run_id: str
+    spec_hash: str  # hex sha256 of the run spec source
+    public_key: bytes  # raw Ed25519 key of the coordinator
+    issued_at: float  # DHT time (Unix seconds)
+    expires_at: float
+
+    def body(self) -> bytes:
+        """Canonical msgpack encoding of the fields (fixed order, bin type for bytes)."""
+        return msgpack.packb(
+            {
+                "kind": RECORD_KIND,
+                "v": RECORD_VERSION,
+                "run_id": self.run_id,
+                "endpoint": self.endpoint,
+                "spec_hash": self.spec_hash,
+                "public_key": self.public_key,
+                "issued_at": float(self.issued_at),
+                "expires_at": float(self.expires_at),
+            },
+            use_bin_type=True,
+        )
+
+
+def sign_record(record: CoordinatorRecord, identity: Identity) -> dict[str, bytes]:
+    """The DHT value for `record`: {"body": canonical msgpack, "sig": Ed25519 over body}."""
+    if record.public_key != identity.public_key:
+        raise ValueError("record.public_key must be the signing identity's key")
+    body = record.body()
+    return {"body": body, "sig": identity.sign(body)}
+
+
+def verify_record(
+    value: Any,
+    *,
+    public_key: bytes,
+    run_id: str,
+    now: float,
+    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
+) -> CoordinatorRecord:
+    """Check a DHT value against the join string's key and run; RecordError says why not."""
+    if not isinstance(value, dict) or set(value) != {"body", "sig"}:
+        raise RecordError("value is not a {body, sig} map")
+    body, sig = value["body"], value["sig"]
+    if not isinstance(body, bytes) or not isinstance(sig, bytes):
+        raise RecordError("body and sig must be bytes")
+    if len(body) > MAX_RECORD_BYTES:
+        raise RecordError(f"body larger than {MAX_RECORD_BYTES} bytes")
+    if not verify_signature(public_key, sig, body):
+        raise RecordError("signature does not verify with the join string's coordinator key")
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True, max_buffer_size=MAX_RECORD_BYTES)
+    except Exception as e:  # msgpack raises several types on garbage
+        raise RecordError(f"body is not msgpack: {e}") from None
+    expected = {"kind", "v", "run_id", "endpoint", "spec_hash", "public_key", "issued_at", "expires_at"}
+    if not isinstance(fields, dict) or set(fields) != expected:
+        raise RecordError("body does not have the record fields")
+    if fields["kind"] != RECORD_KIND or fields["v"] != RECORD_VERSION:
+        raise RecordError(f"not a v{RECORD_VERSION} coordinator record")
+    if fields["public_key"] != public_key:
+        raise RecordError("record names another public key than its signer")
+    if fields["run_id"] != run_id:
+        raise RecordError(f"record is for run {str(fields['run_id'])[:80]!r}, not {run_id!r}")
+    endpoint, spec_hash = fields["endpoint"], fields["spec_hash"]
+    if not isinstance(endpoint, str) or not _ENDPOINT_RE.fullmatch(endpoint):
+        raise RecordError("endpoint is not a host:port target")
+    if not isinstance(spec_hash, str) or not _HASH_RE.fullmatch(spec_hash):
+        raise RecordError("spec_hash is not a hex sha256")
+    issued, expires = fields["issued_at"], fields["expires_at"]
+    if not isinstance(issued, float) or not isinstance(expires, float):
+        raise RecordError("issued_at/expires_at must be floats")
+    if not issued <= expires <= issued + MAX_TTL_S:
+        raise RecordError("validity interval is empty or longer than a day")
+    if issued > now + max_clock_skew_s:
+        raise RecordError("record is issued in the future (clock skew?)")
+    if expires < now:
+        raise RecordError("record has expired")
+    return CoordinatorRecord(endpoint, run_id, spec_hash, public_key, issued, expires)
+
+
+# ---------------------------------------------------------------------------- publishing
+
+
+async def publish_coordinator(
+    dht: Any,
+    identity: Identity,
+    *,
+    run_id: str,
+    endpoint: str,
+    spec_hash: str,
+    ttl_s: float = DEFAULT_TTL_S,
+    now: float | None = None,
+) -> CoordinatorRecord:
+    """Sign and store the coordinator record once; DiscoveryError if no node stored it."""
+    from hivemind.utils import get_dht_time
+
+    issued = get_dht_time() if now is None else now
+    record = CoordinatorRecord(endpoint, run_id, spec_hash, identity.public_key, float(issued), float(issued + ttl_s))
+    ok = await dht.store(
+        coordinator_key(run_id),
+        sign_record(record, identity),
+        expiration_time=record.expires_at,
+        subkey=identity.public_key.hex(),
+        return_future=True,
+    )
+    if not ok:
+        raise DiscoveryError("the DHT did not store the coordinator record")
+    return record
+
+
+class CoordinatorPublisher:
+    """Re-publishes the coordinator record every `ttl_s / 3`, so it never lapses.
+
+    `await start()` publishes once (raising if that fails, so the daemon does not print a
+    join string nobody can resolve) and then refreshes in a background task; a failed
+    refresh is logged and retried after a short pause. `await stop()` cancels it.
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        identity: Identity,
+        *,
+        run_id: str,
+        endpoint: str,
+        spec_hash: str,
+        ttl_s: float = DEFAULT_TTL_S,
+    ) -> None:
+        self._args = dict(run_id=run_id, endpoint=endpoint, spec_hash=spec_hash, ttl_s=ttl_s)
+        self._dht, self._identity, self.ttl_s = dht, identity, ttl_s
+        self._task: asyncio.Task[None] | None = None
+        self.record: CoordinatorRecord | None = None
+        self.publishes = 0
+
+    async def publish_now(self) -> CoordinatorRecord:
+        self.record = await publish_coordinator(self._dht, self._identity, **self._args)  # type: ignore[arg-type]
+        self.publishes += 1
+        return self.record
+
+    async def start(self) -> CoordinatorRecord:
+        record = await self.publish_now()
+        self._task = asyncio.create_task(self._loop(), name="bagel-coordinator-publisher")
+        return record
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                await self.publish_now()
+            except Exception as e:  # keep refreshing: the DHT may be briefly unreachable
+                logger.warning("re-publishing the coordinator record failed: %s", e)
+                await asyncio.sleep(min(5.0, self.ttl_s / 10))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def __aenter__(self) -> CoordinatorPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+# ---------------------------------------------------------------------------- resolving
+
+
+async def lookup_coordinator(
+    dht: Any, join: JoinInfo, *, now: float | None = None, max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S
+) -> tuple[CoordinatorRecord | None, list[str]]:
+    """One DHT lookup: (freshest valid record or None, reasons the other entries were refused)."""
+    found = await dht.get(coordinator_key(join.run_id), latest=True, return_future=True)
+    if found is None:
+        return None, []
+    now = time.time() if now is None else now
+    entries = found.value
+    if not isinstance(entries, dict):  # stored without a subkey: not ours, maybe an attacker's
+        return None, ["value stored without a publisher subkey"]
+    best: CoordinatorRecord | None = None
+    refused: list[str] = []
+    for subkey, item in entries.items():
+        try:
+            record = verify_record(
+                getattr(item, "value", None),
+                public_key=join.coordinator_public_key,
+                run_id=join.run_id,
+                now=now,
+                max_clock_skew_s=max_clock_skew_s,
+            )
+        except RecordError as e:
+            refused.append(f"{str(subkey)[:16]}: {e}")
+            continue
+        if best is None or record.issued_at > best.issued_at:
+            best = record
+    return best, refused
+
+
+async def resolve_coordinator(
+    join: JoinInfo | str,
+    *,
+    dht: Any = None,
+    timeout_s: float = 30.0,
+    retry_interval_s: float = 0.5,
+    host_maddrs: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",),
+    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
+) -> CoordinatorRecord:
+    """Resolve the coordinator from the join string alone.
+
+    Uses `dht` (an existing `hivemind.DHT`, e.g. the worker's) or starts a temporary one
+    on `host_maddrs` bootstrapped from the join string's initial peers (and shuts it down
+    again). Retries the lookup until a record signed by the join string's key, for its
+    run, unexpired, is found; forged entries are skipped. CoordinatorNotFound on timeout.
+    """
+    info = parse_join_string(join) if isinstance(join, str) else join
+    own = None
+    if dht is None:
+        import hivemind
+
+        own = await asyncio.to_thread(
+            hivemind.DHT, initial_peers=list(info.initial_peers), host_maddrs=list(host_maddrs), start=True
+        )
+        dht = own
+    try:
+        deadline = time.monotonic() + timeout_s
+        refused: list[str] = []
+        while True:
+            record, refused_now = await lookup_coordinator(dht, info, max_clock_skew_s=max_clock_skew_s)
+            if record is not None:
+                if refused_now:
+                    logger.warning("skipped %d invalid coordinator records: %s", len(refused_now), refused_now)
+                return record
+            refused = refused_now or refused
+            if time.monotonic() >= deadline:
+                detail = f"; refused: {'; '.join(refused)}" if refused else "; no record found"
+                raise CoordinatorNotFound(f"no valid coordinator record for run {info.run_id!r}{detail}")
+            await asyncio.sleep(retry_interval_s)
+    finally:
+        if own is not None:
+            await asyncio.to_thread(own.shutdown)

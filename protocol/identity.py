@@ -1,0 +1,174 @@
+"""Ed25519 identities of workers and of the coordinator, kept in a private key file.
+
+Every control-plane request is signed by its sender (design section 8), and the worker id
+is derived from the public key, so an id cannot be claimed without the key: the
+coordinator recomputes `worker_id_of(public_key)` from the envelope and never trusts an id
+sent as data. The private key lives in a file created atomically with mode 0600
+(`O_CREAT | O_EXCL`, so two processes racing to create it cannot both win and no other
+user ever sees a readable file), and a key file readable by group or others is refused,
+as OpenSSH refuses an unprotected private key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from functools import lru_cache
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+PUBLIC_KEY_BYTES = 32
+SIGNATURE_BYTES = 64
+WORKER_ID_PREFIX = "w"
+WORKER_ID_HEX = 20  # 80 bits of sha256(public key): collisions need ~2^40 keys
+WORKER_ID_LEN = len(WORKER_ID_PREFIX) + WORKER_ID_HEX
+
+
+class IdentityError(Exception):
+    """A key file is missing, malformed or unsafe; the message says which and why."""
+
+
+class KeyFilePermissionError(IdentityError):
+    """The key file is readable or writable by group/others (or is not a regular file)."""
+
+
+def worker_id_of(public_key: bytes) -> str:
+    """Worker id of a raw 32-byte Ed25519 public key: "w" + 20 hex of sha256(key)."""
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        raise ValueError(f"public key must be {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
+    return WORKER_ID_PREFIX + hashlib.sha256(public_key).hexdigest()[:WORKER_ID_HEX]
+
+
+@lru_cache(maxsize=65536)
+def _public_key_object(public_key: bytes) -> Ed25519PublicKey:
+    # Parsing a key costs about as much as hashing it; the coordinator sees the same
+    # few thousand keys over and over, so keep the parsed objects (bounded LRU).
+    return Ed25519PublicKey.from_public_bytes(public_key)
+
+
+def load_public_key(public_key: bytes) -> Ed25519PublicKey:
+    """Parsed (cached) Ed25519 public key; ValueError if not 32 bytes or not a valid point."""
+    if len(public_key) != PUBLIC_KEY_BYTES:
+        raise ValueError(f"public key must be {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
+    return _public_key_object(bytes(public_key))
+
+
+def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
+    """True iff `signature` is a valid Ed25519 signature of exactly `data` by `public_key`."""
+    if len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        load_public_key(public_key).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
+class Identity:
+    """An Ed25519 key pair: sign bytes, export the raw public key, derive the worker id."""
+
+    __slots__ = ("_private", "public_key", "worker_id")
+
+    def __init__(self, private_key: Ed25519PrivateKey) -> None:
+        self._private = private_key
+        self.public_key: bytes = private_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self.worker_id: str = worker_id_of(self.public_key)
+
+    @classmethod
+    def generate(cls) -> Identity:
+        """A fresh random identity (kept in memory only)."""
+        return cls(Ed25519PrivateKey.generate())
+
+    @classmethod
+    def from_private_bytes(cls, raw: bytes) -> Identity:
+        """Identity from a raw 32-byte Ed25519 private key (seed)."""
+        if len(raw) != 32:
+            raise IdentityError(f"an Ed25519 private key is 32 bytes, got {len(raw)}")
+        return cls(Ed25519PrivateKey.from_private_bytes(raw))
+
+    def private_bytes(self) -> bytes:
+        """The raw 32-byte private key. Handle with care: this is the secret."""
+        return self._private.private_bytes(
+            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+
+    def sign(self, data: bytes) -> bytes:
+        """64-byte Ed25519 signature of exactly `data`."""
+        return self._private.sign(data)
+
+    def verify(self, signature: bytes, data: bytes) -> bool:
+        return verify_signature(self.public_key, signature, data)
+
+    # ------------------------------------------------------------------ files
+
+    def save(self, path: str | Path) -> None:
+        """Write the key to a new file with mode 0600; FileExistsError if it exists.
+
+        The file is created with O_CREAT|O_EXCL and mode 0o600 in one call, so it is never
+        visible with looser permissions and two racing writers cannot both succeed.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # the umask can only remove bits, but be explicit
+            data = self.private_bytes()
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Identity:
+        """Load a key written by `save`; refuse a file that group/others may read or write."""
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except FileNotFoundError:
+            raise IdentityError(f"key file {path} does not exist") from None
+        except OSError as e:
+            raise IdentityError(f"cannot open key file {path}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise KeyFilePermissionError(f"key file {path} is not a regular file")
+            if st.st_mode & 0o077:
+                raise KeyFilePermissionError(
+                    f"key file {path} has mode {stat.S_IMODE(st.st_mode):04o}; it must not be "
+                    f"accessible by group or others (run: chmod 600 {path})"
+                )
+            if st.st_uid != os.getuid():
+                raise KeyFilePermissionError(f"key file {path} is owned by another user (uid {st.st_uid})")
+            data = os.read(fd, 65)
+        finally:
+            os.close(fd)
+        if len(data) != 32:
+            raise IdentityError(f"key file {path} is malformed: expected 32 bytes, found {len(data)}")
+        return cls.from_private_bytes(data)
+
+    @classmethod
+    def load_or_create(cls, path: str | Path) -> Identity:
+        """Load the key at `path`, or create it (mode 0600) if it does not exist yet."""
+        path = Path(path)
+        if not path.exists() and not path.is_symlink():
+            identity = cls.generate()
+            try:
+                identity.save(path)
+                return identity
+            except FileExistsError:
+                pass  # another process created it first: use theirs
+        return cls.load(path)
+
+    def __repr__(self) -> str:
+        return f"Identity({self.worker_id})"

@@ -1,0 +1,241 @@
+"""Field-by-field validation of every worker request against the run spec.
+
+Design section 8: every RPC validates every field, and bad input gets a precise status
+(INVALID_ARGUMENT) naming the field, never a crash and never a state change. These are
+pure functions of (message, spec): the server calls `validate(method, message, spec)`
+after the envelope checks (`bagel.protocol.envelope.Verifier`, which owns the header)
+and before anything touches the coordinator's state. They raise one `ValidationError`
+whose `field` is the dotted path of the offending field (e.g. `profile.samples_per_s[k9.r0]`,
+`peer.maddrs[3]`).
+
+Contract notes for senders (the worker, simulated workers, the load generator):
+- floats must be finite; a worker whose loss went non-finite reports `failed=True` and
+  loss 0 instead of putting NaN on the wire;
+- hashes are lowercase hex sha256 (64 chars), as `bagel.protocol.statehash` returns;
+- `Heartbeat.inner_step` counts optimizer steps of the round, 0..H;
+- a `LocalState` with `committed_round > 0` must carry its state hash; with no cell it
+  must be empty (round 0, no hash).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+from google.protobuf.message import Message
+
+from bagel.coordinator.spec import RunSpec
+from bagel.protocol import bagel_pb2 as pb
+
+# Bounds on values no honest worker comes near; they keep arithmetic and storage sane.
+MAX_ROUND = 1 << 40
+MAX_REDUCE_ATTEMPT = 1000
+MAX_SAMPLES = 1 << 40
+MAX_LOSS = 1e12
+MAX_VRAM_BYTES = 1 << 50  # 1 PiB
+MAX_DEVICES = 1024
+MAX_BANDWIDTH_BYTES_PER_S = 1e13  # 80 Tbit/s
+MAX_SAMPLES_PER_S = 1e9
+MAX_DURATION_MS = 30 * 24 * 3600 * 1000  # 30 days
+MAX_BYTES_COUNTER = 1 << 50
+MAX_NAME_CHARS = 64
+MAX_DEVICE_NAME_CHARS = 128
+MAX_VERSION_CHARS = 64
+MAX_REASON_CHARS = 512
+MAX_MADDRS = 16
+MAX_MADDR_CHARS = 256
+MAX_JOIN_TOKEN_BYTES = 1024
+DEVICE_KINDS = frozenset({"cpu", "cuda", "mps"})
+
+HEX_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# libp2p peer ids in base58btc: "Qm..." (sha256 multihash, 46 chars) or "12D3KooW..."
+# (identity multihash of an Ed25519 key, 52 chars); allow the alphabet, bounded length.
+PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
+MADDR_RE = re.compile(r"/[\x21-\x7e]*")  # printable ASCII, no spaces, starts with "/"
+
+
+class ValidationError(ValueError):
+    """A request field is missing or out of range; maps to gRPC INVALID_ARGUMENT."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------- field checks
+
+
+def _int(field: str, value: int, lo: int, hi: int) -> None:
+    if not lo <= value <= hi:
+        raise ValidationError(field, f"{value} is outside [{lo}, {hi}]")
+
+
+def _float(field: str, value: float, lo: float, hi: float) -> None:
+    if not math.isfinite(value):
+        raise ValidationError(field, f"must be finite, got {value}")
+    if not lo <= value <= hi:
+        raise ValidationError(field, f"{value} is outside [{lo}, {hi}]")
+
+
+def _text(field: str, value: str, max_chars: int, *, required: bool = False) -> None:
+    if required and not value:
+        raise ValidationError(field, "required")
+    if len(value) > max_chars:
+        raise ValidationError(field, f"longer than {max_chars} characters ({len(value)})")
+    if value and not value.isprintable():
+        raise ValidationError(field, "contains non-printable characters")
+
+
+def _hash(field: str, value: str, *, required: bool) -> None:
+    if not value:
+        if required:
+            raise ValidationError(field, "required (lowercase hex sha256)")
+        return
+    if not HEX_SHA256_RE.fullmatch(value):
+        raise ValidationError(field, "must be 64 lowercase hex characters (sha256)")
+
+
+def _cell(field: str, value: str, spec: RunSpec, *, required: bool) -> None:
+    if not value:
+        if required:
+            raise ValidationError(field, "required")
+        return
+    if value not in spec.cell_ids:
+        raise ValidationError(field, f"{value[:40]!r} is not a cell of this run")
+
+
+def _enum(field: str, value: int, enum: Any) -> None:
+    if value not in enum.values() or value == 0:
+        raise ValidationError(field, f"{value} is not a defined value (UNSPECIFIED is not allowed)")
+
+
+def _round(field: str, value: int, *, lo: int) -> None:
+    _int(field, value, lo, MAX_ROUND)
+
+
+def _peer(field: str, peer: pb.PeerAddress) -> None:
+    if not PEER_ID_RE.fullmatch(peer.peer_id):
+        raise ValidationError(f"{field}.peer_id", "must be a base58 libp2p peer id")
+    if len(peer.maddrs) > MAX_MADDRS:
+        raise ValidationError(f"{field}.maddrs", f"more than {MAX_MADDRS} addresses ({len(peer.maddrs)})")
+    for i, maddr in enumerate(peer.maddrs):
+        if len(maddr) > MAX_MADDR_CHARS:
+            raise ValidationError(f"{field}.maddrs[{i}]", f"longer than {MAX_MADDR_CHARS} characters")
+        if not MADDR_RE.fullmatch(maddr):
+            raise ValidationError(f"{field}.maddrs[{i}]", "must be a multiaddr: '/' then printable ASCII, no spaces")
+
+
+def _local(field: str, local: pb.LocalState, spec: RunSpec) -> None:
+    _cell(f"{field}.cell_id", local.cell_id, spec, required=False)
+    _round(f"{field}.committed_round", local.committed_round, lo=0)
+    _hash(f"{field}.state_hash", local.state_hash, required=local.committed_round > 0)
+    if not local.cell_id and (local.committed_round or local.state_hash):
+        raise ValidationError(f"{field}.cell_id", "empty, but committed_round/state_hash are set")
+
+
+def _profile(field: str, profile: pb.WorkerProfile, spec: RunSpec) -> None:
+    _text(f"{field}.name", profile.name, MAX_NAME_CHARS)
+    if profile.device_kind not in DEVICE_KINDS:
+        raise ValidationError(f"{field}.device_kind", f"must be one of {sorted(DEVICE_KINDS)}")
+    _text(f"{field}.device_name", profile.device_name, MAX_DEVICE_NAME_CHARS)
+    _int(f"{field}.vram_bytes", profile.vram_bytes, 0, MAX_VRAM_BYTES)
+    _int(f"{field}.num_devices", profile.num_devices, 0, MAX_DEVICES)
+    _float(f"{field}.link_bandwidth_bytes_per_s", profile.link_bandwidth_bytes_per_s, 0.0, MAX_BANDWIDTH_BYTES_PER_S)
+    if len(profile.samples_per_s) > len(spec.cell_ids):
+        raise ValidationError(f"{field}.samples_per_s", f"more entries than cells ({len(profile.samples_per_s)})")
+    for cell_id in sorted(profile.samples_per_s):  # sorted: the reported field is deterministic
+        name = f"{field}.samples_per_s[{cell_id[:40]}]"
+        if cell_id not in spec.cell_ids:
+            raise ValidationError(name, "not a cell of this run")
+        _float(name, profile.samples_per_s[cell_id], 0.0, MAX_SAMPLES_PER_S)
+    _text(f"{field}.software_version", profile.software_version, MAX_VERSION_CHARS)
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+def validate_register(req: pb.RegisterRequest, spec: RunSpec) -> None:
+    """Profile, peer address (required: peers find each other through it), local state, token."""
+    if not req.HasField("profile"):
+        raise ValidationError("profile", "required")
+    _profile("profile", req.profile, spec)
+    if not req.HasField("peer"):
+        raise ValidationError("peer", "required")
+    _peer("peer", req.peer)
+    _local("local", req.local, spec)
+    if len(req.join_token) > MAX_JOIN_TOKEN_BYTES:
+        raise ValidationError("join_token", f"longer than {MAX_JOIN_TOKEN_BYTES} bytes")
+    if spec.security.mode == "permissioned" and not req.join_token:
+        raise ValidationError("join_token", "required in a permissioned run")
+
+
+_ACTIVE_PHASES = (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING)
+
+
+def validate_heartbeat(req: pb.HeartbeatRequest, spec: RunSpec) -> None:
+    """Phase defined; training/ready/reducing phases name a cell and a round >= 1."""
+    _enum("phase", req.phase, pb.Phase)
+    active = req.phase in _ACTIVE_PHASES
+    _cell("cell_id", req.cell_id, spec, required=active)
+    _round("round", req.round, lo=1 if active else 0)
+    _int("inner_step", req.inner_step, 0, spec.diloco.inner_steps)
+    _float("loss", req.loss, 0.0, MAX_LOSS)
+    _int("samples", req.samples, 0, MAX_SAMPLES)
+    _local("local", req.local, spec)
+    _int("reduce_attempt", req.reduce_attempt, 0, MAX_REDUCE_ATTEMPT)
+
+
+def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:
+    """A successful report carries a hash; a failed one may not, and says why."""
+    _cell("cell_id", req.cell_id, spec, required=True)
+    _round("round", req.round, lo=1)
+    _hash("state_hash", req.state_hash, required=not req.failed)
+    _int("samples", req.samples, 0, MAX_SAMPLES)
+    _float("loss", req.loss, 0.0, MAX_LOSS)
+    _int("compute_ms", req.compute_ms, 0, MAX_DURATION_MS)
+    _int("comm_ms", req.comm_ms, 0, MAX_DURATION_MS)
+    _int("bytes_sent", req.bytes_sent, 0, MAX_BYTES_COUNTER)
+    _int("bytes_received", req.bytes_received, 0, MAX_BYTES_COUNTER)
+    _text("reason", req.reason, MAX_REASON_CHARS)
+    _int("reduce_attempt", req.reduce_attempt, 0, MAX_REDUCE_ATTEMPT)
+
+
+def validate_leave(req: pb.LeaveRequest, spec: RunSpec) -> None:
+    _text("reason", req.reason, MAX_REASON_CHARS)
+
+
+def validate_upload_header(req: pb.UploadCheckpointHeader, spec: RunSpec) -> None:
+    """A committed round (>= 1) of a real cell, with its hash, size and file sha256."""
+    _cell("cell_id", req.cell_id, spec, required=True)
+    _round("round", req.round, lo=1)
+    _hash("state_hash", req.state_hash, required=True)
+    _int("total_bytes", req.total_bytes, 1, spec.checkpoint.max_bytes)
+    _hash("sha256", req.sha256, required=True)
+
+
+def validate_download_request(req: pb.DownloadCheckpointRequest, spec: RunSpec) -> None:
+    """round 0 = the latest checkpoint."""
+    _cell("cell_id", req.cell_id, spec, required=True)
+    _round("round", req.round, lo=0)
+
+
+VALIDATORS: dict[str, Callable[[Any, RunSpec], None]] = {
+    "Register": validate_register,
+    "Heartbeat": validate_heartbeat,
+    "ReportRound": validate_report_round,
+    "Leave": validate_leave,
+    "UploadCheckpoint": validate_upload_header,
+    "DownloadCheckpoint": validate_download_request,
+}
+
+
+def validate(method: str, message: Message, spec: RunSpec) -> None:
+    """Validate the payload of RPC `method` (the envelope already checked its header)."""
+    try:
+        check = VALIDATORS[method]
+    except KeyError:
+        raise ValueError(f"unknown method {method!r}") from None
+    check(message, spec)
