@@ -1,0 +1,139 @@
+"""DDP inside one worker: 2 gloo processes under torchrun train like one process.
+
+The test launches this very file with `python -m torch.distributed.run --nproc-per-node 2`;
+under torchrun, `__main__` below runs one rank: rank 0 sends a JSON command and the round's
+starting weights, rank 1 follows (`bagel.worker.ddp.follow`), both run the same inner
+round with gradients summed by one gloo all-reduce per step, and each saves its final
+weights. The test then checks that both ranks hold bit-identical weights, that they match a
+single-process run of the same round (up to float summation order), and that a stop
+requested on rank 0 alone ends the round at the same step on both ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from bagel.models.data import shard
+from bagel.worker import ddp
+from bagel.worker.trainer import InnerPlan, InnerTrainer, RoundKey, round_indices
+
+
+class LinearTask:
+    def __init__(self, n: int = 256) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 6, generator=g)
+        self.y = self.x @ torch.randn(6, 1, generator=g)
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def train_data(self):
+        return self.x, self.y
+
+    def loss(self, model, x, y, generator):
+        noise = 0.05 * torch.randn(y.shape, generator=generator)
+        return ((model(x) + noise - y) ** 2).mean()
+
+
+PLAN = InnerPlan(inner_steps=6, micro_batch=8, grad_accum=4)
+KEY = RoundKey("run", "k0.r0", 3, 1, 2)
+
+
+def _train(collective, model: nn.Module, task: LinearTask, plan: InnerPlan, stop=None, on_step=None):
+    tr = InnerTrainer(task, model, torch.device("cpu"), lr=0.02, collective=collective)
+    return tr.run(KEY, plan, round_indices(shard, KEY, tr.num_train, plan), stop=stop, on_step=on_step)
+
+
+def _rank_main(out: Path) -> None:
+    ctx = ddp.init_from_env("cpu", timeout_s=60)
+    task = LinearTask()
+    model = task.build_model()
+    results: dict[str, object] = {}
+
+    def on_train(cmd):
+        plan = InnerPlan(**cmd["plan"])
+        ddp.broadcast_model(ctx, model)
+        res = _train(ctx, model, task, plan)
+        results["train"] = res.samples
+
+    def on_stop_round(cmd):
+        plan = InnerPlan(**cmd["plan"])
+        res = _train(ctx, model, task, plan)
+        results["stopped_steps"] = res.steps
+
+    if ctx.is_leader:
+        with torch.no_grad():  # rank 0's weights differ from rank 1's fresh init: the broadcast must fix that
+            for p in model.parameters():
+                p.add_(0.1)
+        ddp.send_command(ctx, {"op": "train", "plan": PLAN.__dict__})
+        ddp.broadcast_model(ctx, model)
+        results["train"] = _train(ctx, model, task, PLAN).samples
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{ctx.rank}.safetensors"))
+        ddp.send_command(ctx, {"op": "stop_round", "plan": PLAN.__dict__})
+        stop = threading.Event()
+
+        def on_step(p):
+            if p.step == 2:
+                stop.set()  # only rank 0 sees this; the flag must reach rank 1 through the all-reduce
+
+        res = _train(ctx, model, task, PLAN, stop=stop, on_step=on_step)
+        results["stopped_steps"] = res.steps
+        ddp.send_command(ctx, {"op": "exit"})
+    else:
+        def on_train_and_save(cmd):
+            on_train(cmd)
+            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{ctx.rank}.safetensors"))
+
+        ddp.follow(ctx, {"train": on_train_and_save, "stop_round": on_stop_round})
+    (out / f"rank{ctx.rank}.json").write_text(json.dumps(results | {"backend": ctx.backend, "world": ctx.world_size}))
+    ctx.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_two_gloo_ranks_train_like_one_process(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", BAGEL_DDP_TEST_OUT=str(tmp_path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port), str(Path(__file__))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r0 = load_file(str(tmp_path / "rank0.safetensors"))
+    r1 = load_file(str(tmp_path / "rank1.safetensors"))
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), k
+    info0 = json.loads((tmp_path / "rank0.json").read_text())
+    info1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert info0["backend"] == info1["backend"] == "gloo" and info0["world"] == 2
+    assert info0["train"] == PLAN.samples  # rank 0 reports the whole worker's samples
+    assert info0["stopped_steps"] == info1["stopped_steps"] == 2
+
+    # the same round in one process, from rank 0's starting weights
+    task = LinearTask()
+    model = task.build_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1)
+    _train(None, model, task, PLAN)
+    single = model.state_dict()
+    for k in r0:
+        torch.testing.assert_close(r0[k], single[k], rtol=1e-5, atol=1e-6)
+    assert not torch.equal(r0["0.weight"], task.build_model().state_dict()["0.weight"])
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _rank_main(Path(os.environ["BAGEL_DDP_TEST_OUT"]))

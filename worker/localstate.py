@@ -1,0 +1,146 @@
+"""The worker's local checkpoint: the last committed state of its cell, to resume after a crash.
+
+After every committed round the worker writes the cell state it committed (weights
+`w.<param>` and outer momentum `m.<param>`, exactly the tensors `protocol.statehash`
+hashes) plus its error-feedback residuals (`e.<name>`, local to this worker and not part of
+the hash) to one safetensors file. The write is atomic: a temp file in the same directory,
+fsync, `os.replace`, fsync of the directory (design section 3), so a SIGKILL at any instant
+leaves either the previous or the new checkpoint, never a torn one. On restart the worker
+re-hashes what it loaded and registers with that `LocalState`; the coordinator then says
+whether it is current or must resync. safetensors, never pickle (house rule).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from bagel.protocol.statehash import state_hash
+
+_FORMAT = "bagel-local-v1"
+MAX_LOCAL_BYTES = 8 << 30
+
+
+class LocalStateError(ValueError):
+    """The local checkpoint is unreadable, for another run, or does not match its hash."""
+
+
+@dataclass
+class CellState:
+    """A committed cell state as the worker holds it."""
+
+    cell_id: str
+    committed_round: int
+    state: dict[str, torch.Tensor]  # "w.<param>" and "m.<param>"
+    state_hash: str
+    residuals: dict[str, torch.Tensor]  # error-feedback residuals by tensor name
+
+
+def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(weights, momentum) keyed by parameter name, from a "w."/"m." state dict."""
+    w = {k[2:]: v for k, v in state.items() if k.startswith("w.")}
+    m = {k[2:]: v for k, v in state.items() if k.startswith("m.")}
+    return w, m
+
+
+def join_state(weights: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {f"w.{k}": v for k, v in weights.items()}
+    out.update({f"m.{k}": v for k, v in momentum.items()})
+    return out
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically: temp file, fsync, replace, fsync the directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class LocalStore:
+    """One checkpoint file per run under the worker's data dir."""
+
+    def __init__(self, data_dir: str | Path, run_id: str, spec_hash: str) -> None:
+        self.path = Path(data_dir) / "runs" / run_id / "local.safetensors"
+        self.run_id = run_id
+        self.spec_hash = spec_hash
+
+    def save(self, cs: CellState) -> None:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in cs.state.items()}
+        for k, v in cs.residuals.items():
+            tensors[f"e.{k}"] = v.detach().to("cpu", torch.float32).contiguous()
+        meta = {
+            "format": _FORMAT,
+            "run_id": self.run_id,
+            "spec_hash": self.spec_hash,
+            "cell_id": cs.cell_id,
+            "committed_round": str(cs.committed_round),
+            "state_hash": cs.state_hash,
+        }
+        atomic_write(self.path, st_save(tensors, metadata=meta))
+
+    def load(self) -> CellState | None:
+        """The saved state, or None if there is none. Raises LocalStateError if unusable."""
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return None
+        if size > MAX_LOCAL_BYTES:
+            raise LocalStateError(f"{self.path}: {size} bytes exceeds the {MAX_LOCAL_BYTES}-byte limit")
+        raw = self.path.read_bytes()
+        try:
+            tensors = st_load(raw)
+            meta = _metadata(raw)
+        except (SafetensorError, ValueError) as e:
+            raise LocalStateError(f"{self.path}: not a valid safetensors file: {e}") from None
+        if meta.get("format") != _FORMAT:
+            raise LocalStateError(f"{self.path}: unknown format {meta.get('format')!r}")
+        if meta.get("run_id") != self.run_id or meta.get("spec_hash") != self.spec_hash:
+            raise LocalStateError(f"{self.path}: belongs to another run or spec")
+        state = {k: v for k, v in tensors.items() if k.startswith(("w.", "m."))}
+        residuals = {k[2:]: v for k, v in tensors.items() if k.startswith("e.")}
+        h = state_hash(state)
+        if h != meta.get("state_hash"):
+            raise LocalStateError(f"{self.path}: state hash {h[:12]} does not match the recorded one")
+        try:
+            rnd = int(meta.get("committed_round", ""))
+        except ValueError:
+            raise LocalStateError(f"{self.path}: bad committed_round") from None
+        return CellState(cell_id=meta.get("cell_id", ""), committed_round=rnd, state=state, state_hash=h, residuals=residuals)
+
+    def clear(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _metadata(raw: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors buffer (header: u64 length + JSON)."""
+    if len(raw) < 8:
+        raise ValueError("truncated header")
+    n = int.from_bytes(raw[:8], "little")
+    if n > len(raw) - 8 or n > 100 << 20:
+        raise ValueError("header length out of range")
+    header = json.loads(raw[8 : 8 + n])
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("metadata is not a table")
+    return {str(k): str(v) for k, v in meta.items()}

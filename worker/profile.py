@@ -1,0 +1,123 @@
+"""The worker's measured profile: device, memory budget, training throughput per cell, uplink.
+
+The scheduler sizes each member's batch by throughput and only assigns cells that fit
+(design section 5), so these numbers come from a measurement, not a guess:
+
+- device and name: from torch (`cuda:N` or the CPU);
+- memory: the GPU's total memory, or on CPU the `MemAvailable` of /proc/meminfo; capped by
+  `--max-vram-gb` so a volunteer can keep part of the card for themselves;
+- samples/s per cell: a short benchmark of the real inner step (`InnerTrainer`, same loss,
+  same autocast, the `--throttle` sleep included) on a few micro-batches, after one warmup
+  step; a worker with N ranks reports N x its rank-0 figure;
+- uplink bandwidth: measuring a real uplink needs a peer on the far side, and on loopback
+  it would say gigabytes per second, which is no estimate of anything. We report
+  `--uplink-mbps` (default 100 Mbit/s, a conservative figure for a home fibre/cable
+  uplink), which the scheduler uses to predict communication time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from bagel.worker.trainer import CellTaskLike, InnerPlan, InnerTrainer, RoundKey
+
+DEFAULT_UPLINK_MBPS = 100.0
+BENCH_MICRO_BATCH = 32
+BENCH_STEPS = 3
+
+
+@dataclass
+class Profile:
+    name: str
+    device_kind: str  # "cpu" | "cuda"
+    device_name: str
+    vram_bytes: int
+    num_devices: int
+    link_bandwidth_bytes_per_s: float
+    samples_per_s: dict[str, float] = field(default_factory=dict)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def memory_bytes(device: torch.device, max_vram_gb: float | None = None) -> int:
+    """Usable accelerator memory (or RAM on CPU), capped by `max_vram_gb` if given."""
+    if device.type == "cuda":
+        total = int(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        total = _mem_available()
+    if max_vram_gb is not None:
+        if max_vram_gb <= 0:
+            raise ValueError(f"--max-vram-gb must be positive, got {max_vram_gb}")
+        total = min(total, int(max_vram_gb * (1 << 30)))
+    return total
+
+
+def _mem_available() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30  # no /proc: assume a modest 4 GiB
+
+
+def benchmark_cell(
+    task: CellTaskLike, device: torch.device, *, throttle: float = 1.0, micro_batch: int = BENCH_MICRO_BATCH, steps: int = BENCH_STEPS
+) -> float:
+    """Samples/s of the real inner step of this cell's model on `device` (throttle included)."""
+    model = task.build_model().to(device)
+    trainer = InnerTrainer(task, model, device, lr=1e-4, throttle=throttle)
+    n = trainer.num_train
+    mb = max(1, min(micro_batch, n))
+    plan = InnerPlan(inner_steps=1, micro_batch=mb, grad_accum=1)
+    key = RoundKey("profile", "profile", 0, 0, 1)
+    gen = torch.Generator().manual_seed(0)
+    trainer.run(key, plan, torch.randint(0, n, (plan.samples,), generator=gen))  # warmup
+    timed = InnerPlan(inner_steps=steps, micro_batch=mb, grad_accum=1)
+    t0 = time.perf_counter()
+    res = trainer.run(key, timed, torch.randint(0, n, (timed.samples,), generator=gen))
+    elapsed = time.perf_counter() - t0
+    del trainer, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res.samples / max(elapsed, 1e-9)
+
+
+def measure(
+    name: str,
+    device: torch.device,
+    tasks: Iterable[tuple[str, Callable[[], CellTaskLike]]],
+    *,
+    max_vram_gb: float | None = None,
+    throttle: float = 1.0,
+    num_devices: int = 1,
+    uplink_mbps: float = DEFAULT_UPLINK_MBPS,
+) -> Profile:
+    """Profile this worker for every (cell_id, task factory) given."""
+    if uplink_mbps <= 0:
+        raise ValueError(f"--uplink-mbps must be positive, got {uplink_mbps}")
+    sps = {cell: benchmark_cell(make(), device, throttle=throttle) * num_devices for cell, make in tasks}
+    return Profile(
+        name=name,
+        device_kind=device.type,
+        device_name=device_name(device),
+        vram_bytes=memory_bytes(device, max_vram_gb),
+        num_devices=num_devices,
+        link_bandwidth_bytes_per_s=uplink_mbps * 1e6 / 8,
+        samples_per_s=sps,
+    )
