@@ -1,0 +1,240 @@
+"""Cells of a run: what one cell trains, on which data, with which loss (design section 2).
+
+`cell_task(spec, cell_id)` is the one entry point the worker, the coordinator's audit and
+the benchmarks use. An expert cell `k{c}.r{r}` is a DiT or U-Net trained with rectified flow
+only on cluster c's images and only on t in range r widened by the overlap (Decentralized
+Diffusion Models, McAllister et al. 2025, for the clusters; eDiff-I, Balaji et al. 2022, for
+the timestep experts). The `router` cell is a small classifier p(k | x_t, t) trained with
+cross-entropy on noised images of every cluster.
+
+Everything here is deterministic: the initial weights are a function of (run seed, cell
+id) only, built under `torch.random.fork_rng` so the caller's global RNG is untouched, and
+`eval_loss` draws its noise from its own seeded generator.
+
+`param_count` and `cell_memory_bytes` are closed forms, so the scheduler can size a cell of
+a DiT-XL run without allocating the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from bagel.models import dit, flow, router, unet
+from bagel.models.data import DataError, derive_seed, load_dataset
+
+if TYPE_CHECKING:
+    from bagel.coordinator.spec import RunSpec
+
+ModelConfig = dit.DiTConfig | unet.UNetConfig | router.RouterConfig
+
+# probability that an expert's training label is replaced by the null label (CFG training);
+# DiT uses 0.1 as well.
+LABEL_DROPOUT = 0.1
+# float32 copies of the parameter vector a training cell holds: weights, gradients, AdamW's
+# two moments, the outer optimizer's global weights and momentum, the error-feedback residual.
+STATE_COPIES = 7
+BYTES_PER_FLOAT = 4
+EVAL_BATCH = 256
+
+
+class CellError(ValueError):
+    """The cell id does not name a cell of this run."""
+
+
+def param_count(arch: str, preset: str, image_size: int, channels: int, num_classes: int) -> int:
+    """Closed-form parameter count of an expert model (no model is built)."""
+    return _count(expert_config(arch, preset, image_size, channels, num_classes))
+
+
+def expert_config(arch: str, preset: str, image_size: int, channels: int, num_classes: int) -> ModelConfig:
+    if arch == "dit":
+        return dit.preset_config(preset, image_size, channels, num_classes)
+    if arch == "unet":
+        return unet.preset_config(preset, image_size, channels, num_classes)
+    raise ValueError(f"unknown model.arch {arch!r}; known: dit, unet")
+
+
+def _count(cfg: ModelConfig) -> int:
+    if isinstance(cfg, dit.DiTConfig):
+        return dit.param_count(cfg)
+    if isinstance(cfg, unet.UNetConfig):
+        return unet.param_count(cfg)
+    return router.param_count(cfg)
+
+
+def build(cfg: ModelConfig) -> nn.Module:
+    """The model of a config (uses the global RNG; see CellTask.build_model for seeding)."""
+    if isinstance(cfg, dit.DiTConfig):
+        return dit.DiT(cfg)
+    if isinstance(cfg, unet.UNetConfig):
+        return unet.UNet(cfg)
+    return router.Router(cfg)
+
+
+def activation_bytes(cfg: ModelConfig, micro_batch: int) -> int:
+    """Rough float32 activation memory kept for backward, per micro-batch.
+
+    Counts the tensors autograd saves per layer (about 10 hidden-sized and 2 MLP-sized
+    vectors per token and block for a DiT, plus the attention matrix; about 12 feature maps
+    per residual block for the U-Net). An estimate to size cells, not a measurement.
+    """
+    if isinstance(cfg, dit.DiTConfig):
+        t = cfg.tokens
+        per_block = t * (10 * cfg.hidden + 2 * cfg.mlp_hidden) + 2 * cfg.heads * t * t
+        floats = cfg.depth * per_block + 4 * t * cfg.hidden
+    elif isinstance(cfg, unet.UNetConfig):
+        floats = 0
+        size = cfg.image_size
+        for m in cfg.mults:
+            floats += 2 * 12 * size * size * cfg.base * m  # encoder + decoder blocks
+            size //= 2
+        floats += 3 * 12 * size * size * cfg.base * cfg.mults[-1]
+    else:
+        floats = 6 * cfg.stages * cfg.image_size**2 * cfg.width
+    return micro_batch * floats * BYTES_PER_FLOAT
+
+
+def _parse(spec: RunSpec, cell_id: str) -> tuple[int, int] | None:
+    from bagel.coordinator.spec import parse_cell
+
+    try:
+        parsed = parse_cell(cell_id)
+    except ValueError as e:
+        raise CellError(str(e)) from None
+    if cell_id not in spec.cell_ids:
+        raise CellError(f"cell {cell_id!r} is not a cell of run {spec.run.id!r} (cells: {list(spec.cell_ids)})")
+    return parsed
+
+
+def cell_config(spec: RunSpec, cell_id: str) -> ModelConfig:
+    """The model config of a cell, from the spec alone."""
+    m = spec.model
+    if _parse(spec, cell_id) is None:
+        return router.preset_config(m.router_preset, spec.data.clusters, m.image_size, m.channels, 0)
+    return expert_config(m.arch, m.preset, m.image_size, m.channels, m.num_classes)
+
+
+def cell_memory_bytes(spec: RunSpec, cell_id: str, micro_batch: int) -> int:
+    """Training memory of a cell: STATE_COPIES x params x 4 bytes + activations (closed form)."""
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
+    cfg = cell_config(spec, cell_id)
+    return STATE_COPIES * BYTES_PER_FLOAT * _count(cfg) + activation_bytes(cfg, micro_batch)
+
+
+@dataclass(frozen=True)
+class CellTask:
+    """Everything one cell needs to train and be evaluated. Build with `cell_task`."""
+
+    spec: RunSpec
+    cell_id: str
+    kind: Literal["expert", "router"]
+    cluster: int | None  # None for the router
+    trange: int | None
+    t_range: tuple[float, float]  # the range this expert answers for at sampling time
+    train_range: tuple[float, float]  # t_range widened by cells.overlap: what it trains on
+    config: ModelConfig
+
+    @property
+    def conditional(self) -> bool:
+        return self.kind == "expert" and self.spec.model.num_classes > 0
+
+    def build_model(self) -> nn.Module:
+        """Initial weights: a function of (run seed, cell id) only; bit-identical everywhere.
+
+        Seeds the global generator inside fork_rng, so the caller's RNG state is unchanged."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed("init", self.spec.run.seed, self.cell_id))
+            model = build(self.config)
+        return model
+
+    def _select(self, heldout: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        ds = load_dataset(self.spec)
+        x, y = (ds.x_heldout, ds.y_heldout) if heldout else (ds.x_train, ds.y_train)
+        labels = torch.from_numpy(ds.manifest.heldout_labels if heldout else ds.manifest.train_labels)
+        if self.kind == "router":
+            return x, labels.to(torch.int64)
+        nc = self.spec.model.num_classes
+        if nc > 0 and int(y.max()) >= nc:
+            raise DataError(f"data has label {int(y.max())} but model.num_classes = {nc}")
+        idx = torch.nonzero(labels == self.cluster).flatten()
+        return x[idx], y[idx]
+
+    def train_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(images [N,C,H,W] in [-1,1], labels): experts get their cluster's images and class
+        labels, the router gets every image and its cluster label."""
+        return self._select(heldout=False)
+
+    def heldout_data(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._select(heldout=True)
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """Training loss of one micro-batch; every random draw comes from `generator`."""
+        c = self.spec.cells
+        if self.kind == "router":
+            return router_loss(model, x, y, generator, c.t_mean, c.t_std)
+        nc = self.spec.model.num_classes
+        return flow.rf_loss(
+            model, x, y if nc > 0 else None, generator,
+            t_range=self.train_range, t_mean=c.t_mean, t_std=c.t_std,
+            label_dropout=LABEL_DROPOUT if nc > 0 else 0.0, null_label=nc,
+        )
+
+    @torch.no_grad()
+    def eval_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> float:
+        """Mean loss over (x, y) with noise from a generator seeded by `seed` (no label
+        dropout): the same model and data give the same number in any process."""
+        if len(x) == 0:
+            raise ValueError("eval_loss needs at least one sample")
+        gen = torch.Generator().manual_seed(seed)
+        c = self.spec.cells
+        was_training = model.training
+        model.eval()
+        total = 0.0
+        try:
+            for i in range(0, len(x), EVAL_BATCH):
+                xb, yb = x[i : i + EVAL_BATCH], y[i : i + EVAL_BATCH]
+                if self.kind == "router":
+                    batch = router_loss(model, xb, yb, gen, c.t_mean, c.t_std)
+                else:
+                    nc = self.spec.model.num_classes
+                    batch = flow.rf_loss(
+                        model, xb, yb if nc > 0 else None, gen,
+                        t_range=self.train_range, t_mean=c.t_mean, t_std=c.t_std,
+                    )
+                total += float(batch) * len(xb)
+        finally:
+            model.train(was_training)
+        return total / len(x)
+
+    def model_nbytes_estimate(self, micro_batch: int) -> int:
+        """params + grads + AdamW + outer state + error feedback + activations, in bytes."""
+        return cell_memory_bytes(self.spec, self.cell_id, micro_batch)
+
+
+def router_loss(
+    model: nn.Module, x: torch.Tensor, clusters: torch.Tensor, generator: torch.Generator,
+    t_mean: float = 0.0, t_std: float = 1.0,
+) -> torch.Tensor:
+    """Cross-entropy of the router on x_t, t drawn from the run's logit-normal over [0, 1]."""
+    t = flow.sample_t(x.shape[0], generator, 0.0, 1.0, t_mean, t_std)
+    eps = torch.randn(x.shape, generator=generator, dtype=x.dtype).to(x.device)
+    xt = flow.interpolate(x, eps, t.to(x.device))
+    return F.cross_entropy(model(xt, t.to(x.device)), clusters.to(x.device))
+
+
+def cell_task(spec: RunSpec, cell_id: str) -> CellTask:
+    """The task of `cell_id` in `spec`; CellError if the run has no such cell."""
+    parsed = _parse(spec, cell_id)
+    cfg = cell_config(spec, cell_id)
+    if parsed is None:
+        return CellTask(spec, cell_id, "router", None, None, (0.0, 1.0), (0.0, 1.0), cfg)
+    k, r = parsed
+    c = spec.cells
+    t_range = flow.timestep_ranges(c.timestep_ranges, c.t_mean, c.t_std)[r]
+    return CellTask(spec, cell_id, "expert", k, r, t_range, flow.widen(t_range, c.overlap), cfg)

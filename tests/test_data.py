@@ -1,0 +1,122 @@
+"""Data: normalisation, the held-out split, deterministic k-means and manifest, shards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from bagel.coordinator.spec import parse_spec
+from bagel.models import data
+
+SPEC = """
+[run]
+id = "t"
+seed = {seed}
+[data]
+clusters = {k}
+holdout_fraction = 0.1
+"""
+
+
+def spec(seed: int = 0, k: int = 2):
+    return parse_spec(SPEC.format(seed=seed, k=k))
+
+
+def test_digits_normalised_split_and_shapes():
+    ds = data.load_dataset(spec())
+    assert ds.x_train.shape[1:] == (1, 8, 8) and ds.x_train.dtype == torch.float32
+    assert len(ds.x_train) + len(ds.x_heldout) == 1797
+    assert len(ds.x_heldout) == round(1797 * 0.1)
+    assert float(ds.x_train.min()) == -1.0 and float(ds.x_train.max()) == 1.0
+    # the split is a function of the seed
+    a_tr, a_he = data.split_indices(1797, 0.1, 0)
+    b_tr, b_he = data.split_indices(1797, 0.1, 0)
+    c_tr, _ = data.split_indices(1797, 0.1, 1)
+    assert np.array_equal(a_tr, b_tr) and np.array_equal(a_he, b_he)
+    assert not np.array_equal(a_tr, c_tr)
+    assert len(np.intersect1d(a_tr, a_he)) == 0 and len(a_tr) + len(a_he) == 1797
+
+
+def test_kmeans_is_deterministic_for_a_seed_and_canonical():
+    rng = np.random.default_rng(5)
+    f = np.concatenate([rng.normal(0, 1, (60, 4)), rng.normal(6, 1, (40, 4)), rng.normal(-6, 1, (50, 4))])
+    l1, c1 = data.kmeans(f, 3, seed=7)
+    l2, c2 = data.kmeans(f.copy(), 3, seed=7)
+    assert np.array_equal(l1, l2) and np.array_equal(c1, c2)
+    # well-separated blobs are recovered, numbered by their smallest member index
+    assert set(l1[:60]) == {0} and set(l1[60:100]) == {1} and set(l1[100:]) == {2}
+
+
+def test_manifest_is_deterministic_and_seed_dependent():
+    data._load_cached.cache_clear()
+    m1 = data.cluster_manifest(spec(seed=0))
+    data._load_cached.cache_clear()
+    m2 = data.cluster_manifest(spec(seed=0))
+    m3 = data.cluster_manifest(spec(seed=3, k=3))
+    assert m1.sha256 == m2.sha256
+    assert m1.sha256 != m3.sha256
+    members = [m1.members(k) for k in range(m1.k)]
+    assert sum(len(m) for m in members) == len(m1.train_labels)
+    assert all(len(m) > 0 for m in members)
+    js = m1.to_json()
+    assert js["seed"] == 0 and js["k"] == 2 and len(js["centroids"]) == 2
+
+
+def test_user_features_drive_the_clusters():
+    x = np.zeros((40, 1, 4, 4), dtype=np.float32)
+    y = np.zeros(40, dtype=np.int64)
+    feats = np.concatenate([np.zeros((20, 2)), np.full((20, 2), 10.0)])
+    ds = data.build_dataset(x, y, clusters=2, holdout_fraction=0.1, seed=0, features=feats)
+    assert ds.manifest.features == "file"
+    # the held-out samples go to the centroid of their own feature group
+    _, held = data.split_indices(40, 0.1, 0)
+    expect = (held >= 20).astype(int)
+    train_first = ds.manifest.train_labels[0]
+    assert np.array_equal(ds.manifest.heldout_labels == train_first, expect == 0)
+    with pytest.raises(data.DataError):
+        data.build_dataset(x, y, clusters=2, holdout_fraction=0.1, seed=0, features=feats[:10])
+
+
+def test_shards_are_disjoint_deterministic_and_cover():
+    n = 100
+    parts = [data.shard("run", "k0.r1", 3, m, 4, n, 25) for m in range(4)]
+    joined = np.concatenate(parts)
+    assert len(np.unique(joined)) == n  # disjoint, and together they cover the data
+    again = [data.shard("run", "k0.r1", 3, m, 4, n, 25) for m in range(4)]
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))  # a re-run round sees the same data
+    other = data.shard("run", "k0.r1", 4, 0, 4, n, 25)
+    assert not np.array_equal(parts[0], other)  # the next round is reshuffled
+    assert not np.array_equal(parts[0], data.shard("run", "k1.r1", 3, 0, 4, n, 25))
+
+
+def test_shards_with_unequal_counts_and_cycling_stay_disjoint():
+    n = 50
+    a = data.shard("run", "router", 1, 0, 2, n, 7)
+    b = data.shard("run", "router", 1, 1, 2, n, 120)  # more than its 25 samples: cycles its own
+    assert len(a) == 7 and len(b) == 120
+    assert not set(a.tolist()) & set(b.tolist())
+    assert len(set(b.tolist())) == 25
+    assert b.min() >= 0 and b.max() < n
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(member=2, members=2), dict(member=-1, members=2), dict(members=0, member=0),
+     dict(count=-1), dict(round=-1), dict(n=1, members=2)],
+)
+def test_shard_rejects_bad_arguments(kwargs):
+    args = dict(run_id="r", cell_id="k0.r0", round=0, member=0, members=2, n=10, count=3)
+    args.update(kwargs)
+    with pytest.raises(ValueError):
+        data.shard(**args)
+
+
+def test_normalise_ranges():
+    assert np.allclose(data.normalise(np.array([0, 255], dtype=np.uint8)), [-1, 1])
+    assert np.allclose(data.normalise(np.array([0.0, 0.5, 1.0])), [-1, 0, 1])
+    assert np.allclose(data.normalise(np.array([-1.0, 0.25])), [-1, 0.25])
+    with pytest.raises(data.DataError):
+        data.normalise(np.array([0.0, 3.0]))
+    with pytest.raises(data.DataError):
+        data.normalise(np.array([np.nan]))
