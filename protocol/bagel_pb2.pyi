@@ -152,7 +152,7 @@ class Donor(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., checkpoint_round: _Optional[int] = ...) -> None: ...
 
 class Instruction(_message.Message):
-    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt")
+    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt", "round_attempt")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class Instruction(_message.Message):
     UPLOAD_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     order: Order
     cell_id: str
     round: int
@@ -175,7 +176,8 @@ class Instruction(_message.Message):
     upload_checkpoint: bool
     reason: str
     reduce_attempt: int
-    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ...) -> None: ...
+    round_attempt: int
+    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "profile", "peer", "local", "join_token")
@@ -208,7 +210,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., spec_toml: _Optional[str] = ..., spec_hash: _Optional[str] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("header", "phase", "cell_id", "round", "inner_step", "loss", "samples", "local", "reduce_attempt")
+    __slots__ = ("header", "phase", "cell_id", "round", "inner_step", "loss", "samples", "local", "reduce_attempt", "round_attempt")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +220,7 @@ class HeartbeatRequest(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     phase: Phase
     cell_id: str
@@ -227,7 +230,8 @@ class HeartbeatRequest(_message.Message):
     samples: int
     local: LocalState
     reduce_attempt: int
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., reduce_attempt: _Optional[int] = ...) -> None: ...
+    round_attempt: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_expires_unix_ms", "instruction")
