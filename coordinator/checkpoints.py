@@ -1,0 +1,326 @@
+"""Coordinator checkpoint store: safetensors files plus JSON metadata, written atomically.
+
+A committed contributor streams its cell state to `UploadCheckpoint`; the coordinator keeps
+the last `checkpoint.keep` checkpoints per cell as the fallback donor for joiners and for
+orphaned cells (design section 6). Everything here distrusts its input:
+
+- an upload is written chunk by chunk to a temp file in the destination directory and is
+  refused as soon as it passes its declared size or `checkpoint.max_bytes`
+  (`CheckpointTooLarge`);
+- the file's sha256 and size must equal the declared ones, its safetensors header is
+  parsed by the safetensors library (never pickle, never `torch.load`), and the canonical
+  state hash (`bagel.protocol.statehash`) over its tensors must equal the committed hash
+  before the file becomes visible (`CheckpointRejected`);
+- it becomes visible with the usual atomic sequence: fsync the temp file, `os.replace`,
+  fsync the directory; the JSON metadata is written the same way, then the SQLite index
+  row is added (the index is what readers trust; a file without a row is garbage);
+- reads re-hash the bytes they stream and fail with `CheckpointCorrupt` on a mismatch.
+
+Blocking file I/O: the server calls the heavy parts (`finish`, `verify`) through
+`asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from safetensors import SafetensorError, safe_open
+
+from bagel.protocol.statehash import state_hash
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20  # download chunk: 1 MiB, well under the gRPC message limit
+
+
+class CheckpointError(Exception):
+    """Base of checkpoint failures."""
+
+
+class CheckpointTooLarge(CheckpointError):
+    """An upload passed its declared size or the spec's checkpoint.max_bytes."""
+
+
+class CheckpointRejected(CheckpointError):
+    """An upload's bytes do not match its declared sha256/size or the committed state hash,
+    or they are not a valid safetensors file."""
+
+
+class CheckpointNotFound(CheckpointError):
+    """No checkpoint for that cell (and round)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A stored checkpoint's bytes no longer match the sha256 recorded for it."""
+
+
+@dataclass(frozen=True)
+class CheckpointMeta:
+    cell_id: str
+    round: int
+    state_hash: str
+    sha256: str
+    total_bytes: int
+    path: str  # relative to the checkpoint root
+    created_unix_ms: int
+    uploader: str = ""
+
+
+class CheckpointIndex(Protocol):
+    """The durable index (implemented by `bagel.coordinator.store.Store`)."""
+
+    def add_checkpoint(self, meta: CheckpointMeta) -> None: ...
+
+    def remove_checkpoint(self, cell_id: str, round: int) -> None: ...
+
+    def list_checkpoints(self, cell_id: str | None = None) -> list[CheckpointMeta]: ...
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically: temp file in the same dir, fsync, replace, fsync dir."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quiet(Path(tmp))
+        raise
+    fsync_dir(path.parent)
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class _LazyTensors(Mapping[str, Any]):
+    """Tensors of an open safetensors file, loaded one at a time as `state_hash` asks for
+    them, so hashing a 2 GiB checkpoint holds one tensor in memory, not all."""
+
+    def __init__(self, handle: Any) -> None:
+        self._h = handle
+        self._keys = list(handle.keys())
+
+    def __getitem__(self, key: str) -> Any:
+        return self._h.get_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def safetensors_state_hash(path: Path) -> str:
+    """Canonical state hash of a safetensors file; CheckpointRejected if it does not parse.
+
+    numpy is used unless a tensor is bfloat16 (numpy has no bf16); then torch reads it,
+    still through safetensors' own parser, never pickle.
+    """
+    try:
+        with safe_open(str(path), framework="numpy") as h:
+            dtypes = {h.get_slice(k).get_dtype() for k in h.keys()}
+            if "BF16" not in dtypes:
+                return state_hash(_LazyTensors(h))
+        with safe_open(str(path), framework="pt") as h:
+            return state_hash(_LazyTensors(h))
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise CheckpointRejected(f"not a valid safetensors file: {e}") from None
+
+
+class Upload:
+    """One in-progress upload: bytes go to a temp file; `finish` verifies and publishes."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        cell_id: str,
+        round: int,
+        state_hash_hex: str,
+        total_bytes: int,
+        sha256_hex: str,
+        uploader: str,
+    ) -> None:
+        self._store = store
+        self.cell_id, self.round = cell_id, round
+        self.state_hash, self.total_bytes, self.sha256 = state_hash_hex, total_bytes, sha256_hex
+        self.uploader = uploader
+        self.received = 0
+        self._hash = hashlib.sha256()
+        cell_dir = store.cell_dir(cell_id)
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cell_dir, prefix=".upload-", suffix=".tmp")
+        self._tmp = Path(tmp)
+        self._f = os.fdopen(fd, "wb")
+        self._closed = False
+
+    def write(self, chunk: bytes) -> None:
+        if self.received + len(chunk) > self.total_bytes:
+            self.abort()
+            raise CheckpointTooLarge(
+                f"upload passed its declared size of {self.total_bytes} bytes"
+            )
+        self._f.write(chunk)
+        self._hash.update(chunk)
+        self.received += len(chunk)
+
+    def finish(self, now_ms: int) -> CheckpointMeta:
+        """Verify size, sha256, safetensors format and state hash; publish atomically."""
+        try:
+            if self.received != self.total_bytes:
+                raise CheckpointRejected(
+                    f"upload has {self.received} bytes, declared {self.total_bytes}"
+                )
+            if self._hash.hexdigest() != self.sha256:
+                raise CheckpointRejected("upload bytes do not match the declared sha256")
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            self._closed = True
+            got = safetensors_state_hash(self._tmp)
+            if got != self.state_hash:
+                raise CheckpointRejected(
+                    f"state hash of the uploaded tensors is {got[:12]}..., "
+                    f"committed is {self.state_hash[:12]}..."
+                )
+            return self._store._publish(self, now_ms)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if not self._closed:
+            self._f.close()
+            self._closed = True
+        _unlink_quiet(self._tmp)
+
+
+class CheckpointStore:
+    """Checkpoint files under `root/<cell_id>/`, indexed durably by `index`."""
+
+    def __init__(self, root: Path, index: CheckpointIndex, *, keep: int, max_bytes: int) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._index = index
+        self.keep = keep
+        self.max_bytes = max_bytes
+        self._sweep_temp_files()
+
+    def cell_dir(self, cell_id: str) -> Path:
+        # cell ids are validated (k<c>.r<r> or "router") before they get here; the check
+        # below is belt and braces against path traversal.
+        if "/" in cell_id or cell_id in ("", ".", "..") or "\\" in cell_id:
+            raise CheckpointRejected(f"bad cell id {cell_id!r}")
+        return self.root / cell_id
+
+    def begin_upload(
+        self,
+        cell_id: str,
+        round: int,
+        state_hash_hex: str,
+        total_bytes: int,
+        sha256_hex: str,
+        uploader: str = "",
+    ) -> Upload:
+        if total_bytes > self.max_bytes:
+            raise CheckpointTooLarge(
+                f"checkpoint of {total_bytes} bytes exceeds checkpoint.max_bytes={self.max_bytes}"
+            )
+        return Upload(self, cell_id, round, state_hash_hex, total_bytes, sha256_hex, uploader)
+
+    def _publish(self, up: Upload, now_ms: int) -> CheckpointMeta:
+        cell_dir = self.cell_dir(up.cell_id)
+        name = f"{up.round:010d}.safetensors"
+        final = cell_dir / name
+        os.replace(up._tmp, final)
+        fsync_dir(cell_dir)
+        meta = CheckpointMeta(
+            cell_id=up.cell_id,
+            round=up.round,
+            state_hash=up.state_hash,
+            sha256=up.sha256,
+            total_bytes=up.total_bytes,
+            path=f"{up.cell_id}/{name}",
+            created_unix_ms=now_ms,
+            uploader=up.uploader,
+        )
+        atomic_write_bytes(final.with_suffix(".json"), json.dumps(asdict(meta), indent=1).encode())
+        self._index.add_checkpoint(meta)
+        self._retain(up.cell_id)
+        return meta
+
+    def _retain(self, cell_id: str) -> None:
+        metas = sorted(self._index.list_checkpoints(cell_id), key=lambda m: m.round)
+        for old in metas[: max(0, len(metas) - self.keep)]:
+            # index first: a crash between the two leaves an unindexed file, never a
+            # dangling index row.
+            self._index.remove_checkpoint(old.cell_id, old.round)
+            path = self.root / old.path
+            _unlink_quiet(path)
+            _unlink_quiet(path.with_suffix(".json"))
+
+    def latest(self, cell_id: str) -> CheckpointMeta | None:
+        metas = self._index.list_checkpoints(cell_id)
+        return max(metas, key=lambda m: m.round) if metas else None
+
+    def get(self, cell_id: str, round: int = 0) -> CheckpointMeta:
+        """Metadata of `round` (0 = the latest) of `cell_id`; CheckpointNotFound if none."""
+        metas = self._index.list_checkpoints(cell_id)
+        if round == 0:
+            if not metas:
+                raise CheckpointNotFound(f"no checkpoint of cell {cell_id}")
+            return max(metas, key=lambda m: m.round)
+        for m in metas:
+            if m.round == round:
+                return m
+        raise CheckpointNotFound(f"no checkpoint of cell {cell_id} at round {round}")
+
+    def iter_chunks(self, meta: CheckpointMeta, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """Stream the file in chunks, hashing as it goes; CheckpointCorrupt at the end if the
+        bytes differ from the recorded sha256 (the receiver checks the same sha256 too)."""
+        h = hashlib.sha256()
+        n = 0
+        with open(self.root / meta.path, "rb") as f:
+            while chunk := f.read(chunk_bytes):
+                h.update(chunk)
+                n += len(chunk)
+                yield chunk
+        if n != meta.total_bytes or h.hexdigest() != meta.sha256:
+            raise CheckpointCorrupt(f"checkpoint {meta.path} does not match its sha256")
+
+    def verify(self, meta: CheckpointMeta) -> None:
+        """Re-read the file; CheckpointCorrupt if its bytes or tensors changed."""
+        for _ in self.iter_chunks(meta):
+            pass
+        if safetensors_state_hash(self.root / meta.path) != meta.state_hash:
+            raise CheckpointCorrupt(f"checkpoint {meta.path} does not match its state hash")
+
+    def read_verified(self, meta: CheckpointMeta) -> bytes:
+        """The whole file, sha256-checked (small checkpoints, tests and tools)."""
+        return b"".join(self.iter_chunks(meta))
+
+    def _sweep_temp_files(self) -> None:
+        """Remove uploads a crash left half-written; they were never indexed."""
+        for tmp in self.root.glob("*/.*.tmp"):
+            _unlink_quiet(tmp)

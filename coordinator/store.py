@@ -1,0 +1,530 @@
+"""Durable coordinator state in one SQLite file (WAL): run spec, workers, assignments,
+rounds, commits and the checkpoint index.
+
+The pure core (`bagel.coordinator.state`) returns, with every transition, the durable
+records that changed (`Outcome.effects`); the server writes them here in ONE transaction
+before it replies, so an acknowledged state change survives a crash (design section 3).
+On start the daemon loads everything back and hands it to `CoordinatorState.restore`.
+
+Durability: WAL journal with `synchronous=FULL`. In WAL mode NORMAL only syncs at
+checkpoints, so a power loss (not a process crash) could roll back the last
+acknowledged transactions; the contract is "durable before acknowledged", so every
+commit syncs the WAL. The cost is one fsync per durable transaction, and the hot path
+(heartbeats that change nothing durable) never writes.
+
+Schema notes: records are stored as JSON documents next to the columns queries need
+(ids, states, rounds). `commits` has PRIMARY KEY (cell_id, round): a committed round can
+be recorded once and only once, which is what the crash test checks. A second insert of
+the same (cell, round) with the same hash is a no-op (a retried write); with another hash
+it is an error (`StoreError`) because it would mean two different committed states.
+
+Threads: the daemon writes from one dedicated thread (`AsyncWriter`), so fsyncs never
+block the event loop, in submission order; `Store.open_readonly` serves `status` while a
+daemon runs (WAL readers never block the writer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections.abc
+import dataclasses
+import enum
+import json
+import sqlite3
+import time
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bagel.coordinator import domain
+from bagel.coordinator.checkpoints import CheckpointMeta
+from bagel.coordinator.domain import CellRecord, CommitRecord, RoundRecord, RoundState, WorkerRecord
+
+SCHEMA_VERSION = 1
+DB_NAME = "coordinator.sqlite3"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (
+    version INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_spec (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    run_id TEXT NOT NULL,
+    spec_hash TEXT NOT NULL,
+    spec_toml TEXT NOT NULL,
+    created_unix_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    record TEXT NOT NULL,
+    updated_unix_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS assignments (
+    worker_id TEXT PRIMARY KEY,
+    cell_id TEXT NOT NULL,
+    record TEXT NOT NULL,
+    updated_unix_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS cells (
+    cell_id TEXT PRIMARY KEY,
+    record TEXT NOT NULL,
+    updated_unix_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    cell_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    record TEXT NOT NULL,
+    updated_unix_ms INTEGER NOT NULL,
+    PRIMARY KEY (cell_id, round, attempt)
+);
+CREATE TABLE IF NOT EXISTS commits (
+    cell_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    state_hash TEXT NOT NULL,
+    record TEXT NOT NULL,
+    committed_unix_ms INTEGER NOT NULL,
+    PRIMARY KEY (cell_id, round)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    cell_id TEXT NOT NULL,
+    round INTEGER NOT NULL,
+    state_hash TEXT NOT NULL,
+    sha256 TEXT NOT NULL,
+    total_bytes INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    created_unix_ms INTEGER NOT NULL,
+    uploader TEXT NOT NULL,
+    PRIMARY KEY (cell_id, round)
+);
+CREATE TABLE IF NOT EXISTS kv (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+
+class StoreError(Exception):
+    """The store is unusable or would be made inconsistent."""
+
+
+class SpecMismatchError(StoreError):
+    """The data dir belongs to another run spec."""
+
+
+@dataclass(frozen=True)
+class StoredSpec:
+    run_id: str
+    spec_hash: str
+    spec_toml: str
+    created_unix_ms: int
+
+
+def _dumps(record: Any) -> str:
+    return json.dumps(record, separators=(",", ":"), sort_keys=True)
+
+
+class Store:
+    """One SQLite connection to the coordinator database."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, *, readonly: bool) -> None:
+        self._conn = conn
+        self.path = path
+        self.readonly = readonly
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, data_dir: str | Path) -> Store:
+        """Open (creating if needed) the read-write store in `data_dir`."""
+        data_dir = Path(data_dir)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        path = data_dir / DB_NAME
+        # check_same_thread=False: the AsyncWriter's thread owns writes; the connection is
+        # never used from two threads at once (the writer is a single-thread executor).
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        store = cls(conn, path, readonly=False)
+        store._migrate()
+        return store
+
+    @classmethod
+    def open_readonly(cls, data_dir: str | Path) -> Store:
+        """Read-only view (for `bagel-coordinator status` while the daemon runs)."""
+        path = Path(data_dir) / DB_NAME
+        if not path.exists():
+            raise StoreError(f"no coordinator database at {path}")
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, timeout=30.0)
+        store = cls(conn, path, readonly=True)
+        version = store.schema_version()
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"{path} has schema version {version}, this Bagel reads {SCHEMA_VERSION}")
+        return store
+
+    def _migrate(self) -> None:
+        # executescript issues its own COMMIT, so it runs outside our transaction helper.
+        self._conn.executescript(_SCHEMA)
+        version = self.schema_version()
+        if version is None:
+            with self._tx():
+                self._conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+        elif version != SCHEMA_VERSION:
+            raise StoreError(
+                f"{self.path} has schema version {version}; this Bagel knows {SCHEMA_VERSION} "
+                "and no migration path exists"
+            )
+
+    def schema_version(self) -> int | None:
+        try:
+            row = self._conn.execute("SELECT version FROM schema_version").fetchone()
+        except sqlite3.OperationalError:
+            return None
+        return None if row is None else int(row[0])
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # ------------------------------------------------------------------ transactions
+
+    class _Tx:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self.conn = conn
+
+        def __enter__(self) -> sqlite3.Connection:
+            # IMMEDIATE: take the write lock up front, so a second writer fails fast
+            # instead of deadlocking on upgrade.
+            self.conn.execute("BEGIN IMMEDIATE")
+            return self.conn
+
+        def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+            if exc_type is None:
+                self.conn.execute("COMMIT")
+            else:
+                self.conn.execute("ROLLBACK")
+
+    def _tx(self) -> Store._Tx:
+        if self.readonly:
+            raise StoreError("the store is open read-only")
+        return Store._Tx(self._conn)
+
+    # ------------------------------------------------------------------ run spec
+
+    def spec(self) -> StoredSpec | None:
+        row = self._conn.execute(
+            "SELECT run_id, spec_hash, spec_toml, created_unix_ms FROM run_spec WHERE id = 1"
+        ).fetchone()
+        return None if row is None else StoredSpec(*row)
+
+    def bind_spec(self, run_id: str, spec_hash: str, spec_toml: str, now_ms: int) -> StoredSpec:
+        """Record the run spec on first start; SpecMismatchError if another spec is stored."""
+        existing = self.spec()
+        if existing is not None:
+            if existing.spec_hash != spec_hash or existing.run_id != run_id:
+                raise SpecMismatchError(
+                    f"the data dir {self.path.parent} belongs to run {existing.run_id!r} with spec "
+                    f"hash {existing.spec_hash[:16]}..., but the given spec is run {run_id!r} with "
+                    f"hash {spec_hash[:16]}...; a run spec is immutable once the run starts: use "
+                    "the original spec file or a new --data-dir"
+                )
+            return existing
+        with self._tx() as c:
+            c.execute(
+                "INSERT INTO run_spec (id, run_id, spec_hash, spec_toml, created_unix_ms) VALUES (1, ?, ?, ?, ?)",
+                (run_id, spec_hash, spec_toml, now_ms),
+            )
+        return StoredSpec(run_id, spec_hash, spec_toml, now_ms)
+
+    # ------------------------------------------------------------------ records
+
+    def write(self, effects: Sequence[Any], now_ms: int | None = None) -> None:
+        """Write a batch of durable records in ONE transaction (all or nothing)."""
+        if not effects:
+            return
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        with self._tx() as c:
+            for effect in effects:
+                _apply_effect(c, effect, now)
+
+    def put(self, table: str, key: dict[str, Any], record: dict[str, Any], now_ms: int) -> None:
+        """Upsert one record (used by tests and tools; the daemon goes through `write`)."""
+        with self._tx() as c:
+            _upsert(c, table, key, record, now_ms)
+
+    # ------------------------------------------------------------------ checkpoint index
+
+    def add_checkpoint(self, meta: CheckpointMeta) -> None:
+        with self._tx() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO checkpoints (cell_id, round, state_hash, sha256, total_bytes, path,"
+                " created_unix_ms, uploader) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    meta.cell_id,
+                    meta.round,
+                    meta.state_hash,
+                    meta.sha256,
+                    meta.total_bytes,
+                    meta.path,
+                    meta.created_unix_ms,
+                    meta.uploader,
+                ),
+            )
+
+    def remove_checkpoint(self, cell_id: str, round: int) -> None:
+        with self._tx() as c:
+            c.execute("DELETE FROM checkpoints WHERE cell_id = ? AND round = ?", (cell_id, round))
+
+    def list_checkpoints(self, cell_id: str | None = None) -> list[CheckpointMeta]:
+        q = "SELECT cell_id, round, state_hash, sha256, total_bytes, path, created_unix_ms, uploader FROM checkpoints"
+        rows = (
+            self._conn.execute(q + " WHERE cell_id = ? ORDER BY round", (cell_id,))
+            if cell_id is not None
+            else self._conn.execute(q + " ORDER BY cell_id, round")
+        )
+        return [CheckpointMeta(*r) for r in rows]
+
+    # ------------------------------------------------------------------ reading
+
+    def commits(self) -> list[tuple[str, int, str]]:
+        """(cell_id, round, state_hash) of every committed round, ordered."""
+        return [
+            (r[0], int(r[1]), r[2])
+            for r in self._conn.execute("SELECT cell_id, round, state_hash FROM commits ORDER BY cell_id, round")
+        ]
+
+    def load(self, *, recent_commits: int = 64) -> domain.Snapshot:
+        """The records `CoordinatorState.restore` needs, read in one consistent transaction:
+        every worker and cell, the open (non-terminal) round attempts, and the last
+        `recent_commits` commits of each cell (enough to verify late checkpoint uploads)."""
+        c = self._conn
+        c.execute("BEGIN")
+        try:
+            workers = tuple(
+                from_json(WorkerRecord, json.loads(r[0]))
+                for r in c.execute("SELECT record FROM workers ORDER BY worker_id")
+            )
+            cells = tuple(
+                from_json(CellRecord, json.loads(r[0])) for r in c.execute("SELECT record FROM cells ORDER BY cell_id")
+            )
+            terminal = (RoundState.COMMITTED.value, RoundState.ABORTED.value)
+            rounds = tuple(
+                from_json(RoundRecord, json.loads(r[0]))
+                for r in c.execute(
+                    "SELECT record FROM rounds WHERE state NOT IN (?, ?) ORDER BY cell_id, round, attempt", terminal
+                )
+            )
+            commits = tuple(
+                from_json(CommitRecord, json.loads(r[0]))
+                for r in c.execute(
+                    "SELECT record FROM (SELECT record, cell_id, round, ROW_NUMBER() OVER"
+                    " (PARTITION BY cell_id ORDER BY round DESC) AS k FROM commits) WHERE k <= ?"
+                    " ORDER BY cell_id, round",
+                    (recent_commits,),
+                )
+            )
+        finally:
+            c.execute("COMMIT")
+        return domain.Snapshot(workers=workers, cells=cells, rounds=rounds, commits=commits)
+
+    def recent_rounds(self, limit: int = 20) -> list[RoundRecord]:
+        """The latest `limit` round attempts of any state, newest first (status views)."""
+        return [
+            from_json(RoundRecord, json.loads(r[0]))
+            for r in self._conn.execute(
+                "SELECT record FROM rounds ORDER BY updated_unix_ms DESC, cell_id, round DESC, attempt DESC LIMIT ?",
+                (limit,),
+            )
+        ]
+
+    def dump(self) -> dict[str, list[tuple[Any, ...]]]:
+        """Every row of every table, raw: tests compare dumps to prove nothing changed."""
+        tables = [r[0] for r in self._conn.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY name")]
+        # table names come from sqlite_master, not from input
+        return {t: sorted(self._conn.execute(f"SELECT * FROM {t}"), key=repr) for t in tables}  # noqa: S608
+
+
+# ---------------------------------------------------------------------- effect -> rows
+
+_KEYS: dict[str, tuple[str, ...]] = {
+    "workers": ("worker_id",),
+    "assignments": ("worker_id",),
+    "cells": ("cell_id",),
+    "rounds": ("cell_id", "round", "attempt"),
+    "commits": ("cell_id", "round"),
+    "kv": ("key",),
+}
+
+
+def _upsert(c: sqlite3.Connection, table: str, key: dict[str, Any], record: dict[str, Any], now_ms: int) -> None:
+    if table not in _KEYS:
+        raise StoreError(f"unknown table {table!r}")
+    body = _dumps(record)
+    if table == "workers":
+        c.execute(
+            "INSERT INTO workers (worker_id, state, record, updated_unix_ms) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (worker_id) DO UPDATE SET state = excluded.state, record = excluded.record,"
+            " updated_unix_ms = excluded.updated_unix_ms",
+            (key["worker_id"], str(record.get("state", "")), body, now_ms),
+        )
+    elif table == "assignments":
+        c.execute(
+            "INSERT INTO assignments (worker_id, cell_id, record, updated_unix_ms) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (worker_id) DO UPDATE SET cell_id = excluded.cell_id, record = excluded.record,"
+            " updated_unix_ms = excluded.updated_unix_ms",
+            (key["worker_id"], str(record.get("cell_id", "")), body, now_ms),
+        )
+    elif table == "cells":
+        c.execute(
+            "INSERT INTO cells (cell_id, record, updated_unix_ms) VALUES (?, ?, ?)"
+            " ON CONFLICT (cell_id) DO UPDATE SET record = excluded.record, updated_unix_ms = excluded.updated_unix_ms",
+            (key["cell_id"], body, now_ms),
+        )
+    elif table == "rounds":
+        c.execute(
+            "INSERT INTO rounds (cell_id, round, attempt, state, record, updated_unix_ms) VALUES (?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (cell_id, round, attempt) DO UPDATE SET state = excluded.state,"
+            " record = excluded.record, updated_unix_ms = excluded.updated_unix_ms",
+            (key["cell_id"], int(key["round"]), int(key["attempt"]), str(record.get("state", "")), body, now_ms),
+        )
+    elif table == "commits":
+        cell, rnd, h = key["cell_id"], int(key["round"]), str(record["state_hash"])
+        row = c.execute("SELECT state_hash FROM commits WHERE cell_id = ? AND round = ?", (cell, rnd)).fetchone()
+        if row is not None:
+            if row[0] != h:
+                raise StoreError(f"round {rnd} of {cell} is already committed with another hash")
+            return  # the same commit written twice (a retried batch): idempotent
+        c.execute(
+            "INSERT INTO commits (cell_id, round, state_hash, record, committed_unix_ms) VALUES (?, ?, ?, ?, ?)",
+            (cell, rnd, h, body, int(record.get("committed_unix_ms", now_ms))),
+        )
+    elif table == "kv":
+        c.execute(
+            "INSERT INTO kv (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (key["key"], body),
+        )
+
+
+def _delete(c: sqlite3.Connection, table: str, key: dict[str, Any]) -> None:
+    cols = _KEYS.get(table)
+    if cols is None:
+        raise StoreError(f"unknown table {table!r}")
+    where = " AND ".join(f"{col} = ?" for col in cols)
+    c.execute(f"DELETE FROM {table} WHERE {where}", tuple(key[col] for col in cols))  # noqa: S608
+
+
+def _apply_effect(c: sqlite3.Connection, effect: Any, now_ms: int) -> None:
+    """Translate one core record (`Outcome.effects`) into rows."""
+    if isinstance(effect, WorkerRecord):
+        body = to_json(effect)
+        _upsert(c, "workers", {"worker_id": effect.worker_id}, body, now_ms)
+        if effect.cell_id:
+            _upsert(
+                c, "assignments", {"worker_id": effect.worker_id},
+                {"worker_id": effect.worker_id, "cell_id": effect.cell_id}, now_ms,
+            )
+        else:
+            _delete(c, "assignments", {"worker_id": effect.worker_id})
+    elif isinstance(effect, CellRecord):
+        _upsert(c, "cells", {"cell_id": effect.cell_id}, to_json(effect), now_ms)
+    elif isinstance(effect, RoundRecord):
+        key = {"cell_id": effect.cell_id, "round": effect.round, "attempt": effect.attempt}
+        _upsert(c, "rounds", key, to_json(effect), now_ms)
+    elif isinstance(effect, CommitRecord):
+        body = to_json(effect)
+        body["committed_unix_ms"] = effect.committed_ms
+        _upsert(c, "commits", {"cell_id": effect.cell_id, "round": effect.round}, body, now_ms)
+    else:
+        raise StoreError(f"unknown effect {type(effect).__name__}")
+
+
+# ---------------------------------------------------------------------- record <-> JSON
+
+
+def to_json(obj: Any) -> Any:
+    """A domain record as JSON-able data: dataclasses -> dicts, enums -> values,
+    tuples -> lists, mappings -> dicts (keys must be strings)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (tuple, list)):
+        return [to_json(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {str(k): to_json(v) for k, v in obj.items()}
+    return obj
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def from_json(tp: Any, data: Any) -> Any:
+    """Inverse of `to_json`, driven by the type annotations of the domain dataclasses."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if data is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return from_json(inner, data)
+    if origin is tuple:
+        (inner, _ellipsis) = typing.get_args(tp)
+        return tuple(from_json(inner, v) for v in data)
+    if origin in (Mapping, dict, collections.abc.Mapping):
+        _k, inner = typing.get_args(tp)
+        return {str(k): from_json(inner, v) for k, v in data.items()}
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        hints = _HINTS.get(tp)
+        if hints is None:
+            hints = _HINTS[tp] = typing.get_type_hints(tp, vars(domain))
+        names = {f.name for f in dataclasses.fields(tp)}
+        return tp(**{k: from_json(hints[k], v) for k, v in data.items() if k in names})
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(data)
+    if tp is float:
+        return float(data)
+    if tp is int:
+        return int(data)
+    return data
+
+
+# ---------------------------------------------------------------------- async writer
+
+
+class AsyncWriter:
+    """Serializes store writes on one thread, in submission order (group-commit style).
+
+    `submit(effects)` returns a future that completes when the batch is durable. Because
+    the executor has one thread and a FIFO queue, awaiting the latest future means every
+    earlier batch is durable too: a handler whose reply depends on state produced by an
+    earlier, still-in-flight batch awaits `barrier()` before replying.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagel-store")
+        self._last: asyncio.Future[None] | None = None
+        self.batches = 0
+
+    def submit(self, effects: Sequence[Any], now_ms: int) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, self.store.write, list(effects), now_ms)
+        self._last = fut
+        self.batches += 1
+        return fut
+
+    async def barrier(self) -> None:
+        """Wait until everything submitted so far is durable (cheap when nothing is pending)."""
+        last = self._last
+        if last is not None and not last.done():
+            await asyncio.shield(last)
+
+    async def close(self) -> None:
+        await self.barrier()
+        self._pool.shutdown(wait=True)
