@@ -1,0 +1,54 @@
+"""Test helper: real hivemind peers on loopback, each with its own DHT node, as in production.
+
+Every worker process runs its own DHT node, and the data plane rides on an in-process
+replica of that node's P2P daemon (`dht.replicate_p2p()`); the helper does the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import hivemind
+
+from bagel.worker.averaging import Contributor, DataPlane
+
+RUN_ID = "test-run"
+
+
+@dataclass
+class Peer:
+    worker_id: str
+    dht: hivemind.DHT
+    plane: DataPlane
+    max_samples: int = 1000
+
+    @property
+    def p2p(self):  # noqa: ANN201
+        return self.plane.p2p
+
+    def contributor(self, max_samples: int | None = None) -> Contributor:
+        maddrs = tuple(str(m) for m in self.dht.get_visible_maddrs())
+        return Contributor(self.worker_id, self.plane.peer_id, maddrs, max_samples or self.max_samples)
+
+
+@contextlib.asynccontextmanager
+async def peers(n: int, *, reducer: str = "mean", pending_wait_s: float = 10.0) -> AsyncIterator[list[Peer]]:
+    """n peers with their own DHT nodes (bootstrapped off the first) and started data planes."""
+    dhts: list[hivemind.DHT] = []
+    out: list[Peer] = []
+    try:
+        for i in range(n):
+            initial = dhts[0].get_visible_maddrs() if dhts else []
+            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
+        for i, dht in enumerate(dhts):
+            plane = DataPlane(await dht.replicate_p2p(), RUN_ID, reducer=reducer, pending_wait_s=pending_wait_s)
+            await plane.start()
+            out.append(Peer(f"w{i}", dht, plane))
+        yield out
+    finally:
+        for p in out:
+            await p.plane.close()
+        for dht in dhts:
+            dht.shutdown()

@@ -1,0 +1,73 @@
+"""Length-prefixed frames over a libp2p stream, with a limit checked before any byte is read.
+
+The data plane (`averaging.py`, `statesync.py`) talks over hivemind's raw binary streams
+(`P2P.add_binary_stream_handler` / `call_binary_stream_handler`) instead of its protobuf
+stream helpers, because those read a peer-declared 8-byte length with no cap. Here every
+frame is a 4-byte big-endian length and that many bytes, and the reader refuses a length
+above the caller's limit before it reads the body: a hostile peer cannot make us buffer
+more than we agreed to take.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+_LEN = struct.Struct(">I")
+LEN_NBYTES = _LEN.size
+MAX_FRAME_NBYTES = (1 << 32) - 1
+# protobuf headers are small; a larger one is an attack or a bug.
+MAX_HEADER_NBYTES = 64 * 1024
+_WRITE_CHUNK = 1 << 20
+
+M = TypeVar("M", bound=Message)
+
+
+class FrameError(ValueError):
+    """The peer sent a malformed or oversized frame, or closed the stream mid-frame."""
+
+
+async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview) -> int:
+    """Write one frame; return the bytes put on the stream (length prefix included)."""
+    n = len(data)
+    if n > MAX_FRAME_NBYTES:
+        raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME_NBYTES}-byte limit")
+    writer.write(_LEN.pack(n))
+    view = memoryview(data)
+    for start in range(0, n, _WRITE_CHUNK):
+        writer.write(view[start : start + _WRITE_CHUNK])
+        await writer.drain()
+    await writer.drain()
+    return LEN_NBYTES + n
+
+
+async def read_frame(reader: asyncio.StreamReader, max_nbytes: int) -> bytes:
+    """Read one frame of at most max_nbytes; the length is checked before the body is read."""
+    try:
+        (n,) = _LEN.unpack(await reader.readexactly(LEN_NBYTES))
+    except asyncio.IncompleteReadError as e:
+        raise FrameError("stream closed before a frame") from e
+    if n > max_nbytes:
+        raise FrameError(f"peer declared a {n}-byte frame, over the {max_nbytes}-byte limit")
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as e:
+        raise FrameError(f"stream closed after {len(e.partial)} of {n} frame bytes") from e
+
+
+async def write_message(writer: asyncio.StreamWriter, msg: Message) -> int:
+    return await write_frame(writer, msg.SerializeToString())
+
+
+async def read_message(reader: asyncio.StreamReader, cls: type[M], max_nbytes: int = MAX_HEADER_NBYTES) -> tuple[M, int]:
+    """Read one protobuf frame of type cls; return it and the bytes it took on the stream."""
+    raw = await read_frame(reader, max_nbytes)
+    msg = cls()
+    try:
+        msg.ParseFromString(raw)
+    except DecodeError as e:
+        raise FrameError(f"malformed {cls.__name__}: {e}") from e
+    return msg, LEN_NBYTES + len(raw)
