@@ -15,9 +15,10 @@ attacker who stores a forged record under the same key with a later expiration w
 hide the real one. With one subkey per publisher both survive, and the resolver checks
 every entry, skips the ones that fail (another signer, bad signature, wrong run,
 expired), and uses the freshest valid one. An attacker can still overwrite the subkey of
-the coordinator's own key on the nodes it talks to; that is a denial of service the
-re-publisher repairs on its next refresh, never a forgery: nothing passes without the
-coordinator's signature.
+the coordinator's own key (with a later expiration) on nodes that do not check records;
+that is a denial of service, never a forgery: nothing passes without the coordinator's
+signature. `CoordinatorRecordValidator`, installed on honest DHT nodes, closes that gap:
+those nodes neither store such an entry nor accept a peer's answer that carries one.
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from typing import Any
 
 import msgpack
 
-from bagel.protocol.identity import PUBLIC_KEY_BYTES, Identity, verify_signature
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+from hivemind.utils.serializer import MSGPackSerializer
+
+from bagel.protocol.identity import Identity, verify_signature
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
 
 logger = logging.getLogger(__name__)
@@ -97,15 +103,8 @@ def sign_record(record: CoordinatorRecord, identity: Identity) -> dict[str, byte
     return {"body": body, "sig": identity.sign(body)}
 
 
-def verify_record(
-    value: Any,
-    *,
-    public_key: bytes,
-    run_id: str,
-    now: float,
-    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
-) -> CoordinatorRecord:
-    """Check a DHT value against the join string's key and run; RecordError says why not."""
+def _verify_signed(value: Any, *, public_key: bytes, run_id: str) -> CoordinatorRecord:
+    """Signature, schema and run checks of a DHT value (no clock involved)."""
     if not isinstance(value, dict) or set(value) != {"body", "sig"}:
         raise RecordError("value is not a {body, sig} map")
     body, sig = value["body"], value["sig"]
@@ -116,7 +115,7 @@ def verify_record(
     if not verify_signature(public_key, sig, body):
         raise RecordError("signature does not verify with the join string's coordinator key")
     try:
-        fields = msgpack.unpackb(body, raw=False, strict_map_key=True, max_buffer_size=MAX_RECORD_BYTES)
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True)  # size checked above
     except Exception as e:  # msgpack raises several types on garbage
         raise RecordError(f"body is not msgpack: {e}") from None
     expected = {"kind", "v", "run_id", "endpoint", "spec_hash", "public_key", "issued_at", "expires_at"}
@@ -138,11 +137,61 @@ def verify_record(
         raise RecordError("issued_at/expires_at must be floats")
     if not issued <= expires <= issued + MAX_TTL_S:
         raise RecordError("validity interval is empty or longer than a day")
-    if issued > now + max_clock_skew_s:
-        raise RecordError("record is issued in the future (clock skew?)")
-    if expires < now:
-        raise RecordError("record has expired")
     return CoordinatorRecord(endpoint, run_id, spec_hash, public_key, issued, expires)
+
+
+def verify_record(
+    value: Any,
+    *,
+    public_key: bytes,
+    run_id: str,
+    now: float,
+    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
+) -> CoordinatorRecord:
+    """Check a DHT value against the join string's key and run, at time `now` (Unix s).
+
+    RecordError says why it is refused: not a {body, sig} map, signature not by
+    `public_key` (a forgery), malformed body, another run, issued in the future beyond
+    the skew, or expired.
+    """
+    record = _verify_signed(value, public_key=public_key, run_id=run_id)
+    if record.issued_at > now + max_clock_skew_s:
+        raise RecordError("record is issued in the future (clock skew?)")
+    if record.expires_at < now:
+        raise RecordError("record has expired")
+    return record
+
+
+class CoordinatorRecordValidator(RecordValidatorBase):
+    """hivemind record validator: under the run's coordinator key, only the real record.
+
+    Install it on every honest DHT node of the run (the coordinator's and each worker's:
+    `hivemind.DHT(..., record_validators=[CoordinatorRecordValidator(run_id, key)])`).
+    Such a node then refuses to store a forged entry, and drops a peer's answer that
+    contains one, so an attacker cannot hide the real record by storing a forgery under
+    the coordinator's own subkey with a later expiration. It also refuses a genuine record
+    whose DHT expiration outlives its signed `expires_at` (a replayed record pinned far
+    into the future would block later re-publications). Records under other keys pass.
+    The resolver verifies records itself as well; this only closes the denial of service.
+    """
+
+    def __init__(self, run_id: str, public_key: bytes) -> None:
+        self.run_id = run_id
+        self.public_key = bytes(public_key)
+        self._key_id = DHTID.generate(source=coordinator_key(run_id)).to_bytes()
+        self._subkey = MSGPackSerializer.dumps(self.public_key.hex())
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key != self._key_id:
+            return True
+        if record.subkey != self._subkey:
+            return False
+        try:
+            value = MSGPackSerializer.loads(record.value)
+            signed = _verify_signed(value, public_key=self.public_key, run_id=self.run_id)
+        except Exception:
+            return False
+        return record.expiration_time <= signed.expires_at + 1.0
 
 
 # ---------------------------------------------------------------------------- publishing
@@ -159,8 +208,6 @@ async def publish_coordinator(
     now: float | None = None,
 ) -> CoordinatorRecord:
     """Sign and store the coordinator record once; DiscoveryError if no node stored it."""
-    from hivemind.utils import get_dht_time
-
     issued = get_dht_time() if now is None else now
     record = CoordinatorRecord(endpoint, run_id, spec_hash, identity.public_key, float(issued), float(issued + ttl_s))
     ok = await dht.store(
@@ -279,7 +326,8 @@ async def resolve_coordinator(
 ) -> CoordinatorRecord:
     """Resolve the coordinator from the join string alone.
 
-    Uses `dht` (an existing `hivemind.DHT`, e.g. the worker's) or starts a temporary one
+    Uses `dht` (an existing `hivemind.DHT`, e.g. the worker's, ideally created with a
+    `CoordinatorRecordValidator`) or starts a temporary one
     on `host_maddrs` bootstrapped from the join string's initial peers (and shuts it down
     again). Retries the lookup until a record signed by the join string's key, for its
     run, unexpired, is found; forged entries are skipped. CoordinatorNotFound on timeout.
@@ -290,7 +338,11 @@ async def resolve_coordinator(
         import hivemind
 
         own = await asyncio.to_thread(
-            hivemind.DHT, initial_peers=list(info.initial_peers), host_maddrs=list(host_maddrs), start=True
+            hivemind.DHT,
+            initial_peers=list(info.initial_peers),
+            host_maddrs=list(host_maddrs),
+            record_validators=[CoordinatorRecordValidator(info.run_id, info.coordinator_public_key)],
+            start=True,
         )
         dht = own
     try:

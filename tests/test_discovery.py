@@ -1,0 +1,285 @@
+"""Join strings, signed coordinator records, and resolution through a real hivemind DHT."""
+
+from __future__ import annotations
+
+import base64
+import json
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from bagel.protocol.discovery import (
+    CoordinatorNotFound,
+    CoordinatorPublisher,
+    CoordinatorRecord,
+    CoordinatorRecordValidator,
+    RecordError,
+    coordinator_key,
+    lookup_coordinator,
+    publish_coordinator,
+    resolve_coordinator,
+    sign_record,
+    verify_record,
+)
+from bagel.protocol.identity import Identity
+from bagel.protocol.joinstring import JoinInfo, JoinStringError, make_join_string, parse_join_string
+
+RUN = "digits-2x2"
+SPEC_HASH = "ab" * 32
+PEER = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
+
+# ---------------------------------------------------------------------------- join string
+
+
+def test_join_string_round_trip():
+    key = Identity.generate().public_key
+    text = make_join_string(RUN, key, [PEER, PEER.replace("4001", "4002")])
+    assert text.startswith("bagel1:") and " " not in text
+    info = parse_join_string("  " + text + "\n")
+    assert info == JoinInfo(RUN, key, (PEER, PEER.replace("4001", "4002")))
+    assert str(info) == text
+
+
+def _encode(body: object) -> str:
+    raw = json.dumps(body).encode()
+    return "bagel1:" + base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+GOOD_BODY = {"v": 1, "r": RUN, "k": base64.urlsafe_b64encode(b"k" * 32).rstrip(b"=").decode(), "p": [PEER]}
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("", "must start with"),
+        ("bagel2:abc", "a newer Bagel"),
+        ("bagel1:", "not JSON"),
+        ("bagel1:!!!", "not base64url"),
+        ("bagel1:" + "A" * 5000, "too long"),
+        (_encode([1, 2]), "JSON object"),
+        (_encode({**GOOD_BODY, "v": 2}), "version"),
+        (_encode({**GOOD_BODY, "x": 1}), "unknown fields"),
+        (_encode({k: v for k, v in GOOD_BODY.items() if k != "p"}), "missing fields"),
+        (_encode({**GOOD_BODY, "r": "Bad Run"}), "run id"),
+        (_encode({**GOOD_BODY, "k": "AAAA"}), "32 bytes"),
+        (_encode({**GOOD_BODY, "k": 5}), "base64url"),
+        (_encode({**GOOD_BODY, "p": []}), "at least one"),
+        (_encode({**GOOD_BODY, "p": PEER}), "must be a list"),
+        (_encode({**GOOD_BODY, "p": ["/ip4/127.0.0.1/tcp/4001"]}), "/p2p/"),
+        (_encode({**GOOD_BODY, "p": [7]}), "initial peer 0"),
+        (_encode({**GOOD_BODY, "p": [PEER] * 17}), "at most"),
+    ],
+)
+def test_malformed_join_strings_rejected(text, match):
+    with pytest.raises(JoinStringError, match=match):
+        parse_join_string(text)
+
+
+def test_truncated_join_string_rejected():
+    text = make_join_string(RUN, b"k" * 32, [PEER])
+    for cut in (len(text) - 1, len(text) - 7, 12):
+        with pytest.raises(JoinStringError):
+            parse_join_string(text[:cut])
+
+
+# ---------------------------------------------------------------------------- records (no DHT)
+
+
+def _record(ident: Identity, now: float, **kw) -> CoordinatorRecord:
+    fields = dict(endpoint="127.0.0.1:7000", run_id=RUN, spec_hash=SPEC_HASH, public_key=ident.public_key,
+                  issued_at=now, expires_at=now + 60.0)
+    fields.update(kw)
+    return CoordinatorRecord(**fields)
+
+
+def test_record_sign_verify_and_refusals():
+    coord, evil = Identity.generate(), Identity.generate()
+    now = 1_700_000_000.0
+    value = sign_record(_record(coord, now), coord)
+    got = verify_record(value, public_key=coord.public_key, run_id=RUN, now=now + 1)
+    assert got.endpoint == "127.0.0.1:7000" and got.spec_hash == SPEC_HASH
+
+    with pytest.raises(RecordError, match="signature"):  # signed by another key
+        verify_record(sign_record(_record(evil, now), evil), public_key=coord.public_key, run_id=RUN, now=now)
+    tampered = dict(value, body=value["body"].replace(b"7000", b"6666"))
+    with pytest.raises(RecordError, match="signature"):
+        verify_record(tampered, public_key=coord.public_key, run_id=RUN, now=now)
+    with pytest.raises(RecordError, match="for run"):
+        verify_record(sign_record(_record(coord, now, run_id="other"), coord),
+                      public_key=coord.public_key, run_id=RUN, now=now)
+    with pytest.raises(RecordError, match="expired"):
+        verify_record(value, public_key=coord.public_key, run_id=RUN, now=now + 61)
+    with pytest.raises(RecordError, match="future"):
+        verify_record(value, public_key=coord.public_key, run_id=RUN, now=now - 3600)
+    with pytest.raises(RecordError, match="longer than a day"):
+        verify_record(sign_record(_record(coord, now, expires_at=now + 2 * 86400), coord),
+                      public_key=coord.public_key, run_id=RUN, now=now)
+    for junk in (None, b"x", {"body": b"x"}, {"body": "s", "sig": b""}):
+        with pytest.raises(RecordError):
+            verify_record(junk, public_key=coord.public_key, run_id=RUN, now=now)
+    # A correctly signed body that is not a record (domain separation via `kind`).
+    import msgpack
+
+    body = msgpack.packb({"hello": 1})
+    with pytest.raises(RecordError, match="fields"):
+        verify_record({"body": body, "sig": coord.sign(body)}, public_key=coord.public_key, run_id=RUN, now=now)
+
+
+# ---------------------------------------------------------------------------- real DHT
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_shm_manager():
+    """Start torch's shared-memory manager before the per-test leak check looks.
+
+    hivemind's MPFuture shares memory through torch with the file_system strategy, which
+    spawns one `torch_shm_manager` child for the whole process on first use. It is not a
+    leak of any one test, and killing it breaks every later DHT call ("Broken pipe").
+    """
+    import torch
+
+    torch.empty(1).share_memory_()
+    yield
+
+
+def _start(initial_peers=(), validators=()):
+    return hivemind.DHT(
+        start=True,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        initial_peers=list(initial_peers),
+        record_validators=list(validators),
+    )
+
+
+def _maddrs(dht) -> list[str]:
+    return [str(m) for m in dht.get_visible_maddrs()]
+
+
+@pytest.mark.timeout(60)
+async def test_resolve_from_join_string_skips_forged_records():
+    """A coordinator node publishes, an attacker node stores forgeries, workers resolve.
+
+    1. The attacker stores a record signed by its own key under its own subkey: a worker
+       DHT without any validator skips it and finds the genuine record.
+    2. The attacker stores the forgery under the coordinator's subkey with a later
+       expiration (which would shadow the genuine entry in hivemind's merge): a worker
+       DHT running `CoordinatorRecordValidator` drops it and still finds the genuine one.
+    """
+    coord, evil = Identity.generate(), Identity.generate()
+    dhts = []
+    try:
+        coord_dht = _start(validators=[CoordinatorRecordValidator(RUN, coord.public_key)])
+        dhts.append(coord_dht)
+        join = make_join_string(RUN, coord.public_key, _maddrs(coord_dht))
+        info = parse_join_string(join)
+        attacker = _start(_maddrs(coord_dht))
+        dhts.append(attacker)
+
+        async with CoordinatorPublisher(coord_dht, coord, run_id=RUN, endpoint="127.0.0.1:7000",
+                                        spec_hash=SPEC_HASH, ttl_s=60.0) as publisher:
+            assert publisher.publishes == 1
+            now = get_dht_time()
+            forged = sign_record(_record(evil, now, endpoint="6.6.6.6:1", expires_at=now + 300), evil)
+            # (the coordinator's node refuses it; the attacker keeps it in its own storage)
+            await attacker.store(coordinator_key(RUN), forged, expiration_time=now + 300,
+                                 subkey=evil.public_key.hex(), return_future=True)
+            seen = await attacker.get(coordinator_key(RUN), latest=True, return_future=True)
+            assert evil.public_key.hex() in seen.value
+
+            plain_worker = _start(_maddrs(coord_dht))
+            dhts.append(plain_worker)
+            record = await resolve_coordinator(join, dht=plain_worker, timeout_s=20, retry_interval_s=0.2)
+            assert record.endpoint == "127.0.0.1:7000"
+            assert record.public_key == coord.public_key and record.spec_hash == SPEC_HASH
+            record, refused = await lookup_coordinator(plain_worker, info)
+            assert record is not None and record.endpoint == "127.0.0.1:7000"
+            assert any("signature does not verify" in r for r in refused), refused
+
+            await attacker.store(coordinator_key(RUN), forged, expiration_time=now + 300,
+                                 subkey=coord.public_key.hex(), return_future=True)
+            # The attack is real: without a validator the later-expiring forgery shadows
+            # the genuine entry (refused, so still no forgery is ever returned) ...
+            record, refused = await lookup_coordinator(plain_worker, info)
+            assert record is None and refused
+            guarded_worker = _start(
+                _maddrs(coord_dht), validators=[CoordinatorRecordValidator(RUN, info.coordinator_public_key)]
+            )
+            dhts.append(guarded_worker)
+            record = await resolve_coordinator(info, dht=guarded_worker, timeout_s=20, retry_interval_s=0.2)
+            assert record.endpoint == "127.0.0.1:7000"
+    finally:
+        for dht in reversed(dhts):
+            dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+async def test_only_forged_records_are_refused():
+    """With no genuine record, resolution fails naming the refusal, never returns a forgery."""
+    coord, evil = Identity.generate(), Identity.generate()
+    dhts = []
+    try:
+        bootstrap = _start()
+        dhts.append(bootstrap)
+        join = parse_join_string(make_join_string(RUN, coord.public_key, _maddrs(bootstrap)))
+        now = get_dht_time()
+        # An attacker without the coordinator key publishes through the normal path (its
+        # own subkey), and also plants a forgery under the coordinator's subkey.
+        await publish_coordinator(bootstrap, evil, run_id=RUN, endpoint="6.6.6.6:1", spec_hash=SPEC_HASH)
+        forged = sign_record(_record(evil, now, endpoint="6.6.6.6:1"), evil)
+        await bootstrap.store(coordinator_key(RUN), forged, expiration_time=now + 60,
+                              subkey=coord.public_key.hex(), return_future=True)
+        worker = _start(_maddrs(bootstrap))
+        dhts.append(worker)
+        with pytest.raises(CoordinatorNotFound, match="signature does not verify"):
+            await resolve_coordinator(join, dht=worker, timeout_s=1.0, retry_interval_s=0.2)
+        # A resolver that starts its own DHT installs the validator: the poisoned answer
+        # is dropped by the DHT itself, so nothing is found at all.
+        with pytest.raises(CoordinatorNotFound, match="no record found"):
+            await resolve_coordinator(join, timeout_s=1.0, retry_interval_s=0.2,
+                                      host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+    finally:
+        for dht in reversed(dhts):
+            dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+async def test_resolve_from_join_string_alone():
+    """The resolver starts (and shuts down) its own DHT from the join string's peers."""
+    coord = Identity.generate()
+    coord_dht = _start(validators=[CoordinatorRecordValidator(RUN, coord.public_key)])
+    try:
+        published = await publish_coordinator(coord_dht, coord, run_id=RUN, endpoint="127.0.0.1:7001",
+                                              spec_hash=SPEC_HASH, ttl_s=30.0)
+        join = make_join_string(RUN, coord.public_key, _maddrs(coord_dht))
+        record = await resolve_coordinator(join, timeout_s=20, retry_interval_s=0.2,
+                                           host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+        assert record == published
+    finally:
+        coord_dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+async def test_validator_refuses_forgery_under_coordinator_subkey():
+    coord, evil = Identity.generate(), Identity.generate()
+    dhts = []
+    try:
+        guarded = _start(validators=[CoordinatorRecordValidator(RUN, coord.public_key)])
+        dhts.append(guarded)
+        now = get_dht_time()
+        forged = sign_record(_record(evil, now), evil)
+        ok = await guarded.store(coordinator_key(RUN), forged, expiration_time=now + 60,
+                                 subkey=coord.public_key.hex(), return_future=True)
+        assert not ok
+        genuine = sign_record(_record(coord, now), coord)
+        # A genuine record pinned beyond its signed expiry is refused too.
+        ok = await guarded.store(coordinator_key(RUN), genuine, expiration_time=now + 3600,
+                                 subkey=coord.public_key.hex(), return_future=True)
+        assert not ok
+        ok = await guarded.store(coordinator_key(RUN), genuine, expiration_time=now + 60,
+                                 subkey=coord.public_key.hex(), return_future=True)
+        assert ok
+        # Other keys are not affected.
+        assert await guarded.store("unrelated", b"x", expiration_time=now + 60, return_future=True)
+    finally:
+        for dht in reversed(dhts):
+            dht.shutdown()
