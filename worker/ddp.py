@@ -64,8 +64,13 @@ class DistContext:
             dist.barrier()
 
     def shutdown(self) -> None:
+        """Leave the process group together: a barrier first, so no rank tears down its
+        sockets while another is still reading the last broadcast (gloo aborts the reader)."""
         if self.enabled and dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
 
 
 def init_from_env(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> DistContext:
