@@ -16,8 +16,8 @@ orphaned cells (design section 6). Everything here distrusts its input:
   row is added (the index is what readers trust; a file without a row is garbage);
 - reads re-hash the bytes they stream and fail with `CheckpointCorrupt` on a mismatch.
 
-Blocking file I/O: the server calls the heavy parts (`finish`, `verify`) through
-`asyncio.to_thread`.
+Blocking file I/O: the server runs `Upload.verify` (hashing, parsing) in a worker thread
+and `Upload.publish` (which writes the SQLite index) on the store's writer thread.
 """
 
 from __future__ import annotations
@@ -174,6 +174,7 @@ class Upload:
         self._tmp = Path(tmp)
         self._f = os.fdopen(fd, "wb")
         self._closed = False
+        self._verified = False
 
     def write(self, chunk: bytes) -> None:
         if self.received + len(chunk) > self.total_bytes:
@@ -185,8 +186,11 @@ class Upload:
         self._hash.update(chunk)
         self.received += len(chunk)
 
-    def finish(self, now_ms: int) -> CheckpointMeta:
-        """Verify size, sha256, safetensors format and state hash; publish atomically."""
+    def verify(self) -> None:
+        """Check size, sha256, safetensors format and state hash (slow: any thread).
+
+        On failure the temp file is removed and the error raised; nothing became visible.
+        """
         try:
             if self.received != self.total_bytes:
                 raise CheckpointRejected(
@@ -204,10 +208,27 @@ class Upload:
                     f"state hash of the uploaded tensors is {got[:12]}..., "
                     f"committed is {self.state_hash[:12]}..."
                 )
+            self._verified = True
+        except BaseException:
+            self.abort()
+            raise
+
+    def publish(self, now_ms: int) -> CheckpointMeta:
+        """Make a verified upload visible (atomic replace + index row + retention).
+
+        Touches the SQLite index: call it from the thread that owns the store."""
+        if not self._verified:
+            raise CheckpointRejected("upload was not verified")
+        try:
             return self._store._publish(self, now_ms)
         except BaseException:
             self.abort()
             raise
+
+    def finish(self, now_ms: int) -> CheckpointMeta:
+        """`verify` then `publish`, for callers that own the store's thread."""
+        self.verify()
+        return self.publish(now_ms)
 
     def abort(self) -> None:
         if not self._closed:
@@ -225,6 +246,12 @@ class CheckpointStore:
         self._index = index
         self.keep = keep
         self.max_bytes = max_bytes
+        # Readers (downloads, on the event loop) use this in-memory copy of the index, so
+        # they never touch the SQLite connection the writer thread is using. It is replaced
+        # as a whole (atomic under the GIL) after every durable index change.
+        self._by_cell: dict[str, tuple[CheckpointMeta, ...]] = {}
+        for meta in index.list_checkpoints():
+            self._by_cell[meta.cell_id] = (*self._by_cell.get(meta.cell_id, ()), meta)
         self._sweep_temp_files()
 
     def cell_dir(self, cell_id: str) -> Path:
@@ -267,26 +294,37 @@ class CheckpointStore:
         )
         atomic_write_bytes(final.with_suffix(".json"), json.dumps(asdict(meta), indent=1).encode())
         self._index.add_checkpoint(meta)
+        metas = sorted(
+            (*(m for m in self._by_cell.get(up.cell_id, ()) if m.round != meta.round), meta), key=lambda m: m.round
+        )
+        self._by_cell[up.cell_id] = tuple(metas)
         self._retain(up.cell_id)
         return meta
 
     def _retain(self, cell_id: str) -> None:
-        metas = sorted(self._index.list_checkpoints(cell_id), key=lambda m: m.round)
-        for old in metas[: max(0, len(metas) - self.keep)]:
-            # index first: a crash between the two leaves an unindexed file, never a
-            # dangling index row.
+        metas = list(self._by_cell.get(cell_id, ()))
+        drop, keep = metas[: max(0, len(metas) - self.keep)], metas[max(0, len(metas) - self.keep) :]
+        self._by_cell[cell_id] = tuple(keep)  # readers stop seeing them first
+        for old in drop:
+            # index before file: a crash between the two leaves an unindexed file (swept
+            # by nobody but harmless), never an index row without its file.
             self._index.remove_checkpoint(old.cell_id, old.round)
             path = self.root / old.path
             _unlink_quiet(path)
             _unlink_quiet(path.with_suffix(".json"))
 
+    def list(self, cell_id: str | None = None) -> list[CheckpointMeta]:
+        if cell_id is not None:
+            return list(self._by_cell.get(cell_id, ()))
+        return [m for cell in sorted(self._by_cell) for m in self._by_cell[cell]]
+
     def latest(self, cell_id: str) -> CheckpointMeta | None:
-        metas = self._index.list_checkpoints(cell_id)
+        metas = self._by_cell.get(cell_id, ())
         return max(metas, key=lambda m: m.round) if metas else None
 
     def get(self, cell_id: str, round: int = 0) -> CheckpointMeta:
         """Metadata of `round` (0 = the latest) of `cell_id`; CheckpointNotFound if none."""
-        metas = self._index.list_checkpoints(cell_id)
+        metas = self._by_cell.get(cell_id, ())
         if round == 0:
             if not metas:
                 raise CheckpointNotFound(f"no checkpoint of cell {cell_id}")

@@ -258,6 +258,14 @@ class Store:
         with self._tx() as c:
             _upsert(c, table, key, record, now_ms)
 
+    def get_kv(self, key: str) -> Any:
+        row = self._conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def put_kv(self, key: str, value: Any) -> None:
+        with self._tx() as c:
+            _upsert(c, "kv", {"key": key}, value, 0)
+
     # ------------------------------------------------------------------ checkpoint index
 
     def add_checkpoint(self, meta: CheckpointMeta) -> None:
@@ -518,6 +526,13 @@ class AsyncWriter:
         self._last = fut
         self.batches += 1
         return fut
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """Run `fn(*args)` on the store thread, after everything submitted before it."""
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self._pool, fn, *args)
+        self._last = fut
+        return await fut
 
     async def barrier(self) -> None:
         """Wait until everything submitted so far is durable (cheap when nothing is pending)."""

@@ -1,0 +1,333 @@
+"""Coordinator process lifecycle: open the data dir, restore the core, serve, publish, stop.
+
+`start_coordinator(...)` is the in-process API (tests start a real coordinator on port 0
+with it); `serve(...)` is the process (`bagel-coordinator serve`): it runs
+`start_coordinator` on uvloop, prints `listening: HOST:PORT` and `join: <string>` once
+serving, and waits for SIGTERM/SIGINT, which set an event; the daemon then leaves
+through `finally: handle.stop()` (torchrun and hivemind's run_dht do the same):
+
+1. health goes NOT_SERVING (load balancers and probes stop sending);
+2. the gRPC server stops accepting and gives in-flight calls `grace_s` to finish;
+3. the tick task stops, the store writer drains (every acknowledged change is already
+   durable; this flushes and closes SQLite);
+4. the DHT record publisher stops and the DHT node (a child process) shuts down;
+5. exit 0.
+
+The data dir holds: `coordinator.sqlite3` (the store), `coordinator.key` (Ed25519, mode
+0600, created on first start), `checkpoints/`, and `coordinator.lock`, an advisory lock
+so two daemons never share a data dir. A data dir bound to another run spec is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import os
+import signal
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from bagel.coordinator import sizing
+from bagel.coordinator.checkpoints import CheckpointStore
+from bagel.coordinator.domain import CellConfig
+from bagel.coordinator.metrics import Metrics
+from bagel.coordinator.server import SERVICE_NAME, CoordinatorCore, CoordinatorServicer, ErrorInterceptor
+from bagel.coordinator.spec import RunSpec
+from bagel.coordinator.state import CoordinatorState
+from bagel.coordinator.store import AsyncWriter, Store, StoreError
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol import bagel_pb2_grpc as pb_grpc
+from bagel.protocol.envelope import wall_clock_ms
+from bagel.protocol.grpc_options import server_options
+from bagel.protocol.identity import Identity
+
+log = logging.getLogger(__name__)
+
+KEY_FILE = "coordinator.key"
+LOCK_FILE = "coordinator.lock"
+CELL_CONFIGS_KEY = "cell_configs"
+DEFAULT_TICK_MS = 250
+DEFAULT_GRACE_S = 5.0
+DEFAULT_DHT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+
+
+class DataDirLocked(StoreError):
+    """Another coordinator process holds this data dir."""
+
+
+def _lock_data_dir(data_dir: Path) -> int:
+    fd = os.open(data_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirLocked(f"another coordinator is running on {data_dir} (it holds {LOCK_FILE})") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _advertised(listen: str, port: int, advertise: str | None) -> str:
+    if advertise:
+        return advertise
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+
+
+def load_cell_configs(spec: RunSpec, store: Store) -> list[CellConfig]:
+    """Cell configs bound to the run: computed on the first start, then read from the store."""
+    stored = store.get_kv(CELL_CONFIGS_KEY)
+    if stored is not None:
+        return sizing.configs_from_json(spec, stored)
+    configs = sizing.cell_configs(spec)
+    store.put_kv(CELL_CONFIGS_KEY, sizing.configs_to_json(configs))
+    return configs
+
+
+@dataclass
+class CoordinatorHandle:
+    """A running coordinator (in this process)."""
+
+    spec: RunSpec
+    data_dir: Path
+    port: int
+    endpoint: str
+    identity: Identity
+    core: CoordinatorCore
+    store: Store
+    server: grpc.aio.Server
+    health: Any
+    metrics: Metrics
+    metrics_port: int | None = None
+    dht: Any = None
+    join: str | None = None
+    publisher: Any = None
+    own_dht: bool = False
+    _tick_task: asyncio.Task[None] | None = None
+    _lock_fd: int | None = None
+    _stopped: bool = False
+    fatal: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def state(self) -> CoordinatorState:
+        return self.core.state
+
+    async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
+        """Graceful shutdown (see the module docstring); idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            await self.health.enter_graceful_shutdown()
+            await self.server.stop(grace_s)
+        finally:
+            self.core.accepting = False
+            if self._tick_task is not None:
+                self._tick_task.cancel()
+                await asyncio.gather(self._tick_task, return_exceptions=True)
+            try:
+                await self.core.writer.close()
+            finally:
+                self.store.close()
+                if self.publisher is not None:
+                    await self.publisher.stop()
+                if self.dht is not None and self.own_dht:
+                    await asyncio.to_thread(self.dht.shutdown)
+                self.metrics.stop()
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)  # releases the flock
+
+
+async def start_coordinator(
+    spec: RunSpec,
+    data_dir: str | Path,
+    *,
+    listen: str = "127.0.0.1:0",
+    dht: Any = None,
+    dht_listen: str = DEFAULT_DHT_LISTEN,
+    initial_peers: Sequence[str] = (),
+    advertise: str | None = None,
+    metrics_listen: str | None = None,
+    tick_ms: int = DEFAULT_TICK_MS,
+    cells: Sequence[CellConfig] | None = None,
+    clock: Callable[[], int] = wall_clock_ms,
+) -> CoordinatorHandle:
+    """Start a coordinator in this event loop.
+
+    dht: None = no DHT (tests that only need gRPC), True = start a hivemind DHT node on
+    `dht_listen` bootstrapped from `initial_peers` (owned: shut down by `stop`), or an
+    existing `hivemind.DHT` (not owned). With a DHT, the signed coordinator record is
+    published and refreshed, and `handle.join` is the join string.
+    cells: CellConfigs to use instead of the stored/computed ones (tests; first start only).
+    """
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock_fd = _lock_data_dir(data_dir)
+    store: Store | None = None
+    server: grpc.aio.Server | None = None
+    handle: CoordinatorHandle | None = None
+    try:
+        store = Store.open(data_dir)
+        now = clock()
+        store.bind_spec(spec.run.id, spec.spec_hash, spec.source, now)
+        identity = Identity.load_or_create(data_dir / KEY_FILE)
+        if cells is not None and store.get_kv(CELL_CONFIGS_KEY) is None:
+            store.put_kv(CELL_CONFIGS_KEY, sizing.configs_to_json(cells))
+        configs = await asyncio.to_thread(load_cell_configs, spec, store)
+        snap = store.load()
+        if snap.workers or snap.cells:
+            state = CoordinatorState.restore(
+                spec,
+                configs,
+                workers=snap.workers,
+                cell_records=snap.cells,
+                rounds=snap.rounds,
+                commits=snap.commits,
+                now_ms=now,
+            )
+            log.info("restored %d workers, %d cells, %d open rounds", len(snap.workers), len(snap.cells), len(snap.rounds))
+        else:
+            state = CoordinatorState(spec, configs, now_ms=now)
+            first = state.snapshot()
+            store.write([*first.cells, *first.workers, *first.rounds, *first.commits], now)
+        checkpoints = CheckpointStore(
+            data_dir / "checkpoints", store, keep=spec.checkpoint.keep, max_bytes=spec.checkpoint.max_bytes
+        )
+        metrics = Metrics()
+        metrics_port = None
+        if metrics_listen:
+            host, _, port_s = metrics_listen.rpartition(":")
+            metrics_port = metrics.serve(host or "127.0.0.1", int(port_s))
+        writer = AsyncWriter(store)
+        fatal = asyncio.Event()
+        core = CoordinatorCore(spec, state, writer, checkpoints, metrics, clock=clock, on_fatal=lambda e: fatal.set())
+
+        server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=server_options())
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        reflection.enable_server_reflection(
+            [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+        port = server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {listen}")
+        await server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        endpoint = _advertised(listen, port, advertise)
+        handle = CoordinatorHandle(
+            spec=spec,
+            data_dir=data_dir,
+            port=port,
+            endpoint=endpoint,
+            identity=identity,
+            core=core,
+            store=store,
+            server=server,
+            health=health,
+            metrics=metrics,
+            metrics_port=metrics_port,
+            _lock_fd=lock_fd,
+            fatal=fatal,
+        )
+        handle._tick_task = asyncio.create_task(core.tick_loop(tick_ms), name="bagel-coordinator-tick")
+        if dht is not None and dht is not False:
+            await _start_discovery(handle, dht, dht_listen, initial_peers)
+        return handle
+    except BaseException:
+        if handle is not None:
+            await handle.stop(0)
+        else:
+            if server is not None:
+                await server.stop(0)
+            if store is not None:
+                store.close()
+            os.close(lock_fd)
+        raise
+
+
+async def _start_discovery(handle: CoordinatorHandle, dht: Any, dht_listen: str, initial_peers: Sequence[str]) -> None:
+    from bagel.protocol.discovery import CoordinatorPublisher
+    from bagel.protocol.joinstring import make_join_string
+
+    if dht is True:
+        import hivemind
+
+        handle.dht = await asyncio.to_thread(
+            hivemind.DHT, start=True, host_maddrs=[dht_listen], initial_peers=list(initial_peers)
+        )
+        handle.own_dht = True
+    else:
+        handle.dht = dht
+    spec = handle.spec
+    handle.publisher = CoordinatorPublisher(
+        handle.dht, handle.identity, run_id=spec.run.id, endpoint=handle.endpoint, spec_hash=spec.spec_hash
+    )
+    await handle.publisher.start()
+    maddrs = [str(m) for m in handle.dht.get_visible_maddrs()]
+    handle.join = make_join_string(spec.run.id, handle.identity.public_key, maddrs)
+
+
+# ---------------------------------------------------------------------------- process
+
+
+async def _serve(
+    spec: RunSpec,
+    data_dir: Path,
+    *,
+    grace_s: float,
+    out: Callable[[str], None],
+    **kwargs: Any,
+) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    handle: CoordinatorHandle | None = None
+    try:
+        handle = await start_coordinator(spec, data_dir, **kwargs)
+        out(f"listening: {handle.endpoint}")
+        if handle.metrics_port is not None:
+            out(f"metrics: http://{kwargs.get('metrics_listen', '').rpartition(':')[0] or '127.0.0.1'}:{handle.metrics_port}/metrics")
+        if handle.join is not None:
+            out(f"join: {handle.join}")
+        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(handle.fatal.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+        if handle.fatal.is_set():
+            log.critical("stopping after a store failure: %r", handle.core.fatal)
+            return 1
+        log.info("signal received: draining and shutting down")
+        return 0
+    finally:
+        if handle is not None:
+            await handle.stop(grace_s)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def serve(spec: RunSpec, data_dir: str | Path, *, grace_s: float = DEFAULT_GRACE_S, **kwargs: Any) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status (0 on a clean stop)."""
+    import uvloop
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+
+    return uvloop.run(_serve(spec, Path(data_dir), grace_s=grace_s, out=out, **kwargs))
+
+
+__all__ = ["CoordinatorHandle", "DataDirLocked", "serve", "start_coordinator"]

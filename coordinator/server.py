@@ -1,0 +1,505 @@
+"""The coordinator's grpc.aio shell: verify, validate, translate, apply, persist, reply.
+
+Every worker request takes the same path (design sections 3, 8, 10):
+
+1. `ErrorInterceptor` (the ONE place where exceptions become gRPC statuses) parses the
+   raw request bytes itself, so even an unparseable message gets INVALID_ARGUMENT;
+2. `CoordinatorCore.verify`: the signed envelope (`bagel.protocol.envelope.Verifier`,
+   time from the shell's clock), then every field (`bagel.protocol.validation`);
+3. the servicer translates the payload into a core event (`bagel.coordinator.wire`);
+4. `CoordinatorCore.apply`: `CoordinatorState.apply(now_ms, event)` on the event loop
+   (the pure core is not thread-safe and needs no lock there), then `outcome.effects`
+   go to SQLite in one transaction on the store thread; the reply waits until they, and
+   every earlier batch, are durable. A heartbeat that changed nothing durable waits for
+   nothing and writes nothing: that is the hot path.
+5. the outcome is translated back.
+
+An event the core refuses raises a typed error before it mutates anything, so a
+rejected message never changes state. If SQLite itself fails, memory and disk may
+disagree: the shell stops taking requests (UNAVAILABLE) and asks the daemon to shut
+down, so a restart reloads the durable truth (`CoordinatorCore.fatal`).
+
+Why an interceptor rather than a decorator: grpc.aio's `ServerInterceptor` only sees the
+handler *lookup*, not its exceptions, but it may return a different handler; ours wraps
+each Coordinator method's behaviour (text-generation-inference's interceptor does the
+same), so no handler can forget the mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from bagel.coordinator import domain as d
+from bagel.coordinator import wire
+from bagel.coordinator.checkpoints import (
+    CheckpointCorrupt,
+    CheckpointNotFound,
+    CheckpointRejected,
+    CheckpointStore,
+    CheckpointTooLarge,
+)
+from bagel.coordinator.errors import CoordinatorError, grpc_status_name
+from bagel.coordinator.metrics import Metrics
+from bagel.coordinator.spec import RunSpec, parse_cell
+from bagel.coordinator.state import CoordinatorState
+from bagel.coordinator.store import AsyncWriter
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol import bagel_pb2_grpc as pb_grpc
+from bagel.protocol.envelope import EnvelopeError, Verified, Verifier, wall_clock_ms
+from bagel.protocol.validation import ValidationError, validate
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "bagel.v1.Coordinator"
+_METHOD_PREFIX = f"/{SERVICE_NAME}/"
+
+
+# ---------------------------------------------------------------------------- shell errors
+
+
+class ShellError(Exception):
+    """An error raised by the shell itself; `status` is its gRPC code."""
+
+    status = grpc.StatusCode.INTERNAL
+    reason = "shell"
+
+
+class MalformedMessage(ShellError):
+    status = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "malformed_message"
+
+
+class UploadProtocolError(ShellError):
+    status = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "upload_protocol"
+
+
+class NotAccepting(ShellError):
+    """Shutting down, or stopped after a store failure: try again (another coordinator)."""
+
+    status = grpc.StatusCode.UNAVAILABLE
+    reason = "unavailable"
+
+
+class PermissionedNotSupported(ShellError):
+    status = grpc.StatusCode.UNIMPLEMENTED
+    reason = "permissioned_unsupported"
+
+
+_CHECKPOINT_STATUS: dict[type, tuple[grpc.StatusCode, str]] = {
+    CheckpointTooLarge: (grpc.StatusCode.RESOURCE_EXHAUSTED, "checkpoint_too_large"),
+    CheckpointRejected: (grpc.StatusCode.INVALID_ARGUMENT, "checkpoint_rejected"),
+    CheckpointNotFound: (grpc.StatusCode.NOT_FOUND, "checkpoint_not_found"),
+    CheckpointCorrupt: (grpc.StatusCode.DATA_LOSS, "checkpoint_corrupt"),
+}
+
+
+def _snake(name: str) -> str:
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def classify(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """(status, metric reason, details) for an exception raised while serving a request."""
+    if isinstance(exc, ValidationError):
+        top = exc.field.split(".", 1)[0].split("[", 1)[0]  # bounded label: the top-level field
+        return grpc.StatusCode.INVALID_ARGUMENT, f"invalid_{top}", str(exc)
+    if isinstance(exc, EnvelopeError):
+        return exc.status, _snake(type(exc).__name__), str(exc)
+    if isinstance(exc, CoordinatorError):
+        return grpc.StatusCode[grpc_status_name(exc)], _snake(type(exc).__name__), str(exc) or type(exc).__name__
+    if isinstance(exc, ShellError):
+        return exc.status, exc.reason, str(exc)
+    for cls in type(exc).__mro__:
+        if cls in _CHECKPOINT_STATUS:
+            code, reason = _CHECKPOINT_STATUS[cls]
+            return code, reason, str(exc)
+    return grpc.StatusCode.INTERNAL, "internal", f"internal error ({type(exc).__name__}); see the coordinator log"
+
+
+# ---------------------------------------------------------------------------- interceptor
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every Coordinator handler: request parsing, exception -> status, metrics.
+
+    The wrapped handler receives raw bytes (no request deserializer), parses them itself
+    and turns a DecodeError into INVALID_ARGUMENT (gRPC would answer INTERNAL). Any
+    other unexpected exception becomes INTERNAL with the traceback logged; the daemon
+    keeps serving. Health and reflection handlers pass through untouched.
+    """
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        full = handler_call_details.method
+        cached = self._cache.get(full)
+        if cached is not None:
+            return cached
+        handler = await continuation(handler_call_details)
+        if handler is None or not full.startswith(_METHOD_PREFIX):
+            return handler
+        wrapped = self._wrap(full[len(_METHOD_PREFIX) :], handler)
+        self._cache[full] = wrapped
+        return wrapped
+
+    async def _fail(self, method: str, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+        code, reason, details = classify(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("%s failed:\n%s", method, "".join(traceback.format_exception(exc)))
+        self._metrics.reject(reason)
+        await context.abort(code, details[:1000])
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        deserialize = handler.request_deserializer
+        metrics = self._metrics
+        fail = self._fail
+
+        def parse(raw: bytes) -> Message:
+            try:
+                return deserialize(raw)
+            except DecodeError as e:
+                raise MalformedMessage(f"request does not parse: {e}") from None
+
+        async def parse_stream(raw_iter: AsyncIterator[bytes]) -> AsyncIterator[Message]:
+            async for raw in raw_iter:
+                yield parse(raw)
+
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                t0 = time.perf_counter()
+                code = "OK"
+                try:
+                    return await inner_uu(parse(raw), context)
+                except grpc.aio.AbortError:
+                    code = "ABORTED_BY_HANDLER"
+                    raise
+                except Exception as e:
+                    code = classify(e)[0].name
+                    await fail(method, e, context)
+                finally:
+                    metrics.observe_rpc(method, time.perf_counter() - t0, code)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, request_deserializer=None, response_serializer=handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                t0 = time.perf_counter()
+                code = "OK"
+                try:
+                    async for item in inner_us(parse(raw), context):
+                        yield item
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:
+                    code = classify(e)[0].name
+                    await fail(method, e, context)
+                finally:
+                    metrics.observe_rpc(method, time.perf_counter() - t0, code)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, request_deserializer=None, response_serializer=handler.response_serializer
+            )
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            async def stream_unary(raw_iter: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+                t0 = time.perf_counter()
+                code = "OK"
+                try:
+                    return await inner_su(parse_stream(raw_iter), context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as e:
+                    code = classify(e)[0].name
+                    await fail(method, e, context)
+                finally:
+                    metrics.observe_rpc(method, time.perf_counter() - t0, code)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, request_deserializer=None, response_serializer=handler.response_serializer
+            )
+        return handler  # no stream-stream methods in the Coordinator service
+
+
+# ---------------------------------------------------------------------------- the core shell
+
+
+class CoordinatorCore:
+    """Owns the pure state, the verifier, the durable writer and the metrics bookkeeping."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        state: CoordinatorState,
+        writer: AsyncWriter,
+        checkpoints: CheckpointStore,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.state = state
+        self.writer = writer
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        self.clock = clock
+        self.verifier = Verifier(spec.run.id, max_clock_skew_s=spec.security.max_clock_skew_s)
+        self.accepting = True
+        self.fatal: BaseException | None = None
+        self._on_fatal = on_fatal
+        self._worker_states: dict[str, str] = {}
+        self.heartbeat_interval_ms = int(spec.schedule.heartbeat_s * 1000)
+        for rec in state.snapshot().workers:
+            self._worker_states[rec.worker_id] = rec.state.value
+        self._publish_worker_counts()
+
+    # ------------------------------------------------------------------ request path
+
+    def verify(self, signed: pb.SignedRequest, method: str) -> Verified[Any]:
+        """Envelope then fields; raises EnvelopeError / ValidationError (no state change,
+        except the replay cache remembering a fully valid nonce)."""
+        if not self.accepting:
+            raise NotAccepting("the coordinator is shutting down")
+        verified = self.verifier.verify(signed, method, self.clock())
+        validate(method, verified.message, self.spec)
+        return verified
+
+    async def apply(self, event: d.Event) -> d.Outcome:
+        """Apply one event and make its effects durable before returning."""
+        if not self.accepting:
+            raise NotAccepting("the coordinator is shutting down")
+        now = self.clock()
+        outcome = self.state.apply(now, event)
+        if outcome.effects:
+            fut = self.writer.submit(outcome.effects, now)
+            self._observe(outcome.effects)
+            try:
+                await fut
+            except Exception as e:
+                self._die(e)
+                raise NotAccepting("the coordinator's store failed; it is restarting") from e
+        else:
+            # nothing of ours to write, but the answer may depend on a batch still in flight
+            await self.writer.barrier()
+        return outcome
+
+    def _die(self, exc: BaseException) -> None:
+        if self.fatal is None:
+            log.critical("store write failed; stopping so a restart reloads the durable state: %r", exc)
+            self.fatal = exc
+            self.accepting = False
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
+    def _observe(self, effects: tuple[d.Record, ...]) -> None:
+        workers_changed = False
+        opened = {(r.cell_id, r.round, r.attempt): r.opened_ms for r in effects if isinstance(r, d.RoundRecord)}
+        for rec in effects:
+            if isinstance(rec, d.WorkerRecord):
+                if self._worker_states.get(rec.worker_id) != rec.state.value:
+                    self._worker_states[rec.worker_id] = rec.state.value
+                    workers_changed = True
+            elif isinstance(rec, d.CommitRecord):
+                start = opened.get((rec.cell_id, rec.round, rec.attempt))
+                self.metrics.round_committed(
+                    rec.cell_id, None if start is None else (rec.committed_ms - start) / 1000.0
+                )
+        if workers_changed:
+            self._publish_worker_counts()
+
+    def _publish_worker_counts(self) -> None:
+        counts: dict[str, int] = {}
+        for s in self._worker_states.values():
+            counts[s] = counts.get(s, 0) + 1
+        self.metrics.set_workers(counts)
+
+    async def tick(self) -> None:
+        """One Tick (leases, deadlines), skipped when the core says nothing is due."""
+        if not self.accepting:
+            return
+        wake = self.state.next_wakeup_ms()
+        if wake is not None and wake <= self.clock():
+            await self.apply(d.Tick())
+
+    async def tick_loop(self, period_ms: int) -> None:
+        while True:
+            await asyncio.sleep(period_ms / 1000.0)
+            try:
+                await self.tick()
+            except NotAccepting:
+                return
+            except Exception:  # a core bug must not stop the clock of the whole run
+                log.exception("tick failed")
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> pb.StatusResponse:
+        """The operator view, from the core's records (read-only)."""
+        now = self.clock()
+        snap = self.state.snapshot()
+        out = pb.StatusResponse(run_id=self.spec.run.id, spec_hash=self.spec.spec_hash, now_unix_ms=now)
+        live = getattr(self.state, "worker_live", None)  # phase/lease, if the core exposes them
+        for w in snap.workers:
+            ws = out.workers.add(
+                worker_id=w.worker_id,
+                name=w.profile.name,
+                state=w.state.value,
+                cell_id=w.cell_id,
+                reputation=w.reputation,
+                samples_per_s=float(w.throughput.get(w.cell_id, 0.0)) if w.cell_id else 0.0,
+                vram_bytes=w.profile.vram_bytes,
+                rounds_contributed=w.rounds_contributed,
+            )
+            if live is not None:
+                info = live(w.worker_id)
+                if info is not None:
+                    phase, lease_ms = info
+                    ws.phase = int(phase)  # type: ignore[assignment]
+                    ws.lease_expires_unix_ms = lease_ms
+        members: dict[str, list[str]] = {}
+        compute: dict[str, float] = {}
+        for w in snap.workers:
+            if w.state is d.WorkerState.ACTIVE and w.cell_id:
+                members.setdefault(w.cell_id, []).append(w.worker_id)
+                compute[w.cell_id] = compute.get(w.cell_id, 0.0) + float(w.throughput.get(w.cell_id, 0.0))
+        total = sum(compute.values())
+        open_rounds = {r.cell_id: r for r in snap.rounds if not r.state.terminal}
+        targets = {c.cell_id: c.target_share for c in getattr(self.state, "cells", ())} if hasattr(
+            self.state, "cells"
+        ) else {}
+        for c in snap.cells:
+            r = open_rounds.get(c.cell_id)
+            out.cells.add(
+                cell_id=c.cell_id,
+                kind="router" if parse_cell(c.cell_id) is None else "expert",
+                round=r.round if r else 0,
+                round_state=r.state.value if r else "none",
+                committed_round=c.committed_round,
+                committed_hash=c.committed_hash,
+                members=sorted(members.get(c.cell_id, [])),
+                target_share=float(targets.get(c.cell_id, 0.0)),
+                actual_share=compute.get(c.cell_id, 0.0) / total if total > 0 else 0.0,
+                last_loss=c.last_loss,
+                latest_checkpoint_round=c.checkpoint_round,
+                samples_committed=c.samples_committed,
+            )
+        return out
+
+
+# ---------------------------------------------------------------------------- servicer
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Translates protobuf <-> core events; no decisions are made here."""
+
+    def __init__(self, core: CoordinatorCore) -> None:
+        self.core = core
+
+    async def Register(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        core = self.core
+        v = core.verify(request, "Register")
+        if core.spec.security.mode == "permissioned":
+            # The join-token format is not defined by the protocol layer yet.
+            raise PermissionedNotSupported("permissioned runs (join tokens) are not supported by this coordinator")
+        out = await core.apply(wire.register_event(v.worker_id, v.message))
+        return pb.RegisterResponse(
+            worker_id=v.worker_id,
+            lease_expires_unix_ms=out.lease_expires_ms or 0,
+            heartbeat_interval_ms=core.heartbeat_interval_ms,
+            spec_toml=core.spec.source,
+            spec_hash=core.spec.spec_hash,
+            instruction=wire.instruction_to_pb(out.instruction),
+        )
+
+    async def Heartbeat(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        v = self.core.verify(request, "Heartbeat")
+        out = await self.core.apply(wire.heartbeat_event(v.worker_id, v.message))
+        return pb.HeartbeatResponse(
+            lease_expires_unix_ms=out.lease_expires_ms or 0, instruction=wire.instruction_to_pb(out.instruction)
+        )
+
+    async def ReportRound(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.ReportRoundResponse:
+        v = self.core.verify(request, "ReportRound")
+        out = await self.core.apply(wire.report_event(v.worker_id, v.message))
+        return pb.ReportRoundResponse(
+            verdict=wire.verdict_to_pb(out.verdict),  # type: ignore[arg-type]
+            instruction=wire.instruction_to_pb(out.instruction),
+        )
+
+    async def Leave(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        v = self.core.verify(request, "Leave")
+        await self.core.apply(wire.leave_event(v.worker_id, v.message))
+        return pb.LeaveResponse()
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        return self.core.status()
+
+    async def UploadCheckpoint(
+        self, request_iterator: AsyncIterator[pb.CheckpointUploadChunk], context: grpc.aio.ServicerContext
+    ) -> pb.UploadCheckpointResponse:
+        core = self.core
+        chunks = request_iterator.__aiter__()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            raise UploadProtocolError("empty upload: the first chunk must carry the signed header") from None
+        if first.WhichOneof("kind") != "header":
+            raise UploadProtocolError("the first chunk must carry the signed header")
+        v = core.verify(first.header, "UploadCheckpoint")
+        h: pb.UploadCheckpointHeader = v.message
+        core.state.check_upload(v.worker_id, h.cell_id, h.round, h.state_hash)
+        upload = core.checkpoints.begin_upload(h.cell_id, h.round, h.state_hash, h.total_bytes, h.sha256, v.worker_id)
+        try:
+            async for chunk in chunks:
+                if chunk.WhichOneof("kind") != "data":
+                    raise UploadProtocolError("only the first chunk may carry a header")
+                upload.write(chunk.data)
+            await asyncio.to_thread(upload.verify)
+            # the index lives in SQLite: publish on the store's thread, in order with writes
+            await core.writer.run(upload.publish, core.clock())
+        except BaseException:
+            upload.abort()
+            raise
+        await core.apply(d.CheckpointStored(cell_id=h.cell_id, round=h.round, state_hash=h.state_hash))
+        return pb.UploadCheckpointResponse(stored=True, round=h.round)
+
+    async def DownloadCheckpoint(
+        self, request: pb.SignedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CheckpointDownloadChunk]:
+        core = self.core
+        v = core.verify(request, "DownloadCheckpoint")
+        req: pb.DownloadCheckpointRequest = v.message
+        core.state.instruction_for(v.worker_id, core.clock())  # registered workers only (else NOT_FOUND)
+        meta = core.checkpoints.get(req.cell_id, req.round)
+        yield pb.CheckpointDownloadChunk(
+            info=pb.CheckpointInfo(
+                cell_id=meta.cell_id,
+                round=meta.round,
+                state_hash=meta.state_hash,
+                total_bytes=meta.total_bytes,
+                sha256=meta.sha256,
+            )
+        )
+        gen = core.checkpoints.iter_chunks(meta)
+        while (chunk := await asyncio.to_thread(next, gen, None)) is not None:
+            yield pb.CheckpointDownloadChunk(data=chunk)

@@ -1,0 +1,126 @@
+"""Per-cell sizes and compute targets for the scheduler, computed once per run by the shell.
+
+The pure core takes `CellConfig(cell_id, memory_bytes, target_share, payload_bytes)`; this
+module derives them from the run spec (design section 5):
+
+- **memory_bytes**: `bagel.models.experts.cell_memory_bytes` (closed form: parameters x the
+  float32 copies a training cell keeps, plus activations) at the spec's
+  `diloco.max_micro_batch`. The largest micro-batch the scheduler may hand out is the
+  conservative choice: a cell that "fits" must fit whatever batch shape the member gets.
+- **payload_bytes**: the encoded size of one pseudo-gradient (parameter count through the
+  run's codec's exact `encoded_nbytes`), for the communication-time estimate.
+- **target_share**: proportional to cluster size x timestep-range mass. Ranges are
+  equal-probability quantiles of the training t-density (`bagel.models.flow`), so each range
+  has mass 1/R; cluster sizes come from the run's deterministic k-means manifest. The
+  router cell gets a small fixed share (`ROUTER_SHARE`): it is a small classifier.
+
+Loading the dataset and importing torch take seconds, so the daemon computes this on the
+first start only and keeps the result in its store (the configs are part of the run, like
+the spec); `fallback=True` replaces a failure (e.g. a folder dataset not present on the
+coordinator host) by uniform cluster sizes, logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+from bagel.coordinator.domain import CellConfig
+from bagel.coordinator.spec import ROUTER_CELL, RunSpec, parse_cell
+
+log = logging.getLogger(__name__)
+
+ROUTER_SHARE = 0.1  # of total compute, when the run trains a router
+
+
+def cell_targets(spec: RunSpec, cluster_sizes: Sequence[int] | None) -> dict[str, float]:
+    """Target compute shares (sum 1): cluster size x range mass; the router gets ROUTER_SHARE."""
+    k, r = spec.data.clusters, spec.cells.timestep_ranges
+    sizes = list(cluster_sizes) if cluster_sizes is not None else [1] * k
+    if len(sizes) != k or sum(sizes) <= 0 or min(sizes) < 0:
+        raise ValueError(f"cluster sizes {sizes} do not fit data.clusters={k}")
+    expert_total = 1.0 - (ROUTER_SHARE if spec.cells.router else 0.0)
+    total = float(sum(sizes))
+    out: dict[str, float] = {}
+    for cell in spec.cell_ids:
+        parsed = parse_cell(cell)
+        if parsed is None:
+            out[cell] = ROUTER_SHARE
+        else:
+            cluster, _range = parsed
+            out[cell] = expert_total * (sizes[cluster] / total) / r
+    return out
+
+
+def cluster_sizes(spec: RunSpec) -> list[int]:
+    """Training samples per cluster, from the run's k-means manifest (loads the dataset)."""
+    import numpy as np
+
+    from bagel.models.data import cluster_manifest
+
+    manifest = cluster_manifest(spec)
+    return [int(n) for n in np.bincount(manifest.train_labels, minlength=spec.data.clusters)]
+
+
+def _param_count(spec: RunSpec, cell_id: str) -> int:
+    from bagel.models import dit, experts, router, unet
+
+    cfg = experts.cell_config(spec, cell_id)
+    if isinstance(cfg, dit.DiTConfig):
+        return dit.param_count(cfg)
+    if isinstance(cfg, unet.UNetConfig):
+        return unet.param_count(cfg)
+    return router.param_count(cfg)
+
+
+def cell_configs(spec: RunSpec, *, sizes: Sequence[int] | None = None, fallback: bool = True) -> list[CellConfig]:
+    """CellConfigs of every cell of the run (see the module docstring)."""
+    from bagel.compression import get_codec
+    from bagel.models.experts import cell_memory_bytes
+
+    if sizes is None:
+        try:
+            sizes = cluster_sizes(spec)
+        except Exception as e:
+            if not fallback:
+                raise
+            log.warning("cluster sizes unavailable (%s); using uniform compute targets", e)
+            sizes = None
+    targets = cell_targets(spec, sizes)
+    codec = get_codec(spec.diloco.codec)
+    out = []
+    for cell in spec.cell_ids:
+        memory = cell_memory_bytes(spec, cell, spec.diloco.max_micro_batch)
+        payload = codec.encoded_nbytes(_param_count(spec, cell))
+        out.append(CellConfig(cell_id=cell, memory_bytes=memory, target_share=targets[cell], payload_bytes=payload))
+    return out
+
+
+def configs_to_json(configs: Sequence[CellConfig]) -> list[dict[str, object]]:
+    return [
+        {"cell_id": c.cell_id, "memory_bytes": c.memory_bytes, "target_share": c.target_share,
+         "payload_bytes": c.payload_bytes}
+        for c in configs
+    ]
+
+
+def configs_from_json(spec: RunSpec, data: object) -> list[CellConfig]:
+    """Stored configs back; ValueError if they do not name exactly the spec's cells."""
+    if not isinstance(data, list):
+        raise ValueError("stored cell configs are not a list")
+    configs = [
+        CellConfig(
+            cell_id=str(d["cell_id"]),
+            memory_bytes=int(d["memory_bytes"]),
+            target_share=float(d["target_share"]),
+            payload_bytes=int(d["payload_bytes"]),
+        )
+        for d in data
+        if isinstance(d, Mapping)
+    ]
+    if [c.cell_id for c in configs] != list(spec.cell_ids):
+        raise ValueError("stored cell configs do not match the spec's cells")
+    return configs
+
+
+__all__ = ["ROUTER_CELL", "ROUTER_SHARE", "cell_configs", "cell_targets", "cluster_sizes"]
