@@ -96,8 +96,11 @@ class CoordinatorClient:
 
     async def call(self, method: str, request: Message, *, timeout_s: float | None = None) -> Message:
         """Sign `request` and send it to unary RPC `method` ("Register", "Heartbeat", ...)."""
-        rpc = getattr(self._stub, method)
-        return await rpc(self.sign(method, request), timeout=timeout_s or self.timeout_s)
+        return await self.send(method, self.sign(method, request), timeout_s=timeout_s)
+
+    async def send(self, method: str, signed: pb.SignedRequest, *, timeout_s: float | None = None) -> Message:
+        """Send an already built envelope to unary RPC `method` (tests forge envelopes with it)."""
+        return await getattr(self._stub, method)(signed, timeout=timeout_s or self.timeout_s)
 
     async def wait_for_ready(self, timeout_s: float = 30.0) -> None:
         """Wait until the channel is connected; asyncio.TimeoutError after `timeout_s`."""

@@ -56,6 +56,20 @@ PEER_ID_RE = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,128}")
 MADDR_RE = re.compile(r"/[\x21-\x7e]*")  # printable ASCII, no spaces, starts with "/"
 
 
+_CELLS: dict[int, tuple[RunSpec, frozenset[str]]] = {}
+
+
+def _cells_of(spec: RunSpec) -> frozenset[str]:
+    # spec.cell_ids rebuilds a tuple on every call; the coordinator validates thousands
+    # of messages a second against one spec, so keep its cell set (keyed by identity).
+    entry = _CELLS.get(id(spec))
+    if entry is None or entry[0] is not spec:
+        if len(_CELLS) > 64:
+            _CELLS.clear()
+        entry = _CELLS[id(spec)] = (spec, frozenset(spec.cell_ids))
+    return entry[1]
+
+
 class ValidationError(ValueError):
     """A request field is missing or out of range; maps to gRPC INVALID_ARGUMENT."""
 
@@ -103,7 +117,7 @@ def _cell(field: str, value: str, spec: RunSpec, *, required: bool) -> None:
         if required:
             raise ValidationError(field, "required")
         return
-    if value not in spec.cell_ids:
+    if value not in _cells_of(spec):
         raise ValidationError(field, f"{value[:40]!r} is not a cell of this run")
 
 
@@ -144,11 +158,12 @@ def _profile(field: str, profile: pb.WorkerProfile, spec: RunSpec) -> None:
     _int(f"{field}.vram_bytes", profile.vram_bytes, 0, MAX_VRAM_BYTES)
     _int(f"{field}.num_devices", profile.num_devices, 0, MAX_DEVICES)
     _float(f"{field}.link_bandwidth_bytes_per_s", profile.link_bandwidth_bytes_per_s, 0.0, MAX_BANDWIDTH_BYTES_PER_S)
-    if len(profile.samples_per_s) > len(spec.cell_ids):
+    cells = _cells_of(spec)
+    if len(profile.samples_per_s) > len(cells):
         raise ValidationError(f"{field}.samples_per_s", f"more entries than cells ({len(profile.samples_per_s)})")
     for cell_id in sorted(profile.samples_per_s):  # sorted: the reported field is deterministic
         name = f"{field}.samples_per_s[{cell_id[:40]}]"
-        if cell_id not in spec.cell_ids:
+        if cell_id not in cells:
             raise ValidationError(name, "not a cell of this run")
         _float(name, profile.samples_per_s[cell_id], 0.0, MAX_SAMPLES_PER_S)
     _text(f"{field}.software_version", profile.software_version, MAX_VERSION_CHARS)

@@ -165,6 +165,14 @@ async def test_repeated_calls_use_fresh_nonces(client):
         await client.heartbeat(pb.PHASE_IDLE)
 
 
+async def test_send_forged_envelope(client):
+    signed = client.sign("Heartbeat", pb.HeartbeatRequest(phase=pb.PHASE_IDLE))
+    await client.send("Heartbeat", signed)
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # the same envelope again: a replay
+        await client.send("Heartbeat", signed)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
 async def test_server_rejections_surface_as_status_codes(server, client):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await client.heartbeat(pb.PHASE_TRAINING, cell_id="k9.r9", round=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import hivemind
@@ -283,3 +284,23 @@ async def test_validator_refuses_forgery_under_coordinator_subkey():
     finally:
         for dht in reversed(dhts):
             dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+async def test_publisher_refreshes_before_expiry():
+    """With a 0.9 s TTL the record is still resolvable well after the first one expired."""
+    coord = Identity.generate()
+    dht = _start(validators=[CoordinatorRecordValidator(RUN, coord.public_key)])
+    try:
+        info = parse_join_string(make_join_string(RUN, coord.public_key, _maddrs(dht)))
+        async with CoordinatorPublisher(dht, coord, run_id=RUN, endpoint="127.0.0.1:7002",
+                                        spec_hash=SPEC_HASH, ttl_s=0.9) as publisher:
+            first = publisher.record
+            await asyncio.sleep(2.0)
+            record, refused = await lookup_coordinator(dht, info)
+            assert publisher.publishes >= 3
+            assert get_dht_time() > first.expires_at  # the first record alone would be gone
+            assert record is not None and record.issued_at > first.issued_at, refused
+        assert publisher._task is None
+    finally:
+        dht.shutdown()
