@@ -147,6 +147,7 @@ class CoordinatorClient:
         samples: int = 0,
         local: pb.LocalState | None = None,
         reduce_attempt: int = 0,
+        round_attempt: int = 0,
         timeout_s: float | None = None,
     ) -> pb.HeartbeatResponse:
         req = pb.HeartbeatRequest(
@@ -158,6 +159,7 @@ class CoordinatorClient:
             samples=samples,
             local=local or pb.LocalState(),
             reduce_attempt=reduce_attempt,
+            round_attempt=round_attempt,
         )
         return await self.call("Heartbeat", req, timeout_s=timeout_s)  # type: ignore[return-value]
 

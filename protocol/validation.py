@@ -32,6 +32,7 @@ from bagel.protocol import bagel_pb2 as pb
 # Bounds on values no honest worker comes near; they keep arithmetic and storage sane.
 MAX_ROUND = 1 << 40
 MAX_REDUCE_ATTEMPT = 1000
+MAX_ROUND_ATTEMPT = 1 << 20  # re-runs of one round number after aborts
 MAX_SAMPLES = 1 << 40
 MAX_LOSS = 1e12
 MAX_VRAM_BYTES = 1 << 50  # 1 PiB
@@ -201,6 +202,7 @@ def validate_heartbeat(req: pb.HeartbeatRequest, spec: RunSpec) -> None:
     _int("samples", req.samples, 0, MAX_SAMPLES)
     _local("local", req.local, spec)
     _int("reduce_attempt", req.reduce_attempt, 0, MAX_REDUCE_ATTEMPT)
+    _int("round_attempt", req.round_attempt, 0, MAX_ROUND_ATTEMPT)
 
 
 def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:

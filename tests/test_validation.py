@@ -130,6 +130,8 @@ BAD = [
     ("Heartbeat", "local.state_hash", "abc", "local.state_hash"),
     ("Heartbeat", "reduce_attempt", -1, "reduce_attempt"),
     ("Heartbeat", "reduce_attempt", 1001, "reduce_attempt"),
+    ("Heartbeat", "round_attempt", -1, "round_attempt"),
+    ("Heartbeat", "round_attempt", (1 << 20) + 1, "round_attempt"),
     ("ReportRound", "cell_id", "", "cell_id"),
     ("ReportRound", "cell_id", "k0.r2", "cell_id"),
     ("ReportRound", "round", 0, "round"),
