@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import grpc
+from cryptography.exceptions import InvalidSignature
 from google.protobuf.message import DecodeError, Message
 
 from bagel.protocol import bagel_pb2 as pb
@@ -246,7 +247,7 @@ class Verifier:
         payload = signed.payload
         try:
             key.verify(signature, payload)
-        except Exception:  # cryptography raises InvalidSignature
+        except InvalidSignature:
             raise BadSignature("signature does not verify over the payload") from None
 
         message = payload_type()

@@ -128,6 +128,13 @@ class Identity:
             path.unlink(missing_ok=True)
             raise
         os.close(fd)
+        # Make the new directory entry durable too: a worker that lost its key in a crash
+        # would come back under another worker id.
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     @classmethod
     def load(cls, path: str | Path) -> Identity:

@@ -316,3 +316,54 @@ async def test_wait_for_ready_times_out_without_server():
     async with CoordinatorClient("127.0.0.1:1", Identity.generate(), RUN) as c:
         with pytest.raises(asyncio.TimeoutError):
             await c.wait_for_ready(0.3)
+
+
+def _self_signed_cert() -> tuple[bytes, bytes]:
+    """(key PEM, cert PEM) for 127.0.0.1, valid for a day."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bagel-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return key_pem, cert.public_bytes(serialization.Encoding.PEM)
+
+
+async def test_tls_channel():
+    key_pem, cert_pem = _self_signed_cert()
+    srv = grpc.aio.server(options=grpc_options.server_options())
+    pb_grpc.add_CoordinatorServicer_to_server(EchoServicer(), srv)
+    port = srv.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key_pem, cert_pem)]))
+    await srv.start()
+    try:
+        async with CoordinatorClient(f"127.0.0.1:{port}", Identity.generate(), RUN, tls=cert_pem) as c:
+            resp = await c.heartbeat(pb.PHASE_IDLE)
+            assert resp.instruction.order == pb.ORDER_WAIT
+        _, other_cert = _self_signed_cert()  # a client that trusts another certificate refuses
+        async with CoordinatorClient(f"127.0.0.1:{port}", Identity.generate(), RUN, tls=other_cert,
+                                     timeout_s=3.0) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.heartbeat(pb.PHASE_IDLE)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await srv.stop(grace=None)
