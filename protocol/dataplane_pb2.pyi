@@ -69,7 +69,7 @@ class Exclusion(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReducedHeader(_message.Message):
-    __slots__ = ("status", "reason", "tag", "part", "payload_nbytes", "included", "excluded", "total_weight", "reducer_rule")
+    __slots__ = ("status", "reason", "tag", "part", "payload_nbytes", "included", "excluded", "total_weight", "reducer_rule", "missing")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class ReducedHeader(_message.Message):
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     REDUCER_RULE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: str
     tag: ExchangeTag
@@ -88,7 +89,8 @@ class ReducedHeader(_message.Message):
     excluded: _containers.RepeatedCompositeFieldContainer[Exclusion]
     total_weight: float
     reducer_rule: str
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., tag: _Optional[_Union[ExchangeTag, _Mapping]] = ..., part: _Optional[int] = ..., payload_nbytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[_Union[Exclusion, _Mapping]]] = ..., total_weight: _Optional[float] = ..., reducer_rule: _Optional[str] = ...) -> None: ...
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., tag: _Optional[_Union[ExchangeTag, _Mapping]] = ..., part: _Optional[int] = ..., payload_nbytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[_Union[Exclusion, _Mapping]]] = ..., total_weight: _Optional[float] = ..., reducer_rule: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("run_id", "cell_id", "committed_round", "state_hash")

@@ -11,10 +11,24 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import hivemind
+import pytest
+import torch
 
 from bagel.worker.averaging import Contributor, DataPlane
 
 RUN_ID = "test-run"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_shm_manager():  # noqa: ANN201
+    """Start torch's shared-memory manager before the per-test leak check looks.
+
+    hivemind's MPFuture shares memory through torch with the file_system strategy, which
+    spawns one `torch_shm_manager` child for the whole process on first use: not a leak of
+    any one test (tests/test_discovery.py does the same). Import this into a test module.
+    """
+    torch.empty(1).share_memory_()
+    yield
 
 
 @dataclass

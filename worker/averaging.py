@@ -243,7 +243,8 @@ class _Session:
     codec: Codec
     reducer: Reducer
     layout: Layout
-    deadline: float  # event-loop time
+    deadline: float  # event-loop time: the caller's deadline
+    reduce_deadline: float  # a little earlier: the verdict on missing contributions reaches everyone in time
     accepted: dict[str, tuple[float, torch.Tensor]] = field(default_factory=dict)
     digests: dict[str, bytes] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
@@ -303,9 +304,10 @@ class _Session:
             return f"payload of {h.payload_nbytes} bytes, limit {c.encoded_nbytes(self.numel)}"
         return ""
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, missing: Sequence[str] = ()) -> None:
         if not self.result.done():
-            self.result.set_result((dp.ReducedHeader(status=dp.STATUS_FAILED, reason=reason, tag=self.tag, part=self.index), b""))
+            header = dp.ReducedHeader(status=dp.STATUS_FAILED, reason=reason, tag=self.tag, part=self.index, missing=sorted(missing))
+            self.result.set_result((header, b""))
 
 
 # ---------------------------------------------------------------- the data plane
@@ -342,6 +344,7 @@ class DataPlane:
         self._session_added = asyncio.Condition()
         self._pending = 0
         self._started = False
+        self._closed = False
 
     @property
     def peer_id(self) -> str:
@@ -353,8 +356,11 @@ class DataPlane:
             self._started = True
 
     async def close(self) -> None:
+        self._closed = True
         for s in list(self._sessions.values()):
             s.fail("the reducer is shutting down")
+        async with self._session_added:  # wake streams waiting for an exchange: they are refused
+            self._session_added.notify_all()
         if self._started:
             self._started = False
             try:
@@ -426,7 +432,10 @@ class DataPlane:
         payloads, own_decoded = await asyncio.to_thread(_encode_parts, codec_obj, flat, bounds, gen_key, abstained)
 
         key = (cell_id, round, round_attempt, reduce_attempt)
-        session = _Session(tag, worker_id, members, index, bounds, codec_obj, self.reducer, layout, deadline)
+        # Reducers give up on missing contributions a little before the caller's deadline, so
+        # every contributor learns *who* was missing instead of just timing out on each other.
+        reduce_deadline = deadline - min(1.0, 0.2 * timeout_s)
+        session = _Session(tag, worker_id, members, index, bounds, codec_obj, self.reducer, layout, deadline, reduce_deadline)
         self._sessions[key] = session
         self._finished.pop(key, None)
         self._latest[cell_id] = max(self._latest.get(cell_id, key[1:]), key[1:])
@@ -450,11 +459,14 @@ class DataPlane:
                 )
                 tasks[j] = asyncio.create_task(self._exchange_part(c, header, payloads[j], codec_obj, client_bytes))
         try:
-            async with asyncio.timeout_at(deadline):
-                done = await asyncio.gather(*tasks.values())
-        except TimeoutError:
+            await asyncio.wait(tasks.values(), timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks.values():  # a definite failure (rejection, reducer failure) wins over a timeout
+                if t.done() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
             late = [members[j].worker_id for j, t in tasks.items() if not t.done() and j != index]
-            raise ExchangeTimeout(set(late) | (set(session.missing()) - {worker_id})) from None
+            if late or not tasks[index].done():
+                raise ExchangeTimeout(set(late) | (set(session.missing()) - {worker_id}))
+            done = [t.result() for t in tasks.values()]
         finally:
             for t in (*tasks.values(), dial):
                 t.cancel()
@@ -505,7 +517,12 @@ class DataPlane:
         """Wait for every contribution to our part, aggregate, encode once, decode what we send."""
         if s.numel == 0:
             return torch.zeros(0), dp.ReducedHeader(status=dp.STATUS_OK, tag=s.tag, part=s.index)
-        await s.complete.wait()
+        try:
+            await asyncio.wait_for(s.complete.wait(), max(0.0, s.reduce_deadline - asyncio.get_running_loop().time()))
+        except TimeoutError:
+            missing = s.missing()
+            s.fail(f"no contribution to part {s.index} from {missing}", missing)
+            raise ExchangeTimeout(missing, f"at our part {s.index}") from None
         names = sorted(s.accepted)
         if not names:
             s.fail(f"no valid contribution to part {s.index}: {s.excluded}")
@@ -552,6 +569,8 @@ class DataPlane:
             counters[1] += n
             if reply.status == dp.STATUS_REJECTED:
                 raise ContributionRejected(c.worker_id, reply.reason)
+            if reply.status == dp.STATUS_FAILED and reply.missing:
+                raise ExchangeTimeout(reply.missing, f"reported by reducer {c.worker_id} of part {header.part}")
             if reply.status != dp.STATUS_OK:
                 raise ExchangeFailed(f"reducer {c.worker_id} (part {header.part}) failed: {reply.reason}")
             limit = codec.encoded_nbytes(header.part_numel)
@@ -590,6 +609,10 @@ class DataPlane:
                 pass
         except (*_RETRYABLE, TimeoutError) as e:
             log.debug("part stream from %s ended: %s", info.peer_id, e)
+        except asyncio.CancelledError:
+            # the P2P client is closing under us: end this stream's task quietly (it is the top
+            # of its task, so nothing above waits for the cancellation)
+            log.debug("part stream from %s cancelled at shutdown", info.peer_id)
         finally:
             writer.close()
 
@@ -613,13 +636,16 @@ class DataPlane:
             self._pending += 1
             try:
                 async with self._session_added:
-                    await asyncio.wait_for(self._session_added.wait_for(lambda: lookup() is not None), self.pending_wait_s)
+                    await asyncio.wait_for(
+                        self._session_added.wait_for(lambda: self._closed or lookup() is not None), self.pending_wait_s
+                    )
             except TimeoutError:
                 raise _Reject(f"unknown exchange {key}: not started here within {self.pending_wait_s}s") from None
             finally:
                 self._pending -= 1
             s = lookup()
-            assert s is not None
+            if s is None:
+                raise _Reject("this peer is shutting down")
         if tag.group_digest != s.tag.group_digest:
             raise _Reject("a different contributor set for this exchange")
         return s
