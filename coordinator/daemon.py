@@ -177,7 +177,15 @@ async def start_coordinator(
     store: Store | None = None
     server: grpc.aio.Server | None = None
     handle: CoordinatorHandle | None = None
+    own_dht = None
     try:
+        if dht is True:
+            # before any gRPC server thread exists: hivemind forks its DHT process
+            import hivemind
+
+            own_dht = dht = await asyncio.to_thread(
+                hivemind.DHT, start=True, host_maddrs=[dht_listen], initial_peers=list(initial_peers)
+            )
         store = Store.open(data_dir)
         now = clock()
         store.bind_spec(spec.run.id, spec.spec_hash, spec.source, now)
@@ -245,7 +253,8 @@ async def start_coordinator(
         )
         handle._tick_task = asyncio.create_task(core.tick_loop(tick_ms), name="bagel-coordinator-tick")
         if dht is not None and dht is not False:
-            await _start_discovery(handle, dht, dht_listen, initial_peers)
+            handle.dht, handle.own_dht = dht, own_dht is not None
+            await _publish(handle)
         return handle
     except BaseException:
         if handle is not None:
@@ -255,23 +264,17 @@ async def start_coordinator(
                 await server.stop(0)
             if store is not None:
                 store.close()
+            if own_dht is not None:
+                await asyncio.to_thread(own_dht.shutdown)
             os.close(lock_fd)
         raise
 
 
-async def _start_discovery(handle: CoordinatorHandle, dht: Any, dht_listen: str, initial_peers: Sequence[str]) -> None:
+async def _publish(handle: CoordinatorHandle) -> None:
+    """Publish the signed coordinator record (refreshed in the background); set the join string."""
     from bagel.protocol.discovery import CoordinatorPublisher
     from bagel.protocol.joinstring import make_join_string
 
-    if dht is True:
-        import hivemind
-
-        handle.dht = await asyncio.to_thread(
-            hivemind.DHT, start=True, host_maddrs=[dht_listen], initial_peers=list(initial_peers)
-        )
-        handle.own_dht = True
-    else:
-        handle.dht = dht
     spec = handle.spec
     handle.publisher = CoordinatorPublisher(
         handle.dht, handle.identity, run_id=spec.run.id, endpoint=handle.endpoint, spec_hash=spec.spec_hash

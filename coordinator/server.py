@@ -292,6 +292,7 @@ class CoordinatorCore:
         outcome = self.state.apply(now, event)
         if outcome.effects:
             fut = self.writer.submit(outcome.effects, now)
+            self.metrics.store_writes.inc()
             self._observe(outcome.effects)
             try:
                 await fut
