@@ -15,8 +15,22 @@ from pathlib import Path
 import pytest
 
 
+# torch starts one `torch_shm_manager` per process the first time a tensor is shared
+# (hivemind's DHT does this); it lives for the whole session by design. Killing it breaks
+# every later DHT in the session ("Broken pipe"), so it is not counted as a leak.
+_SESSION_HELPERS = (b"torch_shm_manager",)
+
+
+def _is_session_helper(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return any(name in cmdline for name in _SESSION_HELPERS)
+
+
 def _children(pid: int) -> set[int]:
-    """Live (non-zombie) descendants of pid, read from /proc."""
+    """Live (non-zombie) descendants of pid, read from /proc, minus session-wide helpers."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -37,7 +51,7 @@ def _children(pid: int) -> set[int]:
             if parent == p and child not in out:
                 out.add(child)
                 frontier.append(child)
-    return out
+    return {p for p in out if not _is_session_helper(p)}
 
 
 def _kill(pids: set[int]) -> None:
@@ -63,4 +77,18 @@ def no_leaked_processes():
 
 
 def pytest_sessionfinish(session, exitstatus):
-    _kill(_children(os.getpid()))
+    _kill(_all_descendants(os.getpid()))
+
+
+def _all_descendants(pid: int) -> set[int]:
+    """Every live descendant, session helpers included (for the final reaping)."""
+    found: set[int] = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _is_session_helper(int(entry.name)):
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                found.add(int(entry.name))
+    return found | _children(pid)
