@@ -58,7 +58,9 @@ class DiTConfig:
 
 
 # name -> (hidden, depth, heads, patch). tiny/mini are ours (CPU-sized); S/B/L/XL are the
-# DiT paper's shapes (Table 1), each with patch 2, 4 or 8.
+# DiT paper's shapes (Table 1), each with patch 2, 4 or 8. tiny uses patch 4: on 8x8 digits
+# that is 4 tokens of 16 pixels, 4x cheaper per step than patch 2, and in our runs it
+# reached 97-98% class accuracy after 1500 steps of batch 128 (bench/experts_vs_monolith.py).
 _SHAPES: dict[str, tuple[int, int, int]] = {
     "S": (384, 12, 6),
     "B": (768, 12, 12),
@@ -66,7 +68,7 @@ _SHAPES: dict[str, tuple[int, int, int]] = {
     "XL": (1152, 28, 16),
 }
 PRESETS: dict[str, tuple[int, int, int, int]] = {
-    "tiny": (96, 4, 4, 2),
+    "tiny": (96, 4, 4, 4),
     "mini": (192, 6, 6, 2),
 }
 for _name, (_h, _d, _nh) in _SHAPES.items():

@@ -1,0 +1,225 @@
+"""Experts vs monolith: a 2 clusters x 2 ranges grid of cells plus a router, against one
+monolithic DiT, trained on CPU from the same data with the same total sample-steps.
+
+(a) monolith: one tiny-preset DiT on all training images and all t (logit-normal t);
+(b) experts: every expert cell of the run spec (default examples/digits-2x2.toml) trained
+    independently on its cluster and its widened t-range, plus the router cell; the budget
+    is split over cells in proportion to cluster size x range mass (design section 5), after
+    a share for the router. Each expert trains with a batch of batch / (#expert cells), so it
+    takes about as many optimizer steps as the monolith on a quarter of the samples per step.
+Both are sampled with the same noise, labels and ODE sampler, and compared on held-out
+flow-matching loss per t-bucket, digits-FD, class accuracy of conditional samples and a
+nearest-neighbour memorisation check (Decentralized Diffusion Models, McAllister et al.
+2025, report experts matching or beating a monolith at equal compute).
+
+Prints a table, writes `--json FILE` and the two sample grids as PNG. Not a test.
+    .venv/bin/python bench/experts_vs_monolith.py --json bench/out/experts_vs_monolith.json
+    .venv/bin/python bench/experts_vs_monolith.py --quick      # smoke run, about a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bagel.coordinator.spec import ROUTER_CELL, load_spec, parse_cell
+from bagel.models import compose, experts, flow, train
+from bagel.models import evaluate as ev
+from bagel.models.data import derive_seed, load_dataset
+
+BUCKETS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--spec", default="examples/digits-2x2.toml", help="run spec (digits source)")
+    p.add_argument("--json", default="", help="write the results to this JSON file")
+    p.add_argument("--out-dir", default="bench/out", help="folder for the two PNG sample grids")
+    p.add_argument("--steps", type=int, default=1500, help="monolith optimizer steps")
+    p.add_argument("--batch", type=int, default=128, help="monolith batch; sample-steps = steps x batch")
+    p.add_argument("--router-share", type=float, default=0.1, help="share of the sample-steps for the router")
+    p.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate")
+    p.add_argument("--ema", type=float, default=0.995, help="EMA decay of the sampled weights (0 = none)")
+    p.add_argument("--sampler", choices=["euler", "heun"], default="euler")
+    p.add_argument("--sampler-steps", type=int, default=32, help="ODE steps per sample")
+    p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1 = none)")
+    p.add_argument("--per-class", type=int, default=100, help="conditional samples per class")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="smoke run: 150 steps, 20 samples per class")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.per_class, args.sampler_steps = 150, 20, 16
+    return args
+
+
+def _cell_shares(spec, ds) -> dict[str, float]:
+    """Share of the expert budget of each expert cell: cluster size x range mass."""
+    sizes = {k: len(ds.manifest.members(k)) for k in range(spec.data.clusters)}
+    total = sum(sizes.values()) * spec.cells.timestep_ranges
+    shares = {}
+    for cell in spec.expert_cells:
+        k, _ = parse_cell(cell)
+        shares[cell] = sizes[k] / total
+    return shares
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = load_spec(args.spec)
+    if spec.data.source != "digits" or spec.model.num_classes != 10:
+        raise SystemExit("this benchmark needs the digits source with 10 classes")
+    nc = spec.model.num_classes
+    ds = load_dataset(spec)
+    out_dir = Path(args.out_dir)
+    timings: dict[str, float] = {}
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    budget = args.steps * args.batch
+
+    t0 = time.perf_counter()
+    clf = ev.train_classifier(ds.x_train, ds.y_train, epochs=20, seed=args.seed)
+    held_pred, _ = ev.classify(clf, ds.x_heldout)
+    clf_acc = float((held_pred == ds.y_heldout).float().mean())
+    timings["classifier_s"] = time.perf_counter() - t0
+    log(f"digits classifier: held-out accuracy {clf_acc:.3f} ({timings['classifier_s']:.0f}s)")
+
+    # (a) the monolith: the expert architecture, all data, all t.
+    t0 = time.perf_counter()
+    c = spec.cells
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed("init", spec.run.seed, "monolith"))
+        mono = experts.build(experts.expert_config(spec.model.arch, spec.model.preset, spec.model.image_size,
+                                                   spec.model.channels, nc))
+
+    def mono_loss(model, x, y, gen):
+        return flow.rf_loss(model, x, y, gen, t_mean=c.t_mean, t_std=c.t_std,
+                            label_dropout=experts.LABEL_DROPOUT, null_label=nc)
+
+    res = train.train(mono, mono_loss, ds.x_train, ds.y_train, steps=args.steps, batch_size=args.batch,
+                      lr=args.lr, ema=args.ema, warmup=100, seed=args.seed, log_every=max(1, args.steps // 5),
+                      log=lambda m: log(f"  monolith {m}"))
+    mono_model, mono_steps = res.model, res.sample_steps
+    timings["monolith_train_s"] = time.perf_counter() - t0
+    log(f"monolith: {mono_steps} sample-steps ({timings['monolith_train_s']:.0f}s)")
+
+    # (b) the grid of cells and the router, each trained on its own.
+    t0 = time.perf_counter()
+    shares = _cell_shares(spec, ds)
+    expert_budget = budget * (1.0 - args.router_share) if spec.cells.router else budget
+    expert_batch = max(1, args.batch // len(spec.expert_cells))
+    cells: dict[tuple[int, int], torch.nn.Module] = {}
+    cell_report: dict[str, dict] = {}
+    expert_steps = 0
+    for cell in spec.expert_cells:
+        task = experts.cell_task(spec, cell)
+        x, y = task.train_data()
+        steps = max(1, round(expert_budget * shares[cell] / expert_batch))
+        r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch, lr=args.lr,
+                        ema=args.ema, warmup=100, seed=derive_seed(args.seed, cell) % 2**31,
+                        log_every=max(1, steps // 2), log=lambda m, cell=cell: log(f"  {cell} {m}"))
+        expert_steps += r.sample_steps
+        cells[(task.cluster, task.trange)] = r.model
+        xh, yh = task.heldout_data()
+        cell_report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,
+                             "sample_steps": r.sample_steps, "t_range": task.train_range,
+                             "heldout_loss": task.eval_loss(r.model, xh, yh, seed=1)}
+    router_model = None
+    if spec.cells.router:
+        task = experts.cell_task(spec, ROUTER_CELL)
+        x, y = task.train_data()
+        steps = max(1, round(budget * args.router_share / args.batch))
+        r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=args.batch, lr=args.lr,
+                        seed=args.seed, log_every=max(1, steps // 2), log=lambda m: log(f"  router {m}"))
+        expert_steps += r.sample_steps
+        router_model = r.model
+        xh, yh = task.heldout_data()
+        cell_report[ROUTER_CELL] = {"steps": steps, "batch": args.batch, "sample_steps": r.sample_steps,
+                                    "heldout_ce": task.eval_loss(router_model, xh, yh, seed=1)}
+    timings["experts_train_s"] = time.perf_counter() - t0
+    log(f"experts + router: {expert_steps} sample-steps ({timings['experts_train_s']:.0f}s)")
+
+    manifest = ds.manifest
+    composed = compose.ComposedModel(
+        cells, flow.timestep_ranges(c.timestep_ranges, c.t_mean, c.t_std), spec.data.clusters,
+        router=router_model,
+        cluster_prior=torch.bincount(torch.from_numpy(manifest.train_labels), minlength=spec.data.clusters).float(),
+        class_given_cluster=compose.class_histogram(torch.from_numpy(manifest.train_labels), ds.y_train,
+                                                    spec.data.clusters, nc),
+        null_label=nc, trace=[],
+    )
+    mono_composed = compose.single(mono_model, null_label=nc)
+
+    # evaluation: identical noise and labels for both.
+    t0 = time.perf_counter()
+    results: dict[str, dict] = {}
+    labels = torch.arange(nc).repeat_interleave(args.per_class)
+    noise = torch.randn(len(labels), spec.model.channels, spec.model.image_size, spec.model.image_size,
+                        generator=torch.Generator().manual_seed(derive_seed("bench-noise", args.seed) % 2**31))
+    grid_idx = torch.cat([torch.arange(k * args.per_class, k * args.per_class + min(10, args.per_class)) for k in range(nc)])
+    for name, model in (("monolith", mono_composed), ("experts", composed)):
+        s0 = time.perf_counter()
+        samples = compose.sample(model, noise, labels, steps=args.sampler_steps, method=args.sampler,
+                                 guidance=args.guidance)
+        sample_s = time.perf_counter() - s0
+        rep = ev.evaluate_samples(samples, labels, clf, ds.x_train, ds.x_heldout)
+        buckets = ev.loss_per_bucket(lambda x, t, y, m=model: m.velocity(x, t, y), ds.x_heldout, ds.y_heldout,
+                                     BUCKETS, seed=2)
+        grid = ev.save_grid(samples[grid_idx], out_dir / f"{name}.png", nrow=min(10, args.per_class))
+        results[name] = {**rep.as_dict(), "heldout_loss_by_t": dict(zip(_bucket_names(), buckets)),
+                         "grid": str(grid), "sample_s": sample_s}
+    timings["evaluation_s"] = time.perf_counter() - t0
+
+    usage: dict[str, int] = {}
+    for _, chosen in composed.trace or []:
+        for k, r in chosen.tolist():
+            usage[f"k{k}.r{r}"] = usage.get(f"k{k}.r{r}", 0) + 1
+    doc = {
+        "monolith": results["monolith"],
+        "experts": {**results["experts"], "cells": cell_report, "routing_counts": usage},
+        "sample_steps": mono_steps,
+        "experts_sample_steps": expert_steps,
+        "sampler": {"method": args.sampler, "steps": args.sampler_steps, "guidance": args.guidance},
+        "classifier_heldout_acc": clf_acc,
+        "fd_ratio": results["experts"]["digits_fd"] / results["monolith"]["digits_fd"],
+        "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "timings_s": timings,
+        "wall_s": sum(timings.values()),
+    }
+    _print_table(doc)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+        log(f"wrote {args.json}")
+    return doc
+
+
+def _bucket_names() -> list[str]:
+    return [f"{a:.1f}-{b:.1f}" for a, b in zip(BUCKETS, BUCKETS[1:])]
+
+
+def _print_table(doc: dict) -> None:
+    m, e = doc["monolith"], doc["experts"]
+    rows = [
+        ("digits-FD (lower is better)", m["digits_fd"], e["digits_fd"]),
+        ("class accuracy", m["class_acc"], e["class_acc"]),
+        ("NN-distance ratio (memorisation < 0.5)", m["nn_ratio"], e["nn_ratio"]),
+        ("copy fraction", m["copy_fraction"], e["copy_fraction"]),
+    ]
+    rows += [(f"held-out loss, t in {b}", m["heldout_loss_by_t"][b], e["heldout_loss_by_t"][b]) for b in _bucket_names()]
+    print(f"\n{'metric':<42}{'monolith':>12}{'experts':>12}")
+    for name, a, b in rows:
+        print(f"{name:<42}{a:>12.4f}{b:>12.4f}")
+    print(f"{'training sample-steps':<42}{doc['sample_steps']:>12}{doc['experts_sample_steps']:>12}")
+    print(f"experts / monolith digits-FD: {doc['fd_ratio']:.3f}   (reference FD, real held-out vs train: "
+          f"{m['reference_fd']:.2f})")
+    print(f"grids: {m['grid']}  {e['grid']}   wall: {doc['wall_s']:.0f}s  timings: "
+          + ", ".join(f"{k}={v:.0f}" for k, v in doc["timings_s"].items()))
+
+
+if __name__ == "__main__":
+    main()

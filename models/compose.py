@@ -1,0 +1,187 @@
+"""The composed sampler: one velocity field out of a grid of independently trained cells.
+
+At each step the timestep range is chosen by t, and the cluster by the router's top-1
+(Decentralized Diffusion Models, McAllister et al. 2025, found top-1 routing best, and it
+runs one expert per sample instead of a full mixture). When the chosen cell is missing
+(not trained yet, or its checkpoint lost), the fallbacks are, in order:
+  1. the same cluster's nearest timestep range;
+  2. the router renormalised over the clusters that have any cell, top-1 again, then that
+     cluster's range for t or its nearest range.
+
+For class-conditional sampling the routing score also folds in the cluster's class
+histogram by Bayes' rule, log p(k | x_t, t) + log p(y | k), assuming y is independent of x_t
+given k. At t = 1, where x_t is pure noise, this is exactly the posterior over clusters;
+later the router's evidence dominates.
+
+Experts may predict velocity, noise (eps) or data (x0); outputs are converted to velocity
+(flow.eps_to_velocity / x0_to_velocity) before use, so experts trained with different
+objectives compose. Classifier-free guidance combines conditional and null-label passes of
+the same expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn as nn
+
+from bagel.models import flow
+
+Prediction = Literal["v", "eps", "x0"]
+Cell = tuple[int, int]
+
+
+@dataclass
+class ComposedModel:
+    """A velocity field v(x_t, t, y) routed over expert cells {(cluster, range): model}."""
+
+    experts: Mapping[Cell, nn.Module]
+    ranges: Sequence[tuple[float, float]]  # unwidened timestep ranges, range 0 at t = 0
+    clusters: int
+    router: nn.Module | None = None
+    # [clusters] p(k), used instead of a router when there is none.
+    cluster_prior: torch.Tensor | None = None
+    # [clusters, num_classes] p(y | k), folded into routing for conditional sampling.
+    class_given_cluster: torch.Tensor | None = None
+    prediction: Mapping[Cell, Prediction] = field(default_factory=dict)
+    null_label: int | None = None  # label meaning "unconditional" for CFG
+    # set to a list to record (t, chosen cells [B, 2]) at every call, for inspection/tests.
+    trace: list[tuple[float, torch.Tensor]] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.experts:
+            raise ValueError("a composed model needs at least one expert cell")
+        for k, r in self.experts:
+            if not (0 <= k < self.clusters and 0 <= r < len(self.ranges)):
+                raise ValueError(f"expert cell {(k, r)} outside {self.clusters} clusters x {len(self.ranges)} ranges")
+        for cell, kind in self.prediction.items():
+            if kind not in ("v", "eps", "x0"):
+                raise ValueError(f"cell {cell}: unknown prediction type {kind!r}")
+
+    # --- routing --------------------------------------------------------------------------
+
+    def route_scores(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        """[B, clusters] log-scores: router log-probs (or the prior), plus log p(y | k)."""
+        b = x.shape[0]
+        if self.router is not None:
+            scores = torch.log_softmax(self.router(x, t).float(), dim=1)
+        elif self.cluster_prior is not None:
+            scores = self.cluster_prior.float().clamp_min(1e-12).log().expand(b, -1).to(x.device)
+        else:
+            scores = torch.zeros(b, self.clusters, device=x.device)
+        if y is not None and self.class_given_cluster is not None:
+            table = self.class_given_cluster.float().clamp_min(1e-12).log().to(x.device)
+            valid = (y >= 0) & (y < table.shape[1])
+            if self.null_label is not None:
+                valid &= y != self.null_label
+            picked = table[:, y.clamp(0, table.shape[1] - 1)].T  # [B, clusters]
+            scores = scores + torch.where(valid[:, None], picked, torch.zeros_like(picked))
+        return scores
+
+    def _nearest_range(self, cluster: int, t: float) -> int | None:
+        have = [r for (k, r) in self.experts if k == cluster]
+        if not have:
+            return None
+
+        def gap(r: int) -> float:
+            lo, hi = self.ranges[r]
+            return 0.0 if lo <= t <= hi else min(abs(t - lo), abs(t - hi))
+
+        return min(have, key=lambda r: (gap(r), r))
+
+    def choose(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        """[B, 2] (cluster, range) of the cell that answers each sample, with the fallbacks."""
+        scores = self.route_scores(x, t, y)
+        have = torch.tensor([any(k == c for (k, _) in self.experts) for c in range(self.clusters)])
+        masked = scores.masked_fill(~have.to(scores.device)[None], float("-inf"))
+        top = scores.argmax(dim=1)
+        top_avail = masked.argmax(dim=1)  # the router renormalised over available clusters
+        out = torch.empty(x.shape[0], 2, dtype=torch.long)
+        for i in range(x.shape[0]):
+            ti = float(t[i])
+            r = flow.range_index(ti, self.ranges)
+            k = int(top[i])
+            if (k, r) not in self.experts:
+                near = self._nearest_range(k, ti)  # fallback 1: same cluster, nearest range
+                if near is None:  # fallback 2: renormalised router over available clusters
+                    k = int(top_avail[i])
+                    near = r if (k, r) in self.experts else self._nearest_range(k, ti)
+                assert near is not None
+                r = near
+            out[i, 0], out[i, 1] = k, r
+        return out
+
+    # --- velocity -------------------------------------------------------------------------
+
+    def _expert_velocity(
+        self, cell: Cell, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None, guidance: float
+    ) -> torch.Tensor:
+        model = self.experts[cell]
+        if y is not None and guidance != 1.0:
+            if self.null_label is None:
+                raise ValueError("classifier-free guidance needs null_label")
+            null = torch.full_like(y, self.null_label)
+            out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))
+            cond, uncond = out.chunk(2)
+            out = flow.guided(cond, uncond, guidance)
+        else:
+            out = model(x, t, y)
+        kind = self.prediction.get(cell, "v")
+        if kind == "eps":
+            return flow.eps_to_velocity(out, x, t)
+        if kind == "x0":
+            return flow.x0_to_velocity(out, x, t)
+        return out
+
+    @torch.no_grad()
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None, guidance: float = 1.0
+    ) -> torch.Tensor:
+        """v(x_t, t, y): each sample answered by its routed cell (t may differ per sample)."""
+        t = t.reshape(x.shape[0]).to(x.device)
+        chosen = self.choose(x, t, y)
+        if self.trace is not None:
+            self.trace.append((float(t[0]), chosen.clone()))
+        v = torch.empty_like(x)
+        for cell in {(int(k), int(r)) for k, r in chosen.tolist()}:
+            idx = torch.nonzero((chosen[:, 0] == cell[0]) & (chosen[:, 1] == cell[1])).flatten().to(x.device)
+            yi = y[idx] if y is not None else None
+            v[idx] = self._expert_velocity(cell, x[idx], t[idx], yi, guidance).to(v.dtype)
+        return v
+
+
+def single(model: nn.Module, prediction: Prediction = "v", null_label: int | None = None) -> ComposedModel:
+    """A monolithic model (all data, all t) seen through the same interface."""
+    return ComposedModel({(0, 0): model}, [(0.0, 1.0)], 1, prediction={(0, 0): prediction}, null_label=null_label)
+
+
+@torch.no_grad()
+def sample(
+    composed: ComposedModel,
+    noise: torch.Tensor,
+    y: torch.Tensor | None = None,
+    *,
+    steps: int = 32,
+    method: Literal["euler", "heun"] = "euler",
+    guidance: float = 1.0,
+    shift: float = 1.0,
+) -> torch.Tensor:
+    """Integrate the composed field from noise (t = 1) to data (t = 0)."""
+    def field_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return composed.velocity(x, t, y, guidance)
+
+    if method == "euler":
+        return flow.euler_sample(field_fn, noise, steps, shift)
+    if method == "heun":
+        return flow.heun_sample(field_fn, noise, steps, shift)
+    raise ValueError(f"unknown sampler {method!r}; known: euler, heun")
+
+
+def class_histogram(cluster_labels: torch.Tensor, class_labels: torch.Tensor, clusters: int, classes: int) -> torch.Tensor:
+    """[clusters, classes] p(y | k) with add-one smoothing, from a cluster manifest."""
+    counts = torch.ones(clusters, classes, dtype=torch.float64)
+    counts.index_put_((cluster_labels.long(), class_labels.long()), torch.ones(len(class_labels), dtype=torch.float64), accumulate=True)
+    return (counts / counts.sum(dim=1, keepdim=True)).float()
