@@ -12,22 +12,20 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
-
 from bagel.compression import ErrorFeedback, decode, get_codec
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.worker.averaging import (
-    ContributionRejected,
+    PART_PROTOCOL,
     Contributor,
     ExchangeResult,
     ExchangeTimeout,
     Layout,
-    PART_PROTOCOL,
     group_digest,
     part_bounds,
 )
 from bagel.worker.framing import read_message, write_frame, write_message
 from bagel.worker.reducers import get_reducer
+from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
 
 CELL = "k0.r0"
 CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "int4:stochastic", "topk:0.25"]
@@ -44,15 +42,30 @@ def make_delta(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
 
 
 async def exchange(
-    ps: list[Peer], contributors: list[Contributor], deltas: dict[str, dict], weights: dict[str, float], codec,
-    *, round: int, timeout_s: float = 30.0, efs: dict | None = None,
+    ps: list[Peer],
+    contributors: list[Contributor],
+    deltas: dict[str, dict],
+    weights: dict[str, float],
+    codec,
+    *,
+    round: int,
+    timeout_s: float = 30.0,
+    efs: dict | None = None,
 ) -> dict[str, ExchangeResult]:
     by_id = {p.worker_id: p for p in ps}
     ids = sorted(deltas)
     coros = [
         by_id[w].plane.all_reduce(
-            worker_id=w, cell_id=CELL, round=round, round_attempt=1, reduce_attempt=1, contributors=contributors,
-            delta=deltas[w], weight=weights[w], codec=codec, timeout_s=timeout_s,
+            worker_id=w,
+            cell_id=CELL,
+            round=round,
+            round_attempt=1,
+            reduce_attempt=1,
+            contributors=contributors,
+            delta=deltas[w],
+            weight=weights[w],
+            codec=codec,
+            timeout_s=timeout_s,
             error_feedback=(efs or {}).get(w),
         )
         for w in ids
@@ -132,7 +145,9 @@ async def test_error_feedback_residual_and_byte_counts() -> None:
         n = layout.total
         sizes = [e - s for s, e in bounds]
         for i, w in enumerate(sorted(results)):
-            payload = sum(codec.encoded_nbytes(sizes[j]) for j in range(3) if j != i) + 2 * codec.encoded_nbytes(sizes[i])
+            payload = sum(codec.encoded_nbytes(sizes[j]) for j in range(3) if j != i) + 2 * codec.encoded_nbytes(
+                sizes[i]
+            )
             assert payload <= results[w].bytes_sent <= payload + 4 * 512
             assert payload <= results[w].bytes_received <= payload + 4 * 512
         assert sum(r.bytes_sent for r in results.values()) == sum(r.bytes_received for r in results.values())
@@ -225,12 +240,31 @@ async def test_nan_part_is_excluded_and_nonfinite_member_abstains() -> None:
         weights = {"w0": 1.0, "w1": 1.0, "w2": 1.0}
         by_id = {p.worker_id: p for p in ps}
         codecs = {"w0": RawFp32(), "w1": NanInPartZero(bounds[0][1]), "w2": RawFp32()}
-        results = dict(zip(["w0", "w1", "w2"], await asyncio.wait_for(asyncio.gather(*(
-            by_id[w].plane.all_reduce(
-                worker_id=w, cell_id=CELL, round=1, round_attempt=1, reduce_attempt=1, contributors=cs,
-                delta=deltas[w], weight=weights[w], codec=codecs[w], timeout_s=20.0,
-            ) for w in ("w0", "w1", "w2")
-        )), 60)))
+        results = dict(
+            zip(
+                ["w0", "w1", "w2"],
+                await asyncio.wait_for(
+                    asyncio.gather(
+                        *(
+                            by_id[w].plane.all_reduce(
+                                worker_id=w,
+                                cell_id=CELL,
+                                round=1,
+                                round_attempt=1,
+                                reduce_attempt=1,
+                                contributors=cs,
+                                delta=deltas[w],
+                                weight=weights[w],
+                                codec=codecs[w],
+                                timeout_s=20.0,
+                            )
+                            for w in ("w0", "w1", "w2")
+                        )
+                    ),
+                    60,
+                ),
+            )
+        )
         assert_bit_identical(results)
         for r in results.values():
             assert [(e.part, e.sender) for e in r.excluded] == [(0, "w1")]
@@ -276,10 +310,20 @@ async def test_messages_from_non_contributors_impostors_and_stale_rounds_are_rej
         payload = codec.encode(torch.ones(bounds[0][1]))
 
         def header(sender: str, rnd: int = 1, run: str = RUN_ID) -> dp.ContributionHeader:
-            tag = dp.ExchangeTag(run_id=run, cell_id=CELL, round=rnd, round_attempt=1, reduce_attempt=1, group_digest=group_digest(cs))
+            tag = dp.ExchangeTag(
+                run_id=run, cell_id=CELL, round=rnd, round_attempt=1, reduce_attempt=1, group_digest=group_digest(cs)
+            )
             return dp.ContributionHeader(
-                tag=tag, sender=sender, part=0, num_parts=2, total_numel=layout.total, part_numel=bounds[0][1],
-                layout_digest=layout.digest, codec=codec.name, weight=1.0, payload_nbytes=len(payload),
+                tag=tag,
+                sender=sender,
+                part=0,
+                num_parts=2,
+                total_numel=layout.total,
+                part_numel=bounds[0][1],
+                layout_digest=layout.digest,
+                codec=codec.name,
+                weight=1.0,
+                payload_nbytes=len(payload),
             )
 
         honest = asyncio.ensure_future(exchange(ps, cs, deltas, {"w0": 1.0, "w1": 1.0}, "int8", round=1))
@@ -309,21 +353,42 @@ async def test_inconsistent_or_oversized_contribution_is_excluded_before_reading
         deltas = {"w0": make_delta(0)}
         layout = Layout.of(deltas["w0"])
         bounds = part_bounds(layout.total, 2)
-        tag = dp.ExchangeTag(run_id=RUN_ID, cell_id=CELL, round=1, round_attempt=1, reduce_attempt=1, group_digest=group_digest(cs))
+        tag = dp.ExchangeTag(
+            run_id=RUN_ID, cell_id=CELL, round=1, round_attempt=1, reduce_attempt=1, group_digest=group_digest(cs)
+        )
         # w1 announces a payload far over int8's exact size for the part; w0 must not read it.
         evil = dp.ContributionHeader(
-            tag=tag, sender="w1", part=0, num_parts=2, total_numel=layout.total, part_numel=bounds[0][1],
-            layout_digest=layout.digest, codec=get_codec("int8").name, weight=1.0, payload_nbytes=1 << 40,
+            tag=tag,
+            sender="w1",
+            part=0,
+            num_parts=2,
+            total_numel=layout.total,
+            part_numel=bounds[0][1],
+            layout_digest=layout.digest,
+            codec=get_codec("int8").name,
+            weight=1.0,
+            payload_nbytes=1 << 40,
         )
         _, reader, writer = await w1.p2p.call_binary_stream_handler(w0.p2p.peer_id, PART_PROTOCOL)
         await write_message(writer, evil)
         # w0 runs its side alone: part 0 completes without w1 (excluded); w0 then waits for w1's
         # part 1, which never comes, so the exchange as a whole fails by its deadline.
         with pytest.raises(ExchangeTimeout) as info:
-            await asyncio.wait_for(w0.plane.all_reduce(
-                worker_id="w0", cell_id=CELL, round=1, round_attempt=1, reduce_attempt=1, contributors=cs,
-                delta=deltas["w0"], weight=1.0, codec="int8", timeout_s=3.0,
-            ), 30)
+            await asyncio.wait_for(
+                w0.plane.all_reduce(
+                    worker_id="w0",
+                    cell_id=CELL,
+                    round=1,
+                    round_attempt=1,
+                    reduce_attempt=1,
+                    contributors=cs,
+                    delta=deltas["w0"],
+                    weight=1.0,
+                    codec="int8",
+                    timeout_s=3.0,
+                ),
+                30,
+            )
         assert info.value.missing == ("w1",)
         reply, _ = await asyncio.wait_for(read_message(reader, dp.ReducedHeader), 10)
         writer.close()
@@ -341,11 +406,21 @@ async def test_duplicate_contribution_with_other_bytes_is_rejected() -> None:
         bounds = part_bounds(layout.total, 2)
         codec = get_codec("int8")
         honest = asyncio.ensure_future(exchange(ps, cs, deltas, {"w0": 1.0, "w1": 1.0}, "int8", round=1))
-        tag = dp.ExchangeTag(run_id=RUN_ID, cell_id=CELL, round=1, round_attempt=1, reduce_attempt=1, group_digest=group_digest(cs))
+        tag = dp.ExchangeTag(
+            run_id=RUN_ID, cell_id=CELL, round=1, round_attempt=1, reduce_attempt=1, group_digest=group_digest(cs)
+        )
         other = codec.encode(torch.full((bounds[0][1],), 7.0))
         header = dp.ContributionHeader(
-            tag=tag, sender="w1", part=0, num_parts=2, total_numel=layout.total, part_numel=bounds[0][1],
-            layout_digest=layout.digest, codec=codec.name, weight=1.0, payload_nbytes=len(other),
+            tag=tag,
+            sender="w1",
+            part=0,
+            num_parts=2,
+            total_numel=layout.total,
+            part_numel=bounds[0][1],
+            layout_digest=layout.digest,
+            codec=codec.name,
+            weight=1.0,
+            payload_nbytes=len(other),
         )
         results = await honest
         reply = await send_raw(w1, w0, header, other)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import safetensors.torch
 import torch
-
 from bagel.protocol.statehash import state_hash
 
 WEIGHT_PREFIX = "w."
@@ -49,8 +48,8 @@ class OuterConfig:
     def from_spec(cls, diloco: object) -> OuterConfig:
         """Read outer_lr, outer_momentum and nesterov from a `DilocoSection`."""
         return cls(
-            lr=float(getattr(diloco, "outer_lr")),
-            momentum=float(getattr(diloco, "outer_momentum")),
+            lr=float(diloco.outer_lr),
+            momentum=float(diloco.outer_momentum),
             nesterov=bool(getattr(diloco, "nesterov", True)),
         )
 
@@ -138,7 +137,9 @@ class CellState:
         return sum(t.numel() * t.element_size() for t in self.to_flat().values())
 
 
-def pseudo_gradient(global_weights: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | Iterable) -> dict[str, torch.Tensor]:
+def pseudo_gradient(
+    global_weights: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | Iterable
+) -> dict[str, torch.Tensor]:
     """delta = theta_global - theta_local, float32 on CPU, by name.
 
     `local` is a name -> tensor mapping or a model's `named_parameters()`.
@@ -169,7 +170,9 @@ def outer_step(state: CellState, avg_delta: Mapping[str, torch.Tensor], cfg: Out
     for name in sorted(state.weights):
         g = avg_delta[name]
         if g.dtype != torch.float32 or g.device.type != "cpu" or tuple(g.shape) != tuple(state.weights[name].shape):
-            raise StateFormatError(f"{name!r}: delta must be a float32 CPU tensor of shape {tuple(state.weights[name].shape)}")
+            raise StateFormatError(
+                f"{name!r}: delta must be a float32 CPU tensor of shape {tuple(state.weights[name].shape)}"
+            )
         buf = state.momentum[name]
         buf.mul_(cfg.momentum)
         buf.add_(g)

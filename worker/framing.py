@@ -62,7 +62,9 @@ async def write_message(writer: asyncio.StreamWriter, msg: Message) -> int:
     return await write_frame(writer, msg.SerializeToString())
 
 
-async def read_message(reader: asyncio.StreamReader, cls: type[M], max_nbytes: int = MAX_HEADER_NBYTES) -> tuple[M, int]:
+async def read_message(
+    reader: asyncio.StreamReader, cls: type[M], max_nbytes: int = MAX_HEADER_NBYTES
+) -> tuple[M, int]:
     """Read one protobuf frame of type cls; return it and the bytes it took on the stream."""
     raw = await read_frame(reader, max_nbytes)
     msg = cls()

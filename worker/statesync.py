@@ -25,13 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.utils.multiaddr import Multiaddr
-
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.worker.diloco import CellState, StateFormatError
 from bagel.worker.framing import FrameError, read_frame, read_message, write_frame, write_message
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,9 @@ def verify_state_bytes(data: bytes, expected_hash: str) -> CellState:
 class StateServer:
     """Serves this worker's committed cell states to joiners. One per worker process."""
 
-    def __init__(self, p2p: P2P, run_id: str, *, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, keep: int = 2, max_concurrent: int = 4):
+    def __init__(
+        self, p2p: P2P, run_id: str, *, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, keep: int = 2, max_concurrent: int = 4
+    ):
         if not 0 < chunk_nbytes <= MAX_CHUNK_NBYTES:
             raise ValueError(f"chunk_nbytes must be in (0, {MAX_CHUNK_NBYTES}]")
         self.p2p, self.run_id = p2p, run_id
@@ -139,15 +140,24 @@ class StateServer:
             else:
                 reason = ""
             if reason:
-                await write_message(writer, dp.StateInfo(status=dp.STATUS_NOT_AVAILABLE, reason=reason, cell_id=req.cell_id))
+                await write_message(
+                    writer, dp.StateInfo(status=dp.STATUS_NOT_AVAILABLE, reason=reason, cell_id=req.cell_id)
+                )
                 return
             assert entry is not None
             async with self._slots:
-                await write_message(writer, dp.StateInfo(
-                    status=dp.STATUS_OK, cell_id=req.cell_id, committed_round=entry.committed_round,
-                    state_hash=entry.state_hash, total_nbytes=len(entry.data), sha256=entry.sha256,
-                    chunk_nbytes=self.chunk_nbytes,
-                ))
+                await write_message(
+                    writer,
+                    dp.StateInfo(
+                        status=dp.STATUS_OK,
+                        cell_id=req.cell_id,
+                        committed_round=entry.committed_round,
+                        state_hash=entry.state_hash,
+                        total_nbytes=len(entry.data),
+                        sha256=entry.sha256,
+                        chunk_nbytes=self.chunk_nbytes,
+                    ),
+                )
                 view = memoryview(entry.data)
                 for start in range(0, len(view), self.chunk_nbytes):
                     self.bytes_served += await write_frame(writer, view[start : start + self.chunk_nbytes])
@@ -178,7 +188,9 @@ async def fetch_state(
         raise ValueError("a committed state hash is required (round 0 is built locally, not synced)")
     try:
         async with asyncio.timeout(timeout_s):
-            return await _fetch(p2p, donor_peer_id, run_id, cell_id, committed_round, state_hash, max_nbytes, donor_maddrs)
+            return await _fetch(
+                p2p, donor_peer_id, run_id, cell_id, committed_round, state_hash, max_nbytes, donor_maddrs
+            )
     except TimeoutError:
         raise StateSyncError(f"state sync from {donor_peer_id} timed out after {timeout_s}s") from None
     except (P2PDaemonError, ConnectionError, OSError) as e:
@@ -188,23 +200,37 @@ async def fetch_state(
 
 
 async def _fetch(
-    p2p: P2P, donor: str, run_id: str, cell_id: str, committed_round: int, state_hash: str, max_nbytes: int, maddrs: Sequence[str]
+    p2p: P2P,
+    donor: str,
+    run_id: str,
+    cell_id: str,
+    committed_round: int,
+    state_hash: str,
+    max_nbytes: int,
+    maddrs: Sequence[str],
 ) -> SyncedState:
     pid = PeerID.from_base58(donor)
     if maddrs:
         try:
-            bare = [Multiaddr(a).decapsulate(Multiaddr(f"/p2p/{donor}")) if "/p2p/" in a else Multiaddr(a) for a in maddrs]
+            bare = [
+                Multiaddr(a).decapsulate(Multiaddr(f"/p2p/{donor}")) if "/p2p/" in a else Multiaddr(a) for a in maddrs
+            ]
             await p2p._client.connect(pid, bare)  # no public connect in P2P; see averaging._dial_all
         except Exception as e:
             log.debug("dialing donor %s failed: %s", donor, e)
     _, reader, writer = await p2p.call_binary_stream_handler(pid, STATE_PROTOCOL)
     try:
-        await write_message(writer, dp.StateRequest(run_id=run_id, cell_id=cell_id, committed_round=committed_round, state_hash=state_hash))
+        await write_message(
+            writer,
+            dp.StateRequest(run_id=run_id, cell_id=cell_id, committed_round=committed_round, state_hash=state_hash),
+        )
         info, _ = await read_message(reader, dp.StateInfo)
         if info.status != dp.STATUS_OK:
             raise StateNotAvailable(f"donor {donor}: {info.reason or dp.Status.Name(info.status)}")
         if (info.cell_id, info.committed_round, info.state_hash) != (cell_id, committed_round, state_hash):
-            raise StateIntegrityError(f"donor offers {info.cell_id} round {info.committed_round}, not the requested state")
+            raise StateIntegrityError(
+                f"donor offers {info.cell_id} round {info.committed_round}, not the requested state"
+            )
         if not 0 < info.total_nbytes <= max_nbytes:
             raise StateIntegrityError(f"donor announces {info.total_nbytes} bytes, limit {max_nbytes}")
         if not 0 < info.chunk_nbytes <= MAX_CHUNK_NBYTES:

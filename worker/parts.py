@@ -1,0 +1,148 @@
+"""How a pseudo-gradient becomes parts and bytes: layout, part split, codec calls, peers (pure).
+
+Shared by the group exchange (`averaging.py`) and its tests. The flattening order is
+fixed (sorted parameter names) and the split deterministic (`part_bounds`), so every
+contributor cuts the same vector at the same places. Stochastic codecs get a generator
+seeded from the exchange's coordinates (`part_generator`), so a re-run encodes the
+same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from bagel.compression import decode, get_codec
+from bagel.worker.reducers import PartRejected
+
+# ---------------------------------------------------------------- codecs
+
+
+class Codec(Protocol):
+    """The slice of `bagel.compression.Codec` the data plane uses."""
+
+    @property
+    def name(self) -> str: ...
+
+    def encode(self, t: torch.Tensor, *, generator: torch.Generator | None = None) -> bytes: ...
+
+    def encoded_nbytes(self, numel: int) -> int: ...
+
+
+def resolve_codec(codec: str | Codec) -> Codec:
+    """A codec object from its name (`bagel.compression.get_codec`), or the object itself."""
+    return get_codec(codec) if isinstance(codec, str) else codec
+
+
+def decode_part(codec: Codec, buf: bytes, numel: int) -> torch.Tensor:
+    """Decode with the codec's own `decode` if it has one (test stand-ins), else the module's."""
+    dec = getattr(codec, "decode", None)
+    try:
+        t = dec(buf, max_elements=numel) if dec is not None else decode(buf, max_elements=numel)
+    except (ValueError, RuntimeError, TypeError) as e:  # CodecError is a ValueError; stand-ins may differ
+        raise PartRejected(f"undecodable payload: {e}") from e
+    return t.reshape(-1).clone()  # decode may return a view of the immutable buffer
+
+
+def part_generator(*key: object) -> torch.Generator:
+    """A generator seeded from the exchange coordinates, so stochastic codecs are reproducible."""
+    seed = int.from_bytes(hashlib.sha256("|".join(map(str, key)).encode()).digest()[:8], "big") >> 1
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Names and shapes of the delta tensors, in the flattening order (sorted names)."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Layout:
+        names = tuple(sorted(tensors))
+        return cls(names, tuple(tuple(tensors[n].shape) for n in names))
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def digest(self) -> str:
+        text = ";".join(f"{n}:{','.join(map(str, s))}" for n, s in zip(self.names, self.shapes))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if set(tensors) != set(self.names):
+            raise ValueError(f"tensor names differ from the layout: {sorted(set(tensors) ^ set(self.names))}")
+        return torch.cat([tensors[n].detach().to("cpu", torch.float32).reshape(-1) for n in self.names])
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        if flat.numel() != self.total:
+            raise ValueError(f"flat vector has {flat.numel()} elements, layout has {self.total}")
+        out, start = {}, 0
+        for name, shape, n in zip(self.names, self.shapes, self.numels):
+            out[name] = flat[start : start + n].reshape(shape).clone()
+            start += n
+        return out
+
+
+def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """Split [0, total) into `parts` contiguous ranges; the first total % parts get one more."""
+    if parts < 1:
+        raise ValueError("at least one part")
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass(frozen=True)
+class Contributor:
+    """One member of the frozen contributor set (from the coordinator's `Member`)."""
+
+    worker_id: str
+    peer_id: str  # base58 libp2p peer id
+    maddrs: tuple[str, ...] = ()
+    max_samples: int = 1
+
+    @classmethod
+    def from_member(cls, member: Any) -> Contributor:
+        """From a `bagel_pb2.Member`."""
+        return cls(member.worker_id, member.peer.peer_id, tuple(member.peer.maddrs), int(member.max_samples))
+
+
+def group_digest(contributors: Sequence[Contributor]) -> str:
+    """Binds an exchange to one frozen contributor set: every member must see the same one."""
+    text = "|".join(f"{c.worker_id},{c.peer_id},{c.max_samples}" for c in contributors)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def encode_parts(
+    codec: Codec, flat: torch.Tensor, bounds: list[tuple[int, int]], gen_key: tuple, abstained: str
+) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Encode every part of our (compensated) delta and decode it back, as the reducers will."""
+    payloads: list[bytes] = []
+    decoded: list[torch.Tensor] = []
+    for j, (s, e) in enumerate(bounds):
+        if abstained or s == e:
+            payloads.append(b"")
+            decoded.append(torch.zeros(e - s))
+            continue
+        buf = codec.encode(flat[s:e], generator=part_generator(*gen_key, j))
+        payloads.append(buf)
+        decoded.append(decode_part(codec, buf, e - s))
+    return payloads, decoded
