@@ -1,13 +1,14 @@
 """The worker's local checkpoint: the last committed state of its cell, to resume after a crash.
 
-After every committed round the worker writes the cell state it committed (weights
-`w.<param>` and outer momentum `m.<param>`, exactly the tensors `protocol.statehash`
-hashes) plus its error-feedback residuals (`e.<name>`, local to this worker and not part of
-the hash) to one safetensors file. The write is atomic: a temp file in the same directory,
-fsync, `os.replace`, fsync of the directory (design section 3), so a SIGKILL at any instant
-leaves either the previous or the new checkpoint, never a torn one. On restart the worker
-re-hashes what it loaded and registers with that `LocalState`; the coordinator then says
-whether it is current or must resync. safetensors, never pickle (house rule).
+After every committed round (and after a sync) the worker writes the cell state it holds
+(weights `w.<param>` and outer momentum `m.<param>`: `diloco.CellState.to_flat()`, exactly
+the tensors `protocol.statehash` hashes) plus its error-feedback residuals (`e.<name>`,
+local to this worker and not part of the hash) to one safetensors file. The write is
+atomic: a temp file in the same directory, fsync, `os.replace`, fsync of the directory
+(design section 3), so a SIGKILL at any instant leaves either the previous or the new
+checkpoint, never a torn one. On restart the worker re-hashes what it loaded and registers
+with that `LocalState`; the coordinator then says whether it is current or must resync.
+safetensors, never pickle (house rule).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from bagel.protocol.statehash import state_hash
+from bagel.worker.diloco import CellState, StateFormatError
 
 _FORMAT = "bagel-local-v1"
 MAX_LOCAL_BYTES = 8 << 30
@@ -34,27 +35,14 @@ class LocalStateError(ValueError):
 
 
 @dataclass
-class CellState:
-    """A committed cell state as the worker holds it."""
+class LocalCheckpoint:
+    """A committed cell state as the worker holds it, plus its error-feedback residuals."""
 
     cell_id: str
     committed_round: int
-    state: dict[str, torch.Tensor]  # "w.<param>" and "m.<param>"
-    state_hash: str
-    residuals: dict[str, torch.Tensor]  # error-feedback residuals by tensor name
-
-
-def split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(weights, momentum) keyed by parameter name, from a "w."/"m." state dict."""
-    w = {k[2:]: v for k, v in state.items() if k.startswith("w.")}
-    m = {k[2:]: v for k, v in state.items() if k.startswith("m.")}
-    return w, m
-
-
-def join_state(weights: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {f"w.{k}": v for k, v in weights.items()}
-    out.update({f"m.{k}": v for k, v in momentum.items()})
-    return out
+    state: CellState  # weights + outer momentum
+    state_hash: str  # of `state` (also for round 0, whose committed hash is "" on the wire)
+    residuals: dict[str, torch.Tensor]  # by tensor name; local to this worker, not hashed
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -85,21 +73,21 @@ class LocalStore:
         self.run_id = run_id
         self.spec_hash = spec_hash
 
-    def save(self, cs: CellState) -> None:
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in cs.state.items()}
-        for k, v in cs.residuals.items():
+    def save(self, cp: LocalCheckpoint) -> None:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in cp.state.to_flat().items()}
+        for k, v in cp.residuals.items():
             tensors[f"e.{k}"] = v.detach().to("cpu", torch.float32).contiguous()
         meta = {
             "format": _FORMAT,
             "run_id": self.run_id,
             "spec_hash": self.spec_hash,
-            "cell_id": cs.cell_id,
-            "committed_round": str(cs.committed_round),
-            "state_hash": cs.state_hash,
+            "cell_id": cp.cell_id,
+            "committed_round": str(cp.committed_round),
+            "state_hash": cp.state_hash,
         }
         atomic_write(self.path, st_save(tensors, metadata=meta))
 
-    def load(self) -> CellState | None:
+    def load(self) -> LocalCheckpoint | None:
         """The saved state, or None if there is none. Raises LocalStateError if unusable."""
         try:
             size = self.path.stat().st_size
@@ -109,31 +97,34 @@ class LocalStore:
             raise LocalStateError(f"{self.path}: {size} bytes exceeds the {MAX_LOCAL_BYTES}-byte limit")
         raw = self.path.read_bytes()
         try:
-            tensors = st_load(raw)
             meta = _metadata(raw)
+            tensors = st_load(raw)
         except (SafetensorError, ValueError) as e:
             raise LocalStateError(f"{self.path}: not a valid safetensors file: {e}") from None
         if meta.get("format") != _FORMAT:
             raise LocalStateError(f"{self.path}: unknown format {meta.get('format')!r}")
         if meta.get("run_id") != self.run_id or meta.get("spec_hash") != self.spec_hash:
             raise LocalStateError(f"{self.path}: belongs to another run or spec")
-        state = {k: v for k, v in tensors.items() if k.startswith(("w.", "m."))}
         residuals = {k[2:]: v for k, v in tensors.items() if k.startswith("e.")}
-        h = state_hash(state)
+        try:
+            state = CellState.from_flat({k: v for k, v in tensors.items() if not k.startswith("e.")})
+        except StateFormatError as e:
+            raise LocalStateError(f"{self.path}: {e}") from None
+        h = state.state_hash()
         if h != meta.get("state_hash"):
             raise LocalStateError(f"{self.path}: state hash {h[:12]} does not match the recorded one")
         try:
             rnd = int(meta.get("committed_round", ""))
         except ValueError:
             raise LocalStateError(f"{self.path}: bad committed_round") from None
-        return CellState(cell_id=meta.get("cell_id", ""), committed_round=rnd, state=state, state_hash=h, residuals=residuals)
+        return LocalCheckpoint(meta.get("cell_id", ""), rnd, state, h, residuals)
 
     def clear(self) -> None:
         self.path.unlink(missing_ok=True)
 
 
 def _metadata(raw: bytes) -> dict[str, str]:
-    """The `__metadata__` of a safetensors buffer (header: u64 length + JSON)."""
+    """The `__metadata__` of a safetensors buffer (header: u64 little-endian length + JSON)."""
     if len(raw) < 8:
         raise ValueError("truncated header")
     n = int.from_bytes(raw[:8], "little")

@@ -297,3 +297,33 @@ def round_indices(
     if out.numel() and (int(out.min()) < 0 or int(out.max()) >= n):
         raise ValueError(f"shard returned indices outside [0, {n})")
     return out
+
+
+@dataclass
+class CellRuntime:
+    """The model and trainer of the cell a worker (or one rank of it) currently trains."""
+
+    cell_id: str
+    task: Any  # bagel.models.experts.CellTask
+    model: nn.Module
+    trainer: InnerTrainer
+
+
+def build_runtime(
+    spec: Any, cell_id: str, device: torch.device, *, throttle: float = 1.0, collective: Collective | None = None
+) -> CellRuntime:
+    """Task, model (on `device`) and inner trainer of `cell_id` for run spec `spec`."""
+    from bagel.models.experts import cell_task
+
+    task = cell_task(spec, cell_id)
+    model = task.build_model().to(device)
+    trainer = InnerTrainer(
+        task,
+        model,
+        device,
+        lr=spec.diloco.inner_lr,
+        weight_decay=spec.diloco.inner_weight_decay,
+        throttle=throttle,
+        collective=collective,
+    )
+    return CellRuntime(cell_id, task, model, trainer)

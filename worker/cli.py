@@ -1,0 +1,141 @@
+"""`bagel-worker join JOIN_STRING ...` (also `python -m bagel.worker join ...`).
+
+One command for a volunteer: create or load the identity, find the coordinator from the
+join string, profile, register, and train until stopped (design section 1). Under
+`torchrun --nproc-per-node N -m bagel.worker join ...` rank 0 runs the agent and the other
+ranks follow it (DDP inside the worker, `bagel.worker.ddp`).
+
+SIGTERM or Ctrl-C leaves gracefully (finish or abandon the round, Leave, exit 0); a second
+one aborts at once. Exit codes: 0 done, 2 bad arguments, 3 the coordinator runs another spec.
+
+`--byzantine MODE` is hidden from `--help` on purpose (it exists for fault-injection runs,
+`bagel-sim chaos`): the worker then contributes a corrupted pseudo-gradient, one of
+sign-flip (-delta), scale (x100), nan, zero (freeloading), stale (last round's delta).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from bagel.worker.profile import DEFAULT_UPLINK_MBPS
+from bagel.worker.rounds import BYZANTINE_MODES
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("BAGEL_WORKER_HOME", Path.home() / ".bagel" / "worker"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagel-worker", description="Contribute this machine to a Bagel training run.")
+    sub = p.add_subparsers(dest="command", required=True)
+    j = sub.add_parser("join", help="join a run and train until stopped (Ctrl-C leaves gracefully)")
+    j.add_argument("join_string", metavar="JOIN_STRING", help="the run's join string (bagel1:...), from its operator")
+    j.add_argument("--device", default="auto", help="auto (first CUDA device, else CPU), cpu, or cuda:N (default: auto)")
+    j.add_argument("--data-dir", type=Path, default=None, help=f"identity key and local checkpoints (default: {default_data_dir()})")
+    j.add_argument("--max-vram-gb", type=float, default=None, help="use at most this much accelerator memory, GiB (default: all)")
+    j.add_argument("--name", default="", help="a display name for the operator's status view (default: host-pid)")
+    j.add_argument("--throttle", type=float, default=1.0, help="slow training down by this factor >= 1 (sleeps (X-1) x compute per step), to emulate a slower device")
+    j.add_argument("--uplink-mbps", type=float, default=DEFAULT_UPLINK_MBPS, help=f"your upload bandwidth in Mbit/s, used to plan rounds (default: {DEFAULT_UPLINK_MBPS:g})")
+    j.add_argument("--dht-listen", action="append", default=None, metavar="MULTIADDR", help="DHT/P2P listen multiaddr; repeatable (default: /ip4/0.0.0.0/tcp/0)")
+    out = j.add_mutually_exclusive_group()
+    out.add_argument("--quiet", action="store_true", help="print only warnings and errors")
+    out.add_argument("--log-json", action="store_true", help="print one JSON object per event line (for scripts)")
+    j.add_argument("--reduce-timeout-s", type=float, default=60.0, help="give up an exchange after this many seconds (default: 60)")
+    # fault injection and test hooks: documented in the module docstring, hidden from --help
+    j.add_argument("--byzantine", choices=BYZANTINE_MODES, default="", help=argparse.SUPPRESS)
+    j.add_argument("--keep-round-history", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, imported lazily
+    """Validate the arguments into an AgentConfig (ValueError names the bad flag)."""
+    from bagel.worker.agent import AgentConfig
+
+    if args.throttle < 1.0:
+        raise ValueError(f"--throttle must be >= 1, got {args.throttle}")
+    if args.max_vram_gb is not None and args.max_vram_gb <= 0:
+        raise ValueError(f"--max-vram-gb must be positive, got {args.max_vram_gb}")
+    if args.uplink_mbps <= 0:
+        raise ValueError(f"--uplink-mbps must be positive, got {args.uplink_mbps}")
+    if args.reduce_timeout_s <= 0:
+        raise ValueError(f"--reduce-timeout-s must be positive, got {args.reduce_timeout_s}")
+    return AgentConfig(
+        join=args.join_string,
+        data_dir=args.data_dir or default_data_dir(),
+        device=args.device,
+        max_vram_gb=args.max_vram_gb,
+        name=args.name,
+        throttle=args.throttle,
+        uplink_mbps=args.uplink_mbps,
+        byzantine=args.byzantine,
+        dht_listen=tuple(args.dht_listen or ("/ip4/0.0.0.0/tcp/0",)),
+        reduce_timeout_s=args.reduce_timeout_s,
+        keep_round_history=args.keep_round_history,
+    )
+
+
+async def _run_agent(agent) -> int:  # noqa: ANN001
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    signals = {"n": 0}
+
+    def on_signal(sig: signal.Signals) -> None:
+        signals["n"] += 1
+        if signals["n"] == 1:
+            agent.request_stop(sig.name)
+        elif main is not None:
+            main.cancel()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await agent.run()
+    except asyncio.CancelledError:
+        return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("BAGEL_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from bagel.protocol.joinstring import JoinStringError
+    from bagel.worker import ddp
+    from bagel.worker.display import Display
+
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, JoinStringError) as e:
+        print(f"bagel-worker: {e}", file=sys.stderr)
+        return 2
+    ctx = ddp.init_from_env(args.device)
+    try:
+        if not ctx.is_leader:
+            from bagel.worker.agent import ddp_follower
+
+            ddp_follower(ctx, args.device, args.throttle)
+            return 0
+        from bagel.worker.agent import Agent, ensure_dirs
+
+        display = Display("json" if args.log_json else "quiet" if args.quiet else "auto")
+        try:
+            ensure_dirs(Path(cfg.data_dir))
+            agent = Agent(cfg, display, ctx)
+        except (ValueError, JoinStringError, OSError) as e:
+            print(f"bagel-worker: {e}", file=sys.stderr)
+            return 2
+        display.start()
+        try:
+            return asyncio.run(_run_agent(agent))
+        finally:
+            display.stop()
+    finally:
+        ctx.shutdown()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""One round's work as the agent tracks it, and the two heavy steps it runs: train and reduce.
+
+`RoundWork` is what a worker is doing about one attempt of one round of its cell: training
+(in a thread), ready (pseudo-gradient computed), reducing (exchange running for one
+`reduce_attempt`) or reported (`pending` outcome waiting for the commit). The agent keeps
+at most one. The committed `CellState` is only read here: the round trains a separate
+model and the outer step runs on a clone, so abandoning a round at any point is a rollback
+for free, and a re-frozen exchange (higher reduce_attempt) reuses the kept delta.
+
+Also here: `corrupt`, the `--byzantine` fault modes (issue 6) applied to the
+pseudo-gradient this worker contributes, and `follow_round` for ranks > 0 of a DDP worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from bagel.compression import ErrorFeedback
+from bagel.models.data import shard
+from bagel.worker import ddp
+from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
+from bagel.worker.trainer import CellRuntime, InnerPlan, RoundKey, StepProgress, TrainResult, round_indices
+
+BYZANTINE_MODES = ("sign-flip", "scale", "nan", "zero", "stale")
+BYZANTINE_SCALE = 100.0
+
+
+@dataclass
+class ReduceOutcome:
+    state: CellState  # committed state + the outer step: the candidate of the round
+    state_hash: str
+    residuals: dict[str, torch.Tensor]  # error feedback after this exchange
+    bytes_sent: int
+    bytes_received: int
+    comm_s: float
+
+
+@dataclass
+class RoundWork:
+    cell_id: str
+    round: int
+    round_attempt: int
+    member_index: int
+    members: int
+    plan: InnerPlan
+    deadline_unix_ms: int
+    stop: threading.Event = field(default_factory=threading.Event)
+    task: asyncio.Task | None = None
+    inner_step: int = 0
+    last_loss: float = 0.0
+    result: TrainResult | None = None
+    delta: dict[str, torch.Tensor] | None = None
+    reduce_attempt: int = 0  # the contributor set being / last exchanged (0 = none yet)
+    reduce_task: asyncio.Task | None = None
+    pending: ReduceOutcome | None = None  # reported, waiting for the commit
+    pending_attempt: int = 0
+    report_epoch: int = 0
+
+    @classmethod
+    def from_instruction(cls, i: Any, member_index: int) -> RoundWork:
+        p = i.plan
+        return cls(
+            cell_id=i.cell_id, round=i.round, round_attempt=i.round_attempt, member_index=member_index,
+            members=len(p.members), plan=InnerPlan(p.inner_steps, p.micro_batch, p.grad_accum),
+            deadline_unix_ms=p.deadline_unix_ms,
+        )
+
+    def matches(self, cell_id: str, round: int, round_attempt: int) -> bool:
+        return (self.cell_id, self.round, self.round_attempt) == (cell_id, round, round_attempt)
+
+    def key(self, run_id: str) -> RoundKey:
+        return RoundKey(run_id, self.cell_id, self.round, self.member_index, self.members)
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def train_round(
+    run_id: str,
+    rt: CellRuntime,
+    committed: CellState,
+    w: RoundWork,
+    ctx: ddp.DistContext,
+    reset_optimizer: bool,
+    on_step: Callable[[StepProgress], None] | None,
+) -> tuple[TrainResult, dict[str, torch.Tensor]]:
+    """Blocking: H inner steps from the committed weights; returns the result and delta."""
+    if reset_optimizer:
+        rt.trainer.reset_optimizer()
+    committed.load_into(rt.model)
+    key = w.key(run_id)
+    if ctx.enabled:
+        ddp.send_command(ctx, {
+            "op": "train", "cell_id": w.cell_id, "key": asdict(key), "plan": asdict(w.plan),
+            "reset_optimizer": reset_optimizer,
+        })
+        ddp.broadcast_model(ctx, rt.model)
+    idx = round_indices(shard, key, rt.trainer.num_train, w.plan)
+    res = rt.trainer.run(key, w.plan, idx, on_step=on_step, stop=w.stop)
+    delta = pseudo_gradient(committed.weights, trainable(rt.model)) if res.completed else {}
+    return res, delta
+
+
+def follow_round(ctx: ddp.DistContext, rt: CellRuntime, cmd: Mapping[str, Any]) -> TrainResult:
+    """Ranks > 0: the same round as rank 0, from rank 0's broadcast weights."""
+    if cmd.get("reset_optimizer"):
+        rt.trainer.reset_optimizer()
+    ddp.broadcast_model(ctx, rt.model)
+    key = RoundKey(**cmd["key"])
+    plan = InnerPlan(**cmd["plan"])
+    return rt.trainer.run(key, plan, round_indices(shard, key, rt.trainer.num_train, plan))
+
+
+def fresh_feedback(residuals: Mapping[str, torch.Tensor]) -> ErrorFeedback:
+    """An ErrorFeedback holding the committed residuals; a failed attempt never touches them."""
+    ef = ErrorFeedback()
+    for k, r in residuals.items():
+        ef.update(k, r, torch.zeros_like(r))
+    return ef
+
+
+async def reduce_round(
+    dataplane: Any,
+    spec: Any,
+    worker_id: str,
+    committed: CellState,
+    w: RoundWork,
+    i: Any,
+    ef: ErrorFeedback | None,
+    timeout_s: float,
+) -> ReduceOutcome:
+    """Average our delta over exactly i.contributors, then the outer step and the hash."""
+    from bagel.worker.averaging import Contributor
+
+    assert w.delta is not None and w.result is not None
+    res = await dataplane.all_reduce(
+        worker_id=worker_id, cell_id=w.cell_id, round=w.round, round_attempt=w.round_attempt,
+        reduce_attempt=i.reduce_attempt, contributors=[Contributor.from_member(m) for m in i.contributors],
+        delta=w.delta, weight=float(w.result.samples), codec=spec.diloco.codec, timeout_s=timeout_s,
+        error_feedback=ef,
+    )
+    cfg = OuterConfig.from_spec(spec.diloco)
+
+    def step() -> tuple[CellState, str]:
+        new = committed.clone()
+        outer_step(new, res.averaged, cfg)
+        return new, new.state_hash()
+
+    new, h = await asyncio.to_thread(step)
+    residuals: dict[str, torch.Tensor] = {}
+    if ef is not None:
+        for n in w.delta:
+            r = ef.residual(n)
+            if r is not None:
+                residuals[n] = r
+    return ReduceOutcome(new, h, residuals, res.bytes_sent, res.bytes_received, res.comm_s)
+
+
+def corrupt(delta: Mapping[str, torch.Tensor], mode: str, previous: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """The pseudo-gradient a Byzantine worker contributes instead of its honest `delta`.
+
+    sign-flip: -delta; scale: delta x 100; nan: all NaN (our own data plane then abstains,
+    sending weight 0: reducers' non-finite rejection is the data plane's own test); zero:
+    zeros with the full sample count (a freeloader); stale: the previous round's honest
+    delta (zeros in the first round).
+    """
+    if mode == "sign-flip":
+        return {k: -v for k, v in delta.items()}
+    if mode == "scale":
+        return {k: v * BYZANTINE_SCALE for k, v in delta.items()}
+    if mode == "nan":
+        return {k: torch.full_like(v, float("nan")) for k, v in delta.items()}
+    if mode == "zero":
+        return {k: torch.zeros_like(v) for k, v in delta.items()}
+    if mode == "stale":
+        if previous is not None and set(previous) == set(delta):
+            return {k: previous[k].clone() for k in delta}
+        return {k: torch.zeros_like(v) for k, v in delta.items()}
+    raise ValueError(f"unknown byzantine mode {mode!r}; known: {', '.join(BYZANTINE_MODES)}")
