@@ -267,10 +267,8 @@ class CoordinatorCore:
         self.accepting = True
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
-        self._worker_states: dict[str, str] = {}
         self.heartbeat_interval_ms = int(spec.schedule.heartbeat_s * 1000)
-        for rec in state.snapshot().workers:
-            self._worker_states[rec.worker_id] = rec.state.value
+        self._counts_dirty = False
         self._publish_worker_counts()
 
     # ------------------------------------------------------------------ request path
@@ -317,22 +315,19 @@ class CoordinatorCore:
         opened = {(r.cell_id, r.round, r.attempt): r.opened_ms for r in effects if isinstance(r, d.RoundRecord)}
         for rec in effects:
             if isinstance(rec, d.WorkerRecord):
-                if self._worker_states.get(rec.worker_id) != rec.state.value:
-                    self._worker_states[rec.worker_id] = rec.state.value
-                    workers_changed = True
+                workers_changed = True
             elif isinstance(rec, d.CommitRecord):
                 start = opened.get((rec.cell_id, rec.round, rec.attempt))
                 self.metrics.round_committed(
                     rec.cell_id, None if start is None else (rec.committed_ms - start) / 1000.0
                 )
         if workers_changed:
-            self._publish_worker_counts()
+            self._counts_dirty = True
 
     def _publish_worker_counts(self) -> None:
-        counts: dict[str, int] = {}
-        for s in self._worker_states.values():
-            counts[s] = counts.get(s, 0) + 1
-        self.metrics.set_workers(counts)
+        # O(workers): done from the tick loop at most once a second, not per request
+        self._counts_dirty = False
+        self.metrics.set_workers(self.state.counts())
 
     async def tick(self) -> None:
         """One Tick (leases, deadlines), skipped when the core says nothing is due."""
@@ -343,9 +338,13 @@ class CoordinatorCore:
             await self.apply(d.Tick())
 
     async def tick_loop(self, period_ms: int) -> None:
+        last_counts = 0.0
         while True:
             await asyncio.sleep(period_ms / 1000.0)
             try:
+                if self._counts_dirty and time.monotonic() - last_counts >= 1.0:
+                    last_counts = time.monotonic()
+                    self._publish_worker_counts()
                 await self.tick()
             except NotAccepting:
                 return
@@ -355,11 +354,11 @@ class CoordinatorCore:
     # ------------------------------------------------------------------ status
 
     def status(self) -> pb.StatusResponse:
-        """The operator view, from the core's records (read-only)."""
+        """The operator view, from the core's queries (no transition). O(workers)."""
+        st = self.state
         now = self.clock()
-        snap = self.state.snapshot()
         out = pb.StatusResponse(run_id=self.spec.run.id, spec_hash=self.spec.spec_hash, now_unix_ms=now)
-        live = getattr(self.state, "worker_live", None)  # phase/lease, if the core exposes them
+        snap = st.snapshot()
         for w in snap.workers:
             ws = out.workers.add(
                 worker_id=w.worker_id,
@@ -371,38 +370,26 @@ class CoordinatorCore:
                 vram_bytes=w.profile.vram_bytes,
                 rounds_contributed=w.rounds_contributed,
             )
-            if live is not None:
-                info = live(w.worker_id)
-                if info is not None:
-                    phase, lease_ms = info
-                    ws.phase = int(phase)  # type: ignore[assignment]
-                    ws.lease_expires_unix_ms = lease_ms
-        members: dict[str, list[str]] = {}
-        compute: dict[str, float] = {}
-        for w in snap.workers:
-            if w.state is d.WorkerState.ACTIVE and w.cell_id:
-                members.setdefault(w.cell_id, []).append(w.worker_id)
-                compute[w.cell_id] = compute.get(w.cell_id, 0.0) + float(w.throughput.get(w.cell_id, 0.0))
-        total = sum(compute.values())
-        open_rounds = {r.cell_id: r for r in snap.rounds if not r.state.terminal}
-        targets = {c.cell_id: c.target_share for c in getattr(self.state, "cells", ())} if hasattr(
-            self.state, "cells"
-        ) else {}
-        for c in snap.cells:
-            r = open_rounds.get(c.cell_id)
+            if w.state is d.WorkerState.ACTIVE:
+                phase, _round, _step, _loss, lease_ms = st.worker_phase(w.worker_id)
+                ws.phase = int(phase)  # type: ignore[assignment]
+                ws.lease_expires_unix_ms = lease_ms
+        shares, targets = st.shares(), st.targets()
+        for cell_id in self.spec.cell_ids:
+            rec, rnd, members = st.cell_view(cell_id)
             out.cells.add(
-                cell_id=c.cell_id,
-                kind="router" if parse_cell(c.cell_id) is None else "expert",
-                round=r.round if r else 0,
-                round_state=r.state.value if r else "none",
-                committed_round=c.committed_round,
-                committed_hash=c.committed_hash,
-                members=sorted(members.get(c.cell_id, [])),
-                target_share=float(targets.get(c.cell_id, 0.0)),
-                actual_share=compute.get(c.cell_id, 0.0) / total if total > 0 else 0.0,
-                last_loss=c.last_loss,
-                latest_checkpoint_round=c.checkpoint_round,
-                samples_committed=c.samples_committed,
+                cell_id=cell_id,
+                kind="router" if parse_cell(cell_id) is None else "expert",
+                round=rnd.round if rnd else 0,
+                round_state=rnd.state.value if rnd else "none",
+                committed_round=rec.committed_round,
+                committed_hash=rec.committed_hash,
+                members=sorted(members),
+                target_share=float(targets.get(cell_id, 0.0)),
+                actual_share=float(shares.get(cell_id, 0.0)),
+                last_loss=rec.last_loss,
+                latest_checkpoint_round=rec.checkpoint_round,
+                samples_committed=rec.samples_committed,
             )
         return out
 

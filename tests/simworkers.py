@@ -5,7 +5,8 @@ follows the level-triggered instructions of the round protocol (team brief):
 
 - WAIT   -> heartbeat IDLE;
 - SYNC   -> "download" (a short sleep), adopt the committed (round, hash), heartbeat IDLE;
-- TRAIN  -> heartbeat TRAINING, sleep `train_s`, heartbeat READY with its planned samples;
+- TRAIN  -> heartbeat TRAINING, sleep planned samples / samples_per_s (or a fixed
+  `train_s`), heartbeat READY with its planned samples;
 - REDUCE -> heartbeat REDUCING, sleep `reduce_s`, then ReportRound with a hash derived
   deterministically from (cell, round, previous committed hash, contributors), so honest
   contributors agree; a worker with `bad_hash=True` reports a different one;
@@ -22,7 +23,7 @@ import asyncio
 import hashlib
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -78,7 +79,7 @@ class SimWorker:
         vram_bytes: int = 16 << 30,
         samples_per_s: float = 100.0,
         cells: Sequence[str] = (),
-        train_s: float = 0.05,
+        train_s: float | None = None,
         reduce_s: float = 0.02,
         heartbeat_s: float | None = None,
         bad_hash: bool = False,
@@ -199,6 +200,10 @@ class SimWorker:
                     await asyncio.sleep(backoff * (0.5 + self.rng.random()))
                     backoff = min(backoff * 2, 1.0)
                     continue
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # banned: a real worker exits
+                    self.stats.errors.append(f"banned: {e.details()}")
+                    self.stopped = True
+                    return
                 self.stats.errors.append(f"{e.code().name}: {e.details()}")
                 log.warning("%s: %s %s", self.name, e.code().name, e.details())
                 await asyncio.sleep(0.2)
@@ -216,13 +221,13 @@ class SimWorker:
         self.phase = pb.PHASE_IDLE
         self.inner_step = 0
 
-    def _start(self, key: tuple[object, ...], coro: object) -> None:
+    def _start(self, key: tuple[object, ...], make: Callable[[], Coroutine[object, object, None]]) -> None:
         if self._action_key == key and self._action is not None:
             return  # already doing exactly that
         if self._action is not None:
             self._action.cancel()
         self._action_key = key
-        self._action = asyncio.create_task(coro)  # type: ignore[arg-type]
+        self._action = asyncio.create_task(make())
 
     def _adopt_committed(self, ins: pb.Instruction) -> None:
         """A pending result of ours matching the committed round becomes our local state."""
@@ -245,12 +250,12 @@ class SimWorker:
                 self._reset_activity()
         elif order == pb.ORDER_SYNC:
             self.stats.sync_orders.append((ins.cell_id, ins.committed_round, ins.reason))
-            self._start((pb.ORDER_SYNC, ins.cell_id, ins.committed_round, ins.committed_hash), self._sync(ins))
+            self._start((pb.ORDER_SYNC, ins.cell_id, ins.committed_round, ins.committed_hash), lambda: self._sync(ins))
         elif order == pb.ORDER_TRAIN:
-            self._start((pb.ORDER_TRAIN, ins.cell_id, ins.round, ins.round_attempt), self._train(ins))
+            self._start((pb.ORDER_TRAIN, ins.cell_id, ins.round, ins.round_attempt), lambda: self._train(ins))
         elif order == pb.ORDER_REDUCE:
             self._start(
-                (pb.ORDER_REDUCE, ins.cell_id, ins.round, ins.round_attempt, ins.reduce_attempt), self._reduce(ins)
+                (pb.ORDER_REDUCE, ins.cell_id, ins.round, ins.round_attempt, ins.reduce_attempt), lambda: self._reduce(ins)
             )
         elif order == pb.ORDER_LEAVE:
             self.stopped = True
@@ -269,10 +274,11 @@ class SimWorker:
         self.cell_id, self.round, self.round_attempt = ins.cell_id, ins.round, ins.round_attempt
         self.phase, self.inner_step, self.samples = pb.PHASE_TRAINING, 0, 0
         self._wake.set()
-        await asyncio.sleep(self.train_s)
         plan = ins.plan
+        samples = plan.micro_batch * plan.grad_accum * plan.inner_steps
+        await asyncio.sleep(self.train_s if self.train_s is not None else samples / self.samples_per_s)
         self.inner_step = plan.inner_steps
-        self.samples = plan.micro_batch * plan.grad_accum * plan.inner_steps
+        self.samples = samples
         self.stats.rounds_trained.append((ins.cell_id, ins.round, ins.round_attempt))
         self.phase = pb.PHASE_READY
         self._wake.set()
@@ -295,7 +301,7 @@ class SimWorker:
                     state_hash=h,
                     samples=self.samples,
                     loss=0.5,
-                    compute_ms=int(self.train_s * 1000),
+                    compute_ms=int(1000 * (self.train_s if self.train_s is not None else self.samples / self.samples_per_s)),
                     comm_ms=int(self.reduce_s * 1000),
                     reduce_attempt=ins.reduce_attempt,
                 )
@@ -341,3 +347,56 @@ async def start_workers(
 
 async def stop_workers(workers: Sequence[SimWorker]) -> None:
     await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+
+
+def cluster_spec_text(
+    run_id: str = "simrun",
+    *,
+    lease_s: float = 2.0,
+    heartbeat_s: float = 0.4,
+    min_replicas: int = 2,
+    max_replicas: int = 8,
+    quorum: float = 0.5,
+    every_rounds: int = 1000,
+    extra: str = "",
+) -> str:
+    """A run spec for cluster tests: short leases and heartbeats, tiny rounds."""
+    return f"""
+[run]
+id = "{run_id}"
+seed = 0
+
+[data]
+source = "digits"
+clusters = 2
+
+[cells]
+timestep_ranges = 2
+router = true
+
+[diloco]
+inner_steps = 2
+group_batch = 16
+max_micro_batch = 16
+
+[schedule]
+min_replicas = {min_replicas}
+max_replicas = {max_replicas}
+lease_s = {lease_s}
+heartbeat_s = {heartbeat_s}
+deadline_slack = 2.0
+min_round_s = 1.0
+quorum = {quorum}
+
+[checkpoint]
+every_rounds = {every_rounds}
+keep = 2
+{extra}
+"""
+
+
+def uniform_cells(cell_ids: Sequence[str], memory_bytes: int = 1 << 30) -> list[object]:
+    """CellConfigs with equal targets and a fixed size (skips loading the dataset)."""
+    from bagel.coordinator.domain import CellConfig
+
+    return [CellConfig(c, memory_bytes, 1.0 / len(cell_ids), 1 << 20) for c in cell_ids]

@@ -1,0 +1,231 @@
+"""In-process cluster (issue 2, must-show 1 and 2): a real coordinator on port 0 and
+simulated asyncio workers speaking the real protocol over real gRPC.
+
+- 20 workers register, heartbeat, get assignments, report equal hashes: rounds commit,
+  and the store holds each committed round exactly once, consecutively per cell;
+- a member that reports another hash is told to resync;
+- a member that stops heartbeating loses its lease within the lease time, is dropped
+  from its open round, and that round commits with the rest;
+- heterogeneity over gRPC: VRAM fit and throughput-proportional batches.
+
+Time-based waits poll the coordinator's state with generous timeouts; nothing asserts
+wall-clock durations (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
+from bagel.coordinator.domain import CellConfig, CommitRecord, RoundRecord, RoundState, WorkerState
+from bagel.coordinator.spec import parse_spec
+from bagel.coordinator.store import Store, from_json
+from bagel.protocol import bagel_pb2 as pb
+
+from simworkers import SimWorker, cluster_spec_text, honest_hash, start_workers, stop_workers, uniform_cells
+
+
+async def wait_for(pred: Callable[[], bool], timeout_s: float, what: str, step_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        await asyncio.sleep(step_s)
+
+
+def commits(data_dir: Path) -> list[tuple[str, int, str]]:
+    store = Store.open_readonly(data_dir)
+    try:
+        return store.commits()
+    finally:
+        store.close()
+
+
+def all_rounds(data_dir: Path) -> list[RoundRecord]:
+    store = Store.open_readonly(data_dir)
+    try:
+        return [from_json(RoundRecord, json.loads(row[4])) for row in store.dump()["rounds"]]
+    finally:
+        store.close()
+
+
+def all_commits(data_dir: Path) -> list[CommitRecord]:
+    store = Store.open_readonly(data_dir)
+    try:
+        recs = [from_json(CommitRecord, json.loads(row[3])) for row in store.dump()["commits"]]
+    finally:
+        store.close()
+    return sorted(recs, key=lambda c: (c.cell_id, c.round))
+
+
+def assert_commit_history_sane(rows: list[tuple[str, int, str]]) -> None:
+    """Per cell, committed rounds are 1, 2, 3, ... with no gap and no repeat."""
+    by_cell: dict[str, list[int]] = {}
+    for cell, rnd, _h in rows:
+        by_cell.setdefault(cell, []).append(rnd)
+    for cell, rounds in by_cell.items():
+        assert rounds == list(range(1, len(rounds) + 1)), (cell, rounds)
+
+
+async def start(tmp_path: Path, spec_text: str, cells: list[CellConfig] | None = None, **kw) -> CoordinatorHandle:
+    spec = parse_spec(spec_text)
+    return await start_coordinator(
+        spec, tmp_path / "coord", listen="127.0.0.1:0", cells=cells or uniform_cells(spec.cell_ids), tick_ms=50, **kw
+    )
+
+
+@pytest.mark.timeout(90)
+async def test_twenty_workers_commit_rounds(tmp_path: Path) -> None:
+    h = await start(tmp_path, cluster_spec_text())
+    spec = h.spec
+    workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 20, cells=spec.cell_ids)
+    try:
+        # every cell commits at least 3 rounds
+        def enough() -> bool:
+            snap = h.state.snapshot()
+            return all(c.committed_round >= 3 for c in snap.cells)
+
+        await wait_for(enough, 60, "3 committed rounds in every cell")
+        snap = h.state.snapshot()
+        assert sum(1 for w in snap.workers if w.state is WorkerState.ACTIVE) == 20
+        assert all(w.cell_id for w in snap.workers), "every worker got a cell"
+        status = await workers[0].client.status()
+        assert {c.cell_id for c in status.cells} == set(spec.cell_ids)
+        assert all(c.committed_round >= 3 for c in status.cells)
+    finally:
+        await stop_workers(workers)
+        await h.stop()
+    rows = commits(h.data_dir)
+    assert_commit_history_sane(rows)
+    # each committed hash is what the honest contributors computed from the previous one
+    recs = all_commits(h.data_dir)
+    prev: dict[str, str] = {}
+    for c in recs:
+        assert c.state_hash == honest_hash(c.cell_id, c.round, prev.get(c.cell_id, ""), c.contributors)
+        assert set(c.agreeing) <= set(c.contributors) and len(c.agreeing) * 2 > len(c.contributors)
+        prev[c.cell_id] = c.state_hash
+    # honest workers that took part in the last commit of their cell hold exactly that state
+    last = {c.cell_id: c for c in recs}
+    for w in workers:
+        c = last.get(w.local.cell_id)
+        if c is not None and w.worker_id in c.agreeing and w.local.committed_round == c.round:
+            assert w.local.state_hash == c.state_hash
+
+
+@pytest.mark.timeout(90)
+async def test_member_with_another_hash_is_resynced(tmp_path: Path) -> None:
+    # one cell, so the liar certainly shares a round with honest members
+    text = cluster_spec_text(min_replicas=1, max_replicas=8).replace("clusters = 2", "clusters = 1").replace(
+        "timestep_ranges = 2", "timestep_ranges = 1"
+    ).replace("router = true", "router = false")
+    h = await start(tmp_path, text)
+    target = f"127.0.0.1:{h.port}"
+    honest = await start_workers(target, h.spec.run.id, 3, cells=h.spec.cell_ids)
+    liar = SimWorker(target, h.spec.run.id, name="liar", cells=h.spec.cell_ids, bad_hash=True, seed=99)
+    liar.start()
+    try:
+        # the liar hears it either as VERDICT_RESYNC (its report came after the commit) or,
+        # having got PENDING, as ORDER_SYNC in its next instruction
+        await wait_for(lambda: liar.stats.reports > 0 and len(liar.stats.sync_orders) > 0, 45,
+                       "the liar reports and is ordered to SYNC")
+        print("liar verdicts", liar.stats.verdicts, "syncs", liar.stats.sync_orders)
+        assert any(v == pb.VERDICT_COMMITTED for w in honest for _c, _r, v in w.stats.verdicts)
+        # the liar's reputation dropped; the honest ones' did not
+        recs = {w.worker_id: w for w in h.state.snapshot().workers}
+        assert recs[liar.worker_id].reputation < min(recs[w.worker_id].reputation for w in honest)
+    finally:
+        await stop_workers([*honest, liar])
+        await h.stop()
+    assert_commit_history_sane(commits(h.data_dir))
+
+
+@pytest.mark.timeout(90)
+async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: Path) -> None:
+    text = cluster_spec_text(min_replicas=1, lease_s=2.0, heartbeat_s=0.3).replace("clusters = 2", "clusters = 1").replace(
+        "timestep_ranges = 2", "timestep_ranges = 1"
+    ).replace("router = true", "router = false")
+    h = await start(tmp_path, text)
+    target = f"127.0.0.1:{h.port}"
+    # slow workers (a round trains ~2 s, its deadline is ~2x that), so there is time to
+    # kill a member while its round is open, and its lease (2 s) runs out before the deadline
+    workers = await start_workers(target, h.spec.run.id, 4, cells=h.spec.cell_ids, samples_per_s=4.0)
+    try:
+        await wait_for(lambda: h.state.snapshot().cells[0].committed_round >= 1, 45, "a first commit")
+
+        def training_round():
+            rounds = h.state.snapshot().rounds
+            return rounds[0] if rounds and rounds[0].state in (RoundState.OPEN, RoundState.TRAINING) else None
+
+        await wait_for(lambda: training_round() is not None and len(training_round().members) == 4, 30,
+                       "a round with all 4 members open")
+        r = training_round()
+        victim = next(w for w in workers if w.worker_id == r.members[-1].worker_id)
+        await victim.crash()
+        killed_at = time.monotonic()
+        cell = r.cell_id
+
+        def victim_state() -> WorkerState:
+            return next(w.state for w in h.state.snapshot().workers if w.worker_id == victim.worker_id)
+
+        await wait_for(lambda: victim_state() is WorkerState.LOST, 20, "the victim's lease expires")
+        lost_after = time.monotonic() - killed_at
+        await wait_for(lambda: h.state.snapshot().cells[0].committed_round >= r.round, 30,
+                       f"round {r.round} commits without the victim")
+    finally:
+        await stop_workers(workers)
+        await h.stop()
+    # no wall-clock assert beyond sanity: the lease is 2 s, ticks are 50 ms; a busy box may lag
+    assert lost_after < 20
+    rounds = all_rounds(h.data_dir)
+    commit = next(c for c in all_commits(h.data_dir) if c.cell_id == cell and c.round == r.round)
+    # the round the victim belonged to dropped it, and committed with the others
+    the_round = [x for x in rounds if x.cell_id == cell and x.round == r.round and x.state is RoundState.COMMITTED]
+    assert the_round and victim.worker_id in the_round[0].dropped
+    assert victim.worker_id not in commit.contributors and len(commit.contributors) == 3
+
+
+@pytest.mark.timeout(90)
+async def test_heterogeneous_workers_fit_and_proportional_batches(tmp_path: Path) -> None:
+    text = cluster_spec_text(min_replicas=2, max_replicas=6).replace("group_batch = 16", "group_batch = 512")
+    spec = parse_spec(text)
+    gib = 1 << 30
+    # experts need 20 GiB (with 20% headroom: > 25 GiB of VRAM), the router 2 GiB
+    cells = [
+        CellConfig(c, 2 * gib if c == "router" else 20 * gib, 0.1 if c == "router" else 0.225, 1 << 20)
+        for c in spec.cell_ids
+    ]
+    h = await start(tmp_path, text, cells=cells)
+    target = f"127.0.0.1:{h.port}"
+    vram_gb = [6, 8, 12, 16, 24, 32, 40, 48, 48, 64, 80, 80]
+    speeds = [10.0 * (1 + 9 * i / 11) for i in range(12)]  # 10x spread
+    workers = [
+        SimWorker(target, spec.run.id, name=f"het{i}", cells=spec.cell_ids, vram_bytes=vram_gb[i] * gib,
+                  samples_per_s=speeds[i], seed=i)
+        for i in range(12)
+    ]
+    for w in workers:
+        w.start()
+    try:
+        await wait_for(lambda: sum(c.committed_round for c in h.state.snapshot().cells) >= 5, 60, "some commits")
+        by_id = {w.worker_id: w for w in workers}
+        for rec in h.state.snapshot().workers:
+            w = by_id[rec.worker_id]
+            if rec.cell_id and rec.cell_id != "router":
+                assert w.vram_bytes * 0.8 >= 20 * gib, f"{w.name} ({w.vram_bytes // gib} GiB) got {rec.cell_id}"
+        # the plans of first rounds (built from the profiles' throughput, before any EMA
+        # update) give each member a batch proportional to its samples/s
+        speed = {w.worker_id: w.samples_per_s for w in workers}
+        firsts = [r for r in all_rounds(h.data_dir) if r.round == 1 and r.attempt == 1 and len(r.members) >= 2]
+        assert firsts, "no multi-member first round"
+        for r in firsts:
+            per_speed = [m.max_samples / speed[m.worker_id] for m in r.members]
+            assert max(per_speed) <= 1.25 * min(per_speed), (r.cell_id, [(m.max_samples, speed[m.worker_id]) for m in r.members])
+    finally:
+        await stop_workers(workers)
+        await h.stop()
