@@ -8,6 +8,10 @@ Public API::
     codec.encoded_nbytes(numel)             # exact wire size
     codec.error_bound(t)                    # declared max abs round-trip error for this input
     ErrorFeedback().compensate(key, t) / .update(key, compensated, decoded)
+    choose_codec(numel, link_bytes_per_s, compute_s)   # bandwidth-aware pick (choice.py)
+
+The hivemind adapter is imported on demand (it imports hivemind):
+``from bagel.compression.hivemind_adapter import BagelCompression, install``.
 
 Modules: ``wire`` (header, limits, CRC), ``base`` (ABC, registry, decode), ``floats``,
 ``blockwise`` (int8/int4), ``topk``, ``feedback``, ``choice`` (bandwidth-aware pick),
@@ -19,6 +23,7 @@ from . import floats as _floats  # noqa: F401  (registers fp32/fp16/bf16)
 from . import topk as _topk  # noqa: F401  (registers topk)
 from .base import Codec, NonFiniteError, decode, get_codec, peek_header, registered_kinds
 from .blockwise import Int4Codec, Int8Codec
+from .choice import CodecChoice, choose_codec
 from .feedback import ErrorFeedback
 from .floats import Bf16Codec, Fp16Codec, Fp32Codec
 from .topk import TopKCodec
@@ -28,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_ELEMENTS",
     "Bf16Codec",
     "Codec",
+    "CodecChoice",
     "CodecError",
     "CodecId",
     "ErrorFeedback",
@@ -38,6 +44,7 @@ __all__ = [
     "Int8Codec",
     "NonFiniteError",
     "TopKCodec",
+    "choose_codec",
     "decode",
     "get_codec",
     "peek_header",

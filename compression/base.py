@@ -37,9 +37,12 @@ from .wire import (
     total_nbytes,
 )
 
-# decode() reads the body in place from an immutable ``bytes`` object (no copy) and only ever
-# reads it, so torch's "buffer is not writable" warning is noise here.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+# decode() views the body of an immutable ``bytes`` object in place (no copy) and only ever
+# reads it. torch warns about non-writable buffers once per process (TORCH_WARN_ONCE), so
+# spend that one warning here, silenced, instead of on a caller's first decode.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 class NonFiniteError(ValueError):

@@ -16,8 +16,8 @@ so an index costs 2 bytes plus 4 bytes per 65536 values, instead of 4 or 8. ``co
 The decoder checks: every chunk count <= its chunk's length, counts summing to k, indices
 (chunk * 65536 + offset) strictly increasing (sorted, unique) and < numel, values finite,
 padding zero. Kept values are exact; the declared error bound is the largest dropped
-magnitude, which is at most the smallest kept one. Ties at the threshold are broken by
-``torch.topk`` deterministically for a given input.
+magnitude, which is at most the smallest kept one. Ties at the threshold go to the lowest
+indices (see ``TopKCodec._select``), so the kept set is a function of the input alone.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .wire import CodecError, CodecId, Header, align4
 
 CHUNK_BITS = 16
 CHUNK = 1 << CHUNK_BITS
+_SCAN = 1 << 18  # values per pass of the candidate scan (1 MiB scratch)
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,35 @@ class TopKCodec(Codec):
         return 0, k, self._body_nbytes(numel, k)
 
     def _select(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        """Sorted int64 indices of the k largest |x|."""
-        if k == x.numel():
-            return torch.arange(k, dtype=torch.int64)
-        idx = torch.topk(x.abs(), k, sorted=False).indices
-        return torch.sort(idx).values
+        """Sorted int64 indices of the canonical top k: every |x| above the k-th largest
+        magnitude T, then the lowest-index values equal to T until there are k.
+
+        Defined without reference to ``torch.topk``'s unspecified tie order, so the choice
+        (and the bytes) are the same everywhere. Computed on a candidate set: a threshold
+        taken from a strided sample of |x| (with a 25% margin) selects a few more than k
+        candidates in one masked pass, and the exact selection runs on those only; if the
+        sample was unlucky and too few qualify, the threshold is lowered until enough do."""
+        n = x.numel()
+        if k == n:
+            return torch.arange(n, dtype=torch.int64)
+        # ~2048 expected top values in the sample: the margin is then > 10 standard deviations.
+        stride = max(1, k // 2048)
+        sample = x[::stride].abs()
+        want = min(sample.numel(), math.ceil(1.25 * k / stride) + 16)
+        threshold = float(torch.topk(sample, want, sorted=False).values.min()) if stride > 1 else 0.0
+        while True:
+            cand = _at_least(x, threshold)
+            if cand.numel() >= k or threshold == 0.0:
+                break
+            threshold /= 2.0 if threshold > 1e-30 else float("inf")  # last resort: all indices
+        mags = x[cand].abs()
+        c = cand.numel()
+        t = float(torch.kthvalue(mags, c - k + 1).values)  # the k-th largest magnitude
+        keep = mags > t
+        ties = mags == t
+        need = k - int(keep.sum())
+        keep |= ties & (torch.cumsum(ties, 0) <= need)
+        return cand[keep]
 
     def _encode_body(self, x: torch.Tensor, count: int, body: torch.Tensor, generator: torch.Generator | None) -> int:
         require_finite(x)
@@ -144,6 +169,18 @@ class TopKCodec(Codec):
         phi = math.exp(-0.5 * c * c) / math.sqrt(2 * math.pi)
         kept_energy = f + 2.0 * c * phi  # E[x^2; |x| > c] for a standard normal
         return math.sqrt(max(0.0, 1.0 - kept_energy))
+
+
+def _at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Sorted indices i with |x[i]| >= threshold, chunk by chunk through a cached scratch."""
+    n = x.numel()
+    mask = torch.empty(n, dtype=torch.bool)
+    scratch = torch.empty(min(n, _SCAN), dtype=torch.float32)
+    for s in range(0, n, _SCAN):
+        e = min(n, s + _SCAN)
+        a = torch.abs(x[s:e], out=scratch[: e - s])
+        torch.ge(a, threshold, out=mask[s:e])
+    return mask.nonzero().view(-1)
 
 
 def _abs_normal_quantile(p: float) -> float:
