@@ -24,6 +24,7 @@ from bagel.worker.averaging import (
     part_bounds,
 )
 from bagel.worker.framing import read_message, write_frame, write_message
+from bagel.worker.parts import decode_part, part_generator, prepare_contribution, reduce_part
 from bagel.worker.reducers import get_reducer
 from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
 
@@ -116,6 +117,24 @@ async def test_three_peers_bit_identical_and_within_codec_bound_for_every_codec(
                 assert err <= own + again + 1e-6, f"{name} part {j}: error {err} over bound {own + again}"
             if name == "fp32":
                 assert float((got - true_mean).abs().max()) < 1e-6
+            # The network result is exactly the pure pipeline that tests/test_diloco.py's golden
+            # test checks against its reference (same seeded generators, stochastic codecs too).
+            contribs = {
+                w: prepare_contribution(deltas[w], codec, 3, (RUN_ID, CELL, rnd, 1, 1, w), weight=weights[w])
+                for w in sorted(deltas)
+            }
+            pieces = []
+            for j, (s, e) in enumerate(part_bounds(layout.total, 3)):
+                gen = part_generator(RUN_ID, CELL, rnd, 1, 1, "result", j)
+                buf = reduce_part(
+                    codec,
+                    get_reducer("mean"),
+                    [c.decoded[j] for c in contribs.values()],
+                    [weights[w] for w in contribs],
+                    gen,
+                )
+                pieces.append(decode_part(codec, buf, e - s))
+            assert torch.equal(got.float(), torch.cat(pieces)), f"{name}: network result != pure pipeline"
         print("\nmax |difference| across 3 peers, by codec:", measured)
         assert all(v == 0.0 for v in measured.values())
 

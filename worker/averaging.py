@@ -50,9 +50,9 @@ from bagel.worker.parts import (
     Contributor,
     Layout,
     decode_part,
-    encode_parts,
     group_digest,
     part_bounds,
+    prepare_contribution,
     resolve_codec,
 )
 from bagel.worker.reducers import PartRejected, Reducer, get_reducer
@@ -222,8 +222,6 @@ class DataPlane:
         started = loop.time()
         deadline = started + timeout_s
         codec_obj = resolve_codec(codec)
-        layout = Layout.of(delta)
-        bounds = part_bounds(layout.total, len(members))
         index = ids.index(worker_id)
         tag = dp.ExchangeTag(
             run_id=self.run_id,
@@ -233,13 +231,11 @@ class DataPlane:
             reduce_attempt=reduce_attempt,
             group_digest=group_digest(members),
         )
-        compensated = {
-            n: (error_feedback.compensate(n, t) if error_feedback is not None else t) for n, t in delta.items()
-        }
-        flat = layout.flatten(compensated)
-        abstained = "" if bool(torch.isfinite(flat).all()) and weight > 0 else "non-finite delta or no samples"
         gen_key = (self.run_id, cell_id, round, round_attempt, reduce_attempt, worker_id)
-        payloads, own_decoded = await asyncio.to_thread(encode_parts, codec_obj, flat, bounds, gen_key, abstained)
+        own = await asyncio.to_thread(
+            prepare_contribution, delta, codec_obj, len(members), gen_key, weight=weight, error_feedback=error_feedback
+        )
+        layout, bounds, abstained, payloads = own.layout, own.bounds, own.abstained, own.payloads
 
         key = (cell_id, round, round_attempt, reduce_attempt)
         # Reducers give up on missing contributions a little before the caller's deadline, so
@@ -258,7 +254,7 @@ class DataPlane:
         if abstained:
             session.exclude(worker_id, abstained)
         elif session.numel:
-            session.accept(worker_id, float(weight), own_decoded[index])
+            session.accept(worker_id, float(weight), own.decoded[index])
         client_bytes = [0, 0]
         await asyncio.wait({dial}, timeout=min(2.0, timeout_s / 4))  # then exchange anyway: streams retry
         tasks: dict[int, asyncio.Task] = {index: asyncio.create_task(session.reduce_own())}
@@ -313,21 +309,11 @@ class DataPlane:
                 )
             except TimeoutError:
                 log.debug("some contributors did not take their averaged part in time")
-        if abstained:
-            residual = {n: torch.zeros(s) for n, s in zip(layout.names, layout.shapes)}
-            if error_feedback is not None:
-                for n in layout.names:
-                    error_feedback.update(n, residual[n], residual[n])
-        else:
-            decoded_flat = torch.cat(own_decoded)
-            residual = layout.unflatten(flat - decoded_flat)
-            if error_feedback is not None:
-                decoded = layout.unflatten(decoded_flat)
-                for n in layout.names:
-                    error_feedback.update(n, compensated[n].detach().to("cpu", torch.float32), decoded[n])
+        if error_feedback is not None:
+            own.commit_error_feedback(error_feedback)
         return ExchangeResult(
             averaged=averaged,
-            residual=residual,
+            residual=own.residual(),
             bytes_sent=client_bytes[0] + session.bytes_sent,
             bytes_received=client_bytes[1] + session.bytes_received,
             excluded=tuple(sorted(excluded, key=lambda e: (e.part, e.sender))),

@@ -146,3 +146,73 @@ def encode_parts(
         payloads.append(buf)
         decoded.append(decode_part(codec, buf, e - s))
     return payloads, decoded
+
+
+@dataclass
+class Contribution:
+    """Our side of one exchange before a byte is sent: the parts we encode, and what reducers will decode."""
+
+    layout: Layout
+    bounds: list[tuple[int, int]]
+    compensated: dict[str, torch.Tensor]  # delta + error-feedback residual, float32 CPU
+    flat: torch.Tensor  # compensated, flattened
+    payloads: list[bytes]  # one codec frame per part (b"" for an empty part or when abstaining)
+    decoded: list[torch.Tensor]  # decode(payload) per part: exactly what the reducers aggregate
+    abstained: str  # non-empty: we send nothing (non-finite delta or no samples), and why
+
+    def residual(self) -> dict[str, torch.Tensor]:
+        """compensated - decode(encode(compensated)): what the codec dropped (zeros when abstaining)."""
+        if self.abstained:
+            return {n: torch.zeros(s) for n, s in zip(self.layout.names, self.layout.shapes)}
+        return self.layout.unflatten(self.flat - torch.cat(self.decoded))
+
+    def commit_error_feedback(self, error_feedback: Any) -> None:
+        """Store the new residual per tensor name (`ErrorFeedback.update`); call only after success."""
+        if self.abstained:  # what we "sent" was nothing: start over rather than carry a non-finite residual
+            for n, shape in zip(self.layout.names, self.layout.shapes):
+                error_feedback.update(n, torch.zeros(shape), torch.zeros(shape))
+            return
+        decoded = self.layout.unflatten(torch.cat(self.decoded))
+        for n in self.layout.names:
+            error_feedback.update(n, self.compensated[n], decoded[n])
+
+
+def prepare_contribution(
+    delta: Mapping[str, torch.Tensor],
+    codec: Codec,
+    num_parts: int,
+    gen_key: tuple,
+    *,
+    weight: float,
+    error_feedback: Any = None,
+) -> Contribution:
+    """Compensate with the error-feedback residual, flatten, split, encode and decode every part.
+
+    Pure: the residual is not stored here (`Contribution.commit_error_feedback` does that once
+    the exchange succeeded, so a failed attempt leaves the worker's feedback untouched).
+    """
+    layout = Layout.of(delta)
+    compensated = {
+        n: (error_feedback.compensate(n, t) if error_feedback is not None else t).detach().to("cpu", torch.float32)
+        for n, t in delta.items()
+    }
+    flat = layout.flatten(compensated)
+    finite = bool(torch.isfinite(flat).all())
+    abstained = "" if finite and weight > 0 else ("non-finite delta" if not finite else "no samples")
+    bounds = part_bounds(layout.total, num_parts)
+    payloads, decoded = encode_parts(codec, flat, bounds, gen_key, abstained)
+    return Contribution(layout, bounds, compensated, flat, payloads, decoded, abstained)
+
+
+def reduce_part(
+    codec: Codec,
+    reducer: Any,
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    generator: torch.Generator | None,
+) -> bytes:
+    """The reducer's output for one part: aggregate the decoded contributions, encode once.
+
+    Every contributor (the reducer included) applies decode() of exactly these bytes.
+    """
+    return codec.encode(reducer.aggregate(parts, weights), generator=generator)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.worker.framing import LEN_NBYTES, read_frame, write_frame, write_message
-from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator
+from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
 from bagel.worker.reducers import PartRejected, Reducer
 from hivemind.p2p import PeerID
 
@@ -175,9 +175,7 @@ class Reduction:
             weights = [self.accepted[n][0] for n in names]
             t = self.tag
             gen = part_generator(t.run_id, t.cell_id, t.round, t.round_attempt, t.reduce_attempt, "result", self.index)
-            payload = await asyncio.to_thread(
-                lambda: self.codec.encode(self.reducer.aggregate(parts, weights), generator=gen)
-            )
+            payload = await asyncio.to_thread(reduce_part, self.codec, self.reducer, parts, weights, gen)
             header = dp.ReducedHeader(
                 status=dp.STATUS_OK,
                 tag=self.tag,
