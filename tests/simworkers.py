@@ -27,10 +27,13 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
+from safetensors.numpy import save as save_safetensors
 
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient
 from bagel.protocol.identity import Identity
+from bagel.protocol.statehash import state_hash
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +52,18 @@ def fake_peer_id(seed: str) -> str:
     return "12D3KooW" + "".join(out)
 
 
-def honest_hash(cell_id: str, round: int, prev_hash: str, contributors: Sequence[str]) -> str:
-    """What every honest contributor of a round reports (stands in for the real state hash)."""
+def sim_state(cell_id: str, round: int, prev_hash: str, contributors: Sequence[str]) -> dict[str, np.ndarray]:
+    """The (tiny) cell state every honest contributor of a round ends with: a pure function
+    of (cell, round, previous committed hash, contributors), so honest members agree, and
+    real tensors, so it can be uploaded as a checkpoint and verified by its state hash."""
     text = f"{cell_id}|{round}|{prev_hash}|{','.join(sorted(contributors))}"
-    return hashlib.sha256(text.encode()).hexdigest()
+    seed = np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.uint8).astype(np.float32)
+    return {"w.p": seed / 255.0, "m.p": np.zeros_like(seed)}
+
+
+def honest_hash(cell_id: str, round: int, prev_hash: str, contributors: Sequence[str]) -> str:
+    """What every honest contributor of a round reports: the state hash of `sim_state`."""
+    return state_hash(sim_state(cell_id, round, prev_hash, contributors))
 
 
 @dataclass
@@ -63,6 +74,7 @@ class SimStats:
     verdicts: list[tuple[str, int, int]] = field(default_factory=list)  # (cell, round, verdict)
     sync_orders: list[tuple[str, int, str]] = field(default_factory=list)  # (cell, committed_round, reason)
     rounds_trained: list[tuple[str, int, int]] = field(default_factory=list)  # (cell, round, attempt)
+    uploads: list[tuple[str, int]] = field(default_factory=list)  # checkpoints stored
     errors: list[str] = field(default_factory=list)
 
 
@@ -83,6 +95,7 @@ class SimWorker:
         reduce_s: float = 0.02,
         heartbeat_s: float | None = None,
         bad_hash: bool = False,
+        upload: bool = True,
         seed: int = 0,
     ) -> None:
         self.identity = identity or Identity.generate()
@@ -94,6 +107,10 @@ class SimWorker:
         self.train_s, self.reduce_s = train_s, reduce_s
         self.heartbeat_s = heartbeat_s
         self.bad_hash = bad_hash
+        self.upload = upload
+        self.states: dict[tuple[str, int], dict[str, np.ndarray]] = {}  # (cell, round) -> tensors
+        self._uploading: set[tuple[str, int]] = set()
+        self._bg: set[asyncio.Task[None]] = set()
         self.rng = random.Random(seed)
         self.stats = SimStats()
         # what the worker holds and does
@@ -126,10 +143,10 @@ class SimWorker:
     async def crash(self) -> None:
         """Stop dead: no Leave, no more heartbeats (the coordinator must notice by lease)."""
         self.stopped = True
-        for t in (self._action, self._loop_task):
-            if t is not None:
-                t.cancel()
-        await asyncio.gather(*(t for t in (self._action, self._loop_task) if t is not None), return_exceptions=True)
+        tasks = [t for t in (self._action, self._loop_task, *self._bg) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def leave(self, reason: str = "test") -> None:
         await self.crash()
@@ -244,6 +261,8 @@ class SimWorker:
             return
         self.instruction = ins
         self._adopt_committed(ins)
+        if ins.upload_checkpoint and self.upload:
+            self._maybe_upload(ins.cell_id, ins.committed_round, ins.committed_hash)
         order = ins.order
         if order == pb.ORDER_WAIT:
             if self._action_key[:1] not in ((pb.ORDER_REDUCE,), (pb.ORDER_SYNC,)):
@@ -289,7 +308,9 @@ class SimWorker:
         self._wake.set()
         await asyncio.sleep(self.reduce_s)
         contributors = [m.worker_id for m in ins.contributors]
-        h = honest_hash(ins.cell_id, ins.round, ins.committed_hash, contributors)
+        tensors = sim_state(ins.cell_id, ins.round, ins.committed_hash, contributors)
+        h = state_hash(tensors)
+        self.states[(ins.cell_id, ins.round)] = tensors
         if self.bad_hash:
             h = hashlib.sha256(f"liar|{self.worker_id}|{ins.round}".encode()).hexdigest()
         self.pending = (ins.cell_id, ins.round, h)
@@ -329,6 +350,26 @@ class SimWorker:
         self._action, self._action_key = None, ()
         self._act(resp.instruction)
         self._wake.set()
+
+
+    def _maybe_upload(self, cell_id: str, round: int, committed_hash: str) -> None:
+        key = (cell_id, round)
+        tensors = self.states.get(key)
+        if tensors is None or key in self._uploading or state_hash(tensors) != committed_hash:
+            return
+        self._uploading.add(key)
+
+        async def go() -> None:
+            try:
+                resp = await self.client.upload_checkpoint(cell_id, round, committed_hash, save_safetensors(tensors))
+                if resp.stored:
+                    self.stats.uploads.append(key)
+            except grpc.aio.AioRpcError as e:
+                self.stats.errors.append(f"upload: {e.code().name}: {e.details()}")
+
+        task = asyncio.get_running_loop().create_task(go())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
 
 async def start_workers(
