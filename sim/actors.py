@@ -1,0 +1,496 @@
+"""What a synthetic worker does: the worker half of the discrete-event engine.
+
+`WorkerBehaviour` is mixed into `engine.Engine`; it reacts to instructions the way the
+real worker agent does (follow the level-triggered order; start training, reducing or
+syncing when the order says so and it is not already doing it) and to the population's
+events (arrive, depart, get cut off, get stopped). It relies on the engine for the clock
+(`self.now`), the heap (`self.push`), sending to the core (`self._send`) and accounting
+(`self._set_act`, `self.ledger`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bagel.coordinator import domain as d
+from bagel.coordinator.errors import CoordinatorError
+
+from . import costmodel as cm
+from . import population as popmod
+from .faults import Fault, FaultKind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import Engine
+
+# event kinds
+ARRIVE, DEPART, SYNC_DONE, TRAIN_DONE, REDUCE_DONE, POLL, RENEW, TICK, FAULT, SAMPLE, HEAL, XTIMEOUT, UPLOAD, PTICK, CONT, LEASE = range(16)
+# worker activities (what its time is spent on)
+OFF, IDLE, SYNC, TRAIN, READY, REDUCE, WAITV, STALL = range(8)
+ACT_BUCKET = {IDLE: "idle", SYNC: "resync", READY: "idle", REDUCE: "comm", WAITV: "idle", STALL: "idle"}
+# bandwidth of the coordinator's checkpoint store when it is the donor (datacenter, 1 Gbit/s)
+COORDINATOR_BW = 125e6
+# an exchange whose contributors do not all show up fails after this long (or 2x its time)
+EXCHANGE_TIMEOUT_MS = 60_000
+
+
+def honest_hash(key: tuple) -> str:
+    """What every honest contributor of one exchange ends with (identical by construction)."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()
+
+
+class W:
+    """One synthetic worker's live state (slots: there are 10,000 of them)."""
+
+    __slots__ = (
+        "i", "wid", "profile", "flops", "rate_e", "rate_r", "bw", "lat", "byz", "spot", "hb_phase",
+        "online", "gen", "job", "act", "since", "key", "rkey", "samples", "own_s", "dur_s",
+        "job_due", "job_kind", "local", "prev_local", "poll", "renew_due", "renew_armed",
+        "cut", "stopped", "banned", "ever", "sent", "recv", "ex", "lock", "sync_target",
+        "uploaded", "report", "lease_until", "epoch",
+    )
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+        self.wid = f"w{i:05d}"
+        self.online = False
+        self.gen = 0  # bumps per life (arrive/depart): invalidates poll/renew/depart events
+        self.job = 0  # bumps per job: invalidates SYNC_DONE/TRAIN_DONE/REDUCE_DONE events
+        self.act = OFF
+        self.since = 0
+        self.key: tuple | None = None  # (cell, round, round_attempt) trained / ready
+        self.rkey: tuple | None = None  # (cell, round, reduce_attempt) reduced / reported
+        self.samples = 0
+        self.own_s = 0.0  # own compute time of the round
+        self.dur_s = 0.0  # wall time of the round's training (> own_s at a lock-step barrier)
+        self.job_due = 0
+        self.job_kind = -1
+        self.local = d.LocalState()
+        self.prev_local = d.LocalState()
+        self.poll = False
+        self.renew_due = 0
+        self.renew_armed = False
+        self.cut = False  # partitioned from coordinator and peers
+        self.stopped = False  # SIGSTOP
+        self.banned = False
+        self.ever = False
+        self.sent = 0
+        self.recv = 0
+        self.ex: Exchange | None = None
+        self.lock: Lockstep | None = None
+        self.sync_target: tuple | None = None
+        self.uploaded: tuple | None = None
+        self.report: d.ReportRound | None = None  # sent but not acknowledged (lost): resend
+        self.lease_until = 0  # lease expiry the core last granted (heartbeat lease mode)
+        self.epoch = 0  # bumps whenever the worker (re)gains contact: invalidates LEASE events
+
+
+class Exchange:
+    """One all-reduce over a frozen contributor set: completes once all joined, unless broken."""
+
+    __slots__ = ("key", "members", "joined", "broken", "dur_ms", "done_at", "hash", "nbytes")
+
+    def __init__(self, key: tuple, members: tuple[str, ...], dur_ms: int, h: str, nbytes: int) -> None:
+        self.key = key
+        self.members = members
+        self.joined: list[W] = []
+        self.broken = False
+        self.dur_ms = dur_ms
+        self.done_at = -1
+        self.hash = h
+        self.nbytes = nbytes
+
+
+class Lockstep:
+    """A lock-stepped (sync_dp) round attempt: one dead member stalls everyone."""
+
+    __slots__ = ("key", "dur_s", "broken")
+
+    def __init__(self, key: tuple, dur_s: float) -> None:
+        self.key = key
+        self.dur_s = dur_s
+        self.broken = False
+
+
+class WorkerBehaviour:
+    """The worker side of the engine (a mixin of `Engine`)."""
+
+    # ------------------------------------------------------------ arrive / depart
+
+    def _on_arrive(self: Engine, w: W, token: int) -> None:
+        if token != w.gen or w.online or w.banned:
+            return
+        w.online = True
+        w.ever = True
+        w.gen += 1
+        w.epoch += 1
+        w.act = IDLE
+        w.since = self.now
+        self.online_flops += w.flops
+        self.online_count += 1
+        session_s, preempted = popmod.draw_session_s(self.av, w.spot, self.rng)
+        graceful = (not preempted) and popmod.graceful(self.av, self.rng)
+        self.push(self.now + int(session_s * 1000) + 1, DEPART, w.i, (w.gen << 1) | int(graceful))
+        out = self._register(w)
+        if out is not None:
+            self._react(w, out.instruction)
+
+    def _on_depart(self: Engine, w: W, token: int) -> None:
+        if (token >> 1) != w.gen or not w.online:
+            return
+        self._depart(w, graceful=bool(token & 1))
+
+    def _depart(self: Engine, w: W, *, graceful: bool, comes_back: bool = True) -> None:
+        self._abandon(w, "preempted", dead=True)
+        self._set_act(w, OFF)
+        if graceful and not w.cut and not w.stopped:
+            try:
+                self._apply(d.Leave(w.wid, "session over"))
+            except CoordinatorError as e:
+                self.ledger.core_errors[type(e).__name__] += 1
+        elif not w.cut and not w.stopped:
+            self._lost_contact(w)  # (a cut-off or stopped worker's expiry is already scheduled)
+        self.online_flops -= w.flops
+        self.online_count -= 1
+        w.online = False
+        w.gen += 1
+        w.poll = False
+        w.renew_armed = False
+        w.stopped = False
+        w.report = None
+        w.sync_target = None
+        if comes_back and not w.banned:
+            gap_s = popmod.draw_offline_s(self.av, self.now / 1000.0, self.rng)
+            self.push(self.now + int(gap_s * 1000) + 1, ARRIVE, w.i, w.gen)
+
+    def _ban(self: Engine, w: W) -> None:
+        w.banned = True
+        if w.online:
+            self._depart(w, graceful=False, comes_back=False)
+
+    def _abandon(self: Engine, w: W, cause: str, *, dead: bool = False) -> None:
+        """Stop the worker's current job; its training so far stays pending on the round."""
+        act = w.act
+        if act in (TRAIN, STALL, READY, REDUCE, WAITV) and w.key is not None:
+            if act == TRAIN:
+                self._set_act(w, IDLE)
+            if cause:
+                self.ledger.mark(w.key, w.i, cause)
+        if dead or w.cut or w.stopped:
+            if w.lock is not None:
+                w.lock.broken = True
+            ex = w.ex
+            if ex is not None and (ex.done_at < 0 or ex.done_at > self.now):
+                ex.broken = True
+        if w.ex is not None and w.ex.done_at < 0 and w in w.ex.joined:
+            w.ex.joined.remove(w)
+        w.ex = None
+        w.lock = None
+        w.job += 1
+        w.job_kind = -1
+        if act != OFF and w.act != IDLE:
+            self._set_act(w, IDLE)
+        w.key = None
+        w.rkey = None
+        w.report = None
+
+    # ------------------------------------------------------------ instructions
+
+    def _react(self: Engine, w: W, ins: d.Instruction | None) -> None:
+        if ins is None or not w.online:
+            return
+        o = ins.order
+        if o is d.Order.TRAIN:
+            if w.key != (ins.cell_id, ins.round, ins.round_attempt) or w.act not in (TRAIN, READY, STALL):
+                if ins.plan is not None:
+                    self._abandon(w, "")
+                    self._start_train(w, ins)
+        elif o is d.Order.REDUCE:
+            rkey = (ins.cell_id, ins.round, ins.reduce_attempt)
+            if w.rkey != rkey and w.key is not None and w.key[:2] == (ins.cell_id, ins.round):
+                self._start_reduce(w, ins, rkey)
+        elif o is d.Order.SYNC:
+            target = (ins.cell_id, ins.committed_round, ins.committed_hash)
+            if w.act != SYNC or w.sync_target != target:
+                self._abandon(w, "")
+                self._start_sync(w, ins, target)
+        elif o is d.Order.WAIT:
+            if w.act != IDLE:
+                self._abandon(w, "")
+        elif o is d.Order.LEAVE:
+            self._ban(w)
+            return
+        if ins.upload_checkpoint and ins.committed_round > 0:
+            up = (ins.cell_id, ins.committed_round, ins.committed_hash)
+            if w.uploaded != up:
+                w.uploaded = up
+                nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
+                w.sent += nbytes
+                self.uploads[w.i] = up
+                self.push(self.now + int(1000 * nbytes / min(w.bw, COORDINATOR_BW)) + 1, UPLOAD, w.i, w.gen)
+
+    def _start_sync(self: Engine, w: W, ins: d.Instruction, target: tuple) -> None:
+        donor = self.by_id.get(ins.donor.worker_id) if ins.donor is not None and ins.donor.worker_id else None
+        dbw = donor.bw if donor is not None and donor.online and not donor.cut else COORDINATOR_BW
+        nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
+        w.recv += nbytes
+        if donor is not None:
+            donor.sent += nbytes
+        dur = cm.download_s(nbytes, w.bw, dbw, w.lat)
+        w.sync_target = target
+        self._set_act(w, SYNC)
+        self._job(w, SYNC_DONE, dur)
+
+    def _on_sync_done(self: Engine, w: W, token: int) -> None:
+        if token != w.job or not w.online:
+            return
+        cell, r, h = w.sync_target
+        w.local = d.LocalState(cell, r, h)
+        w.sync_target = None
+        w.job_kind = -1
+        self._set_act(w, IDLE)
+        out = self._heartbeat(w)
+        if out is not None:
+            self._react(w, out.instruction)
+
+    def _start_train(self: Engine, w: W, ins: d.Instruction) -> None:
+        plan = ins.plan
+        cell = ins.cell_id
+        key = (cell, ins.round, ins.round_attempt)
+        samples = plan.inner_steps * plan.micro_batch * plan.grad_accum
+        own = samples / self.rate(w, cell)
+        dur = own
+        if self.policy.lockstep:
+            lk = self.locksteps.get(key)
+            if lk is None:
+                by = self.by_id
+                slowest = max(m.max_samples / self.rate(by[m.worker_id], cell) for m in plan.members if m.worker_id in by)
+                lk = self.locksteps[key] = Lockstep(key, max(slowest, own))
+            w.lock = lk
+            dur = lk.dur_s
+        # the member trains from the committed state the instruction names
+        w.local = d.LocalState(cell, ins.committed_round, ins.committed_hash)
+        w.key = key
+        w.samples = samples
+        w.own_s = own
+        w.dur_s = dur
+        self._set_act(w, TRAIN)
+        self._job(w, TRAIN_DONE, dur)
+
+    def _on_train_done(self: Engine, w: W, token: int) -> None:
+        if token != w.job or not w.online:
+            return
+        w.job_kind = -1
+        if w.lock is not None and w.lock.broken:
+            self._set_act(w, STALL)  # hung in the lock-step collective until the round times out
+            return
+        self._set_act(w, READY)
+        out = self._heartbeat(w)
+        if out is not None:
+            self._react(w, out.instruction)
+
+    def _start_reduce(self: Engine, w: W, ins: d.Instruction, rkey: tuple) -> None:
+        ex = self.exchanges.get(rkey)
+        if ex is None:
+            by = self.by_id
+            members = tuple(m.worker_id for m in ins.contributors)
+            peers = [by[x] for x in members if x in by]
+            nbytes = self.payload[ins.cell_id]
+            dur_s = cm.allreduce_s(nbytes, [p.bw for p in peers], [p.lat for p in peers]) * self.comm_rounds
+            per = cm.allreduce_bytes_per_member(nbytes, len(members)) * self.comm_rounds
+            ex = self.exchanges[rkey] = Exchange(rkey, members, int(dur_s * 1000), honest_hash(rkey), per)
+            if any(not p.online or p.cut or p.stopped for p in peers):
+                ex.broken = True
+            self.push(self.now + max(2 * ex.dur_ms, EXCHANGE_TIMEOUT_MS), XTIMEOUT, -1, len(self.ex_list))
+            self.ex_list.append(ex)
+        if w.ex is not None and w.ex is not ex and w in w.ex.joined and w.ex.done_at < 0:
+            w.ex.joined.remove(w)
+        w.ex = ex
+        w.rkey = rkey
+        w.report = None
+        w.job += 1
+        if w.act == TRAIN:  # cannot happen for a contributor, but never lose its training time
+            self._set_act(w, READY)
+        self._set_act(w, REDUCE)
+        ex.joined.append(w)
+        if ex.done_at < 0 and len(ex.joined) == len(ex.members):
+            ex.done_at = self.now + ex.dur_ms
+            for m in ex.joined:
+                m.job += 1
+                m.job_kind = REDUCE_DONE
+                m.job_due = ex.done_at
+                self.push(ex.done_at, REDUCE_DONE, m.i, m.job)
+        elif ex.done_at >= 0:  # joined an exchange that already ran without it (re-freeze race)
+            self._job(w, REDUCE_DONE, 0.0)
+
+    def _on_xtimeout(self: Engine, ex: Exchange) -> None:
+        if ex.done_at >= 0:
+            return
+        ex.broken = True
+        ex.done_at = self.now
+        for m in list(ex.joined):
+            if m.ex is ex and m.act == REDUCE:
+                self._job(m, REDUCE_DONE, 0.0)
+
+    def _on_reduce_done(self: Engine, w: W, token: int) -> None:
+        if token != w.job or not w.online or w.ex is None:
+            return
+        ex = w.ex
+        w.job_kind = -1
+        cell, rnd, attempt = ex.key
+        if ex.broken:
+            ev = d.ReportRound(w.wid, cell, rnd, samples=w.samples, failed=True, reason="exchange failed", reduce_attempt=attempt)
+        else:
+            w.sent += ex.nbytes
+            w.recv += ex.nbytes
+            h = ex.hash if not w.byz else honest_hash((ex.hash, w.wid))
+            w.prev_local = w.local
+            w.local = d.LocalState(cell, rnd, h)
+            ev = d.ReportRound(
+                w.wid, cell, rnd, h, samples=w.samples, compute_ms=int(w.own_s * 1000), comm_ms=ex.dur_ms,
+                bytes_sent=ex.nbytes, bytes_received=ex.nbytes, reduce_attempt=attempt,
+            )
+        self._set_act(w, WAITV)
+        self._report(w, ev)
+
+    def _report(self: Engine, w: W, ev: d.ReportRound) -> None:
+        w.report = ev
+        out = self._send(w, ev)
+        if out is None:
+            if not (w.cut or w.stopped):
+                w.report = None  # refused (stale): the next instruction tells it what to do
+            return  # lost: resent at the next heartbeat that gets through
+        w.report = None
+        if out.verdict is d.Verdict.ABORTED and not ev.failed:
+            w.local = w.prev_local  # roll back the outer step to the committed state
+        self._react(w, out.instruction)
+
+    # ------------------------------------------------------------ heartbeats
+
+    def _on_poll(self: Engine, w: W, token: int) -> None:
+        if token != w.gen:
+            return
+        w.poll = False
+        if not w.online or w.cut or w.stopped:
+            return
+        if w.report is not None:
+            self._report(w, w.report)
+            return
+        out = self._heartbeat(w)
+        if out is not None:
+            self._react(w, out.instruction)
+
+    def _on_renew(self: Engine, w: W, token: int) -> None:
+        if token != w.gen or not w.online:
+            return
+        if self.now < w.renew_due:
+            self.push(w.renew_due, RENEW, w.i, w.gen)
+            return
+        w.renew_armed = False
+        if w.cut or w.stopped:
+            return  # its heartbeats are lost; it re-contacts at heal / SIGCONT
+        if w.report is not None:
+            self._report(w, w.report)
+        else:
+            out = self._heartbeat(w)
+            if out is not None:
+                self._react(w, out.instruction)
+        if not w.renew_armed and w.online:
+            # refused (a stale message): the real worker simply heartbeats again next period
+            w.renew_armed = True
+            self.push(self.now + self.hb_ms, RENEW, w.i, w.gen)
+
+    def _on_upload(self: Engine, w: W, token: int) -> None:
+        up = self.uploads.pop(w.i, None)
+        if up is None or token != w.gen or not w.online:
+            return
+        try:
+            self._apply(d.CheckpointStored(*up))
+        except CoordinatorError as e:
+            self.ledger.core_errors[type(e).__name__] += 1
+
+    # ------------------------------------------------------------ faults
+
+    def _fault(self: Engine, f: Fault) -> None:
+        online = [w for w in self.ws if w.online]
+        if f.workers:
+            targets = [self.ws[i] for i in f.workers if i < len(self.ws)]
+        else:
+            k = f.count if f.count > 0 else int(round(f.fraction * len(online)))
+            k = min(k, len(online))
+            idx = self.frng.choice(len(online), size=k, replace=False) if k else np.array([], dtype=int)
+            targets = [online[int(j)] for j in sorted(idx)]
+        self.ledger.faults.append((f.at_s, f.kind.value, len(targets)))
+        for w in targets:
+            at = self.now + int(self.frng.uniform(0.0, f.within_s) * 1000) if f.within_s > 0 else self.now
+            if f.kind is FaultKind.KILL:
+                self.push(at, DEPART, w.i, w.gen << 1)
+            elif f.kind is FaultKind.LEAVE:
+                self.push(at, DEPART, w.i, (w.gen << 1) | 1)
+            elif f.kind is FaultKind.PARTITION:
+                if not (w.cut or w.stopped):
+                    self._lost_contact(w)
+                w.cut = True
+                self._break_groups(w)
+                self.push(self.now + int(f.duration_s * 1000), HEAL, w.i, 0)
+            elif f.kind is FaultKind.STOP:
+                if not (w.cut or w.stopped):
+                    self._lost_contact(w)
+                w.stopped = True
+                self._break_groups(w)
+                if w.job_kind >= 0:  # its running job resumes after SIGCONT
+                    w.job += 1
+                    w.job_due += int(f.duration_s * 1000)
+                    self.push(w.job_due, w.job_kind, w.i, w.job)
+                self.push(self.now + int(f.duration_s * 1000), CONT, w.i, 0)
+
+    def _break_groups(self: Engine, w: W) -> None:
+        if w.lock is not None:
+            w.lock.broken = True
+        ex = w.ex
+        if ex is not None and (ex.done_at < 0 or ex.done_at > self.now):
+            ex.broken = True
+
+    def _on_heal(self: Engine, w: W, token: int) -> None:
+        w.cut = False
+        if w.online and not w.stopped:
+            w.epoch += 1
+            self._poll_later(w)
+
+    def _on_cont(self: Engine, w: W, token: int) -> None:
+        w.stopped = False
+        if w.online and not w.cut:
+            w.epoch += 1
+            self._poll_later(w)
+
+    def _lost_contact(self: Engine, w: W) -> None:
+        """The worker stops reaching the coordinator now: its lease runs out as in the daemon.
+
+        Heartbeat lease mode: the core's own timer fires; the engine only ticks it then.
+        Declared mode: a live worker's last heartbeat before now was at its last phase tick,
+        so the daemon would expire it at that tick + lease_s; LeaseExpired is sent then,
+        unless the worker regained contact (epoch) in between.
+        """
+        if self.declared:
+            last = self.now - ((self.now - w.hb_phase) % self.hb_ms)
+            self.push(last + self.lease_ms, LEASE, w.i, w.epoch)
+        else:
+            self._tick_at(w.lease_until + 1)
+
+    def _on_lease(self: Engine, w: W, token: int) -> None:
+        if token != w.epoch or (w.online and not w.cut and not w.stopped):
+            return
+        try:
+            self._apply(d.LeaseExpired(w.wid))
+        except CoordinatorError as e:
+            self.ledger.core_errors[type(e).__name__] += 1
+
+    # ------------------------------------------------------------ helpers
+
+    def _job(self: Engine, w: W, kind: int, dur_s: float) -> None:
+        w.job += 1
+        w.job_kind = kind
+        w.job_due = self.now + int(dur_s * 1000)
+        self.push(w.job_due, kind, w.i, w.job)

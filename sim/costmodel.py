@@ -1,0 +1,130 @@
+"""Cost model: how long compute, all-reduce and state download take for a synthetic worker.
+
+Pure functions of the workload, the codec and the workers' links; the engine asks them for
+durations and never measures anything.
+
+Compute
+    A worker's training throughput on a cell is `tflops x mfu x 1e12 / flops_per_sample`
+    (training FLOPs per sample: forward + backward, about 3x the forward FLOPs). A round of
+    H inner steps at `micro_batch x grad_accum` samples per step takes
+    `H x micro_batch x grad_accum / samples_per_s`.
+
+Communication
+    Bagel's data plane (`worker/averaging.py`) is a butterfly all-reduce with equal parts:
+    the vector is cut into k contiguous parts for k contributors; in the reduce-scatter
+    each contributor uploads the k - 1 parts it does not reduce, in the all-gather it
+    uploads its reduced part to the k - 1 others, so each uploads 2 (k - 1)/k x S bytes and
+    the slowest uplink bounds the exchange (downlinks are taken to be no slower than
+    uplinks, as on home connections). Each of the two phases also pays the largest one-way
+    latency in the group. S is the codec's encoded size of the cell's parameter vector:
+    `bagel.compression`'s `get_codec(name).encoded_nbytes(numel)` when that module provides
+    it, otherwise the documented bytes per value below.
+
+Join / resync
+    The committed state (weights + outer momentum, 8 bytes per parameter in fp32) travels
+    from the donor to the joiner; the slower of the two links bounds it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+# Documented bytes per value of each codec family, used only when `bagel.compression`
+# cannot answer: fp32/fp16/bf16 raw; blockwise int8/int4 with one fp32 absmax scale per block
+# (default block 256); top-k with a 4-byte value and a 4-byte index per kept entry.
+_DEFAULT_BLOCK = 256
+
+
+def _fallback_bytes_per_value(codec: str) -> float:
+    name, _, arg = codec.partition(":")
+    opts = dict(kv.split("=", 1) for kv in arg.split(",") if "=" in kv)
+    block = int(opts.get("block", _DEFAULT_BLOCK))
+    if name == "fp32":
+        return 4.0
+    if name in ("fp16", "bf16"):
+        return 2.0
+    if name == "int8":
+        return 1.0 + 4.0 / block
+    if name == "int4":
+        return 0.5 + 4.0 / block
+    if name == "topk":
+        frac = float(arg.split(",")[0]) if arg and "=" not in arg.split(",")[0] else 0.01
+        return frac * 8.0
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+@lru_cache(maxsize=64)
+def encoded_nbytes(codec: str, numel: int) -> int:
+    """Bytes on the wire for `numel` values under `codec` (the real codec if available)."""
+    try:
+        from bagel.compression import get_codec  # type: ignore[attr-defined]
+    except ImportError:
+        get_codec = None
+    if get_codec is not None:
+        return int(get_codec(codec).encoded_nbytes(numel))
+    return int(math.ceil(numel * _fallback_bytes_per_value(codec)))
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What one cell costs. Figures for a DiT-XL/2-class expert are the defaults."""
+
+    expert_params: float = 675e6  # DiT-XL/2 (Peebles & Xie 2023, Table 4)
+    router_params: float = 30e6
+    expert_gflops_per_sample: float = 357.0  # 3 x 119 GFLOPs forward (DiT-XL/2, 256 px)
+    router_gflops_per_sample: float = 12.0
+    mfu: float = 0.35
+    # bytes of committed state per parameter a joiner downloads: fp32 weights + momentum
+    state_bytes_per_param: float = 8.0
+    # VRAM fit: weights, grads, AdamW m and v, outer copy and momentum (6 x fp32 per
+    # parameter) plus one micro-batch of activations (a scenario figure, not derived)
+    train_bytes_per_param: float = 24.0
+    expert_activation_bytes: float = 2e9
+    router_activation_bytes: float = 0.25e9
+
+
+def cell_params(work: WorkloadSpec, cell_id: str) -> float:
+    return work.router_params if cell_id == "router" else work.expert_params
+
+
+def cell_flops_per_sample(work: WorkloadSpec, cell_id: str) -> float:
+    g = work.router_gflops_per_sample if cell_id == "router" else work.expert_gflops_per_sample
+    return g * 1e9
+
+
+def samples_per_s(work: WorkloadSpec, tflops: float, cell_id: str) -> float:
+    return tflops * 1e12 * work.mfu / cell_flops_per_sample(work, cell_id)
+
+
+def compute_s(samples: int, rate: float) -> float:
+    return samples / rate if rate > 0 else math.inf
+
+
+def allreduce_s(nbytes: int, bandwidths: Sequence[float], latencies: Sequence[float]) -> float:
+    """Equal-part butterfly all-reduce time of an `nbytes` vector over the given uplinks (bytes/s)."""
+    n = len(bandwidths)
+    if n <= 1:
+        return 0.0
+    return 2.0 * nbytes * (n - 1) / n / min(bandwidths) + 2.0 * max(latencies)
+
+
+def allreduce_bytes_per_member(nbytes: int, n: int) -> int:
+    """Bytes each contributor uploads (and downloads) in one exchange."""
+    return int(2 * nbytes * (n - 1) / n) if n > 1 else 0
+
+
+def download_s(nbytes: float, joiner_bw: float, donor_bw: float | None, latency_s: float) -> float:
+    bw = joiner_bw if donor_bw is None else min(joiner_bw, donor_bw)
+    return latency_s + nbytes / bw
+
+
+def cell_memory_bytes(work: WorkloadSpec, cell_id: str) -> int:
+    act = work.router_activation_bytes if cell_id == "router" else work.expert_activation_bytes
+    return int(cell_params(work, cell_id) * work.train_bytes_per_param + act)
+
+
+def cell_state_bytes(work: WorkloadSpec, cell_id: str) -> int:
+    return int(cell_params(work, cell_id) * work.state_bytes_per_param)

@@ -1,0 +1,460 @@
+"""Discrete-event engine: synthetic workers drive the real coordinator core.
+
+One `Engine` simulates one policy over one scenario. It owns a virtual clock and an event
+heap (`heapq` of `(time_ms, seq, kind, worker, token)`; `seq` breaks ties, so two runs
+with the same seed pop events in the same order). All randomness comes from numpy
+generators spawned from the scenario seed; the core gets its own `random.Random(seed)`.
+No I/O and no clock: this is a pure core like `coordinator/state.py`, which it drives
+through the very same `CoordinatorState.apply(now_ms, event)` the daemon's gRPC shell
+calls, with the same events (Register, Heartbeat with phases, ReportRound, Leave, Tick,
+CheckpointStored).
+
+Workers follow their instructions the way the real worker does (level-triggered, see the
+round protocol): TRAIN -> compute for the cost model's time -> heartbeat READY; REDUCE
+-> exchange over the contributors' links -> ReportRound with the state hash (honest
+members derive the same deterministic hash from the exchange, Byzantine ones report
+another); SYNC -> download over the joiner's link -> heartbeat IDLE with the new
+LocalState. Dead workers simply stop sending; the core notices through its own leases.
+
+The heartbeat approximation (what makes 10,000 workers x 24 h affordable):
+- A real worker heartbeats every `schedule.heartbeat_s`. Most heartbeats change nothing;
+  the simulator sends only the ones that matter:
+  * a phase change the core acts on (READY, IDLE after a sync) is sent at once, as the
+    real worker does;
+  * a change of the worker's instruction (another member's event opened, froze, committed
+    or aborted its round, or moved it) reaches the worker at its next periodic heartbeat:
+    each worker has a fixed heartbeat phase in [0, heartbeat_s), and the engine schedules
+    one heartbeat at the next tick of that phase after the change (exactly when the real
+    worker would have learned it). The engine reads the change off `Outcome.effects`
+    (round records whose state, attempt or contributor set changed; worker records that
+    changed cell or status);
+  * a heartbeat that only renews the lease is sent when the lease would otherwise come
+    within one heartbeat period of expiring (a lazily re-armed timer per worker).
+  Phases the core does not act on (SYNCING, TRAINING, REDUCING) ride on those
+  heartbeats instead of being sent on their own.
+- The core's time-driven transitions (lease expiry, round and reduce deadlines) run on
+  `Tick` events at `CoordinatorState.next_wakeup_ms()`, plus a coarse periodic tick.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from bagel.coordinator import domain as d
+from bagel.coordinator import sizing
+from bagel.coordinator.errors import Banned, CoordinatorError, UnknownWorker
+from bagel.coordinator.spec import ROUTER_CELL, RunSpec
+from bagel.coordinator.state import CoordinatorState
+
+from . import costmodel as cm
+from . import population as popmod
+from .actors import (
+    ACT_BUCKET, ARRIVE, CONT, DEPART, FAULT, HEAL, IDLE, LEASE, OFF, POLL, PTICK, READY, REDUCE, RENEW, SAMPLE,
+    STALL, SYNC, SYNC_DONE, TICK, TRAIN, TRAIN_DONE, REDUCE_DONE, UPLOAD, WAITV, XTIMEOUT,
+    Exchange, Lockstep, W, WorkerBehaviour,
+)
+from .metrics import Ledger
+from .policies import SimPolicy
+from .scenario import Scenario
+
+T0_MS = 1_767_225_600_000  # virtual epoch: 2026-01-01T00:00:00Z (the core works in unix ms)
+DECLARED_CORE_LEASE_S = 10_000_000.0  # declared lease mode: longer than any simulation
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    policy: str
+    ledger: Ledger
+    workers: int
+    hours: float
+    events: int
+    core_calls: int
+    cells: tuple[str, ...]
+    cell_targets: dict[str, float]
+    cell_flops_per_sample: dict[str, float]
+    timeline_h: np.ndarray  # sample times (hours)
+    rounds_timeline: np.ndarray  # [points, cells] cumulative committed rounds
+    util_timeline: np.ndarray  # [points] instantaneous training / online compute
+    online_timeline: np.ndarray  # [points] workers online
+    bytes_sent: np.ndarray  # per worker
+    bytes_recv: np.ndarray
+    ever_online: np.ndarray  # bool per worker
+    steps_per_round: int
+    throughput_spread: float  # p95 / p5 of achieved FLOP/s of the population
+
+
+class Engine(WorkerBehaviour):
+    """Simulate one policy on one scenario: `Engine(scenario, policy, ...).run()`."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        policy: SimPolicy,
+        *,
+        workers: int | None = None,
+        hours: float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        sc = scenario.scenario
+        self.sc = scenario
+        self.n = workers or sc.workers
+        self.hours = hours or sc.hours
+        self.seed = sc.seed if seed is None else seed
+        self.policy = policy.resolved(scenario.engine.sync_dp_steps_per_round)
+        overrides = {k: dict(v) for k, v in self.policy.spec_overrides.items()}
+        if self.n != sc.workers and scenario.engine.scale_batch_with_workers:
+            # keep each member's per-step batch (so the round's length) as the scenario intends
+            gb = scenario.run_spec().diloco.group_batch
+            overrides.setdefault("diloco", {})["group_batch"] = max(1, round(gb * self.n / sc.workers))
+        self.declared = scenario.engine.lease_mode == "declared"
+        self.lease_ms = int(scenario.run_spec(overrides).schedule.lease_s * 1000)
+        if self.declared:
+            # the core's own lease timer must not expire live workers that the engine does
+            # not heartbeat: it gets a lease it never reaches, and LeaseExpired at the
+            # moment the daemon's lease would have run out (see actors._lost_contact)
+            overrides.setdefault("schedule", {})["lease_s"] = DECLARED_CORE_LEASE_S
+        self.spec: RunSpec = scenario.run_spec(overrides)
+        self.work = scenario.workload
+        ss = np.random.SeedSequence(self.seed)
+        pop_seed, av_seed, fault_seed, byz_seed = ss.spawn(4)
+        self.rng = np.random.default_rng(av_seed)
+        self.frng = np.random.default_rng(fault_seed)
+        self.brng = np.random.default_rng(byz_seed)
+        self.pop = popmod.sample_population(scenario.population, self.n, np.random.default_rng(pop_seed))
+        self.av = scenario.population.availability
+        self.cells = self.spec.cell_ids
+        self.flops_per_sample = {c: cm.cell_flops_per_sample(self.work, c) for c in self.cells}
+        # the daemon's own per-cell compute targets (uniform cluster sizes: no dataset here)
+        self.targets = sizing.cell_targets(self.spec, None)
+        codec = self.spec.diloco.codec
+        k = self.policy.core.inner_steps if self.policy.comm_every_step else 1
+        self.comm_rounds = k or 1
+        self.payload = {c: cm.encoded_nbytes(codec, int(cm.cell_params(self.work, c))) for c in self.cells}
+        cfgs = [
+            d.CellConfig(c, cm.cell_memory_bytes(self.work, c), self.targets[c], self.payload[c] * self.comm_rounds)
+            for c in self.cells
+        ]
+        self.core = CoordinatorState(self.spec, cfgs, policy=self.policy.core, rng=random.Random(self.seed), now_ms=T0_MS)
+        self.hb_ms = int(self.spec.schedule.heartbeat_s * 1000)
+        self.end_ms = int(self.hours * 3600_000)
+        self.heap: list[tuple[int, int, int, int, int]] = []
+        self.seq = 0
+        self.now = 0
+        self.ledger = Ledger()
+        self.core_calls = 0
+        self.events = 0
+        self.last_tick = -1
+        self.exchanges: dict[tuple, Exchange] = {}
+        self.ex_list: list[Exchange] = []
+        self.locksteps: dict[tuple, Lockstep] = {}
+        self.uploads: dict[int, tuple] = {}
+        self.seen_round: dict[str, tuple] = {}
+        self.member_ids: dict[tuple, tuple[str, ...]] = {}
+        self.online_flops = 0.0
+        self.train_flops = 0.0
+        self.online_count = 0
+        self.samples_t: list[float] = []
+        self.samples_rounds: list[list[int]] = []
+        self.samples_util: list[float] = []
+        self.samples_online: list[int] = []
+        self.cell_index = {c: j for j, c in enumerate(self.cells)}
+        self.rounds_now = [0] * len(self.cells)
+        self.by_id: dict[str, W] = {}
+        self.ws = [self._make_worker(i) for i in range(self.n)]
+
+    # ------------------------------------------------------------ setup
+
+    def _make_worker(self, i: int) -> W:
+        p = self.pop
+        w = W(i)
+        w.flops = float(p.tflops[i]) * 1e12 * self.work.mfu
+        rate_e = w.rate_e = cm.samples_per_s(self.work, float(p.tflops[i]), self.spec.expert_cells[0])
+        rate_r = w.rate_r = cm.samples_per_s(self.work, float(p.tflops[i]), ROUTER_CELL)
+        w.bw = float(p.bandwidth_bytes_per_s[i])
+        w.lat = float(p.latency_s[i])
+        w.byz = bool(p.byzantine[i])
+        w.spot = bool(p.spot[i])
+        w.hb_phase = int(self.rng.integers(0, self.hb_ms))
+        w.profile = d.Profile(
+            name=w.wid,
+            device_kind="cuda",
+            device_name=p.gpu[i],
+            vram_bytes=int(p.vram_bytes[i]),
+            link_bandwidth_bytes_per_s=w.bw,
+            samples_per_s={c: (rate_r if c == ROUTER_CELL else rate_e) for c in self.cells},
+        )
+        self.by_id[w.wid] = w
+        return w
+
+    @staticmethod
+    def rate(w: W, cell: str) -> float:
+        return w.rate_r if cell == ROUTER_CELL else w.rate_e
+
+    def push(self, t: int, kind: int, i: int = -1, token: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, i, token))
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self, progress: Callable[[float], None] | None = None) -> EngineResult:
+        av = self.av
+        for w in self.ws:
+            if self.rng.random() < av.initial_online_fraction:
+                self.push(int(self.rng.uniform(0, 60_000)), ARRIVE, w.i, w.gen)
+            else:
+                self.push(int(popmod.draw_offline_s(av, 0.0, self.rng) * 1000), ARRIVE, w.i, w.gen)
+        for j, f in enumerate(self.sc.faults):
+            self.push(int(f.at_s * 1000), FAULT, j)
+        pts = self.sc.engine.timeline_points
+        for k in range(pts):
+            self.push(int(self.end_ms * k / (pts - 1)), SAMPLE)
+        ptick = int(self.sc.engine.tick_s * 1000)
+        self.push(ptick, PTICK)
+        handlers = {
+            ARRIVE: self._on_arrive, DEPART: self._on_depart, SYNC_DONE: self._on_sync_done,
+            TRAIN_DONE: self._on_train_done, REDUCE_DONE: self._on_reduce_done, POLL: self._on_poll,
+            RENEW: self._on_renew, UPLOAD: self._on_upload, LEASE: self._on_lease,
+            HEAL: self._on_heal, CONT: self._on_cont,
+        }
+        heap = self.heap
+        pop = heapq.heappop
+        end = self.end_ms
+        ws = self.ws
+        next_report = 1 << 14
+        while heap:
+            t, _, kind, i, token = pop(heap)
+            if t > end:
+                break
+            self.now = t
+            self.events += 1
+            if kind == TICK:
+                self._tick()
+            elif kind == PTICK:
+                self._tick()
+                self.push(t + ptick, PTICK)
+            elif kind == SAMPLE:
+                self._sample()
+            elif kind == FAULT:
+                self._fault(self.sc.faults[i])
+            elif kind == XTIMEOUT:
+                self._on_xtimeout(self.ex_list[token])
+            else:
+                w = ws[i]
+                handlers[kind](w, token)
+            if progress is not None and self.events >= next_report:
+                next_report += 1 << 14
+                progress(t / end)
+        self.now = end
+        for w in ws:
+            if w.online:
+                self._set_act(w, OFF)
+        self.ledger.close()
+        if progress is not None:
+            progress(1.0)
+        return self._result()
+
+    # ------------------------------------------------------------ core calls
+
+    def _apply(self, ev: d.Event) -> d.Outcome:
+        self.core_calls += 1
+        out = self.core.apply(T0_MS + self.now, ev)
+        if out.effects:
+            self._absorb(out.effects, getattr(ev, "worker_id", ""))
+        return out
+
+    def _send(self, w: W, ev: d.Event) -> d.Outcome | None:
+        """Deliver a worker's message; None if it was lost or refused (then the worker reacts)."""
+        if w.cut or w.stopped or not w.online:
+            return None
+        try:
+            out = self._apply(ev)
+        except UnknownWorker:
+            # the coordinator lost us (lease expired while cut off, or a Leave raced): re-register
+            self.ledger.core_errors["UnknownWorker"] += 1
+            return self._register(w)
+        except Banned:
+            self.ledger.core_errors["Banned"] += 1
+            self._ban(w)
+            return None
+        except CoordinatorError as e:
+            # a late or stale message: the real worker logs it and heartbeats again
+            self.ledger.core_errors[type(e).__name__] += 1
+            self._poll_later(w)
+            return None
+        self._contacted(w, out)
+        return out
+
+    def _register(self, w: W) -> d.Outcome | None:
+        ev = d.Register(w.wid, w.profile, d.PeerAddress(peer_id=w.wid), w.local)
+        try:
+            out = self._apply(ev)
+        except Banned:
+            self._ban(w)
+            return None
+        except CoordinatorError as e:
+            self.ledger.core_errors[type(e).__name__] += 1
+            return None
+        self._contacted(w, out)
+        return out
+
+    def _contacted(self, w: W, out: d.Outcome) -> None:
+        if out.lease_expires_ms is not None and not self.declared:
+            w.lease_until = out.lease_expires_ms - T0_MS
+            w.renew_due = w.lease_until - self.hb_ms
+            if not w.renew_armed:
+                w.renew_armed = True
+                self.push(max(w.renew_due, self.now + 1), RENEW, w.i, w.gen)
+
+    def _tick_at(self, t: int) -> None:
+        """Run the core's timers at t (a deadline or a lease expiry the engine knows of)."""
+        if t > self.now:
+            self.push(t, TICK)
+
+    def _tick(self) -> None:
+        if self.now != self.last_tick:
+            self.last_tick = self.now
+            self._apply(d.Tick())
+
+    def _heartbeat(self, w: W) -> d.Outcome | None:
+        a = w.act
+        key = w.key
+        if a == READY and key is not None:
+            ev = d.Heartbeat(w.wid, d.Phase.READY, key[0], key[1], samples=w.samples, local=w.local, round_attempt=key[2])
+        elif a in (TRAIN, STALL) and key is not None:
+            ev = d.Heartbeat(w.wid, d.Phase.TRAINING, key[0], key[1], local=w.local, round_attempt=key[2])
+        elif a in (REDUCE, WAITV) and w.rkey is not None:
+            r = w.rkey
+            ev = d.Heartbeat(w.wid, d.Phase.REDUCING, r[0], r[1], local=w.local, reduce_attempt=r[2])
+        elif a == SYNC and w.sync_target is not None:
+            ev = d.Heartbeat(w.wid, d.Phase.SYNCING, w.sync_target[0], local=w.local)
+        else:
+            ev = d.Heartbeat(w.wid, d.Phase.IDLE, w.local.cell_id, local=w.local)
+        return self._send(w, ev)
+
+    # ------------------------------------------------------------ effects -> who must hear
+
+    def _absorb(self, effects: tuple, caller: str) -> None:
+        for r in effects:
+            if isinstance(r, d.RoundRecord):
+                self._on_round_record(r, caller)
+            elif isinstance(r, d.CommitRecord):
+                self._on_commit(r)
+            elif isinstance(r, d.WorkerRecord):
+                if r.worker_id != caller:
+                    w = self.by_id.get(r.worker_id)
+                    if w is not None and w.online and (r.state is not d.WorkerState.ACTIVE or r.cell_id != self._believed_cell(w)):
+                        self._poll_later(w)
+
+    def _believed_cell(self, w: W) -> str:
+        if w.key is not None and w.act in (TRAIN, READY, STALL):
+            return w.key[0]
+        if w.sync_target is not None and w.act == SYNC:
+            return w.sync_target[0]
+        return w.local.cell_id
+
+    def _on_round_record(self, r: d.RoundRecord, caller: str) -> None:
+        sig = (r.round, r.attempt, r.state, r.reduce_attempt)
+        if self.seen_round.get(r.cell_id) == sig:
+            return
+        self.seen_round[r.cell_id] = sig
+        key = (r.cell_id, r.round, r.attempt)
+        if r.state is d.RoundState.REDUCING:
+            self._tick_at(r.reduce_deadline_ms - T0_MS)
+        elif not r.state.terminal:
+            self._tick_at(r.deadline_ms - T0_MS)
+        if r.state is d.RoundState.ABORTED:
+            self.ledger.aborts += 1
+            self.ledger.resolve_abort(key)
+            self.locksteps.pop(key, None)
+        elif r.state is d.RoundState.OPEN and r.deadline_ms:
+            self.member_ids[key] = tuple(m.worker_id for m in r.members)
+        for wid in self.member_ids.get(key, ()) if r.state is not d.RoundState.OPEN else (m.worker_id for m in r.members):
+            if wid != caller:
+                w = self.by_id.get(wid)
+                if w is not None and w.online:
+                    self._poll_later(w)
+        if r.state.terminal:
+            self.member_ids.pop(key, None)
+
+    def _on_commit(self, c: d.CommitRecord) -> None:
+        led = self.ledger
+        led.committed_rounds += 1
+        led.commits.append((self.now / 1000.0, c.cell_id, c.samples))
+        j = self.cell_index.get(c.cell_id)
+        if j is not None:
+            self.rounds_now[j] += 1
+        by = self.by_id
+        agreeing = {by[x].i for x in c.agreeing if x in by}
+        contributors = {by[x].i for x in c.contributors if x in by}
+        led.resolve_commit((c.cell_id, c.round, c.attempt), agreeing, contributors)
+        self.locksteps.pop((c.cell_id, c.round, c.attempt), None)
+
+    def _poll_later(self, w: W) -> None:
+        """The worker's next periodic heartbeat (fixed phase) delivers its new instruction."""
+        if w.poll:
+            return
+        w.poll = True
+        hb = self.hb_ms
+        wait = (w.hb_phase - self.now) % hb or hb
+        self.push(self.now + wait, POLL, w.i, w.gen)
+
+    # ------------------------------------------------------------ activity accounting
+
+    def _set_act(self, w: W, act: int) -> None:
+        now = self.now
+        dt = (now - w.since) / 1000.0
+        old = w.act
+        if dt > 0 and old != OFF:
+            fl = dt * w.flops
+            if old == TRAIN:
+                useful = fl * (w.own_s / w.dur_s if w.dur_s > w.own_s > 0 else 1.0)
+                if w.key is not None:
+                    self.ledger.train(w.key, w.i, useful)
+                self.ledger.add("idle", fl - useful)
+            else:
+                self.ledger.add(ACT_BUCKET[old], fl)
+            self.ledger.offered += fl
+        if old == TRAIN and act != TRAIN:
+            self.train_flops -= w.flops
+        elif act == TRAIN and old != TRAIN:
+            self.train_flops += w.flops
+        w.act = act
+        w.since = now
+
+
+    # ------------------------------------------------------------ observation
+
+    def _sample(self) -> None:
+        self.samples_t.append(self.now / 3600_000.0)
+        self.samples_rounds.append(list(self.rounds_now))
+        self.samples_util.append(self.train_flops / self.online_flops if self.online_flops > 0 else 0.0)
+        self.samples_online.append(self.online_count)
+
+    def _result(self) -> EngineResult:
+        fl = np.array([w.flops for w in self.ws])
+        spread = float(np.percentile(fl, 95) / np.percentile(fl, 5)) if len(fl) else 1.0
+        return EngineResult(
+            policy=self.policy.name,
+            ledger=self.ledger,
+            workers=self.n,
+            hours=self.hours,
+            events=self.events,
+            core_calls=self.core_calls,
+            cells=tuple(self.cells),
+            cell_targets=dict(self.targets),
+            cell_flops_per_sample=dict(self.flops_per_sample),
+            timeline_h=np.array(self.samples_t),
+            rounds_timeline=np.array(self.samples_rounds, dtype=np.int64).reshape(len(self.samples_t), len(self.cells)),
+            util_timeline=np.array(self.samples_util),
+            online_timeline=np.array(self.samples_online),
+            bytes_sent=np.array([w.sent for w in self.ws], dtype=np.float64),
+            bytes_recv=np.array([w.recv for w in self.ws], dtype=np.float64),
+            ever_online=np.array([w.ever for w in self.ws]),
+            steps_per_round=int(self.policy.core.inner_steps or self.spec.diloco.inner_steps),
+            throughput_spread=spread,
+        )

@@ -1,0 +1,93 @@
+"""Accounting of one simulated policy: where every offered FLOP went.
+
+Offered compute is each worker's achieved FLOP/s times the time it was online. The
+engine hands every interval of every online worker to exactly one bucket, so the buckets
+add up to the offered compute (a test checks the identity):
+
+- `committed`: training in rounds that committed, by contributors whose hash agreed;
+- `aborted`: training in rounds that were aborted (no quorum, timeout, orphaned);
+- `straggler`: training by members who were not frozen in (cut off at the deadline) or
+  who sat a committed round out;
+- `preempted`: training by a worker that died or was cut off before its contribution counted;
+- `rejected`: training whose reported hash disagreed with the committed one (Byzantine);
+- `resync`: state downloads (joins, moves, resyncs after a bad hash);
+- `comm`: the pseudo-gradient exchange (the GPU idles while the link works);
+- `idle`: waiting for an assignment, for other members, for a verdict, or at a lock-step
+  barrier;
+- `unresolved`: training in rounds still open when the simulation ended.
+
+Training time is held per (cell, round, attempt) until the round's fate is known. Goodput
+is `committed / offered`; utilisation is all training (wasted or not) over offered.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BUCKETS = ("committed", "aborted", "straggler", "preempted", "rejected", "resync", "comm", "idle", "unresolved")
+WASTE = ("aborted", "straggler", "preempted", "rejected", "resync", "comm", "idle")
+TRAINING = ("committed", "aborted", "straggler", "preempted", "rejected", "unresolved")
+
+RoundKey = tuple[str, int, int]  # (cell, round, attempt)
+
+
+@dataclass
+class Ledger:
+    buckets: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUCKETS, 0.0))
+    offered: float = 0.0
+    # pending training: round key -> worker index -> [flops, cause override or ""]
+    pending: dict[RoundKey, dict[int, list]] = field(default_factory=lambda: defaultdict(dict))
+    committed_rounds: int = 0
+    commits: list[tuple[float, str, int]] = field(default_factory=list)  # (t_s, cell, samples)
+    aborts: int = 0
+    faults: list[tuple[float, str, int]] = field(default_factory=list)  # (t_s, kind, workers hit)
+    core_errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, bucket: str, flops: float) -> None:
+        if flops > 0:
+            self.buckets[bucket] += flops
+
+    def train(self, key: RoundKey, widx: int, flops: float) -> None:
+        if flops <= 0:
+            return
+        entry = self.pending[key].get(widx)
+        if entry is None:
+            self.pending[key][widx] = [flops, ""]
+        else:
+            entry[0] += flops
+
+    def mark(self, key: RoundKey, widx: int, cause: str) -> None:
+        entry = self.pending.get(key, {}).get(widx)
+        if entry is not None and not entry[1]:
+            entry[1] = cause
+
+    def resolve_commit(self, key: RoundKey, agreeing: set[int], contributors: set[int]) -> None:
+        for widx, (flops, cause) in self.pending.pop(key, {}).items():
+            if widx in agreeing:
+                self.buckets["committed"] += flops
+            elif cause:
+                self.buckets[cause] += flops
+            elif widx in contributors:
+                self.buckets["rejected"] += flops
+            else:
+                self.buckets["straggler"] += flops
+
+    def resolve_abort(self, key: RoundKey) -> None:
+        for flops, _cause in self.pending.pop(key, {}).values():
+            self.buckets["aborted"] += flops
+
+    def close(self) -> None:
+        for key in list(self.pending):
+            for flops, _cause in self.pending.pop(key).values():
+                self.buckets["unresolved"] += flops
+
+
+def jain(x: np.ndarray) -> float:
+    """Jain's fairness index (1 = perfectly even, 1/n = all on one)."""
+    x = np.asarray(x, dtype=float)
+    if len(x) == 0 or not np.any(x > 0):
+        return 0.0
+    return float(x.sum() ** 2 / (len(x) * (x**2).sum()))

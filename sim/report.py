@@ -1,0 +1,213 @@
+"""Turn engine results into `summary.json`, `summary.md` and PNG plots.
+
+`summarize` is a pure function of the results (the CLI adds `wall_s`); the plotting
+functions write files with matplotlib's Agg backend (no display needed).
+
+summary.json is `{"policies": {NAME: {...}}, "wall_s": s, "workers": w,
+"virtual_hours": h, ...}`; every policy entry has at least `goodput`, `utilization` and
+`committed_rounds` (definitions in `metrics.py`), plus wasted work by cause, time to the
+target samples per cell, bytes per worker and Jain's fairness across cells.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .engine import EngineResult
+from .metrics import BUCKETS, TRAINING, WASTE, jain
+
+
+def _time_to_target(r: EngineResult, target_samples: float) -> dict[str, Any]:
+    if target_samples <= 0:
+        return {"target_samples_per_cell": 0, "cells": len(r.cells), "cells_reached": 0, "median_h": None, "max_h": None}
+    expert = next(c for c in r.cells if c != "router")
+    ref_share = r.cell_targets[expert]
+    ref_flops = r.cell_flops_per_sample[expert]
+    # a cell's target in FLOPs, scaled by its compute share (the router's is small)
+    target = {c: target_samples * ref_flops * r.cell_targets[c] / ref_share for c in r.cells}
+    acc = dict.fromkeys(r.cells, 0.0)
+    reached: dict[str, float] = {}
+    for t_s, cell, samples in r.ledger.commits:
+        if cell in reached:
+            continue
+        acc[cell] += samples * r.cell_flops_per_sample[cell]
+        if acc[cell] >= target[cell]:
+            reached[cell] = t_s / 3600.0
+    times = sorted(reached.values())
+    return {
+        "target_samples_per_cell": target_samples,
+        "cells": len(r.cells),
+        "cells_reached": len(times),
+        "median_h": float(np.median(times)) if len(times) == len(r.cells) else None,
+        "max_h": float(max(times)) if len(times) == len(r.cells) else None,
+        "first_h": float(times[0]) if times else None,
+    }
+
+
+def policy_summary(r: EngineResult, target_samples: float) -> dict[str, Any]:
+    L = r.ledger
+    off = L.offered
+    frac = {k: (v / off if off > 0 else 0.0) for k, v in L.buckets.items()}
+    per_cell_flops = dict.fromkeys(r.cells, 0.0)
+    for _t, cell, samples in L.commits:
+        per_cell_flops[cell] += samples * r.cell_flops_per_sample[cell]
+    x = np.array([per_cell_flops[c] / r.cell_targets[c] for c in r.cells if r.cell_targets[c] > 0])
+    rounds = r.rounds_timeline[-1] if len(r.rounds_timeline) else np.zeros(len(r.cells))
+    seen = r.ever_online
+    online_worker_h = float(np.trapezoid(r.online_timeline, r.timeline_h)) if len(r.timeline_h) > 1 else 0.0
+    sent = r.bytes_sent[seen] if seen.any() else np.zeros(1)
+    return {
+        "goodput": frac["committed"],
+        "utilization": sum(frac[k] for k in TRAINING),
+        "committed_rounds": int(L.committed_rounds),
+        "aborted_rounds": int(L.aborts),
+        "committed_samples": int(sum(s for _t, _c, s in L.commits)),
+        "wasted": {k: frac[k] for k in WASTE},
+        "unresolved": frac["unresolved"],
+        "offered_pflop": off / 1e15,
+        "rounds_per_cell": {
+            "min": int(rounds.min()) if len(rounds) else 0,
+            "median": float(np.median(rounds)) if len(rounds) else 0.0,
+            "max": int(rounds.max()) if len(rounds) else 0,
+        },
+        "time_to_target": _time_to_target(r, target_samples),
+        "fairness_jain": jain(x),
+        "bytes_sent_per_worker_mean": float(sent.mean()),
+        "bytes_sent_per_worker_p95": float(np.percentile(sent, 95)),
+        "bytes_per_online_worker_hour": float(r.bytes_sent.sum() / online_worker_h) if online_worker_h > 0 else 0.0,
+        "steps_per_round": r.steps_per_round,
+        "events": r.events,
+        "core_calls": r.core_calls,
+        "core_errors": dict(sorted(L.core_errors.items())),
+        "faults": [{"at_s": t, "kind": k, "workers": n} for t, k, n in L.faults],
+    }
+
+
+def summarize(results: Sequence[EngineResult], *, scenario: str, seed: int, target_samples: float) -> dict[str, Any]:
+    """The summary without wall time (deterministic for a seed)."""
+    first = results[0]
+    return {
+        "scenario": scenario,
+        "seed": seed,
+        "workers": first.workers,
+        "virtual_hours": first.hours,
+        "throughput_spread_p95_p5": first.throughput_spread,
+        "policies": {r.policy: policy_summary(r, target_samples) for r in results},
+    }
+
+
+def write_json(summary: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+
+
+def _fmt_h(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f} h"
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(x) < 1000:
+            return f"{x:.1f} {unit}"
+        x /= 1000
+    return f"{x:.1f} PB"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    pols = summary["policies"]
+    lines = [
+        f"# bagel-sim: {summary['scenario']}",
+        "",
+        f"{summary['workers']} workers, {summary['virtual_hours']:g} virtual hours, seed {summary['seed']}"
+        + (f", {summary['wall_s']:.1f} s wall" if "wall_s" in summary else "")
+        + f"; achieved-throughput spread (p95/p5) {summary['throughput_spread_p95_p5']:.1f}x.",
+        "",
+        "| policy | goodput | utilisation | committed rounds | aborted | rounds/cell (min–max) | cells at target | time to target (median) | fairness (Jain) | bytes sent / worker |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, p in pols.items():
+        tt = p["time_to_target"]
+        rc = p["rounds_per_cell"]
+        lines.append(
+            f"| {name} | {p['goodput']:.3f} | {p['utilization']:.3f} | {p['committed_rounds']} | {p['aborted_rounds']} "
+            f"| {rc['min']}–{rc['max']} | {tt['cells_reached']}/{tt['cells']} | {_fmt_h(tt['median_h'])} "
+            f"| {p['fairness_jain']:.3f} | {_fmt_bytes(p['bytes_sent_per_worker_mean'])} |"
+        )
+    lines += ["", "Where the offered compute went (fractions of offered FLOPs):", ""]
+    cols = ["committed"] + list(WASTE) + ["unresolved"]
+    lines.append("| policy | " + " | ".join(cols) + " |")
+    lines.append("| --- |" + " ---: |" * len(cols))
+    for name, p in pols.items():
+        vals = [p["goodput"]] + [p["wasted"][k] for k in WASTE] + [p["unresolved"]]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    lines += [
+        "",
+        "goodput = training FLOPs in committed rounds by agreeing contributors / offered FLOPs "
+        "(online time x achieved FLOP/s); utilisation = all training / offered. "
+        "See `bagel.sim.metrics` for the causes.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[EngineResult], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    n = len(results)
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), sharey=True, squeeze=False)
+    for ax, r in zip(axes[0], results):
+        rt = r.rounds_timeline
+        for j, c in enumerate(r.cells):
+            ax.plot(r.timeline_h, rt[:, j], lw=0.8, alpha=0.5, color="tab:orange" if c == "router" else "tab:blue")
+        if rt.size:
+            ax.plot(r.timeline_h, rt.mean(axis=1), lw=2.0, color="black", label="mean over cells")
+        ax.set_title(r.policy)
+        ax.set_xlabel("virtual hours")
+        ax.legend(loc="upper left", fontsize=8)
+    axes[0][0].set_ylabel("committed rounds per cell")
+    fig.tight_layout()
+    p = out / "committed_rounds.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * n))
+    left = np.zeros(n)
+    names = [r.policy for r in results]
+    colors = plt.get_cmap("tab10")
+    for k, b in enumerate(BUCKETS):
+        vals = np.array([r.ledger.buckets[b] / r.ledger.offered if r.ledger.offered else 0.0 for r in results])
+        ax.barh(names, vals, left=left, label=b, color=colors(k))
+        left += vals
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("fraction of offered compute")
+    ax.legend(ncol=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.05 * n))
+    fig.tight_layout()
+    p = out / "wasted_work.png"
+    fig.savefig(p, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    paths.append(p)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in results:
+        ax.plot(r.timeline_h, r.util_timeline, label=r.policy)
+    ax2 = ax.twinx()
+    ax2.plot(results[0].timeline_h, results[0].online_timeline, color="grey", ls=":", label="online workers")
+    ax2.set_ylabel("online workers")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("virtual hours")
+    ax.set_ylabel("utilisation (training / online compute)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    p = out / "utilization.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
