@@ -300,6 +300,7 @@ class ReportEntry:
     failed: bool
     samples: int
     reduce_attempt: int
+    loss: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,8 +317,13 @@ class RoundRecord:
     members: tuple[MemberPlan, ...]  # sorted by worker_id
     dropped: tuple[str, ...] = ()  # members lost/left/moved during the round, sorted
     ready: Mapping[str, int] = field(default_factory=dict)  # member -> samples (PHASE_READY)
-    contributors: tuple[str, ...] = ()  # frozen at REDUCING, sorted
+    contributors: tuple[str, ...] = ()  # frozen at REDUCING, sorted (catch_up included)
+    # contributors with zero weight: workers holding the round's base state that did not
+    # train it (joiners, members not ready at the freeze). They exchange a zero
+    # pseudo-gradient and apply the same outer step, so they end up holding the new state.
+    catch_up: tuple[str, ...] = ()
     reduce_attempt: int = 0  # of the frozen contributor set (0 before the freeze)
+    first_reduce_attempt: int = 0  # this attempt's first freeze (older ones were aborted runs)
     frozen_ms: int = 0
     reduce_deadline_ms: int = 0
     reports: Mapping[str, ReportEntry] = field(default_factory=dict)
@@ -333,7 +339,11 @@ class RoundRecord:
 
 @dataclass(frozen=True, slots=True)
 class CommitRecord:
-    """Append-only: round `round` of `cell_id` is committed with `state_hash`."""
+    """Append-only: round `round` of `cell_id` is committed with `state_hash`.
+
+    `contributors` and `agreeing` include zero-weight catch-up contributors; the quorum
+    was counted over the weighted ones (RoundRecord.contributors minus catch_up).
+    """
 
     cell_id: str
     round: int

@@ -32,6 +32,11 @@ class Policy:
     # True: a member whose lease expires leaves its open round at once. False: it stays
     # counted as a member until the round's deadline (a baseline waiting on a timeout).
     fail_fast_leases: bool = True
+    # Workers that hold a round's base state but did not train it (a joiner that synced
+    # mid-round, a member not ready at the freeze) join the exchange with zero weight and
+    # apply the same outer step. Without this a joiner would chase the cell forever: the
+    # next round opens the moment a round commits, so any download ends one commit late.
+    catch_up: bool = True
     # overrides of the spec (None = use spec.schedule.deadline_slack / spec.diloco.inner_steps)
     deadline_slack: float | None = None
     inner_steps: int | None = None
@@ -40,6 +45,8 @@ class Policy:
     # bounds that keep one transition cheap with 10k workers (see scheduler.repair)
     max_moves_per_event: int = 4
     repair_candidates: int = 32
+    # no moves are looked for while every cell's share/target ratio is within 1 +- this
+    balance_tolerance: float = 0.05
     # SWARM's PerformanceEMA: estimate <- (1 - alpha) * estimate + alpha * observed
     throughput_ema: float = 0.3
     # communication estimate: a worker that reports no bandwidth is taken to have this

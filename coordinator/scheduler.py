@@ -1,20 +1,46 @@
 """The scheduler: which worker trains which cell, and how a round's batch is split.
 
-API skeleton (behaviour lands in the next commits). Pure functions of their inputs,
-used unchanged by the daemon (through CoordinatorState) and the simulator.
+Pure code (no I/O, no clock, no randomness), used unchanged by the daemon, through
+`CoordinatorState`, and by the simulator. Design section 5:
 
-    assign(workers, cell_memory, cell_targets, knobs) -> {worker_id: cell_id | ""}
-    plan_round(members, spec, now_ms, policy, payload_bytes) -> Planning
+- **Fit.** A worker may train a cell only if the cell's memory (params, grads, optimizer,
+  outer state and one micro-batch; computed by the shell) fits its VRAM with
+  `schedule.vram_headroom` to spare.
+- **Balance.** Each cell has a target share of total compute. A worker's compute in cell c
+  is its throughput there divided by the cell's reference throughput (the mean over known
+  workers), so a 4090 counts the same on a big expert and on the small router; it is
+  weighted by reputation. Workers go where the (relative) shortfall is largest: the
+  imbalance minimised is Phi = sum_c (s_c - T_c)^2 / T_c (shares s, targets T), a
+  chi-square distance, so a small cell such as the router is balanced in relative terms.
+- **Redundancy.** Before balance, every cell with a target keeps min_replicas members when
+  there are enough workers (a convex penalty on each cell's deficit, so a move never
+  orphans one cell to fill another); no cell takes more than max_replicas.
+- **Stickiness.** Moving a worker that holds a cell's state costs a full download, so it
+  moves only when the two cells' share/target ratios differ by more than
+  `schedule.stickiness` (and the move lowers Phi). Workers that hold nothing yet move
+  freely.
+- **Bounded work.** `Balance` keeps per-cell sums, so placing a joiner is O(cells) and one
+  repair step is O(candidates x cells); the state calls them on join/leave and at a cell's
+  round boundary with at most `Policy.max_moves_per_event` moves, which keeps a transition
+  cheap with 10,000 workers. `assign` runs the same steps over a whole population.
+
+`plan_round` splits `diloco.group_batch` across a round's members in proportion to their
+throughput, so H inner steps take about the same wall time on a fast card and a slow one
+(SWARM parallelism, Ryabinin et al. 2023, balances by measured throughput the same way),
+and sets the deadline from the predicted compute and communication times.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from bagel.coordinator.domain import MemberPlan, PeerAddress
 from bagel.coordinator.policy import Policy
 from bagel.coordinator.spec import RunSpec
+
+_EPS = 1e-12
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,13 +58,15 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True)
 class Knobs:
+    """Scheduler settings: the spec's [schedule] plus the policy's bounds."""
+
     min_replicas: int = 2
     max_replicas: int = 8
     vram_headroom: float = 0.2
     stickiness: float = 0.1
     ban_reputation: float = -5.0
-    max_moves: int = 4
-    candidates: int = 32
+    max_moves: int = 4  # moves per repair call
+    candidates: int = 32  # workers examined per repair step
 
     @classmethod
     def from_spec(cls, spec: RunSpec, policy: Policy) -> Knobs:
@@ -54,6 +82,268 @@ class Knobs:
         )
 
 
+def fits(vram_bytes: int, memory_bytes: int, headroom: float) -> bool:
+    """A cell fits a worker when its memory needs at most (1 - headroom) of the VRAM."""
+    return memory_bytes <= vram_bytes * (1.0 - headroom)
+
+
+def throughput_for(throughput: Mapping[str, float], cell_id: str) -> float:
+    """samples/s of a worker on a cell; a cell it did not measure gets the mean of those
+    it did (1.0 if it measured none), so a partial profile still schedules."""
+    v = throughput.get(cell_id)
+    if v is not None and v > 0:
+        return float(v)
+    known = [x for x in throughput.values() if x > 0]
+    return sum(known) / len(known) if known else 1.0
+
+
+def reputation_weight(reputation: float, ban_reputation: float) -> float:
+    """1 for a non-negative reputation, falling linearly to 0.1 at the ban threshold."""
+    if reputation >= 0 or ban_reputation >= 0:
+        return 1.0
+    return max(0.1, 1.0 - 0.9 * min(1.0, reputation / ban_reputation))
+
+
+Move = tuple[str, str, str]  # (worker_id, from_cell, to_cell)
+
+
+class Balance:
+    """Per-cell compute sums for incremental placement and repair.
+
+    Holds, for every cell, the count of assigned workers and the sum of their weighted
+    raw throughput (samples/s x reputation weight), plus the running mean of the known
+    workers' throughput per cell (the reference that turns samples/s into compute).
+    Callers keep it in step with their assignment via `add_reference`/`add`/`remove`.
+    """
+
+    def __init__(self, cell_memory: Mapping[str, int], cell_targets: Mapping[str, float], knobs: Knobs) -> None:
+        for c in cell_targets:
+            if c not in cell_memory:
+                raise ValueError(f"target for unknown cell {c!r}")
+        total = sum(max(0.0, cell_targets.get(c, 0.0)) for c in cell_memory)
+        if total <= 0:
+            raise ValueError("cell_targets: at least one cell needs a positive target")
+        self.knobs = knobs
+        self.memory = dict(cell_memory)
+        self.cells = tuple(cell_memory)
+        self.target = {c: max(0.0, cell_targets.get(c, 0.0)) / total for c in self.cells}
+        self.active = tuple(c for c in self.cells if self.target[c] > 0)
+        self.count = {c: 0 for c in self.cells}
+        self.raw = {c: 0.0 for c in self.cells}
+        self._ref_sum = {c: 0.0 for c in self.cells}
+        self._ref_n = {c: 0 for c in self.cells}
+        # eligible cells by VRAM, memoised: populations have few distinct VRAM sizes.
+        self._eligible: dict[int, tuple[str, ...]] = {}
+
+    # ---- bookkeeping
+
+    def add_reference(self, throughput: Mapping[str, float], sign: int = 1) -> None:
+        """Count (sign=+1) or forget (-1) a known worker's profile in the references."""
+        for c in self.cells:
+            v = throughput.get(c)
+            if v is not None and v > 0:
+                self._ref_sum[c] += sign * v
+                self._ref_n[c] += sign
+
+    def ref(self, c: str) -> float:
+        n = self._ref_n[c]
+        return self._ref_sum[c] / n if n > 0 and self._ref_sum[c] > 0 else 1.0
+
+    def raw_power(self, throughput: Mapping[str, float], reputation: float, c: str) -> float:
+        return throughput_for(throughput, c) * reputation_weight(reputation, self.knobs.ban_reputation)
+
+    def add(self, c: str, raw: float) -> None:
+        self.count[c] += 1
+        self.raw[c] += raw
+
+    def remove(self, c: str, raw: float) -> None:
+        self.count[c] -= 1
+        self.raw[c] = self.raw[c] - raw if self.count[c] > 0 else 0.0  # no float drift to 0
+
+    def eligible(self, vram_bytes: int) -> tuple[str, ...]:
+        got = self._eligible.get(vram_bytes)
+        if got is None:
+            h = self.knobs.vram_headroom
+            got = tuple(c for c in self.active if fits(vram_bytes, self.memory[c], h))
+            self._eligible[vram_bytes] = got
+        return got
+
+    # ---- measures
+
+    def compute(self) -> dict[str, float]:
+        """Normalised compute per cell (raw / reference)."""
+        return {c: self.raw[c] / self.ref(c) for c in self.cells}
+
+    def shares(self) -> dict[str, float]:
+        n = self.compute()
+        total = sum(n.values())
+        return {c: (v / total if total > 0 else 0.0) for c, v in n.items()}
+
+    def ratios(self) -> dict[str, float]:
+        """share / target of each active cell (1.0 = on target)."""
+        s = self.shares()
+        return {c: s[c] / self.target[c] for c in self.active}
+
+    def min_replicas_now(self) -> int:
+        """min_replicas, lowered while there are too few workers for every active cell."""
+        placed = sum(self.count.values())
+        return min(self.knobs.min_replicas, placed // max(1, len(self.active)))
+
+    def _stats(self) -> tuple[dict[str, float], float, float, int]:
+        n = self.compute()
+        total = sum(n.values())
+        s_sum = sum(n[c] * n[c] / self.target[c] for c in self.active)
+        return n, total, s_sum, self.min_replicas_now()
+
+    @staticmethod
+    def _phi(s_sum: float, total: float) -> float:
+        return s_sum / (total * total) - 1.0 if total > 0 else 0.0
+
+    def _deficit(self, c: str, count: int, m: int) -> int:
+        d = m - count if self.target[c] > 0 else 0
+        return d * d if d > 0 else 0
+
+    def imbalance(self) -> float:
+        """Phi = sum_c (s_c - T_c)^2 / T_c over the active cells (0 = on target)."""
+        _, total, s_sum, _ = self._stats()
+        # cells with no target but with workers still count in the total, not in Phi
+        return self._phi(s_sum, total)
+
+    # ---- decisions
+
+    def best_cell(
+        self, vram_bytes: int, throughput: Mapping[str, float], reputation: float
+    ) -> str:
+        """The cell a newcomer should join ("" = none fits or all are full)."""
+        n, total, s_sum, m = self._stats()
+        best, best_key = "", (math.inf, math.inf)
+        m_after = min(self.knobs.min_replicas, (sum(self.count.values()) + 1) // max(1, len(self.active)))
+        for c in self.eligible(vram_bytes):
+            if self.count[c] >= self.knobs.max_replicas:
+                continue
+            p = self.raw_power(throughput, reputation, c) / self.ref(c)
+            s_new = s_sum + (2 * n[c] * p + p * p) / self.target[c]
+            deficit = sum(self._deficit(x, self.count[x] + (x == c), m_after) for x in self.active)
+            key = (deficit, self._phi(s_new, total + p))
+            if key < best_key:
+                best, best_key = c, key
+        return best
+
+    def best_move(self, candidates: Iterable[WorkerView]) -> tuple[Move, float] | None:
+        """The single move of a candidate that lowers (replica deficit, Phi) the most.
+
+        A sticky candidate only moves to a cell whose share/target ratio is lower than its
+        own cell's by more than `stickiness`. Returns ((worker, from, to), gain) or None.
+        """
+        n, total, s_sum, m = self._stats()
+        if total <= 0:
+            return None
+        phi0 = self._phi(s_sum, total)
+        def0 = sum(self._deficit(c, self.count[c], m) for c in self.active)
+        ratio = {c: (n[c] / total) / self.target[c] for c in self.active}
+        best: tuple[Move, float] | None = None
+        best_key = (0, -_EPS)  # must strictly improve
+        for w in candidates:
+            a = w.cell_id
+            if not a or not w.movable:
+                continue
+            ta = self.target.get(a, 0.0)
+            pa = self.raw_power(w.throughput, w.reputation, a) / self.ref(a)
+            na = max(0.0, n[a] - pa)
+            s_wo = s_sum - ((n[a] * n[a] - na * na) / ta if ta > 0 else 0.0)
+            def_wo = def0 - self._deficit(a, self.count[a], m) + self._deficit(a, self.count[a] - 1, m)
+            for b in self.eligible(w.vram_bytes):
+                if b == a or self.count[b] >= self.knobs.max_replicas:
+                    continue
+                if w.sticky and a in ratio and ratio[a] - ratio[b] <= self.knobs.stickiness:
+                    continue
+                pb = self.raw_power(w.throughput, w.reputation, b) / self.ref(b)
+                s_new = s_wo + (2 * n[b] * pb + pb * pb) / self.target[b]
+                d_new = def_wo - self._deficit(b, self.count[b], m) + self._deficit(b, self.count[b] + 1, m)
+                key = (d_new - def0, self._phi(s_new, total - pa + pb) - phi0)
+                if key < best_key:
+                    best, best_key = ((w.worker_id, a, b), -key[1]), key
+        return best
+
+
+def assign(
+    workers: Sequence[WorkerView],
+    cell_memory: Mapping[str, int],
+    cell_targets: Mapping[str, float],
+    knobs: Knobs,
+    *,
+    max_moves: int | None = None,
+) -> dict[str, str]:
+    """New assignment worker_id -> cell_id ("" = standby: nothing fits or all cells full).
+
+    Keeps every current assignment that still fits (and is not over max_replicas), places
+    the rest one by one (most constrained first, then fastest), then applies up to
+    `max_moves` (default: one per worker) improving moves under the stickiness rule.
+    """
+    bal = Balance(cell_memory, cell_targets, knobs)
+    for w in workers:
+        bal.add_reference(w.throughput)
+    cur: dict[str, str] = {}
+    by_id = {w.worker_id: w for w in workers}
+    if len(by_id) != len(workers):
+        raise ValueError("duplicate worker ids")
+    # keep what fits, fastest first so a full cell keeps its best members
+    for w in sorted(workers, key=lambda w: (-throughput_for(w.throughput, w.cell_id or ""), w.worker_id)):
+        c = w.cell_id
+        if c and c in bal.target and bal.target[c] > 0 and c in bal.eligible(w.vram_bytes) and bal.count[c] < knobs.max_replicas:
+            cur[w.worker_id] = c
+            bal.add(c, bal.raw_power(w.throughput, w.reputation, c))
+    pending = [w for w in workers if w.worker_id not in cur and w.movable]
+    pending.sort(key=lambda w: (len(bal.eligible(w.vram_bytes)), -max((throughput_for(w.throughput, c) / bal.ref(c) for c in bal.eligible(w.vram_bytes)), default=0.0), w.worker_id))
+    for w in pending:
+        c = bal.best_cell(w.vram_bytes, w.throughput, w.reputation)
+        cur[w.worker_id] = c
+        if c:
+            bal.add(c, bal.raw_power(w.throughput, w.reputation, c))
+    for w in workers:
+        cur.setdefault(w.worker_id, w.cell_id if not w.movable else "")
+    # improving moves; a worker placed by this call holds no state yet, so it is not sticky
+    budget = len(workers) if max_moves is None else max_moves
+    for _ in range(budget):
+        views = [
+            WorkerView(
+                w.worker_id, w.vram_bytes, w.throughput, w.reputation, cur[w.worker_id], w.movable,
+                w.sticky and cur[w.worker_id] == w.cell_id,
+            )
+            for w in workers
+            if cur[w.worker_id]
+        ]
+        move = bal.best_move(views)
+        if move is None:
+            break
+        (wid, a, b), _ = move
+        w = by_id[wid]
+        bal.remove(a, bal.raw_power(w.throughput, w.reputation, a))
+        bal.add(b, bal.raw_power(w.throughput, w.reputation, b))
+        cur[wid] = b
+    return cur
+
+
+def compute_shares(
+    workers: Sequence[WorkerView],
+    assignment: Mapping[str, str],
+    cell_memory: Mapping[str, int],
+    cell_targets: Mapping[str, float],
+    knobs: Knobs,
+) -> dict[str, float]:
+    """Each cell's share of total compute under an assignment (the measure `assign` balances)."""
+    bal = Balance(cell_memory, cell_targets, knobs)
+    for w in workers:
+        bal.add_reference(w.throughput)
+        c = assignment.get(w.worker_id, "")
+        if c:
+            bal.add(c, bal.raw_power(w.throughput, w.reputation, c))
+    return bal.shares()
+
+
+# ---------------------------------------------------------------- round planning
+
+
 @dataclass(frozen=True, slots=True)
 class PlanMember:
     worker_id: str
@@ -65,26 +355,44 @@ class PlanMember:
 @dataclass(frozen=True, slots=True)
 class Planning:
     inner_steps: int
-    members: tuple[MemberPlan, ...]
+    members: tuple[MemberPlan, ...]  # sorted by worker_id
     deadline_ms: int
     predicted_compute_ms: int
     predicted_comm_ms: int
-    extra: Mapping[str, float] = field(default_factory=dict)
 
 
-def fits(vram_bytes: int, memory_bytes: int, headroom: float) -> bool:
-    """A cell fits a worker when its memory needs at most (1 - headroom) of the VRAM."""
-    return memory_bytes <= vram_bytes * (1.0 - headroom)
+def split_batch(total: int, weights: Sequence[float]) -> list[int]:
+    """Integers >= 1 proportional to weights summing to max(total, len(weights))
+    (largest remainder, ties to the earlier member)."""
+    n = len(weights)
+    if n == 0:
+        return []
+    total = max(total, n)
+    wsum = sum(weights)
+    spare = total - n  # everyone gets 1, the rest by weight
+    exact = [spare * w / wsum for w in weights] if wsum > 0 else [spare / n] * n
+    base = [int(x) for x in exact]
+    left = spare - sum(base)
+    order = sorted(range(n), key=lambda i: (-(exact[i] - base[i]), i))
+    for i in order[:left]:
+        base[i] += 1
+    return [1 + b for b in base]
 
 
-def assign(
-    workers: Sequence[WorkerView],
-    cell_memory: Mapping[str, int],
-    cell_targets: Mapping[str, float],
-    knobs: Knobs,
-) -> dict[str, str]:
-    """New assignment worker_id -> cell_id ("" = standby)."""
-    raise NotImplementedError
+def batch_shape(batch: int, max_micro_batch: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) with micro_batch <= max and product >= batch, closest."""
+    accum = -(-batch // max_micro_batch)
+    micro = -(-batch // accum)
+    return micro, accum
+
+
+def predict_comm_ms(payload_bytes: int, bandwidths: Sequence[float], policy: Policy) -> int:
+    """Butterfly all-reduce (reduce-scatter + all-gather): each member moves about
+    2 (n-1)/n payloads each way, limited by the slowest link, plus a fixed overhead."""
+    n = len(bandwidths)
+    slowest = min((b if b > 0 else policy.default_bandwidth_bytes_per_s) for b in bandwidths) if n else 1.0
+    volume = 2.0 * payload_bytes * (n - 1) / n if n > 1 else 0.0
+    return int(1000.0 * (policy.comm_overhead_s + volume / slowest))
 
 
 def plan_round(
@@ -94,5 +402,29 @@ def plan_round(
     policy: Policy,
     payload_bytes: int,
 ) -> Planning:
-    """Per-member micro_batch/grad_accum and the round's deadline."""
-    raise NotImplementedError
+    """Per-member micro_batch/grad_accum and the round's deadline.
+
+    The group's per-step batch (`diloco.group_batch`) is split in proportion to throughput
+    (or equally under `batch_split="equal"`); each member's step batch becomes
+    micro_batch x grad_accum with micro_batch <= `diloco.max_micro_batch`. Its sample budget
+    (`max_samples`) is that times H. Deadline = now + max(min_round_s, predicted compute
+    (the slowest member) x slack + predicted communication).
+    """
+    if not members:
+        raise ValueError("a round needs members")
+    ms = sorted(members, key=lambda m: m.worker_id)
+    h = policy.inner_steps or spec.diloco.inner_steps
+    speeds = [max(m.samples_per_s, 1e-9) for m in ms]
+    weights = speeds if policy.batch_split == "proportional" else [1.0] * len(ms)
+    batches = split_batch(spec.diloco.group_batch, weights)
+    plans: list[MemberPlan] = []
+    compute_s = 0.0
+    for m, b, s in zip(ms, batches, speeds):
+        micro, accum = batch_shape(b, spec.diloco.max_micro_batch)
+        samples = micro * accum * h
+        plans.append(MemberPlan(m.worker_id, m.peer, micro, accum, samples))
+        compute_s = max(compute_s, samples / s)
+    comm_ms = predict_comm_ms(payload_bytes, [m.bandwidth_bytes_per_s for m in ms], policy)
+    slack = policy.deadline_slack or spec.schedule.deadline_slack
+    span = max(spec.schedule.min_round_s * 1000.0, compute_s * 1000.0 * slack + comm_ms)
+    return Planning(h, tuple(plans), now_ms + int(span), int(compute_s * 1000.0), comm_ms)

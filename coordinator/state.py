@@ -1,42 +1,98 @@
 """The coordinator's pure state machine: workers, leases, cells, outer rounds, commits.
 
-API skeleton (behaviour lands in the next commits). See the module docstring of the
-finished file for the lifecycle; the public surface is:
+No I/O, no clock, no global RNG: time (`now_ms`, unix ms) and randomness (a
+`random.Random`) are arguments, and every transition goes through one method,
+`CoordinatorState.apply(now_ms, event)`, as Psyche's coordinator goes through
+`tick(...)`/`change_state(...)` and torchft's quorum through `quorum_compute(now, ...)`.
+The gRPC daemon and the simulator drive this same object.
 
-    state = CoordinatorState(spec, cells, policy=BAGEL, rng=random.Random(0), now_ms=0)
-    out = state.apply(now_ms, event)        # the one entry point for every transition
-    state.instruction_for(worker_id, now_ms) # current order of a worker, no transition
-    state.snapshot()                        # every current record
-    CoordinatorState.restore(spec, cells, snapshot_or_records..., now_ms=...)
+The round protocol (team brief; design section 4), per cell:
+
+- A worker registers and is placed by the scheduler. It is *synced* when its LocalState
+  equals the cell's committed state (round 0 is the initial state everyone builds, so
+  at round 0 every assigned worker is synced); otherwise it is told ORDER_SYNC with a
+  donor (least-loaded synced member) or the checkpoint.
+- When a cell has no open round and a synced worker heartbeats, round n = committed + 1
+  opens (OPEN) with all synced workers as members and a plan from `scheduler.plan_round`.
+  The first TRAINING (or READY) heartbeat makes it TRAINING.
+- When every live member is READY, or at the deadline with at least ceil(quorum x live)
+  ready (and never under wait_for_all), the contributors are frozen: REDUCING, with a
+  `reduce_attempt` that is never reused for the same round number. Otherwise the attempt
+  is ABORTED and re-run at once (same round number, attempt + 1) with the synced workers.
+- ReportRound: the round commits when strictly more than quorum x |contributors|
+  reports carry the same hash; it aborts when that has become impossible or at the
+  reduce deadline. A contributor lost while REDUCING, before anyone reported success,
+  re-freezes the survivors (reduce_attempt + 1) if enough remain, else aborts.
+- After a commit the agreeing contributors hold the new state, everybody else resyncs;
+  the scheduler may move idle workers (round boundary), and the next round opens at once.
+- Every checkpoint.every_rounds commits, one agreeing contributor is asked to upload.
+- A lost lease drops the worker from its open round at once (fail_fast_leases) and from
+  its cell. A cell whose committed state nobody live holds falls back to its checkpoint.
+
+Effects: every transition returns the durable records it changed (`Outcome.effects`);
+a heartbeat that changes nothing returns none and costs O(1). A transition validates
+before it mutates, so one that raises a `CoordinatorError` changes nothing.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+from bagel.coordinator.core_base import REDUCE_DEADLINE, TRAIN_DEADLINE
 from bagel.coordinator.domain import (
     CellConfig,
     CellRecord,
+    CheckpointStored,
     CommitRecord,
     Event,
+    Heartbeat,
     Instruction,
+    Leave,
+    LeaseExpired,
+    Order,
     Outcome,
+    Phase,
+    Register,
+    ReportEntry,
+    ReportRound,
     RoundRecord,
+    RoundState,
     Snapshot,
+    Tick,
+    Verdict,
     WorkerRecord,
+    WorkerState,
 )
+from bagel.coordinator.entities import Cell, Round, Worker
+from bagel.coordinator.errors import (
+    Banned,
+    CapacityExceeded,
+    DuplicateSubmission,
+    InvalidEvent,
+    InvalidRunState,
+    StaleRound,
+    UnknownWorker,
+    WrongCell,
+    WrongPhase,
+)
+from bagel.coordinator.membership import Membership
 from bagel.coordinator.policy import BAGEL, Policy
+from bagel.coordinator.rounds import RoundLifecycle
+from bagel.coordinator.scheduler import Balance, Knobs
 from bagel.coordinator.spec import RunSpec
 
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
-class CoordinatorState:
-    """All of the coordinator's decisions, as a deterministic function of its inputs.
 
-    No I/O, no clock, no global RNG: `now_ms` (unix ms) and the `rng` are arguments.
-    Every transition goes through `apply(now_ms, event)`, which validates first and mutates
-    after, so an event that raises a `CoordinatorError` leaves the state unchanged.
-    """
+class CoordinatorState(RoundLifecycle, Membership):
+    """All of the coordinator's decisions, as a deterministic function of its inputs."""
 
     def __init__(
         self,
@@ -48,36 +104,138 @@ class CoordinatorState:
         now_ms: int = 0,
         max_workers: int | None = None,
     ) -> None:
-        raise NotImplementedError
+        ids = [c.cell_id for c in cells]
+        if sorted(ids) != sorted(spec.cell_ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"cells {ids} do not match the spec's cells {list(spec.cell_ids)}")
+        by_id = {c.cell_id: c for c in cells}
+        self.spec = spec
+        self.policy = policy
+        self.rng = rng if rng is not None else random.Random(spec.run.seed)
+        self.max_workers = max_workers
+        self.now_ms = now_ms
+        self._lease_ms = int(spec.schedule.lease_s * 1000)
+        self._min_round_ms = int(spec.schedule.min_round_s * 1000)
+        self._slack = policy.deadline_slack or spec.schedule.deadline_slack
+        self._quorum = spec.schedule.quorum
+        self._cells: dict[str, Cell] = {cid: Cell(by_id[cid]) for cid in spec.cell_ids}
+        self._workers: dict[str, Worker] = {}
+        self.knobs = Knobs.from_spec(spec, policy)
+        self.balance = Balance(
+            {c: by_id[c].memory_bytes for c in spec.cell_ids},
+            {c: by_id[c].target_share for c in spec.cell_ids},
+            self.knobs,
+        )
+        self._standby: dict[str, None] = {}  # active workers with no cell
+        self._active = 0
+        self._leases: list[tuple[int, str]] = []
+        self._deadlines: list[tuple[int, int, str, int, int, str, int]] = []
+        self._seq = itertools.count()
+        # work counter for complexity tests (loop iterations outside O(1) paths)
+        self.ops = 0
+        # changed in the current transition
+        self._dw: dict[str, None] = {}
+        self._dc: dict[str, None] = {}
+        self._dr: dict[tuple[str, int, int], Round] = {}
+        self._new_commits: list[CommitRecord] = []
+        self._handlers: dict[type, Callable[[int, Any], tuple[Instruction | None, Verdict | None, int | None]]] = {
+            Register: self._on_register,
+            Heartbeat: self._on_heartbeat,
+            ReportRound: self._on_report,
+            Leave: self._on_leave,
+            Tick: self._on_tick,
+            LeaseExpired: self._on_lease_expired,
+            CheckpointStored: self._on_checkpoint_stored,
+        }
 
-    # ------------------------------------------------------------ transitions
+    # ================================================================ entry point
 
     def apply(self, now_ms: int, event: Event) -> Outcome:
-        """Apply one event at time `now_ms`; returns the caller's instruction, verdict,
-        lease, and the durable records that changed (`Outcome.effects`)."""
-        raise NotImplementedError
+        """Apply one event at time `now_ms`.
 
-    # ------------------------------------------------------------ queries (no transition)
+        Returns the caller's instruction (Register/Heartbeat/ReportRound), its verdict
+        (ReportRound), its renewed lease, and the durable records that changed. Raises a
+        `CoordinatorError` subclass, without changing anything, for a bad or ill-timed event.
+        """
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise InvalidEvent(f"not an event: {type(event).__name__}")
+        if isinstance(now_ms, bool) or not isinstance(now_ms, int):
+            raise InvalidEvent("now_ms must be an integer")
+        try:
+            instruction, verdict, lease = handler(now_ms, event)
+        except BaseException:
+            self._clear_dirty()  # validation failed before any mutation
+            raise
+        self.now_ms = max(self.now_ms, now_ms)
+        return Outcome(instruction, verdict, lease, self._take_effects())
+
+    # ================================================================ queries
 
     def instruction_for(self, worker_id: str, now_ms: int | None = None) -> Instruction:
-        """The instruction the worker would get now (O(1)); UnknownWorker if not active."""
-        raise NotImplementedError
+        """The instruction the worker would get now, without a transition (O(1)).
+
+        It may choose a donor for a syncing worker (volatile, not a durable change).
+        `now_ms` is accepted for symmetry with `apply` and not needed.
+        """
+        w = self._workers.get(worker_id)
+        if w is None or w.state in (WorkerState.LOST, WorkerState.LEFT):
+            raise UnknownWorker(f"unknown worker {worker_id!r}")
+        return self._instruction(w)
+
+    def worker_phase(self, worker_id: str) -> tuple[Phase, int, int, float, int]:
+        """Volatile view of a worker: (phase, round, inner_step, loss, lease_expires_ms)."""
+        w = self._worker(worker_id)
+        return w.phase, w.round, w.inner_step, w.loss, w.lease_ms
 
     def next_wakeup_ms(self) -> int | None:
-        """Earliest time a Tick may change something (a lease or a deadline), or None."""
-        raise NotImplementedError
+        """Earliest time a Tick may change something (a lease or a deadline), or None.
+        May be early (entries are deleted lazily); an early Tick is harmless."""
+        times = [h[0][0] for h in (self._leases, self._deadlines) if h]
+        return min(times) if times else None
 
     def committed_hash_of(self, cell_id: str, round: int) -> str | None:
-        """Hash of a recent committed round of a cell (None if unknown / not kept)."""
-        raise NotImplementedError
+        """Hash of a recent committed round of a cell (None if unknown or no longer kept)."""
+        c = self._cells.get(cell_id)
+        return None if c is None else c.hash_of(round)
 
     def check_upload(self, worker_id: str, cell_id: str, round: int, state_hash: str) -> None:
-        """Raise unless `worker_id` may upload the checkpoint of (cell, round, hash)."""
-        raise NotImplementedError
+        """Raise unless `worker_id` was asked to upload the checkpoint of (cell, round, hash)."""
+        w = self._worker(worker_id)
+        c = self._cell(cell_id)
+        if c.uploader != w.id or c.upload_round != round:
+            raise InvalidRunState(f"no checkpoint upload of {cell_id} round {round} was requested from {worker_id}")
+        if c.hash_of(round) != state_hash:
+            raise InvalidRunState(f"{cell_id} round {round} was not committed with hash {state_hash[:12]}")
+
+    def counts(self) -> dict[str, int]:
+        """Active, standby and per-state worker counts (for metrics)."""
+        out = Counter(w.state.value for w in self._workers.values())
+        return {"standby": len(self._standby), **out}
+
+    def cell_view(self, cell_id: str) -> tuple[CellRecord, RoundRecord | None, tuple[str, ...]]:
+        """A cell's record, its open round's record and its assigned workers (status pages)."""
+        c = self._cell(cell_id)
+        return c.record(), (c.round.record() if c.round else None), tuple(c.workers)
+
+    def shares(self) -> dict[str, float]:
+        """Each cell's current share of total (weighted) compute."""
+        return self.balance.shares()
+
+    def targets(self) -> dict[str, float]:
+        return dict(self.balance.target)
 
     def snapshot(self) -> Snapshot:
-        """Every current durable record, sorted by key (restore(snapshot) == self)."""
-        raise NotImplementedError
+        """Every current durable record, sorted by key; `restore` of it rebuilds this state."""
+        return Snapshot(
+            workers=tuple(self._workers[k].record() for k in sorted(self._workers)),
+            cells=tuple(self._cells[k].record() for k in sorted(self._cells)),
+            rounds=tuple(
+                self._cells[k].round.record()  # type: ignore[union-attr]
+                for k in sorted(self._cells)
+                if self._cells[k].round is not None
+            ),
+            commits=tuple(sorted((m for c in self._cells.values() for m in c.commits), key=lambda m: (m.cell_id, m.round))),
+        )
 
     @classmethod
     def restore(
@@ -96,10 +254,307 @@ class CoordinatorState:
     ) -> CoordinatorState:
         """Rebuild a state from stored records after a restart.
 
-        Active workers get leases renewed to now + lease_s so they can re-attach; open
-        (non-terminal) round records continue; terminal ones only inform the history.
+        Cells take their committed state from `cell_records`; the most recent commits per
+        cell are kept for checkpoint checks. Active workers keep their cell and get their
+        lease renewed to now + lease_s, so they can re-attach before they are declared lost.
+        The non-terminal round record of a cell (at most one) continues where it was, with
+        its deadlines (a deadline that passed during the outage fires on the first Tick);
+        terminal round records are history and are ignored.
         """
-        raise NotImplementedError
+        st = cls(spec, cells, policy=policy, rng=rng, now_ms=now_ms, max_workers=max_workers)
+        for rec in cell_records:
+            st._cell_or_value_error(rec.cell_id).load(rec)
+        for m in sorted(commits, key=lambda m: (m.cell_id, m.round)):
+            st._cell_or_value_error(m.cell_id).commits.append(m)
+        for wrec in workers:
+            w = Worker.from_record(wrec)
+            st._workers[w.id] = w
+            if w.state is not WorkerState.ACTIVE:
+                continue
+            st._activate(w, now_ms)
+            cid, w.cell = w.cell, ""
+            if cid:
+                st._cell_or_value_error(cid)
+                st._assign(w, cid, now_ms, restoring=True)
+            else:
+                st._standby[w.id] = None
+        for rrec in rounds:
+            if rrec.state.terminal:
+                continue
+            c = st._cell_or_value_error(rrec.cell_id)
+            if c.round is not None:
+                raise ValueError(f"two open rounds for {c.id}")
+            r = Round.from_record(rrec, {x: st._workers[x].peer for x in rrec.catch_up if x in st._workers})
+            c.round = r
+            for wid in r.plans:
+                if st._busy(r, wid):
+                    c.idle.pop(wid, None)
+            if r.state is RoundState.REDUCING:
+                st._push_deadline(r.reduce_deadline_ms, r, REDUCE_DEADLINE)
+            else:
+                st._push_deadline(r.deadline_ms, r, TRAIN_DEADLINE)
+        st._clear_dirty()
+        return st
+
+    def _cell_or_value_error(self, cell_id: str) -> Cell:
+        c = self._cells.get(cell_id)
+        if c is None:
+            raise ValueError(f"record names unknown cell {cell_id!r}")
+        return c
+
+    # ================================================================ handlers
+
+    def _on_register(self, now: int, ev: Register) -> tuple[Instruction, None, int]:
+        p = ev.profile
+        if not isinstance(ev.worker_id, str) or not ev.worker_id:
+            raise InvalidEvent("worker_id: required")
+        if p.vram_bytes < 0 or p.num_devices < 0 or not _finite(p.link_bandwidth_bytes_per_s) or p.link_bandwidth_bytes_per_s < 0:
+            raise InvalidEvent("profile: vram_bytes, num_devices and link bandwidth must be non-negative")
+        for cid, v in p.samples_per_s.items():
+            if not _finite(v) or v < 0:
+                raise InvalidEvent(f"profile.samples_per_s[{cid!r}]: must be a finite non-negative number")
+        if ev.local.committed_round < 0:
+            raise InvalidEvent("local.committed_round: must be >= 0")
+        w = self._workers.get(ev.worker_id)
+        if w is not None and w.state is WorkerState.BANNED:
+            raise Banned(f"worker {ev.worker_id} is banned: {w.reason}")
+        rejoining = w is not None and w.state is WorkerState.ACTIVE
+        if not rejoining and self.max_workers is not None and self._active >= self.max_workers:
+            raise CapacityExceeded(f"the run has its maximum of {self.max_workers} workers")
+        # ---- mutate
+        if w is not None and rejoining:
+            self._detach(w, now, fail_fast=True)
+        if w is None:
+            w = Worker(ev.worker_id, p, ev.peer, now)
+            self._workers[w.id] = w
+        else:
+            w.profile, w.peer, w.state, w.reason = p, ev.peer, WorkerState.ACTIVE, ""
+            w.throughput = {c: float(v) for c, v in p.samples_per_s.items() if v > 0}
+        w.local = ev.local
+        w.phase, w.round, w.inner_step = Phase.UNSPECIFIED, 0, 0
+        self._activate(w, now)
+        cid = self._place(w)
+        if cid:
+            self._assign(w, cid, now)
+        else:
+            self._standby[w.id] = None
+        self._dw[w.id] = None
+        self._rebalance(now)
+        return self._instruction(w), None, w.lease_ms
+
+    def _on_heartbeat(self, now: int, ev: Heartbeat) -> tuple[Instruction, None, int]:
+        w = self._worker(ev.worker_id)
+        try:
+            phase = Phase(ev.phase)
+        except ValueError:
+            raise InvalidEvent(f"phase: unknown value {ev.phase!r}") from None
+        if phase is Phase.UNSPECIFIED:
+            raise InvalidEvent("phase: required")
+        if min(ev.round, ev.inner_step, ev.samples, ev.reduce_attempt, ev.round_attempt, ev.local.committed_round) < 0:
+            raise InvalidEvent("round, inner_step, samples, attempts and local.committed_round must be >= 0")
+        # ---- mutate (from here on nothing raises)
+        w.lease_ms = now + self._lease_ms
+        w.phase, w.round, w.inner_step, w.loss = phase, ev.round, ev.inner_step, ev.loss
+        c = self._cells.get(w.cell) if w.cell else None
+        if ev.local != w.local:
+            w.local = ev.local
+            self._dw[w.id] = None
+            if c is not None:
+                self._refresh_synced(w, c)
+        if c is not None:
+            r = c.round
+            if (
+                r is not None
+                and ev.cell_id == c.id
+                and ev.round == r.round
+                and ev.round_attempt in (0, r.attempt)
+                and r.is_live_member(w.id)
+                and r.state in (RoundState.OPEN, RoundState.TRAINING)
+            ):
+                if phase in (Phase.TRAINING, Phase.READY) and r.state is RoundState.OPEN:
+                    r.state = RoundState.TRAINING
+                    self._dr[r.key] = r
+                if phase is Phase.READY and w.id not in r.ready:
+                    r.ready[w.id] = ev.samples
+                    self._dr[r.key] = r
+                    self._check_freeze(c, r, now)
+            # A READY of an old attempt, or from a member that sat out, is a late no-op: the
+            # instruction below tells the worker what the current attempt wants.
+            if c.round is None and c.synced:
+                self._open_round(c, now)
+        return self._instruction(w), None, w.lease_ms
+
+    def _on_report(self, now: int, ev: ReportRound) -> tuple[Instruction, Verdict, int]:
+        w = self._worker(ev.worker_id)
+        c = self._cells.get(ev.cell_id)
+        if c is None:
+            raise InvalidEvent(f"cell_id: unknown cell {ev.cell_id!r}")
+        if ev.round < 1 or min(ev.samples, ev.compute_ms, ev.comm_ms, ev.bytes_sent, ev.bytes_received, ev.reduce_attempt) < 0:
+            raise InvalidEvent("round must be >= 1; samples, times, bytes and reduce_attempt >= 0")
+        if not ev.failed and not ev.state_hash:
+            raise InvalidEvent("state_hash: required unless failed")
+        if w.cell != c.id:
+            raise WrongCell(f"worker {w.id} is assigned to {w.cell or 'no cell'}, not {c.id}")
+        r = c.round
+        if ev.round <= c.committed_round:
+            if ev.round < c.committed_round:
+                raise StaleRound(f"round {ev.round} of {c.id} is older than the last commit ({c.committed_round})")
+            return self._late_report(now, w, c, ev)
+        if ev.round > c.committed_round + 1:
+            raise InvalidEvent(f"round {ev.round} of {c.id} is not open (next is {c.committed_round + 1})")
+        # a report of round committed+1: the open attempt, or an aborted one of the same number
+        if r is None or r.state is not RoundState.REDUCING:
+            if 0 < ev.reduce_attempt <= c.reduce_attempt:
+                return self._instruction(w), Verdict.ABORTED, self._renew(w, now)  # late, harmless
+            raise WrongPhase(f"round {ev.round} of {c.id} has no frozen contributors yet")
+        attempt = ev.reduce_attempt or r.reduce_attempt  # 0 = "the current one"
+        if attempt < r.first_reduce_attempt:
+            return self._instruction(w), Verdict.ABORTED, self._renew(w, now)  # of an aborted run
+        if attempt < r.reduce_attempt:
+            raise StaleRound(f"contributors of {c.id} round {r.round} were re-frozen (attempt {r.reduce_attempt})")
+        if attempt > r.reduce_attempt:
+            raise InvalidEvent(f"reduce_attempt {attempt} of {c.id} round {r.round} was never frozen")
+        if not r.is_contributor(w.id):
+            raise WrongPhase(f"worker {w.id} is not a contributor of {c.id} round {r.round}")
+        entry = ReportEntry(ev.state_hash, ev.failed, ev.samples, attempt, ev.loss if _finite(ev.loss) else 0.0)
+        old = r.reports.get(w.id)
+        if old is not None:
+            if (old.state_hash, old.failed) != (entry.state_hash, entry.failed):
+                raise DuplicateSubmission(f"worker {w.id} already reported {c.id} round {r.round}")
+            return self._instruction(w), Verdict.PENDING, self._renew(w, now)  # a retry: no-op
+        # ---- mutate
+        self._renew(w, now)
+        r.reports[w.id] = entry
+        self._dr[r.key] = r
+        if ev.samples > 0 and ev.compute_ms > 0:
+            self._observe_throughput(w, c.id, ev.samples * 1000.0 / ev.compute_ms)
+        if ev.failed:
+            self._reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
+        result = self._evaluate(c, r, now)
+        if result == RoundState.COMMITTED:
+            ok = not ev.failed and ev.state_hash == c.committed_hash and c.committed_round == ev.round
+            verdict = Verdict.COMMITTED if ok else Verdict.RESYNC
+        elif result == RoundState.ABORTED:
+            verdict = Verdict.ABORTED
+        else:
+            verdict = Verdict.PENDING
+        return self._instruction(w), verdict, w.lease_ms
+
+    def _late_report(self, now: int, w: Worker, c: Cell, ev: ReportRound) -> tuple[Instruction, Verdict, int]:
+        """A report of the round just committed: a duplicate, or a straggler's."""
+        self._renew(w, now)
+        if ev.failed or ev.state_hash != c.committed_hash:
+            return self._instruction(w), Verdict.RESYNC, w.lease_ms
+        if w.local != c.committed_local():
+            # it holds the committed state after all: it is synced, no download needed
+            w.local = c.committed_local()
+            self._dw[w.id] = None
+            self._refresh_synced(w, c)
+        return self._instruction(w), Verdict.COMMITTED, w.lease_ms
+
+    def _on_leave(self, now: int, ev: Leave) -> tuple[None, None, None]:
+        w = self._workers.get(ev.worker_id)
+        if w is None:
+            raise UnknownWorker(f"unknown worker {ev.worker_id!r}")
+        if w.state is not WorkerState.ACTIVE:
+            return None, None, None  # a duplicate Leave, or of a lost/banned worker: no-op
+        self._detach(w, now, fail_fast=True)
+        w.state, w.reason = WorkerState.LEFT, ev.reason
+        self._rebalance(now)
+        return None, None, None
+
+    def _on_lease_expired(self, now: int, ev: LeaseExpired) -> tuple[None, None, None]:
+        w = self._workers.get(ev.worker_id)
+        if w is None:
+            raise UnknownWorker(f"unknown worker {ev.worker_id!r}")
+        if w.state is WorkerState.ACTIVE:
+            self._expire(w, now)
+            self._rebalance(now)
+        return None, None, None
+
+    def _on_tick(self, now: int, ev: Tick) -> tuple[None, None, None]:
+        lost = self._expire_leases(now)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, cid, rnd, attempt, kind, ra = heapq.heappop(self._deadlines)
+            c = self._cells[cid]
+            r = c.round
+            if r is None or (r.round, r.attempt) != (rnd, attempt):
+                continue  # that attempt ended: a stale entry
+            if kind == TRAIN_DEADLINE and r.state in (RoundState.OPEN, RoundState.TRAINING):
+                self._train_deadline(c, r, now)
+            elif kind == REDUCE_DEADLINE and r.state is RoundState.REDUCING and r.reduce_attempt == ra:
+                self._abort(c, r, now, f"reduce deadline of attempt {ra} passed")
+        if lost:
+            self._rebalance(now)
+        return None, None, None
+
+    def _on_checkpoint_stored(self, now: int, ev: CheckpointStored) -> tuple[None, None, None]:
+        c = self._cell(ev.cell_id)
+        if ev.round < 1 or ev.round > c.committed_round:
+            raise InvalidRunState(f"{c.id} round {ev.round} is not committed")
+        h = c.hash_of(ev.round)
+        if h is None:
+            raise StaleRound(f"{c.id} round {ev.round} is too old to verify")
+        if h != ev.state_hash:
+            raise InvalidRunState(f"{c.id} round {ev.round} was committed with another hash")
+        if ev.round > c.checkpoint_round:
+            c.checkpoint_round, c.checkpoint_hash = ev.round, ev.state_hash
+            self._dc[c.id] = None
+        if c.upload_round != -1 and ev.round >= c.upload_round:
+            c.upload_round, c.uploader = -1, ""
+            self._dc[c.id] = None
+        return None, None, None
+
+    # ================================================================ instructions
+
+    def _busy(self, r: Round, wid: str) -> bool:
+        """Is the worker taken by its cell's open round (so not movable)?"""
+        if r.state is RoundState.REDUCING:
+            return r.is_contributor(wid)
+        return r.is_live_member(wid)
+
+    def _instruction(self, w: Worker) -> Instruction:
+        if w.state is WorkerState.BANNED:
+            return Instruction(Order.LEAVE, reason=w.reason)
+        if not w.cell:
+            return Instruction(Order.WAIT, reason="standby: no cell with room fits this worker now")
+        c = self._cells[w.cell]
+        upload = c.uploader == w.id and c.upload_round == c.committed_round and c.checkpoint_round < c.upload_round
+        nxt = c.committed_round + 1
+        r = c.round
+        if r is not None:
+            if r.state is RoundState.REDUCING and r.is_contributor(w.id):
+                why = "catch up: exchange a zero pseudo-gradient, apply the outer step" if w.id in r.catch_up else ""
+                return Instruction(Order.REDUCE, c.id, nxt, c.committed_round, c.committed_hash,
+                                   plan=r.plan_for(w.id), contributors=r.contributors_wire,
+                                   upload_checkpoint=upload, reason=why, reduce_attempt=r.reduce_attempt,
+                                   round_attempt=r.attempt)
+            if r.state is not RoundState.REDUCING and r.is_live_member(w.id):
+                return Instruction(Order.TRAIN, c.id, nxt, c.committed_round, c.committed_hash,
+                                   plan=r.plan_for(w.id), upload_checkpoint=upload, round_attempt=r.attempt)
+            if r.is_live_member(w.id):
+                return Instruction(Order.WAIT, c.id, nxt, c.committed_round, c.committed_hash,
+                                   upload_checkpoint=upload, reason="not ready at the freeze: sit this round out")
+        if w.id in c.synced:
+            return Instruction(Order.WAIT, c.id, nxt, c.committed_round, c.committed_hash, upload_checkpoint=upload,
+                               reason="holds the committed state: joins the next exchange or round")
+        return Instruction(Order.SYNC, c.id, nxt, c.committed_round, c.committed_hash,
+                           donor=self._donor(w, c), reason="fetch the committed state")
+
+    # ================================================================ effects
+
+    def _take_effects(self) -> tuple[Any, ...]:
+        if not (self._dw or self._dc or self._dr or self._new_commits):
+            return ()
+        out: list[Any] = [self._workers[k].record() for k in self._dw]
+        out += [self._cells[k].record() for k in self._dc]
+        out += [r.record() for r in self._dr.values()]
+        out += self._new_commits
+        self._clear_dirty()
+        return tuple(out)
+
+    def _clear_dirty(self) -> None:
+        self._dw, self._dc, self._dr, self._new_commits = {}, {}, {}, []
 
 
-__all__ = ["CoordinatorState", "Mapping"]
+__all__ = ["CoordinatorState"]

@@ -1,0 +1,292 @@
+"""Mutable working entities of the coordinator core, and their durable records.
+
+`CoordinatorState` mutates these small slotted objects in place (a transition touches a
+handful of them, so it stays O(1) for a heartbeat) and turns the ones it changed into
+frozen records (`domain.WorkerRecord` / `CellRecord` / `RoundRecord`) for the shell.
+Each entity converts both ways (`record()` / `from_record()`), which is all that restore
+needs. Ordered sets are dicts with None values: iteration follows insertion order, so
+the core stays deterministic whatever PYTHONHASHSEED is.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from bagel.coordinator.domain import (
+    CellConfig,
+    CellRecord,
+    CommitRecord,
+    LocalState,
+    Member,
+    MemberPlan,
+    PeerAddress,
+    Phase,
+    Profile,
+    ReportEntry,
+    RoundPlan,
+    RoundRecord,
+    RoundState,
+    WorkerRecord,
+    WorkerState,
+)
+
+# commits kept per cell in memory (to verify checkpoint uploads); the store keeps them all.
+COMMIT_WINDOW = 64
+
+
+class Worker:
+    __slots__ = (
+        "id", "profile", "peer", "state", "cell", "local", "reputation", "throughput",
+        "rounds_contributed", "registered_ms", "reason",
+        # volatile (not in the record)
+        "lease_ms", "lease_entry", "phase", "round", "inner_step", "loss", "donor", "raw",
+    )
+
+    def __init__(self, worker_id: str, profile: Profile, peer: PeerAddress, now_ms: int) -> None:
+        self.id = worker_id
+        self.profile = profile
+        self.peer = peer
+        self.state = WorkerState.ACTIVE
+        self.cell = ""
+        self.local = LocalState()
+        self.reputation = 0.0
+        self.throughput: dict[str, float] = {c: float(v) for c, v in profile.samples_per_s.items() if v > 0}
+        self.rounds_contributed = 0
+        self.registered_ms = now_ms
+        self.reason = ""
+        self.lease_ms = 0
+        self.lease_entry = 0  # expiry time of its entry in the lease heap (0 = none)
+        self.phase = Phase.UNSPECIFIED
+        self.round = 0
+        self.inner_step = 0
+        self.loss = 0.0
+        self.donor = ""  # worker id of the donor this worker syncs from ("" = none chosen)
+        self.raw = 0.0  # its weighted throughput as counted in the scheduler's Balance
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.id,
+            profile=self.profile,
+            peer=self.peer,
+            state=self.state,
+            cell_id=self.cell,
+            local=self.local,
+            reputation=self.reputation,
+            throughput=dict(self.throughput),
+            rounds_contributed=self.rounds_contributed,
+            registered_ms=self.registered_ms,
+            reason=self.reason,
+        )
+
+    @classmethod
+    def from_record(cls, rec: WorkerRecord) -> Worker:
+        w = cls(rec.worker_id, rec.profile, rec.peer, rec.registered_ms)
+        w.state = rec.state
+        w.cell = rec.cell_id
+        w.local = rec.local
+        w.reputation = rec.reputation
+        w.throughput = dict(rec.throughput)
+        w.rounds_contributed = rec.rounds_contributed
+        w.reason = rec.reason
+        return w
+
+
+class Round:
+    """The open attempt of a cell's next round."""
+
+    __slots__ = (
+        "cell", "round", "attempt", "state", "opened_ms", "deadline_ms", "inner_steps", "plans",
+        "dropped", "ready", "contributors", "reduce_attempt", "first_reduce_attempt", "frozen_ms",
+        "reduce_deadline_ms", "reports", "predicted_compute_ms", "predicted_comm_ms", "ended_ms",
+        "reason", "members_wire", "contributors_wire", "catch_up", "frozen",
+    )
+
+    def __init__(self, cell: str, round: int, attempt: int, opened_ms: int, deadline_ms: int,
+                 inner_steps: int, plans: tuple[MemberPlan, ...], compute_ms: int, comm_ms: int) -> None:
+        self.cell = cell
+        self.round = round
+        self.attempt = attempt
+        self.state = RoundState.OPEN
+        self.opened_ms = opened_ms
+        self.deadline_ms = deadline_ms
+        self.inner_steps = inner_steps
+        self.plans: dict[str, MemberPlan] = {p.worker_id: p for p in plans}
+        self.dropped: dict[str, None] = {}
+        self.ready: dict[str, int] = {}  # live members only
+        self.contributors: tuple[str, ...] = ()
+        self.catch_up: dict[str, None] = {}  # zero-weight contributors
+        self.frozen: dict[str, None] = {}  # contributors, as a set
+        self.reduce_attempt = 0
+        self.first_reduce_attempt = 0
+        self.frozen_ms = 0
+        self.reduce_deadline_ms = 0
+        self.reports: dict[str, ReportEntry] = {}
+        self.predicted_compute_ms = compute_ms
+        self.predicted_comm_ms = comm_ms
+        self.ended_ms = 0
+        self.reason = ""
+        # the wire views every member's instruction shares (built once)
+        self.members_wire: tuple[Member, ...] = tuple(p.member() for p in plans)
+        self.contributors_wire: tuple[Member, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.cell, self.round, self.attempt)
+
+    def is_live_member(self, worker_id: str) -> bool:
+        return worker_id in self.plans and worker_id not in self.dropped
+
+    def live_count(self) -> int:
+        return len(self.plans) - len(self.dropped)
+
+    def is_contributor(self, worker_id: str) -> bool:
+        return worker_id in self.frozen and worker_id not in self.dropped
+
+    def weighted(self) -> list[str]:
+        """Contributors that trained (the quorum is counted over them)."""
+        return [x for x in self.contributors if x not in self.catch_up]
+
+    def plan_for(self, worker_id: str) -> RoundPlan:
+        p = self.plans.get(worker_id)
+        if p is None or worker_id in self.catch_up:  # a catch-up contributor: nothing to train
+            return RoundPlan(self.inner_steps, 0, 0, self.deadline_ms, self.members_wire)
+        return RoundPlan(self.inner_steps, p.micro_batch, p.grad_accum, self.deadline_ms, self.members_wire)
+
+    def set_contributors(self, ids: tuple[str, ...], catch_up: tuple[str, ...], peers: dict[str, PeerAddress]) -> None:
+        """Freeze `ids` (sorted, catch-up included, which weigh 0 on the wire); `peers` has
+        the addresses of catch-up workers that are not members."""
+        self.contributors = ids
+        self.frozen = dict.fromkeys(ids)
+        self.catch_up = dict.fromkeys(catch_up)
+        self.contributors_wire = tuple(
+            Member(i, self.plans[i].peer if i in self.plans else peers[i], 0) if i in self.catch_up
+            else self.plans[i].member()
+            for i in ids
+        )
+
+    def record(self) -> RoundRecord:
+        return RoundRecord(
+            cell_id=self.cell,
+            round=self.round,
+            attempt=self.attempt,
+            state=self.state,
+            opened_ms=self.opened_ms,
+            deadline_ms=self.deadline_ms,
+            inner_steps=self.inner_steps,
+            members=tuple(self.plans.values()),
+            dropped=tuple(sorted(self.dropped)),
+            ready=dict(self.ready),
+            contributors=self.contributors,
+            catch_up=tuple(self.catch_up),
+            reduce_attempt=self.reduce_attempt,
+            first_reduce_attempt=self.first_reduce_attempt,
+            frozen_ms=self.frozen_ms,
+            reduce_deadline_ms=self.reduce_deadline_ms,
+            reports=dict(self.reports),
+            predicted_compute_ms=self.predicted_compute_ms,
+            predicted_comm_ms=self.predicted_comm_ms,
+            ended_ms=self.ended_ms,
+            reason=self.reason,
+        )
+
+    @classmethod
+    def from_record(cls, rec: RoundRecord, peers: dict[str, PeerAddress]) -> Round:
+        r = cls(rec.cell_id, rec.round, rec.attempt, rec.opened_ms, rec.deadline_ms, rec.inner_steps,
+                tuple(sorted(rec.members, key=lambda p: p.worker_id)),
+                rec.predicted_compute_ms, rec.predicted_comm_ms)
+        r.state = rec.state
+        r.dropped = dict.fromkeys(rec.dropped)
+        r.ready = dict(rec.ready)
+        r.set_contributors(rec.contributors, rec.catch_up, peers)
+        r.reduce_attempt = rec.reduce_attempt
+        r.first_reduce_attempt = rec.first_reduce_attempt
+        r.frozen_ms = rec.frozen_ms
+        r.reduce_deadline_ms = rec.reduce_deadline_ms
+        r.reports = dict(rec.reports)
+        r.ended_ms = rec.ended_ms
+        r.reason = rec.reason
+        return r
+
+
+class Cell:
+    __slots__ = (
+        "id", "config", "committed_round", "committed_hash", "samples_committed", "last_loss",
+        "checkpoint_round", "checkpoint_hash", "upload_round", "uploader", "round_attempt",
+        "reduce_attempt", "rollbacks",
+        # derived / volatile
+        "workers", "synced", "idle", "round", "commits", "donor_load",
+    )
+
+    def __init__(self, config: CellConfig) -> None:
+        self.id = config.cell_id
+        self.config = config
+        self.committed_round = 0
+        self.committed_hash = ""
+        self.samples_committed = 0
+        self.last_loss = 0.0
+        self.checkpoint_round = -1
+        self.checkpoint_hash = ""
+        self.upload_round = -1
+        self.uploader = ""
+        self.round_attempt = 0
+        self.reduce_attempt = 0
+        self.rollbacks = 0
+        self.workers: dict[str, None] = {}  # active workers assigned here
+        self.synced: dict[str, None] = {}  # ... that hold the committed state
+        self.idle: dict[str, None] = {}  # ... that are not busy in the open round (movable)
+        self.round: Round | None = None
+        self.commits: deque[CommitRecord] = deque(maxlen=COMMIT_WINDOW)
+        self.donor_load: dict[str, int] = {}
+
+    def holds_committed(self, local: LocalState) -> bool:
+        """Does a worker with this LocalState hold the cell's committed state?
+
+        Round 0 is the deterministic initial state every worker builds, so anyone holds it.
+        """
+        if self.committed_round == 0:
+            return True
+        return (
+            local.cell_id == self.id
+            and local.committed_round == self.committed_round
+            and local.state_hash == self.committed_hash
+        )
+
+    def committed_local(self) -> LocalState:
+        return LocalState(self.id, self.committed_round, self.committed_hash)
+
+    def hash_of(self, round: int) -> str | None:
+        if round == self.committed_round:
+            return self.committed_hash
+        for c in self.commits:
+            if c.round == round:
+                return c.state_hash
+        return None
+
+    def record(self) -> CellRecord:
+        return CellRecord(
+            cell_id=self.id,
+            committed_round=self.committed_round,
+            committed_hash=self.committed_hash,
+            samples_committed=self.samples_committed,
+            last_loss=self.last_loss,
+            checkpoint_round=self.checkpoint_round,
+            checkpoint_hash=self.checkpoint_hash,
+            upload_round=self.upload_round,
+            uploader=self.uploader,
+            round_attempt=self.round_attempt,
+            reduce_attempt=self.reduce_attempt,
+            rollbacks=self.rollbacks,
+        )
+
+    def load(self, rec: CellRecord) -> None:
+        self.committed_round = rec.committed_round
+        self.committed_hash = rec.committed_hash
+        self.samples_committed = rec.samples_committed
+        self.last_loss = rec.last_loss
+        self.checkpoint_round = rec.checkpoint_round
+        self.checkpoint_hash = rec.checkpoint_hash
+        self.upload_round = rec.upload_round
+        self.uploader = rec.uploader
+        self.round_attempt = rec.round_attempt
+        self.reduce_attempt = rec.reduce_attempt
+        self.rollbacks = rec.rollbacks

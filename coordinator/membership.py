@@ -1,0 +1,287 @@
+"""Workers in the coordinator core: leases, placement, moves, donors, reputation.
+
+Part of `CoordinatorState` (see state.py). Everything here is bounded per transition:
+placing a joiner is O(cells), a repair looks at most at `Policy.repair_candidates` idle
+workers and makes at most `Policy.max_moves_per_event` moves, and lease expiry uses a
+heap with lazy deletion (an entry is re-pushed with the renewed lease when it surfaces),
+so a heartbeat never touches the heap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import zlib
+from collections.abc import Iterator
+
+from bagel.coordinator.core_base import CoreBase
+from bagel.coordinator.domain import Donor, PeerAddress, RoundState, WorkerState
+from bagel.coordinator.entities import Cell, Round, Worker
+from bagel.coordinator.errors import Banned, InvalidEvent, UnknownWorker
+from bagel.coordinator.scheduler import WorkerView, throughput_for
+
+
+class Membership(CoreBase):
+    # ---------------------------------------------------------------- lookups
+
+    def _worker(self, worker_id: str) -> Worker:
+        """The active worker (UnknownWorker: re-register; Banned: final)."""
+        w = self._workers.get(worker_id)
+        if w is None or w.state in (WorkerState.LOST, WorkerState.LEFT):
+            raise UnknownWorker(f"unknown worker {worker_id!r}: register")
+        if w.state is WorkerState.BANNED:
+            raise Banned(f"worker {worker_id} is banned: {w.reason}")
+        return w
+
+    def _cell(self, cell_id: str) -> Cell:
+        c = self._cells.get(cell_id)
+        if c is None:
+            raise InvalidEvent(f"unknown cell {cell_id!r}")
+        return c
+
+    # ---------------------------------------------------------------- leases
+
+    def _renew(self, w: Worker, now: int) -> int:
+        w.lease_ms = now + self._lease_ms
+        return w.lease_ms
+
+    def _push_lease(self, w: Worker) -> None:
+        w.lease_entry = w.lease_ms
+        heapq.heappush(self._leases, (w.lease_ms, w.id))
+
+    def _expire_leases(self, now: int) -> bool:
+        """Expire every lease that ran out by `now`; True if any did."""
+        lost = False
+        while self._leases and self._leases[0][0] <= now:
+            t, wid = heapq.heappop(self._leases)
+            w = self._workers[wid]
+            if t != w.lease_entry:
+                continue  # a stale duplicate
+            w.lease_entry = 0
+            if w.state is not WorkerState.ACTIVE:
+                continue
+            if w.lease_ms <= now:
+                self._expire(w, now)
+                lost = True
+            else:
+                self._push_lease(w)  # renewed since: look again when the new lease runs out
+        return lost
+
+    # ---------------------------------------------------------------- attach / detach
+
+    def _activate(self, w: Worker, now: int) -> None:
+        self._active += 1
+        self.balance.add_reference(w.profile.samples_per_s)
+        self._renew(w, now)
+        if not w.lease_entry:
+            self._push_lease(w)
+
+    def _place(self, w: Worker) -> str:
+        """A returning worker goes back to the cell whose committed state it holds (if it
+        still fits and has room); anyone else where the scheduler says."""
+        h = self._cells.get(w.local.cell_id)
+        b = self.balance
+        if (
+            h is not None
+            and h.committed_round > 0
+            and h.holds_committed(w.local)
+            and h.id in b.eligible(w.profile.vram_bytes)
+            and b.count[h.id] < self.knobs.max_replicas
+        ):
+            return h.id
+        return b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)
+
+    def _assign(self, w: Worker, cid: str, now: int, *, restoring: bool = False) -> None:
+        c = self._cells[cid]
+        w.cell = cid
+        w.raw = self.balance.raw_power(w.throughput, w.reputation, cid)
+        self.balance.add(cid, w.raw)
+        c.workers[w.id] = None
+        c.idle[w.id] = None
+        if c.holds_committed(w.local):
+            c.synced[w.id] = None
+        elif not restoring:
+            self._check_orphan(c, now)
+        self._standby.pop(w.id, None)
+        self._dw[w.id] = None
+
+    def _unassign(self, w: Worker) -> None:
+        c = self._cells[w.cell]
+        self.balance.remove(c.id, w.raw)
+        for s in (c.workers, c.synced, c.idle):
+            s.pop(w.id, None)
+        self._release_donor(w, c)
+        w.cell, w.raw = "", 0.0
+        if c.uploader == w.id:
+            # hand the pending upload to another holder; with none, the next commit asks again
+            c.uploader = next(iter(c.synced), "") if c.upload_round == c.committed_round else ""
+            self._dc[c.id] = None
+        self._dw[w.id] = None
+
+    def _detach(self, w: Worker, now: int, *, fail_fast: bool) -> None:
+        """Take an active worker out of its cell and open round (the caller sets its new
+        state). fail_fast=False keeps it counted in its open round until the deadline."""
+        self._active -= 1
+        self.balance.add_reference(w.profile.samples_per_s, -1)
+        self._standby.pop(w.id, None)
+        self._dw[w.id] = None
+        if not w.cell:
+            return
+        c = self._cells[w.cell]
+        self._unassign(w)
+        r = c.round
+        if r is not None and fail_fast and (r.is_live_member(w.id) or r.is_contributor(w.id)):
+            self._drop_member(c, r, w.id, now)
+        self._check_orphan(c, now)
+
+    def _expire(self, w: Worker, now: int) -> None:
+        self._detach(w, now, fail_fast=self.policy.fail_fast_leases)
+        w.state, w.reason = WorkerState.LOST, "lease expired"
+
+    def _move(self, w: Worker, to: str, now: int) -> None:
+        c = self._cells[w.cell]
+        r = c.round
+        if r is not None and r.is_live_member(w.id):  # only idle workers move: it sat out
+            r.dropped[w.id] = None
+            self._dr[r.key] = r
+        self._unassign(w)
+        self._assign(w, to, now)
+
+    def _refresh_synced(self, w: Worker, c: Cell) -> None:
+        if c.holds_committed(w.local):
+            if w.id not in c.synced:
+                c.synced[w.id] = None
+                self._release_donor(w, c)
+        else:
+            c.synced.pop(w.id, None)
+
+    # ---------------------------------------------------------------- donors
+
+    def _release_donor(self, w: Worker, c: Cell) -> None:
+        if w.donor:
+            n = c.donor_load.get(w.donor, 0)
+            if n > 1:
+                c.donor_load[w.donor] = n - 1
+            else:
+                c.donor_load.pop(w.donor, None)
+            w.donor = ""
+
+    def _donor(self, w: Worker, c: Cell) -> Donor:
+        """The least-loaded synced worker of the cell (ties spread by a hash of the pair);
+        sticky while it stays valid, so repeated heartbeats see the same donor."""
+        d = w.donor
+        if not (d and d in c.synced):
+            self._release_donor(w, c)
+            best, best_key = "", (0, 0)
+            for cand in c.synced:
+                if cand == w.id:
+                    continue
+                key = (c.donor_load.get(cand, 0), zlib.crc32(f"{w.id}|{cand}".encode()))
+                if not best or key < best_key:
+                    best, best_key = cand, key
+            if best:
+                w.donor = best
+                c.donor_load[best] = c.donor_load.get(best, 0) + 1
+            d = best
+        if d:
+            return Donor(d, self._workers[d].peer, c.checkpoint_round)
+        return Donor("", PeerAddress(), c.checkpoint_round)
+
+    # ---------------------------------------------------------------- estimates
+
+    def _observe_throughput(self, w: Worker, cid: str, observed: float) -> None:
+        """SWARM's PerformanceEMA: estimate <- (1 - a) estimate + a observed."""
+        a = self.policy.throughput_ema
+        w.throughput[cid] = (1 - a) * throughput_for(w.throughput, cid) + a * observed
+        self._reweigh(w)
+        self._dw[w.id] = None
+
+    def _observe_progress(self, w: Worker, c: Cell, r: Round, now: int) -> None:
+        """A member missed the deadline: estimate its real speed from its last heartbeat."""
+        p = r.plans[w.id]
+        elapsed_s = (now - r.opened_ms) / 1000.0
+        if w.round == r.round and w.inner_step > 0 and elapsed_s > 0:
+            observed = w.inner_step * p.micro_batch * p.grad_accum / elapsed_s
+        else:
+            observed = throughput_for(w.throughput, c.id) / 2.0  # no sign of progress
+        self._observe_throughput(w, c.id, observed)
+
+    def _reweigh(self, w: Worker) -> None:
+        if w.cell:
+            self.balance.remove(w.cell, w.raw)
+            w.raw = self.balance.raw_power(w.throughput, w.reputation, w.cell)
+            self.balance.add(w.cell, w.raw)
+
+    def _reputation(self, w: Worker, delta: float, now: int, why: str) -> None:
+        if delta == 0:
+            return
+        w.reputation = min(self.policy.rep_max, w.reputation + delta)
+        self._reweigh(w)
+        self._dw[w.id] = None
+        if w.state is WorkerState.ACTIVE and w.reputation <= self.spec.schedule.ban_reputation:
+            self._detach(w, now, fail_fast=True)
+            w.state, w.reason = WorkerState.BANNED, f"reputation {w.reputation:.2f}: {why}"
+            self._rebalance(now)
+
+    # ---------------------------------------------------------------- orphaned cells
+
+    def _check_orphan(self, c: Cell, now: int) -> None:
+        """Nobody live holds the committed state and an assigned worker needs it: fall back
+        to the latest checkpoint (design section 6; the loss is bounded by the checkpoint
+        interval). Lazy on purpose: a holder that re-attaches before anyone needs the
+        state (a restart, a reboot) loses nothing."""
+        if c.committed_round == 0 or c.synced or not c.workers or c.checkpoint_round == c.committed_round:
+            return
+        if c.round is not None:
+            self._end_round(c, c.round, now, RoundState.ABORTED, "cell orphaned")
+        if c.checkpoint_round >= 1:
+            c.committed_round, c.committed_hash = c.checkpoint_round, c.checkpoint_hash
+        else:
+            c.committed_round, c.committed_hash = 0, ""
+        c.rollbacks += 1
+        c.round_attempt = c.reduce_attempt = 0
+        c.upload_round, c.uploader = -1, ""
+        c.synced = {wid: None for wid in c.workers if c.holds_committed(self._workers[wid].local)}
+        self._dc[c.id] = None
+
+    # ---------------------------------------------------------------- scheduling
+
+    def _rebalance(self, now: int) -> None:
+        """Bounded repair: place standby workers, then a few improving moves of idle ones."""
+        b, m = self.balance, self.knobs.candidates
+        for wid in list(itertools.islice(self._standby, m)):
+            w = self._workers[wid]
+            self.ops += 1
+            cid = b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)
+            if cid:
+                self._assign(w, cid, now)
+        if not self.policy.rebalance:
+            return
+        tol = self.policy.balance_tolerance
+        for _ in range(self.knobs.max_moves):
+            ratios = b.ratios()
+            balanced = not ratios or max(abs(x - 1.0) for x in ratios.values()) <= tol
+            if balanced and all(b.count[c] >= b.min_replicas_now() for c in b.active):
+                return
+            move = b.best_move(self._candidates(ratios))
+            if move is None:
+                return
+            (wid, _, to), _ = move
+            self._move(self._workers[wid], to, now)
+
+    def _candidates(self, ratios: dict[str, float]) -> Iterator[WorkerView]:
+        """Idle workers, from the most over-target cell down, at most `candidates`."""
+        n = 0
+        for cid in sorted(ratios, key=lambda x: -ratios[x]):
+            c = self._cells[cid]
+            sole = len(c.synced) == 1 and c.committed_round > max(c.checkpoint_round, 0)
+            for wid in c.idle:
+                if n >= self.knobs.candidates:
+                    return
+                if sole and wid in c.synced:
+                    continue  # never move the last holder of a cell's committed state
+                w = self._workers[wid]
+                n += 1
+                self.ops += 1
+                yield WorkerView(wid, w.profile.vram_bytes, w.throughput, w.reputation, cid, True,
+                                 c.committed_round > 0 and wid in c.synced)

@@ -1,0 +1,474 @@
+"""Round lifecycle of the coordinator core under fake time (one cell, a few workers).
+
+Every transition is checked against a fake store fed only by `Outcome.effects`
+(tests/test_state_harness.py), so these tests also prove the effects are complete.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bagel.coordinator.domain import (
+    CommitRecord,
+    LocalState,
+    Order,
+    Phase,
+    RoundRecord,
+    RoundState,
+    Verdict,
+    WorkerRecord,
+    WorkerState,
+)
+from bagel.coordinator.policy import DILOCO_WAIT_ALL, SYNC_DP
+
+from test_state_harness import Harness, h, make_spec
+
+CELL = "k0.r0"
+
+
+def three(hz: Harness, *ids: str, speed: float = 100.0) -> None:
+    for w in ids or ("a", "b", "c"):
+        out = hz.reg(w, speed=speed)
+        assert out.instruction is not None and out.instruction.order is Order.WAIT  # round 0: nothing to fetch
+        assert out.instruction.cell_id == CELL
+
+
+def start(hz: Harness, *ids: str) -> RoundRecord:
+    ids = ids or ("a", "b", "c")
+    three(hz, *ids)
+    out = hz.hb(ids[0])
+    r = hz.round()
+    assert r is not None and r.state is RoundState.OPEN
+    assert any(isinstance(e, RoundRecord) for e in out.effects)
+    return r
+
+
+def freeze_all(hz: Harness, *ids: str) -> RoundRecord:
+    ids = ids or ("a", "b", "c")
+    for w in ids:
+        hz.ready(w)
+    r = hz.round()
+    assert r is not None and r.state is RoundState.REDUCING
+    return r
+
+
+def test_full_round_lifecycle() -> None:
+    hz = Harness()
+    r = start(hz)
+    assert r.round == 1 and r.attempt == 1
+    assert [m.worker_id for m in r.members] == ["a", "b", "c"]
+    ins = hz.st.instruction_for("b")
+    assert ins.order is Order.TRAIN and ins.round == 1 and ins.committed_round == 0 and ins.round_attempt == 1
+    assert ins.plan is not None and [m.worker_id for m in ins.plan.members] == ["a", "b", "c"]
+    assert ins.plan.deadline_unix_ms == r.deadline_ms > hz.now
+
+    hz.hb("b", Phase.TRAINING, inner_step=3)
+    assert hz.round().state is RoundState.TRAINING
+    hz.ready("a")
+    hz.ready("b")
+    assert hz.round().state is RoundState.TRAINING  # c still training
+    r = freeze_all(hz, "c")
+    assert r.contributors == ("a", "b", "c") and r.reduce_attempt == 1
+    ins = hz.st.instruction_for("c")
+    assert ins.order is Order.REDUCE and [m.worker_id for m in ins.contributors] == ["a", "b", "c"]
+    assert ins.reduce_attempt == 1
+
+    assert hz.report("a", h(1)).verdict is Verdict.PENDING
+    out = hz.report("b", h(1))  # 2 of 3 > 0.5 x 3: committed
+    assert out.verdict is Verdict.COMMITTED
+    commits = [e for e in out.effects if isinstance(e, CommitRecord)]
+    assert len(commits) == 1 and commits[0].round == 1 and commits[0].agreeing == ("a", "b")
+    caps = {m.worker_id: m.max_samples for m in r.members}
+    # group_batch x H, split by throughput (micro x accum may round a member's batch up)
+    assert 64 * 10 <= sum(caps.values()) <= 66 * 10
+    assert commits[0].samples == caps["a"] + caps["b"]  # reported 640 each, capped
+    cell = hz.cell()
+    assert (cell.committed_round, cell.committed_hash) == (1, h(1))
+    assert hz.local("a") == LocalState(CELL, 1, h(1))
+    # the next round opened at once with the holders of the new state
+    r2 = hz.round()
+    assert r2 is not None and r2.round == 2 and [m.worker_id for m in r2.members] == ["a", "b"]
+    assert out.instruction is not None and out.instruction.order is Order.TRAIN and out.instruction.round == 2
+    # c's report arrives late with the committed hash: harmless, and c holds the state
+    late = hz.report("c", h(1), round=1, reduce_attempt=1)
+    assert late.verdict is Verdict.COMMITTED
+    assert hz.local("c") == LocalState(CELL, 1, h(1))
+    assert hz.st.instruction_for("c").order is Order.WAIT  # joins round 3
+    assert hz.store.workers["a"].rounds_contributed == 1
+
+
+def test_different_hash_is_told_to_resync_from_a_donor() -> None:
+    hz = Harness()
+    start(hz)
+    freeze_all(hz)
+    assert hz.report("c", h(9)).verdict is Verdict.PENDING
+    hz.report("a", h(1))
+    assert hz.report("b", h(1)).verdict is Verdict.COMMITTED
+    ins = hz.st.instruction_for("c")
+    assert ins.order is Order.SYNC and ins.committed_round == 1 and ins.committed_hash == h(1)
+    assert ins.donor is not None and ins.donor.worker_id in ("a", "b")
+    assert ins.donor.peer.peer_id == f"peer-{ins.donor.worker_id}"
+    assert hz.store.workers["c"].reputation < 0 < hz.store.workers["a"].reputation
+    # a duplicate late report with the wrong hash: RESYNC again, nothing else happens
+    assert hz.report("c", h(9), round=1, reduce_attempt=1).verdict is Verdict.RESYNC
+    hz.sync("c")
+    assert hz.st.instruction_for("c").order is Order.WAIT
+
+
+def test_donors_are_spread() -> None:
+    hz = Harness()
+    start(hz, "a", "b", "c", "d")
+    freeze_all(hz, "a", "b", "c", "d")
+    for w in "abcd":
+        hz.report(w, h(1), round=1, reduce_attempt=1)
+    for w in ("e", "f", "g", "h"):
+        hz.reg(w)
+    donors = [hz.st.instruction_for(w).donor.worker_id for w in ("e", "f", "g", "h")]  # type: ignore[union-attr]
+    assert sorted(donors) == ["a", "b", "c", "d"]  # one syncer per donor
+    assert hz.st.instruction_for("e").donor == hz.st.instruction_for("e").donor  # sticky
+
+
+def test_deadline_freezes_ready_members_and_straggler_sits_out() -> None:
+    hz = Harness()
+    r = start(hz)
+    hz.ready("a")
+    hz.ready("b")
+    hz.hb("c", Phase.TRAINING, inner_step=2)
+    est_before = hz.store.workers["c"].throughput[CELL]
+    hz.keepalive(r.deadline_ms, "a", "b", "c")
+    r = hz.round()
+    # c did not train in time: it still holds the base state, so it takes part in the
+    # exchange with zero weight (catch-up) instead of downloading the result afterwards
+    assert r.state is RoundState.REDUCING and r.contributors == ("a", "b", "c") and r.catch_up == ("c",)
+    ins = hz.st.instruction_for("c")
+    assert ins.order is Order.REDUCE and ins.plan is not None and ins.plan.micro_batch == 0
+    assert {m.worker_id: m.max_samples for m in ins.contributors}["c"] == 0
+    c = hz.store.workers["c"]
+    assert c.reputation == -1.0 and c.throughput[CELL] < est_before
+    hz.report("a", h(1))
+    out = hz.report("b", h(1))  # 2 of 2 weighted contributors: catch-ups do not count
+    assert out.verdict is Verdict.COMMITTED
+    assert hz.st.instruction_for("c").order is Order.SYNC  # until its own report arrives
+    assert hz.report("c", h(1), round=1, reduce_attempt=1, samples=0).verdict is Verdict.COMMITTED
+    assert hz.st.instruction_for("c").order is Order.WAIT
+    assert [m.worker_id for m in hz.round().members] == ["a", "b"]
+    assert hz.store.commits[-1].samples == sum(m.max_samples for m in r.members if m.worker_id != "c")
+
+
+def test_catch_up_lets_a_joiner_enter_a_busy_cell() -> None:
+    hz = Harness()
+    start(hz, "a", "b")
+    freeze_all(hz, "a", "b")
+    hz.report("a", h(1))
+    hz.report("b", h(1))  # round 2 opens at once with a and b
+    hz.reg("j")
+    hz.sync("j")  # j fetched round 1 while round 2 trains
+    assert hz.st.instruction_for("j").order is Order.WAIT
+    r = freeze_all(hz, "a", "b")
+    assert r.catch_up == ("j",) and r.contributors == ("a", "b", "j")
+    assert hz.st.instruction_for("j").order is Order.REDUCE
+    hz.report("j", h(2), samples=0)
+    hz.report("a", h(2))
+    assert hz.report("b", h(2)).verdict is Verdict.COMMITTED
+    assert [m.worker_id for m in hz.round().members] == ["a", "b", "j"]  # no chase
+    assert hz.store.workers["j"].rounds_contributed == 0
+
+
+def test_deadline_without_quorum_aborts_and_reruns_with_survivors() -> None:
+    hz = Harness()
+    r1 = start(hz)
+    hz.ready("a")
+    hz.keepalive(r1.deadline_ms - 1, "a", "b", "c")
+    hz.now = r1.deadline_ms
+    out = hz.tick()
+    aborted = [e for e in out.effects if isinstance(e, RoundRecord) and e.attempt == 1]
+    assert aborted and aborted[0].state is RoundState.ABORTED and "deadline" in aborted[0].reason
+    r2 = hz.round()
+    assert (r2.round, r2.attempt, r2.state) == (1, 2, RoundState.OPEN)
+    assert [m.worker_id for m in r2.members] == ["a", "b", "c"]
+    assert r2.deadline_ms > r1.deadline_ms
+    ins = hz.st.instruction_for("a")
+    assert ins.order is Order.TRAIN and ins.round_attempt == 2
+    # a's READY of the aborted attempt arrives late: ignored, a must train again
+    out = hz.hb("a", Phase.READY, samples=640, round_attempt=1)
+    assert out.effects == () and "a" not in hz.round().ready
+    assert hz.cell().round_attempt == 2
+
+
+def test_lease_expiry_drops_member_and_round_commits_with_rest() -> None:
+    hz = Harness()
+    start(hz)
+    hz.hb("c", Phase.TRAINING, inner_step=1)
+    for _ in range(6):  # a and b keep heartbeating, c went silent
+        hz.advance(2_000)
+        hz.hb("a", Phase.TRAINING)
+        hz.hb("b", Phase.TRAINING)
+        hz.tick()
+    assert hz.store.workers["c"].state is WorkerState.LOST
+    r = hz.round()
+    assert r.dropped == ("c",) and r.state is RoundState.TRAINING
+    hz.ready("a")
+    r = freeze_all(hz, "b")
+    assert r.contributors == ("a", "b")
+    hz.report("a", h(1))
+    assert hz.report("b", h(1)).verdict is Verdict.COMMITTED
+    with pytest.raises(Exception) as e:
+        hz.hb("c")
+    assert type(e.value).__name__ == "UnknownWorker"  # it must re-register
+
+
+def test_contributor_lost_while_reducing_refreezes_survivors() -> None:
+    hz = Harness(spec=make_spec(quorum=0.5))
+    start(hz, "a", "b", "c", "d")
+    freeze_all(hz, "a", "b", "c", "d")
+    ins_before = hz.st.instruction_for("a")
+    for _ in range(6):
+        hz.advance(2_000)
+        for w in "abc":
+            hz.hb(w, Phase.REDUCING, reduce_attempt=1)
+        hz.tick()
+    r = hz.round()
+    assert r.state is RoundState.REDUCING and r.contributors == ("a", "b", "c") and r.reduce_attempt == 2
+    ins = hz.st.instruction_for("a")
+    assert ins.order is Order.REDUCE and ins.reduce_attempt == 2 and ins.plan == ins_before.plan
+    from bagel.coordinator.errors import StaleRound
+
+    with pytest.raises(StaleRound):  # a report over the old contributor set
+        hz.report("a", h(1), reduce_attempt=1)
+    hz.report("a", h(1))
+    assert hz.report("b", h(1)).verdict is Verdict.COMMITTED
+
+
+def test_contributor_lost_after_a_success_report_does_not_refreeze() -> None:
+    hz = Harness()
+    start(hz)
+    freeze_all(hz)
+    hz.report("c", h(1))
+    for _ in range(6):
+        hz.advance(2_000)
+        for w in "ab":
+            hz.hb(w, Phase.REDUCING, reduce_attempt=1)
+        hz.tick()
+    assert hz.store.workers["b"].state is WorkerState.ACTIVE
+    r = hz.round()
+    # c finished, so nobody lost a part: the attempt stays; a's report commits it (2 > 1.5)
+    assert r.reduce_attempt == 1
+    assert hz.report("a", h(1)).verdict is Verdict.COMMITTED
+
+
+def test_refreeze_impossible_aborts_then_reruns() -> None:
+    hz = Harness(spec=make_spec(quorum=0.9))
+    start(hz, "a", "b")
+    freeze_all(hz, "a", "b")
+    for _ in range(6):
+        hz.advance(2_000)
+        hz.hb("a", Phase.REDUCING, reduce_attempt=1)
+        hz.tick()
+    # 1 survivor of 2 is below ceil(0.9 x 2): abort, re-run with a alone
+    r = hz.round()
+    assert (r.round, r.attempt, r.state) == (1, 2, RoundState.OPEN) and [m.worker_id for m in r.members] == ["a"]
+    # a late report of the aborted contributor set: VERDICT_ABORTED, a harmless no-op
+    out = hz.apply(__import__("bagel.coordinator.domain", fromlist=["ReportRound"]).ReportRound(
+        "a", CELL, 1, h(1), samples=1, reduce_attempt=1))
+    assert out.verdict is Verdict.ABORTED and out.effects == ()
+
+
+def test_reduce_deadline_aborts_and_late_report_gets_aborted() -> None:
+    hz = Harness()
+    start(hz)
+    r = freeze_all(hz)
+    hz.now = r.reduce_deadline_ms
+    for w in "abc":
+        hz.hb(w, Phase.REDUCING, reduce_attempt=1)
+    hz.tick()
+    r2 = hz.round()
+    assert (r2.round, r2.attempt, r2.state) == (1, 2, RoundState.OPEN)
+    assert hz.report("a", h(1), round=1, reduce_attempt=1).verdict is Verdict.ABORTED
+    # the re-run freezes with reduce_attempt 2: the id is never reused for round 1
+    r3 = freeze_all(hz)
+    assert r3.reduce_attempt == 2 and r3.first_reduce_attempt == 2
+    assert hz.report("a", h(1), reduce_attempt=1).verdict is Verdict.ABORTED
+
+
+def test_no_quorum_possible_aborts_early() -> None:
+    hz = Harness()
+    start(hz)
+    freeze_all(hz)
+    assert hz.report("a", h(1)).verdict is Verdict.PENDING
+    assert hz.report("b", h(2)).verdict is Verdict.PENDING
+    out = hz.report("c", "", failed=True, reason="peer vanished")
+    assert out.verdict is Verdict.ABORTED
+    r = hz.round()
+    assert (r.round, r.attempt) == (1, 2)
+    assert hz.store.workers["c"].reputation == pytest.approx(-0.5)
+
+
+def test_failed_report_counts_against_quorum_but_commit_still_possible() -> None:
+    hz = Harness()
+    start(hz, "a", "b", "c", "d", "e")
+    freeze_all(hz, "a", "b", "c", "d", "e")
+    hz.report("e", "", failed=True, reason="timeout")
+    hz.report("a", h(1))
+    hz.report("b", h(1))
+    assert hz.report("c", h(1)).verdict is Verdict.COMMITTED  # 3 > 2.5
+    assert hz.st.instruction_for("e").order is Order.SYNC
+
+
+def test_checkpoint_upload_every_n_rounds() -> None:
+    hz = Harness(spec=make_spec(every_rounds=2))
+    start(hz, "a", "b")
+    for n in (1, 2):
+        freeze_all(hz, "a", "b")
+        hz.report("a", h(n))
+        hz.report("b", h(n))
+        cell = hz.cell()
+        if n == 1:
+            assert cell.upload_round == -1
+    assert cell.upload_round == 2 and cell.uploader in ("a", "b")
+    up = cell.uploader
+    other = "b" if up == "a" else "a"
+    assert hz.st.instruction_for(up).upload_checkpoint
+    assert not hz.st.instruction_for(other).upload_checkpoint
+    hz.st.check_upload(up, CELL, 2, h(2))
+    from bagel.coordinator.errors import InvalidRunState
+
+    with pytest.raises(InvalidRunState):
+        hz.st.check_upload(other, CELL, 2, h(2))
+    with pytest.raises(InvalidRunState):
+        hz.st.check_upload(up, CELL, 2, h(3))
+    from bagel.coordinator.domain import CheckpointStored
+
+    with pytest.raises(InvalidRunState):
+        hz.apply(CheckpointStored(CELL, 2, h(7)))
+    hz.apply(CheckpointStored(CELL, 2, h(2)))
+    cell = hz.cell()
+    assert (cell.checkpoint_round, cell.checkpoint_hash, cell.upload_round) == (2, h(2), -1)
+    assert not hz.st.instruction_for(up).upload_checkpoint
+    # a worker joining later can fall back to the checkpoint round
+    hz.reg("z")
+    assert hz.st.instruction_for("z").donor.checkpoint_round == 2  # type: ignore[union-attr]
+
+
+def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:
+    hz = Harness(spec=make_spec(every_rounds=2))
+    start(hz, "a", "b")
+    for n in (1, 2, 3):
+        freeze_all(hz, "a", "b")
+        hz.report("a", h(n))
+        hz.report("b", h(n))
+        if n == 2:
+            from bagel.coordinator.domain import CheckpointStored
+
+            hz.apply(CheckpointStored(CELL, 2, h(2)))
+    assert hz.cell().committed_round == 3
+    hz.advance(20_000)
+    hz.tick()  # both leases expired: nobody holds round 3, but nobody needs it yet
+    assert hz.cell().committed_round == 3
+    hz.reg("z")  # z needs the state: fall back to the checkpoint
+    cell = hz.cell()
+    assert (cell.committed_round, cell.committed_hash, cell.rollbacks) == (2, h(2), 1)
+    ins = hz.st.instruction_for("z")
+    assert ins.order is Order.SYNC and ins.committed_round == 2
+    assert ins.donor is not None and ins.donor.worker_id == "" and ins.donor.checkpoint_round == 2
+
+
+def test_leave_during_round_and_duplicate_leave() -> None:
+    from bagel.coordinator.domain import Leave
+
+    hz = Harness()
+    start(hz)
+    hz.ready("a")
+    hz.ready("b")
+    out = hz.apply(Leave("c", "ctrl-c"))
+    assert hz.store.workers["c"].state is WorkerState.LEFT
+    assert hz.round().state is RoundState.REDUCING  # every live member was ready
+    assert hz.apply(Leave("c", "again")).effects == ()
+    assert out.instruction is None
+
+
+def test_reregister_rejoins_with_its_state() -> None:
+    hz = Harness()
+    start(hz, "a", "b")
+    freeze_all(hz, "a", "b")
+    hz.report("a", h(1))
+    hz.report("b", h(1))
+    hz.advance(20_000)
+    hz.tick()
+    assert hz.store.workers["a"].state is WorkerState.LOST
+    hz.reg("a", local=LocalState(CELL, 1, h(1)))
+    w = hz.store.workers["a"]
+    assert w.state is WorkerState.ACTIVE and w.cell_id == CELL and w.reputation > 0  # history kept
+    out = hz.hb("a")
+    assert out.instruction.order is Order.TRAIN and out.instruction.round == 2
+
+
+def test_wait_for_all_aborts_at_deadline_instead_of_freezing() -> None:
+    hz = Harness(policy=DILOCO_WAIT_ALL)
+    r = start(hz)
+    assert len({m.max_samples for m in r.members}) == 1  # equal split
+    hz.ready("a")
+    hz.ready("b")
+    hz.keepalive(r.deadline_ms, "a", "b", "c")
+    r2 = hz.round()
+    assert (r2.attempt, r2.state) == (2, RoundState.OPEN)
+
+
+def test_wait_for_all_keeps_a_lost_member_until_the_timeout() -> None:
+    hz = Harness(policy=DILOCO_WAIT_ALL)
+    r = start(hz)
+    hz.ready("a")
+    hz.ready("b")
+    hz.keepalive(hz.now + 20_000, "a", "b")  # c's lease expired, but the baseline's round waits
+    assert hz.store.workers["c"].state is WorkerState.LOST
+    assert hz.round().state is RoundState.TRAINING and hz.round().dropped == ()
+    hz.keepalive(r.deadline_ms - 1, "a", "b")
+    assert hz.round().state is RoundState.TRAINING  # still waiting for c
+    hz.keepalive(r.deadline_ms, "a", "b")
+    r2 = hz.round()  # at the timeout c is dropped; everyone left is ready
+    assert (r2.attempt, r2.state, r2.contributors, r2.dropped) == (1, RoundState.REDUCING, ("a", "b"), ("c",))
+
+
+def test_sync_dp_rounds_are_single_steps() -> None:
+    hz = Harness(policy=SYNC_DP)
+    r = start(hz)
+    assert r.inner_steps == 1
+    assert hz.st.instruction_for("a").plan.inner_steps == 1  # type: ignore[union-attr]
+
+
+def test_reputation_ban() -> None:
+    from bagel.coordinator.errors import Banned
+
+    hz = Harness(spec=make_spec(ban_reputation=-3.0))
+    start(hz, "a", "b", "x")
+    bad = 0
+    for n in range(1, 5):  # x disagrees whenever it contributes: -2 each, banned at -3
+        r = hz.round()
+        freeze_all(hz, *(m.worker_id for m in r.members))
+        if hz.st.instruction_for("x").order is Order.REDUCE:
+            hz.report("x", h(100 + n), samples=0)
+            bad += 1
+        hz.report("a", h(n))
+        assert hz.report("b", h(n)).verdict is Verdict.COMMITTED
+        if hz.store.workers["x"].state is WorkerState.BANNED:
+            break
+        hz.sync("x")
+    assert bad == 2
+    wx = hz.store.workers["x"]
+    assert wx.state is WorkerState.BANNED and wx.cell_id == "" and "reputation" in wx.reason
+    assert hz.st.instruction_for("x").order is Order.LEAVE
+    with pytest.raises(Banned):
+        hz.hb("x")
+    with pytest.raises(Banned):
+        hz.reg("x")
+
+
+def test_effects_of_a_commit_are_complete_records() -> None:
+    hz = Harness()
+    start(hz, "a", "b")
+    freeze_all(hz, "a", "b")
+    hz.report("a", h(1))
+    out = hz.report("b", h(1))
+    kinds = {type(e).__name__ for e in out.effects}
+    assert {"CommitRecord", "RoundRecord", "CellRecord", "WorkerRecord"} <= kinds
+    workers = {e.worker_id for e in out.effects if isinstance(e, WorkerRecord)}
+    assert workers == {"a", "b"}
