@@ -52,7 +52,7 @@ async def peers(n: int, *, reducer: str = "mean", pending_wait_s: float = 10.0) 
     dhts: list[hivemind.DHT] = []
     out: list[Peer] = []
     try:
-        for i in range(n):
+        for _ in range(n):
             initial = dhts[0].get_visible_maddrs() if dhts else []
             dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
         for i, dht in enumerate(dhts):

@@ -1,0 +1,167 @@
+"""State sync over real hivemind peers: round trip with hash verification, and hostile donors."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+
+import pytest
+import torch
+from bagel.protocol import dataplane_pb2 as dp
+from bagel.worker.diloco import CellState, OuterConfig, outer_step
+from bagel.worker.framing import read_message, write_frame, write_message
+from bagel.worker.statesync import (
+    STATE_PROTOCOL,
+    StateIntegrityError,
+    StateNotAvailable,
+    StateServer,
+    StateSyncError,
+    fetch_state,
+    verify_state_bytes,
+)
+from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
+
+CELL = "k1.r0"
+
+
+def committed_state(seed: int = 0) -> CellState:
+    g = torch.Generator().manual_seed(seed)
+    state = CellState({"net.weight": torch.randn(40, 30, generator=g), "net.bias": torch.randn(30, generator=g)})
+    outer_step(state, {n: 0.1 * torch.randn(t.shape, generator=g) for n, t in state.weights.items()}, OuterConfig())
+    return state
+
+
+async def fetch(joiner: Peer, donor: Peer, rnd: int, want: str, **kw) -> object:
+    args = dict(run_id=RUN_ID, cell_id=CELL, committed_round=rnd, state_hash=want, max_nbytes=1 << 20, timeout_s=20.0)
+    args.update(kw)
+    return await asyncio.wait_for(fetch_state(joiner.p2p, donor.plane.peer_id, **args), 60)
+
+
+async def test_round_trip_in_chunks_with_hash_verification() -> None:
+    async with peers(2) as (donor, joiner):
+        server = StateServer(donor.p2p, RUN_ID, chunk_nbytes=1000, keep=2)
+        await server.start()
+        try:
+            state = committed_state()
+            want = server.publish(CELL, 5, state)
+            assert want == state.state_hash()
+            maddrs = [str(m) for m in donor.dht.get_visible_maddrs()]
+            got = await fetch(joiner, donor, 5, want, donor_maddrs=maddrs)
+            assert (got.cell_id, got.committed_round, got.state_hash) == (CELL, 5, want)
+            assert got.nbytes == len(state.to_safetensors()) > 5 * 1000  # several chunks
+            for n in state.weights:
+                assert torch.equal(got.state.weights[n], state.weights[n])
+                assert torch.equal(got.state.momentum[n], state.momentum[n])
+            assert server.bytes_served >= got.nbytes
+
+            # the donor keeps its last `keep` committed rounds, and nothing else
+            server.publish(CELL, 6, committed_state(1))
+            assert (await fetch(joiner, donor, 5, want)).state_hash == want
+            server.publish(CELL, 7, committed_state(2))
+            with pytest.raises(StateNotAvailable, match="not held"):
+                await fetch(joiner, donor, 5, want)
+            with pytest.raises(StateNotAvailable, match="different hash"):
+                await fetch(joiner, donor, 6, want)
+            with pytest.raises(StateNotAvailable, match="wrong run"):
+                await fetch(joiner, donor, 7, committed_state(2).state_hash(), run_id="other")
+            # a state larger than the joiner's limit is refused before it is read
+            with pytest.raises(StateIntegrityError, match="limit"):
+                await fetch(joiner, donor, 7, committed_state(2).state_hash(), max_nbytes=1000)
+            server.withdraw(CELL)
+            with pytest.raises(StateNotAvailable):
+                await fetch(joiner, donor, 7, committed_state(2).state_hash())
+            with pytest.raises(ValueError, match="hash is required"):
+                await fetch(joiner, donor, 7, "")
+        finally:
+            await server.close()
+
+
+async def hostile_donor(donor: Peer, info: dp.StateInfo, chunks: list[bytes]) -> None:
+    """A donor that answers every request with the given StateInfo and chunks, whatever they are."""
+
+    async def handler(_info, reader, writer) -> None:
+        try:
+            await read_message(reader, dp.StateRequest)
+            await write_message(writer, info)
+            for c in chunks:
+                await write_frame(writer, c)
+        finally:
+            writer.close()
+
+    await donor.p2p.add_binary_stream_handler(STATE_PROTOCOL, handler)
+
+
+async def test_tampered_or_lying_donor_is_rejected() -> None:
+    async with peers(2) as (donor, joiner):
+        good = committed_state()
+        want = good.state_hash()
+        data = good.to_safetensors()
+        sha = hashlib.sha256(data).hexdigest()
+
+        def info(**kw) -> dp.StateInfo:
+            base = dict(status=dp.STATUS_OK, cell_id=CELL, committed_round=3, state_hash=want,
+                        total_nbytes=len(data), sha256=sha, chunk_nbytes=4096)  # fmt: skip
+            base.update(kw)
+            return dp.StateInfo(**base)
+
+        def chunked(b: bytes) -> list[bytes]:
+            return [b[i : i + 4096] for i in range(0, len(b), 4096)]
+
+        cases = []
+        # 1. bytes flipped in transit (or at rest): the sha256 check catches it
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0xFF
+        cases.append((info(), chunked(bytes(flipped)), "sha256"))
+        # 2. a lying donor: a different, self-consistent state under the committed hash
+        lie = committed_state(seed=9).to_safetensors()
+        cases.append((info(total_nbytes=len(lie), sha256=hashlib.sha256(lie).hexdigest()), chunked(lie), "state hash"))
+        # 3. a chunk longer than announced
+        cases.append((info(chunk_nbytes=1024), [data], "limit"))
+        # 4. announced round is not the requested one
+        cases.append((info(committed_round=2), [data], "not the requested"))
+        # 5. a pickle (what torch.save writes) with a matching sha256: parsed by safetensors only, refused
+        buf = io.BytesIO()
+        torch.save(good.to_flat(), buf)
+        pickled = buf.getvalue()
+        cases.append(
+            (info(total_nbytes=len(pickled), sha256=hashlib.sha256(pickled).hexdigest()), chunked(pickled), "malformed")
+        )
+        # 6. the stream ends early
+        cases.append((info(), [data[:100]], "closed"))
+
+        for inf, chunks, why in cases:
+            await hostile_donor(donor, inf, chunks)
+            with pytest.raises(StateIntegrityError, match=why):
+                await fetch(joiner, donor, 3, want)
+            await donor.p2p.remove_binary_stream_handler(STATE_PROTOCOL)
+
+
+async def test_unreachable_donor_fails_within_timeout() -> None:
+    async with peers(2) as (donor, joiner):
+        donor_id = donor.plane.peer_id
+        await donor.plane.close()
+        donor.dht.shutdown()
+        with pytest.raises(StateSyncError):
+            await asyncio.wait_for(
+                fetch_state(
+                    joiner.p2p,
+                    donor_id,
+                    run_id=RUN_ID,
+                    cell_id=CELL,
+                    committed_round=1,
+                    state_hash="ab" * 32,
+                    max_nbytes=1 << 20,
+                    timeout_s=5.0,
+                ),  # fmt: skip
+                60,
+            )
+
+
+def test_verify_state_bytes_checks_format_and_hash() -> None:
+    state = committed_state()
+    assert verify_state_bytes(state.to_safetensors(), state.state_hash()).state_hash() == state.state_hash()
+    with pytest.raises(StateIntegrityError, match="state hash"):
+        verify_state_bytes(state.to_safetensors(), "00" * 32)
+    with pytest.raises(StateIntegrityError, match="malformed"):
+        verify_state_bytes(b"not a safetensors file", state.state_hash())
