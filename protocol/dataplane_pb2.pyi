@@ -14,11 +14,13 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_REJECTED: _ClassVar[Status]
     STATUS_FAILED: _ClassVar[Status]
     STATUS_NOT_AVAILABLE: _ClassVar[Status]
+    STATUS_NOT_READY: _ClassVar[Status]
 STATUS_UNSPECIFIED: Status
 STATUS_OK: Status
 STATUS_REJECTED: Status
 STATUS_FAILED: Status
 STATUS_NOT_AVAILABLE: Status
+STATUS_NOT_READY: Status
 
 class ExchangeTag(_message.Message):
     __slots__ = ("run_id", "cell_id", "round", "reduce_attempt", "group_digest", "round_attempt")

@@ -219,6 +219,23 @@ async def test_missing_contributor_fails_with_timeout_not_hang() -> None:
             ps[2].dht.shutdown()
 
 
+async def test_late_reducer_is_retried_until_it_starts() -> None:
+    """A contributor that gets ORDER_REDUCE late: the others' streams are told NOT_READY and retry."""
+    async with peers(3, pending_wait_s=0.3) as ps:
+        cs = [p.contributor() for p in ps]
+        deltas = {p.worker_id: make_delta(i) for i, p in enumerate(ps)}
+
+        async def run(p: Peer, delay: float) -> ExchangeResult:
+            await asyncio.sleep(delay)
+            return await p.plane.all_reduce(
+                worker_id=p.worker_id, cell_id=CELL, round=1, round_attempt=1, reduce_attempt=1, contributors=cs,
+                delta=deltas[p.worker_id], weight=1.0, codec="int8", timeout_s=30.0,
+            )  # fmt: skip
+
+        done = await asyncio.wait_for(asyncio.gather(run(ps[0], 0), run(ps[1], 0), run(ps[2], 1.5)), 60)
+        assert_bit_identical(dict(zip(["w0", "w1", "w2"], done)))
+
+
 class RawFp32:
     """Test stand-in codec: raw float32 bytes, and a decoder that does NOT reject NaN,
     so the reducer's own validation is what stands between a NaN and the average."""

@@ -87,9 +87,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PART_PROTOCOL = "/bagel/dataplane/v1/part"
+
+
+class _NotReady(Exception):
+    """The reducer has not started this exchange yet (or is busy): retry until the deadline."""
+
+
 # A peer that is down, restarting or whose stream broke: retried until the deadline.
-_RETRYABLE = (ConnectionError, OSError, FrameError, asyncio.IncompleteReadError, P2PDaemonError)
-_FINISHED_KEPT = 16  # finished exchanges kept so a contributor whose stream broke can re-attach
+_RETRYABLE = (ConnectionError, OSError, FrameError, asyncio.IncompleteReadError, P2PDaemonError, _NotReady)
+_FINISHED_KEPT = 4  # finished exchanges kept so a contributor whose stream broke can re-attach
 
 
 # ---------------------------------------------------------------- public types
@@ -287,7 +293,10 @@ class DataPlane:
         finally:
             for t in (*tasks.values(), dial):
                 t.cancel()
+                if t.done() and not t.cancelled():
+                    t.exception()  # retrieved: one failure is reported, the others are consequences
             session.fail("the exchange ended at this reducer before its part was reduced")
+            session.release()
             self._sessions.pop(key, None)
             self._finished[key] = session
             while len(self._finished) > _FINISHED_KEPT:
@@ -345,6 +354,8 @@ class DataPlane:
                 counters[0] += await write_frame(writer, payload)
             reply, n = await read_message(reader, dp.ReducedHeader)
             counters[1] += n
+            if reply.status == dp.STATUS_NOT_READY:
+                raise _NotReady(reply.reason)
             if reply.status == dp.STATUS_REJECTED:
                 raise ContributionRejected(c.worker_id, reply.reason)
             if reply.status == dp.STATUS_FAILED and reply.missing:
@@ -378,8 +389,8 @@ class DataPlane:
             session = await self._session_for(header.tag)
             await session.serve(header, nbytes, info.peer_id, reader, writer)
         except Refused as e:
-            log.info("rejected a contribution from %s: %s", info.peer_id, e.reason)
-            reply = dp.ReducedHeader(status=dp.STATUS_REJECTED, reason=e.reason)
+            log.log(logging.DEBUG if e.retry else logging.INFO, "refused a stream from %s: %s", info.peer_id, e.reason)
+            reply = dp.ReducedHeader(status=dp.STATUS_NOT_READY if e.retry else dp.STATUS_REJECTED, reason=e.reason)
             if header is not None:
                 reply.tag.CopyFrom(header.tag)
                 reply.part = header.part
@@ -410,7 +421,7 @@ class DataPlane:
             if latest is not None and key[1:] < latest:
                 raise Refused(f"stale exchange (round, round_attempt, reduce_attempt) = {key[1:]}, we are at {latest}")
             if self._pending >= self.max_pending_streams:
-                raise Refused("too many contributions waiting for exchanges not started here")
+                raise Refused("too many contributions waiting for exchanges not started here", retry=True)
             # The reducer may get ORDER_REDUCE a heartbeat later than the sender: hold the
             # stream (only its small header is read) until our exchange starts, briefly.
             self._pending += 1
@@ -420,7 +431,7 @@ class DataPlane:
                         self._session_added.wait_for(lambda: self._closed or lookup() is not None), self.pending_wait_s
                     )
             except TimeoutError:
-                raise Refused(f"unknown exchange {key}: not started here within {self.pending_wait_s}s") from None
+                raise Refused(f"exchange {key} not started here within {self.pending_wait_s}s", retry=True) from None
             finally:
                 self._pending -= 1
             s = lookup()

@@ -58,9 +58,11 @@ class ExchangeFailed(ExchangeError):
 
 
 class Refused(Exception):
-    def __init__(self, reason: str):
+    """Refuse an incoming stream; `retry`: the sender may try again (we are not ready yet)."""
+
+    def __init__(self, reason: str, *, retry: bool = False):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.retry = reason, retry
 
 
 @dataclass
@@ -155,6 +157,11 @@ class Reduction:
             )
             self.result.set_result((header, b""))
 
+    def release(self) -> None:
+        """Drop the decoded parts once the exchange is over (the reply bytes stay for re-attaching senders)."""
+        for sender, (weight, _) in self.accepted.items():
+            self.accepted[sender] = (weight, torch.empty(0))
+
     async def reduce_own(self) -> tuple[torch.Tensor, dp.ReducedHeader]:
         """Wait for every contribution to our part, aggregate, encode once, decode what we send."""
         if self.numel == 0:
@@ -229,7 +236,7 @@ class Reduction:
                     if h.sender in self.digests:
                         if self.digests[h.sender] != digest:
                             raise Refused("a different contribution from this sender was already received")
-                    elif h.sender not in self.excluded and h.sender not in self.accepted:
+                    elif h.sender not in self.excluded and h.sender not in self.accepted and not self.result.done():
                         self.digests[h.sender] = digest
                         try:
                             if len(buf) != h.payload_nbytes:
