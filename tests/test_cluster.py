@@ -162,8 +162,10 @@ async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: 
             rounds = h.state.snapshot().rounds
             return rounds[0] if rounds and rounds[0].state in (RoundState.OPEN, RoundState.TRAINING) else None
 
-        await wait_for(lambda: training_round() is not None and len(training_round().members) == 4, 30,
-                       "a round with all 4 members open")
+        # (a contributor whose report lands after the quorum joins the next round as a
+        # zero-weight catch-up contributor, so an open round has 3 or 4 members)
+        await wait_for(lambda: training_round() is not None and len(training_round().members) >= 3, 30,
+                       "a round with at least 3 members open")
         r = training_round()
         victim = next(w for w in workers if w.worker_id == r.members[-1].worker_id)
         await victim.crash()
@@ -187,7 +189,9 @@ async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: 
     # the round the victim belonged to dropped it, and committed with the others
     the_round = [x for x in rounds if x.cell_id == cell and x.round == r.round and x.state is RoundState.COMMITTED]
     assert the_round and victim.worker_id in the_round[0].dropped
-    assert victim.worker_id not in commit.contributors and len(commit.contributors) == 3
+    assert victim.worker_id not in commit.contributors
+    survivors = {m.worker_id for m in r.members} - {victim.worker_id}
+    assert survivors <= set(commit.contributors) and len(commit.agreeing) >= 2
 
 
 @pytest.mark.timeout(90)
