@@ -147,6 +147,8 @@ async def test_error_feedback_residual_and_byte_counts() -> None:
         codec = get_codec("int4")
         for rnd in (1, 2):
             deltas = {p.worker_id: make_delta(100 * rnd + i) for i, p in enumerate(ps)}
+            for i, d in enumerate(deltas.values()):  # big enough that sends really interleave
+                d["z.big"] = torch.randn(2_000_000, generator=torch.Generator().manual_seed(rnd * 10 + i))
             before = {w: {k: efs[w].compensate(k, t) for k, t in d.items()} for w, d in deltas.items()}
             results = await exchange(ps, cs, deltas, weights, "int4", round=rnd, efs=efs)
             assert_bit_identical(results)

@@ -349,9 +349,13 @@ class DataPlane:
     ) -> tuple[torch.Tensor, dp.ReducedHeader]:
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(c.peer_id), PART_PROTOCOL)
         try:
-            counters[0] += await write_message(writer, header)
+            # (never `counters[0] += await ...`: the read happens before the await, and the
+            # concurrent sends to the other reducers would overwrite each other's counts)
+            n = await write_message(writer, header)
+            counters[0] += n
             if payload:
-                counters[0] += await write_frame(writer, payload)
+                n = await write_frame(writer, payload)
+                counters[0] += n
             reply, n = await read_message(reader, dp.ReducedHeader)
             counters[1] += n
             if reply.status == dp.STATUS_NOT_READY:

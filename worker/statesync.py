@@ -160,7 +160,8 @@ class StateServer:
                 )
                 view = memoryview(entry.data)
                 for start in range(0, len(view), self.chunk_nbytes):
-                    self.bytes_served += await write_frame(writer, view[start : start + self.chunk_nbytes])
+                    n = await write_frame(writer, view[start : start + self.chunk_nbytes])
+                    self.bytes_served += n  # not `+= await`: concurrent streams would lose counts
         except (FrameError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("state stream from %s ended: %s", info.peer_id, e)
         finally:
