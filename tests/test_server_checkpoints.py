@@ -1,0 +1,124 @@
+"""Checkpoints over gRPC: a committed contributor asked to upload streams real safetensors
+bytes; the coordinator verifies size, sha256 and the state hash before the file becomes
+visible, and other workers download it (1 MiB chunks, CheckpointInfo first).
+A stream longer than declared is refused with RESOURCE_EXHAUSTED, a file whose bytes or
+tensors do not match with INVALID_ARGUMENT, and neither leaves anything behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from safetensors.numpy import load as load_safetensors
+from safetensors.numpy import save as save_safetensors
+
+from bagel.coordinator.daemon import start_coordinator
+from bagel.coordinator.spec import parse_spec
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.envelope import sign_request
+from bagel.protocol.statehash import state_hash
+
+from simworkers import SimWorker, cluster_spec_text, start_workers, stop_workers, uniform_cells
+
+ONE_CELL = {"clusters = 2": "clusters = 1", "timestep_ranges = 2": "timestep_ranges = 1", "router = true": "router = false"}
+
+
+def one_cell_spec(**kw) -> str:
+    text = cluster_spec_text(**kw)
+    for a, b in ONE_CELL.items():
+        text = text.replace(a, b)
+    return text
+
+
+async def wait_for(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+async def test_workers_upload_and_download_checkpoints(tmp_path: Path) -> None:
+    spec = parse_spec(one_cell_spec(every_rounds=1, min_replicas=1))
+    h = await start_coordinator(spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50)
+    workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 3, cells=spec.cell_ids)
+    try:
+        await wait_for(lambda: sum(len(w.stats.uploads) for w in workers) >= 3, 60, "three stored checkpoints")
+        cell = h.state.snapshot().cells[0]
+        assert cell.checkpoint_round >= 1
+        metas = h.core.checkpoints.list("k0.r0")
+        assert 1 <= len(metas) <= spec.checkpoint.keep  # retention
+        info, data = await workers[0].client.download_checkpoint("k0.r0")
+        assert info.round == max(m.round for m in metas)
+        assert info.state_hash == h.state.committed_hash_of("k0.r0", info.round) or info.state_hash == state_hash(
+            load_safetensors(data)
+        )
+        assert state_hash(load_safetensors(data)) == info.state_hash
+        assert hashlib.sha256(data).hexdigest() == info.sha256
+    finally:
+        await stop_workers(workers)
+        await h.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_bad_uploads_are_refused_and_leave_nothing(tmp_path: Path) -> None:
+    spec = parse_spec(one_cell_spec(every_rounds=1, min_replicas=1, lease_s=60.0))
+    h = await start_coordinator(spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50)
+    workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 3, cells=spec.cell_ids, upload=False)
+    try:
+        await wait_for(lambda: any(w.instruction.upload_checkpoint for w in workers), 60, "an upload request")
+        uploader: SimWorker = next(w for w in workers if w.instruction.upload_checkpoint)
+        ins = uploader.instruction
+        cell, rnd, committed = ins.cell_id, ins.committed_round, ins.committed_hash
+        # freeze the cluster, so the request stays what it is
+        for w in workers:
+            await w.crash()
+        tensors = uploader.states[(cell, rnd)]
+        good = save_safetensors(tensors)
+        assert state_hash(tensors) == committed
+
+        async def upload(declared: bytes, sent: bytes, hash_in_header: str = committed) -> pb.UploadCheckpointResponse:
+            header = pb.UploadCheckpointHeader(
+                cell_id=cell, round=rnd, state_hash=hash_in_header, total_bytes=len(declared),
+                sha256=hashlib.sha256(declared).hexdigest(),
+            )
+            signed = sign_request(uploader.identity, header, run_id=spec.run.id, method="UploadCheckpoint")
+
+            async def chunks() -> AsyncIterator[pb.CheckpointUploadChunk]:
+                yield pb.CheckpointUploadChunk(header=signed)
+                for i in range(0, len(sent), 64):
+                    yield pb.CheckpointUploadChunk(data=sent[i : i + 64])
+
+            return await uploader.client._stub.UploadCheckpoint(chunks(), timeout=10)
+
+        other = {**tensors, "w.p": tensors["w.p"] + 1}
+        cases = [
+            ("stream longer than declared", grpc.StatusCode.RESOURCE_EXHAUSTED, good, good + b"x" * 100),
+            ("bytes differ from the declared sha256", grpc.StatusCode.INVALID_ARGUMENT, good, good[:-1] + b"\0"),
+            ("not a safetensors file", grpc.StatusCode.INVALID_ARGUMENT, b"x" * 200, b"x" * 200),
+            ("tensors of another state", grpc.StatusCode.INVALID_ARGUMENT, save_safetensors(other), save_safetensors(other)),
+        ]
+        for name, code, declared, sent in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await upload(declared, sent)
+            assert err.value.code() == code, (name, err.value.details())
+            assert h.core.checkpoints.list() == [], name
+            assert [p for p in (h.data_dir / "checkpoints").rglob("*") if p.is_file()] == [], name
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a hash that was never committed
+            await upload(good, good, hash_in_header="0" * 64)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # and the honest upload goes through
+        resp = await upload(good, good)
+        assert resp.stored and resp.round == rnd
+        assert [m.round for m in h.core.checkpoints.list(cell)] == [rnd]
+        assert h.state.snapshot().cells[0].checkpoint_round == rnd
+    finally:
+        await stop_workers(workers)
+        await h.stop()
