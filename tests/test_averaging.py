@@ -221,6 +221,26 @@ async def test_missing_contributor_fails_with_timeout_not_hang() -> None:
             ps[2].dht.shutdown()
 
 
+async def test_cancelled_exchange_cleans_up_and_the_next_one_runs() -> None:
+    async with peers(2) as ps:
+        w0, w1 = ps
+        cs = [w0.contributor(), w1.contributor()]
+        deltas = {"w0": make_delta(0), "w1": make_delta(1)}
+        # The agent abandons a reduce (new instruction, shutdown): cancelling must not leave the
+        # exchange registered, or late streams would be answered from a dead session.
+        task = asyncio.ensure_future(w0.plane.all_reduce(
+            worker_id="w0", cell_id=CELL, round=1, round_attempt=1, reduce_attempt=1, contributors=cs,
+            delta=deltas["w0"], weight=1.0, codec="int8", timeout_s=30.0,
+        ))  # fmt: skip
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not w0.plane._sessions  # internal: nothing left registered
+        for rnd in (1, 2):  # the same exchange again (now with w1), then the next round
+            assert_bit_identical(await exchange(ps, cs, deltas, {"w0": 1.0, "w1": 1.0}, "int8", round=rnd))
+
+
 async def test_late_reducer_is_retried_until_it_starts() -> None:
     """A contributor that gets ORDER_REDUCE late: the others' streams are told NOT_READY and retry."""
     async with peers(3, pending_wait_s=0.3) as ps:

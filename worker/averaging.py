@@ -222,6 +222,10 @@ class DataPlane:
             raise ValueError(f"{worker_id} is not among the contributors {ids}")
         if not delta:
             raise ValueError("empty delta")
+        if any(c.max_samples <= 0 for c in members):
+            raise ValueError(
+                f"every contributor needs max_samples > 0: {[(c.worker_id, c.max_samples) for c in members]}"
+            )
         if timeout_s <= 0:
             raise ExchangeTimeout(ids, "no time left before the reduce deadline")
         loop = asyncio.get_running_loop()
@@ -256,30 +260,30 @@ class DataPlane:
         async with self._session_added:
             self._session_added.notify_all()
         dial = asyncio.create_task(_dial_all(self.p2p, members, worker_id))
-
-        if abstained:
-            session.exclude(worker_id, abstained)
-        elif session.numel:
-            session.accept(worker_id, float(weight), own.decoded[index])
+        tasks: dict[int, asyncio.Task] = {}
         client_bytes = [0, 0]
-        await asyncio.wait({dial}, timeout=min(2.0, timeout_s / 4))  # then exchange anyway: streams retry
-        tasks: dict[int, asyncio.Task] = {index: asyncio.create_task(session.reduce_own())}
-        for j, c in enumerate(members):
-            if j != index and bounds[j][0] != bounds[j][1]:
-                header = dp.ContributionHeader(
-                    tag=tag,
-                    sender=worker_id,
-                    part=j,
-                    num_parts=len(members),
-                    total_numel=layout.total,
-                    part_numel=bounds[j][1] - bounds[j][0],
-                    layout_digest=layout.digest,
-                    codec=codec_obj.name,
-                    weight=0.0 if abstained else float(weight),
-                    payload_nbytes=len(payloads[j]),
-                )
-                tasks[j] = asyncio.create_task(self._exchange_part(c, header, payloads[j], codec_obj, client_bytes))
-        try:
+        try:  # from here on, the finally unregisters the session even if the caller cancels us
+            if abstained:
+                session.exclude(worker_id, abstained)
+            elif session.numel:
+                session.accept(worker_id, float(weight), own.decoded[index])
+            await asyncio.wait({dial}, timeout=min(2.0, timeout_s / 4))  # then exchange anyway: streams retry
+            tasks[index] = asyncio.create_task(session.reduce_own())
+            for j, c in enumerate(members):
+                if j != index and bounds[j][0] != bounds[j][1]:
+                    header = dp.ContributionHeader(
+                        tag=tag,
+                        sender=worker_id,
+                        part=j,
+                        num_parts=len(members),
+                        total_numel=layout.total,
+                        part_numel=bounds[j][1] - bounds[j][0],
+                        layout_digest=layout.digest,
+                        codec=codec_obj.name,
+                        weight=0.0 if abstained else float(weight),
+                        payload_nbytes=len(payloads[j]),
+                    )
+                    tasks[j] = asyncio.create_task(self._exchange_part(c, header, payloads[j], codec_obj, client_bytes))
             await asyncio.wait(
                 tasks.values(), timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_EXCEPTION
             )
