@@ -37,7 +37,7 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,9 +91,10 @@ class _SyncJob:
 class _Counters:
     bytes_sent: int = 0
     bytes_received: int = 0
+    exchange_sent: int = 0  # pseudo-gradient exchange only (what DDP's all-reduce replaces)
+    exchange_received: int = 0
     rounds_committed: int = 0
     samples: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class Agent:
@@ -647,28 +648,44 @@ class Agent:
     # ------------------------------------------------------------------ REDUCE
 
     async def _on_reduce(self, i: pb.Instruction) -> None:
+        me = next((m for m in i.contributors if m.worker_id == self.worker_id), None)
+        if me is None:
+            return  # not ours (a stale answer): the next heartbeat corrects it
         w = self.work
-        if w is None or not w.matches(i.cell_id, i.round, i.round_attempt):
+        ours = w is not None and w.matches(i.cell_id, i.round, i.round_attempt)
+        if me.max_samples == 0 and not (ours and w is not None and w.catch_up):
+            # catch-up contributor: we hold the round's base state but trained nothing (we
+            # synced during the round, or missed the freeze): exchange a zero pseudo-gradient
+            # (weight 0) and apply the same outer step, so we hold the new state without a sync
+            if self.sync is not None or not self._holds(i.cell_id, i.committed_round, i.committed_hash):
+                return
+            self._drop_work("catching up through the exchange")
+            w = RoundWork.catch_up(i, self.held.state)  # type: ignore[union-attr]
+            self.work = w
+            self.display.event("catch-up", cell=i.cell_id, round=i.round, reduce_attempt=i.reduce_attempt)
+        elif not ours:
             key = (i.cell_id, i.round, i.round_attempt, i.reduce_attempt)
             already = self.held is not None and self.held.cell_id == i.cell_id and self.held.committed_round >= i.round
             if not already and key not in self._missing_reported and self.sync is None:
-                # we are a contributor but lost our contribution (restart): say so, so the
-                # coordinator re-freezes without us instead of waiting for the deadline
+                # we are a weighted contributor but lost our contribution (restart): say so,
+                # so the coordinator re-freezes without us instead of waiting for its deadline
                 self._missing_reported.add(key)
                 self._spawn(self._report_missing(i), "report-missing")
             return
+        assert w is not None
         if w.result is None or w.delta is None:
-            return  # still training: a freeze without us would not name us
+            return  # still training: a freeze names us only once we are ready
         if w.pending is not None and w.pending_attempt == i.reduce_attempt:
             if w.report_epoch != self._coord_epoch and (w.reduce_task is None or w.reduce_task.done()):
                 w.report_epoch = self._coord_epoch  # the coordinator restarted: our report may be lost
-                w.reduce_task = self._spawn(self._report_pending(w), "re-report")
+                w.reduce_task = self._spawn(self._report(w), "re-report")
             return
         if i.reduce_attempt <= w.reduce_attempt:
             return  # this attempt is running, done, or failed (wait for a re-freeze or abort)
         if w.reduce_task is not None and not w.reduce_task.done():
             w.reduce_task.cancel()
         w.reduce_attempt = i.reduce_attempt
+        w.contributors = sum(1 for m in i.contributors if m.max_samples > 0)
         w.pending = None
         w.reduce_task = self._spawn(self._reduce(w, i), "reduce")
         self._hb_wake.set()
@@ -679,22 +696,24 @@ class Agent:
         assert self.spec is not None and self.held is not None and w.result is not None
         held = self.held
         self.display.update(phase="reducing")
-        ef = fresh_feedback(held.residuals) if self.spec.diloco.error_feedback else None
+        # a catch-up exchange sends nothing, so it must not touch our residuals
+        ef = fresh_feedback(held.residuals) if self.spec.diloco.error_feedback and not w.catch_up else None
         try:
             out = await reduce_round(
                 self.dataplane, self.spec, self.worker_id, held.state, w, i, ef, self.cfg.reduce_timeout_s
             )
+            if w.catch_up or not self.spec.diloco.error_feedback:
+                out.residuals = dict(held.residuals) if w.catch_up else {}
         except ExchangeError as e:
-            self.display.event("exchange-failed", level="warning", round=w.round, attempt=i.reduce_attempt, message=str(e))
+            self.display.event("exchange-failed", level="warning", round=w.round, round_attempt=w.round_attempt, reduce_attempt=i.reduce_attempt, message=str(e))
             await self._report(w, failed=True, reason=str(e)[:500])
             return
         self.counters.bytes_sent += out.bytes_sent
         self.counters.bytes_received += out.bytes_received
+        self.counters.exchange_sent += out.bytes_sent
+        self.counters.exchange_received += out.bytes_received
         self.display.update(bytes_sent=self.counters.bytes_sent, bytes_received=self.counters.bytes_received)
         w.pending, w.pending_attempt, w.report_epoch = out, i.reduce_attempt, self._coord_epoch
-        await self._report(w)
-
-    async def _report_pending(self, w: RoundWork) -> None:
         await self._report(w)
 
     async def _report(self, w: RoundWork, *, failed: bool = False, reason: str = "") -> None:
@@ -725,7 +744,11 @@ class Agent:
         else:
             return
         v = resp.verdict
-        self.display.event("verdict", cell=w.cell_id, round=w.round, verdict=pb.Verdict.Name(v).removeprefix("VERDICT_").lower(), failed=failed)
+        self.display.event(
+            "verdict", cell=w.cell_id, round=w.round, round_attempt=w.round_attempt, reduce_attempt=w.reduce_attempt,
+            verdict=pb.Verdict.Name(v).removeprefix("VERDICT_").lower(), failed=failed,
+            next=pb.Order.Name(resp.instruction.order).removeprefix("ORDER_").lower(),
+        )
         if v == pb.VERDICT_COMMITTED and out is not None and not failed and self.work is w:
             self._commit(w)
         elif v in (pb.VERDICT_RESYNC, pb.VERDICT_ABORTED):
@@ -753,7 +776,10 @@ class Agent:
         self.stateserver.publish(w.cell_id, w.round, out.state)
         self.display.event(
             "committed", cell=w.cell_id, round=w.round, hash=out.state_hash, loss=round(w.result.mean_loss, 5) if w.result else None,
-            samples=w.result.samples if w.result else 0, bytes_sent=out.bytes_sent, bytes_received=out.bytes_received,
+            samples=w.result.samples if w.result else 0, contributors=w.contributors, inner_steps=w.plan.inner_steps,
+            micro_batch=w.plan.micro_batch, grad_accum=w.plan.grad_accum,
+            bytes_sent=out.bytes_sent, bytes_received=out.bytes_received,
+            exchange_sent_total=self.counters.exchange_sent, exchange_received_total=self.counters.exchange_received,
             bytes_sent_total=self.counters.bytes_sent, bytes_received_total=self.counters.bytes_received,
         )
         self.display.update(committed=w.round, step=0)

@@ -61,6 +61,8 @@ class RoundWork:
     pending: ReduceOutcome | None = None  # reported, waiting for the commit
     pending_attempt: int = 0
     report_epoch: int = 0
+    contributors: int = 0  # weighted contributors of the exchange (catch-up ones excluded)
+    catch_up: bool = False  # a zero-weight contribution: trained nothing, only applies the average
 
     @classmethod
     def from_instruction(cls, i: Any, member_index: int) -> RoundWork:
@@ -70,6 +72,17 @@ class RoundWork:
             members=len(p.members), plan=InnerPlan(p.inner_steps, p.micro_batch, p.grad_accum),
             deadline_unix_ms=p.deadline_unix_ms,
         )
+
+    @classmethod
+    def catch_up(cls, i: Any, committed: CellState) -> RoundWork:
+        """Work for a catch-up contributor: a zero delta with zero samples (weight 0)."""
+        w = cls(
+            cell_id=i.cell_id, round=i.round, round_attempt=i.round_attempt, member_index=0, members=1,
+            plan=InnerPlan(1, 1, 1), deadline_unix_ms=0, catch_up=True,
+        )
+        w.result = TrainResult(samples=0, mean_loss=0.0, steps=0, compute_s=0.0, completed=True)
+        w.delta = {n: torch.zeros_like(t) for n, t in committed.weights.items()}
+        return w
 
     def matches(self, cell_id: str, round: int, round_attempt: int) -> bool:
         return (self.cell_id, self.round, self.round_attempt) == (cell_id, round, round_attempt)
