@@ -264,24 +264,36 @@ class Membership(CoreBase):
             if balanced and all(b.count[c] >= b.min_replicas_now() for c in b.active):
                 return
             move = b.best_move(self._candidates(ratios))
-            if move is None:
+            if move is not None:
+                (wid, _, to), _ = move
+                self._move(self._workers[wid], to, now)
+                continue
+            if balanced:
                 return
-            (wid, _, to), _ = move
-            self._move(self._workers[wid], to, now)
+            # no single move helps: try an exchange among a few candidates (O(k^2), k small)
+            swap = b.best_swap(list(self._candidates(ratios, self.policy.swap_candidates)))
+            if swap is None:
+                return
+            for wid, _, to in swap[:2]:
+                self._move(self._workers[wid], to, now)
 
-    def _candidates(self, ratios: dict[str, float]) -> Iterator[WorkerView]:
-        """Idle workers, from the most over-target cell down, at most `candidates`."""
+    def _candidates(self, ratios: dict[str, float], limit: int = 0) -> Iterator[WorkerView]:
+        """Idle workers, from the most over-target cell down, at most `limit` (default:
+        the `candidates` knob)."""
+        limit = limit or self.knobs.candidates
         n = 0
         for cid in sorted(ratios, key=lambda x: -ratios[x]):
             c = self._cells[cid]
             sole = len(c.synced) == 1 and c.committed_round > max(c.checkpoint_round, 0)
             for wid in c.idle:
-                if n >= self.knobs.candidates:
+                if n >= limit:
                     return
                 if sole and wid in c.synced:
                     continue  # never move the last holder of a cell's committed state
                 w = self._workers[wid]
                 n += 1
                 self.ops += 1
+                # sticky: once its cell has trained, a worker holding any cell's state (this
+                # one's, or another's while it downloads this one) would pay a download
                 yield WorkerView(wid, w.profile.vram_bytes, w.throughput, w.reputation, cid, True,
-                                 c.committed_round > 0 and wid in c.synced)
+                                 c.committed_round > 0 and w.local.cell_id != "")

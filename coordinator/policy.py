@@ -45,6 +45,7 @@ class Policy:
     # bounds that keep one transition cheap with 10k workers (see scheduler.repair)
     max_moves_per_event: int = 4
     repair_candidates: int = 32
+    swap_candidates: int = 16  # pairs of these are tried when no single move helps
     # no moves are looked for while every cell's share/target ratio is within 1 +- this
     balance_tolerance: float = 0.05
     # SWARM's PerformanceEMA: estimate <- (1 - alpha) * estimate + alpha * observed
@@ -68,8 +69,8 @@ class Policy:
             raise ValueError("inner_steps: at least 1")
         if not 0.0 < self.throughput_ema <= 1.0:
             raise ValueError("throughput_ema: in (0, 1]")
-        if self.max_moves_per_event < 0 or self.repair_candidates < 1:
-            raise ValueError("max_moves_per_event >= 0 and repair_candidates >= 1")
+        if self.max_moves_per_event < 0 or self.repair_candidates < 1 or self.swap_candidates < 0:
+            raise ValueError("max_moves_per_event >= 0, repair_candidates >= 1, swap_candidates >= 0")
         if self.default_bandwidth_bytes_per_s <= 0:
             raise ValueError("default_bandwidth_bytes_per_s: positive")
 

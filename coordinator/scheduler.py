@@ -15,10 +15,10 @@ Pure code (no I/O, no clock, no randomness), used unchanged by the daemon, throu
 - **Redundancy.** Before balance, every cell with a target keeps min_replicas members when
   there are enough workers (a convex penalty on each cell's deficit, so a move never
   orphans one cell to fill another); no cell takes more than max_replicas.
-- **Stickiness.** Moving a worker that holds a cell's state costs a full download, so it
-  moves only when the two cells' share/target ratios differ by more than
-  `schedule.stickiness` (and the move lowers Phi). Workers that hold nothing yet move
-  freely.
+- **Stickiness.** Moving a worker that holds state costs a full download, so it moves
+  only when that cuts the worse relative deviation of the two cells involved by more
+  than `schedule.stickiness` (and lowers Phi). Workers that hold nothing yet move
+  freely (fresh joiners, and everyone while the run is at round 0).
 - **Bounded work.** `Balance` keeps per-cell sums, so placing a joiner is O(cells) and one
   repair step is O(candidates x cells); the state calls them on join/leave and at a cell's
   round boundary with at most `Policy.max_moves_per_event` moves, which keeps a transition
@@ -229,11 +229,22 @@ class Balance:
                 best, best_key = c, key
         return best
 
+    def _worth_it(self, a: str, b: str, na: float, nb: float, total: float, ratio: Mapping[str, float],
+                  downloads: int) -> bool:
+        """Stickiness: a change that costs `downloads` state downloads must cut the worse
+        relative deviation |share/target - 1| of the two cells it touches by more than
+        `stickiness` per download. Scale-free (a 10,000-worker run and a 12-worker one
+        read it the same way) and it never robs one cell to pay another: a move that
+        leaves its source as far off as the destination was does not qualify."""
+        before = max(abs(ratio[a] - 1.0), abs(ratio[b] - 1.0))
+        after = max(abs(na / total / self.target[a] - 1.0), abs(nb / total / self.target[b] - 1.0))
+        return before - after > self.knobs.stickiness * downloads
+
     def best_move(self, candidates: Iterable[WorkerView]) -> tuple[Move, float] | None:
         """The single move of a candidate that lowers (replica deficit, Phi) the most.
 
-        A sticky candidate only moves to a cell whose share/target ratio is lower than its
-        own cell's by more than `stickiness`. Returns ((worker, from, to), gain) or None.
+        A sticky candidate (one whose move costs a download) only moves when that is worth
+        it (`_worth_it`). Returns ((worker, from, to), gain in Phi) or None.
         """
         n, total, s_sum, m = self._stats()
         if total <= 0:
@@ -255,14 +266,50 @@ class Balance:
             for b in self.eligible(w.vram_bytes):
                 if b == a or self.count[b] >= self.knobs.max_replicas:
                     continue
-                if w.sticky and a in ratio and ratio[a] - ratio[b] <= self.knobs.stickiness:
-                    continue
                 pb = self.raw_power(w.throughput, w.reputation, b) / self.ref(b)
-                s_new = s_wo + (2 * n[b] * pb + pb * pb) / self.target[b]
                 d_new = def_wo - self._deficit(b, self.count[b], m) + self._deficit(b, self.count[b] + 1, m)
+                # redundancy comes first: a move that restores min_replicas is always worth it
+                if w.sticky and d_new >= def0 and not self._worth_it(a, b, na, n[b] + pb, total - pa + pb, ratio, 1):
+                    continue
+                s_new = s_wo + (2 * n[b] * pb + pb * pb) / self.target[b]
                 key = (d_new - def0, self._phi(s_new, total - pa + pb) - phi0)
                 if key < best_key:
                     best, best_key = ((w.worker_id, a, b), -key[1]), key
+        return best
+
+    def best_swap(self, candidates: Iterable[WorkerView]) -> tuple[Move, Move, float] | None:
+        """The exchange of two candidates' cells that lowers Phi the most (counts, and so
+        the replica deficit, do not change). Tried when no single move helps: with few,
+        uneven workers a swap often fixes what no move can. Each sticky worker of the pair
+        is a download the swap must be worth. O(len(candidates)^2)."""
+        n, total, s_sum, _ = self._stats()
+        if total <= 0:
+            return None
+        phi0 = self._phi(s_sum, total)
+        ratio = {c: (n[c] / total) / self.target[c] for c in self.active}
+        cands = [w for w in candidates if w.cell_id in ratio and w.movable]
+        best: tuple[Move, Move, float] | None = None
+        best_phi = phi0 - _EPS
+        for i, w in enumerate(cands):
+            a, ew = w.cell_id, self.eligible(w.vram_bytes)
+            for v in cands[i + 1:]:
+                b = v.cell_id
+                if a == b or b not in ew or a not in self.eligible(v.vram_bytes):
+                    continue
+                pwa = self.raw_power(w.throughput, w.reputation, a) / self.ref(a)
+                pwb = self.raw_power(w.throughput, w.reputation, b) / self.ref(b)
+                pva = self.raw_power(v.throughput, v.reputation, a) / self.ref(a)
+                pvb = self.raw_power(v.throughput, v.reputation, b) / self.ref(b)
+                na, nb = n[a] - pwa + pva, n[b] - pvb + pwb
+                ta, tb = self.target[a], self.target[b]
+                total2 = total - pwa - pvb + pwb + pva
+                downloads = int(w.sticky) + int(v.sticky)
+                if downloads and not self._worth_it(a, b, na, nb, total2, ratio, downloads):
+                    continue
+                s_new = s_sum + (na * na - n[a] * n[a]) / ta + (nb * nb - n[b] * n[b]) / tb
+                phi = self._phi(s_new, total2)
+                if phi < best_phi:
+                    best, best_phi = ((w.worker_id, a, b), (v.worker_id, b, a), phi0 - phi), phi
         return best
 
 
@@ -314,13 +361,18 @@ def assign(
             if cur[w.worker_id]
         ]
         move = bal.best_move(views)
-        if move is None:
-            break
-        (wid, a, b), _ = move
-        w = by_id[wid]
-        bal.remove(a, bal.raw_power(w.throughput, w.reputation, a))
-        bal.add(b, bal.raw_power(w.throughput, w.reputation, b))
-        cur[wid] = b
+        if move is not None:
+            moves: tuple[Move, ...] = (move[0],)
+        else:
+            swap = bal.best_swap(views[: knobs.candidates])
+            if swap is None:
+                break
+            moves = swap[:2]
+        for wid, a, b in moves:
+            w = by_id[wid]
+            bal.remove(a, bal.raw_power(w.throughput, w.reputation, a))
+            bal.add(b, bal.raw_power(w.throughput, w.reputation, b))
+            cur[wid] = b
     return cur
 
 
@@ -362,21 +414,20 @@ class Planning:
 
 
 def split_batch(total: int, weights: Sequence[float]) -> list[int]:
-    """Integers >= 1 proportional to weights summing to max(total, len(weights))
-    (largest remainder, ties to the earlier member)."""
+    """Integers proportional to weights that sum to `total` (largest remainder, ties to
+    the earlier member); everyone gets at least 1, so the sum exceeds `total` only when
+    it is too small for that."""
     n = len(weights)
     if n == 0:
         return []
-    total = max(total, n)
     wsum = sum(weights)
-    spare = total - n  # everyone gets 1, the rest by weight
-    exact = [spare * w / wsum for w in weights] if wsum > 0 else [spare / n] * n
+    exact = [total * w / wsum for w in weights] if wsum > 0 else [total / n] * n
     base = [int(x) for x in exact]
-    left = spare - sum(base)
+    left = total - sum(base)
     order = sorted(range(n), key=lambda i: (-(exact[i] - base[i]), i))
     for i in order[:left]:
         base[i] += 1
-    return [1 + b for b in base]
+    return [max(1, b) for b in base]
 
 
 def batch_shape(batch: int, max_micro_batch: int) -> tuple[int, int]:

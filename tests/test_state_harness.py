@@ -38,7 +38,8 @@ GB = 1 << 30
 T0 = 1_700_000_000_000
 
 
-def make_spec(clusters: int = 1, ranges: int = 1, router: bool = False, **schedule: Any) -> RunSpec:
+def make_spec(clusters: int = 1, ranges: int = 1, router: bool = False, group_batch: int = 64,
+              max_micro_batch: int = 16, **schedule: Any) -> RunSpec:
     sched = dict(min_replicas=1, max_replicas=8, lease_s=10.0, heartbeat_s=2.0, deadline_slack=2.0,
                  min_round_s=5.0, quorum=0.5, stickiness=0.1)
     checkpoint_every = schedule.pop("every_rounds", 2)
@@ -54,8 +55,8 @@ timestep_ranges = {ranges}
 router = {"true" if router else "false"}
 [diloco]
 inner_steps = 10
-group_batch = 64
-max_micro_batch = 16
+group_batch = {group_batch}
+max_micro_batch = {max_micro_batch}
 [schedule]
 {lines}
 [checkpoint]

@@ -1,0 +1,352 @@
+"""Scheduler: VRAM fit, compute balance, redundancy, stickiness, batch split, deadlines.
+
+Includes issue 2's must-show 2 at the core level: 12 workers with 6-80 GB of VRAM and a
+10x speed spread on the 2x2+router grid, where cell memory makes small cards router-only.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bagel.coordinator.domain import Leave, Order, RoundState, WorkerState
+from bagel.coordinator.policy import BAGEL, DILOCO_WAIT_ALL, SYNC_DP, Policy, get_policy
+from bagel.coordinator.scheduler import (
+    Balance,
+    Knobs,
+    PlanMember,
+    WorkerView,
+    assign,
+    batch_shape,
+    compute_shares,
+    fits,
+    plan_round,
+    predict_comm_ms,
+    reputation_weight,
+    split_batch,
+    throughput_for,
+)
+
+from test_state_harness import GB, Harness, T0, h, make_cells, make_spec
+
+ROUTER = "router"
+EXPERTS = ("k0.r0", "k0.r1", "k1.r0", "k1.r1")
+CELL_MEMORY = {**{c: 9 * GB for c in EXPERTS}, ROUTER: 2 * GB}
+TARGETS = {**{c: 1.0 for c in EXPERTS}, ROUTER: 0.2}
+# (VRAM GB, relative speed): 6 and 8 GB cards fit only the router (9 GB experts need 11.25 GB
+# with 20% headroom); speeds spread 10x.
+FLEET = [(6, 1.0), (8, 1.6), (12, 2.0), (16, 2.5), (24, 3.0), (24, 4.0), (24, 4.5), (32, 5.0),
+         (40, 6.0), (48, 7.0), (80, 8.0), (80, 10.0)]
+UNIT = 20.0  # samples/s of speed 1.0 on an expert cell; the router is 5x cheaper per sample
+
+
+def fleet_views() -> list[WorkerView]:
+    return [
+        WorkerView(f"w{i:02d}", v * GB, {c: s * UNIT * (5 if c == ROUTER else 1) for c in CELL_MEMORY})
+        for i, (v, s) in enumerate(FLEET)
+    ]
+
+
+def norm(t: dict[str, float]) -> dict[str, float]:
+    total = sum(t.values())
+    return {c: v / total for c, v in t.items()}
+
+
+def max_rel_error(shares: dict[str, float], targets: dict[str, float]) -> float:
+    return max(abs(shares[c] / targets[c] - 1.0) for c in targets)
+
+
+# ---------------------------------------------------------------- pure functions
+
+
+def test_fit_and_helpers() -> None:
+    assert fits(12 * GB, 9 * GB, 0.2) and not fits(8 * GB, 9 * GB, 0.2)
+    assert fits(10 * GB, 8 * GB, 0.2) and not fits(10 * GB, 8 * GB + 1, 0.2)
+    assert throughput_for({"a": 10.0, "b": 30.0}, "a") == 10.0
+    assert throughput_for({"a": 10.0, "b": 30.0}, "c") == 20.0  # unmeasured: the mean
+    assert throughput_for({}, "c") == 1.0
+    assert reputation_weight(2.0, -5.0) == 1.0
+    assert reputation_weight(-2.5, -5.0) == pytest.approx(0.55)
+    assert reputation_weight(-50.0, -5.0) == pytest.approx(0.1)
+
+
+def test_split_batch_and_batch_shape() -> None:
+    assert split_batch(64, [1, 1, 1]) == [22, 21, 21]
+    assert split_batch(100, [1, 3]) == [25, 75]
+    assert split_batch(2, [1, 1, 1]) == [1, 1, 1]  # everyone gets at least one sample
+    assert sum(split_batch(257, [0.3, 7.1, 2.2, 9.9])) == 257
+    assert split_batch(10, []) == []
+    for b in (1, 7, 16, 17, 33, 64, 100, 1000):
+        micro, accum = batch_shape(b, 16)
+        assert micro <= 16 and micro * accum >= b and micro * accum - b < accum
+
+
+def test_plan_round_proportional_equal_and_deadline() -> None:
+    spec = make_spec(group_batch=512, max_micro_batch=32, deadline_slack=2.0, min_round_s=1.0)
+    peers = [PlanMember(f"m{i}", __import__("bagel.coordinator.domain", fromlist=["PeerAddress"]).PeerAddress(f"p{i}"), s, bw)
+             for i, (s, bw) in enumerate([(100.0, 10e6), (400.0, 50e6), (50.0, 100e6)])]
+    p = plan_round(list(reversed(peers)), spec, T0, BAGEL, payload_bytes=20_000_000)
+    assert [m.worker_id for m in p.members] == ["m0", "m1", "m2"]  # sorted
+    batches = {m.worker_id: m.micro_batch * m.grad_accum for m in p.members}
+    speeds = {"m0": 100.0, "m1": 400.0, "m2": 50.0}
+    for w in batches:
+        assert batches[w] / sum(batches.values()) == pytest.approx(speeds[w] / 550.0, abs=0.01)
+        assert next(m for m in p.members if m.worker_id == w).micro_batch <= 32
+    for m in p.members:
+        assert m.max_samples == m.micro_batch * m.grad_accum * p.inner_steps
+    # every member needs about the same time: H x batch / speed
+    times = [m.max_samples / speeds[m.worker_id] for m in p.members]
+    assert max(times) / min(times) < 1.05
+    # deadline = compute x slack + comm, comm limited by the slowest link (10 MB/s)
+    comm = predict_comm_ms(20_000_000, [10e6, 50e6, 100e6], BAGEL)
+    assert comm == int(1000 * (BAGEL.comm_overhead_s + 2 * 20e6 * 2 / 3 / 10e6))
+    assert p.predicted_comm_ms == comm
+    assert p.deadline_ms == T0 + int(p.predicted_compute_ms * 2.0 + comm)
+    # equal split: same batch for everyone, so the slow member sets the pace
+    q = plan_round(peers, spec, T0, DILOCO_WAIT_ALL, payload_bytes=20_000_000)
+    assert len({m.max_samples for m in q.members}) == 1
+    assert q.predicted_compute_ms > p.predicted_compute_ms
+    # sync_dp: one inner step per round
+    assert plan_round(peers, spec, T0, SYNC_DP, payload_bytes=1).inner_steps == 1
+    # the floor
+    tiny = plan_round(peers[:1], spec, T0, BAGEL, payload_bytes=0)
+    assert tiny.deadline_ms == T0 + max(1000, int(tiny.predicted_compute_ms * 2.0 + tiny.predicted_comm_ms))
+    with pytest.raises(ValueError):
+        plan_round([], spec, T0, BAGEL, 1)
+
+
+def test_policies() -> None:
+    assert get_policy("bagel") is BAGEL
+    assert get_policy("diloco_wait_all").wait_for_all and not get_policy("diloco_wait_all").fail_fast_leases
+    assert get_policy("sync_dp").inner_steps == 1
+    with pytest.raises(ValueError):
+        get_policy("nope")
+    with pytest.raises(ValueError):
+        Policy(batch_split="random")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- assignment
+
+
+def test_must_show_2_assign_from_scratch() -> None:
+    knobs = Knobs(min_replicas=2, max_replicas=4, vram_headroom=0.2, stickiness=0.1)
+    views = fleet_views()
+    a = assign(views, CELL_MEMORY, TARGETS, knobs)
+    for w in views:
+        c = a[w.worker_id]
+        assert c, f"{w.worker_id} left idle"
+        assert fits(w.vram_bytes, CELL_MEMORY[c], 0.2), f"{w.worker_id} ({w.vram_bytes >> 30} GB) got {c}"
+    assert a["w00"] == a["w01"] == ROUTER  # small cards are router-only
+    shares = compute_shares(views, a, CELL_MEMORY, TARGETS, knobs)
+    assert max_rel_error(shares, norm(TARGETS)) <= 0.15, shares
+    counts = {c: sum(1 for v in a.values() if v == c) for c in CELL_MEMORY}
+    assert min(counts.values()) >= 2 and max(counts.values()) <= 4
+
+
+def test_assign_keeps_a_balanced_assignment() -> None:
+    knobs = Knobs(min_replicas=2, max_replicas=4)
+    views = fleet_views()
+    first = assign(views, CELL_MEMORY, TARGETS, knobs)
+    again = assign([WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=first[v.worker_id]) for v in views],
+                   CELL_MEMORY, TARGETS, knobs)
+    assert again == first
+
+
+def test_assign_after_departure_moves_only_what_is_needed() -> None:
+    knobs = Knobs(min_replicas=2, max_replicas=4, stickiness=0.1)
+    views = fleet_views()
+    first = assign(views, CELL_MEMORY, TARGETS, knobs)
+    for gone in [v.worker_id for v in views]:
+        rest = [WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=first[v.worker_id])
+                for v in views if v.worker_id != gone]
+        after = assign(rest, CELL_MEMORY, TARGETS, knobs)
+        moved = [w for w in after if after[w] != first[w]]
+        scratch = assign([WorkerView(v.worker_id, v.vram_bytes, v.throughput) for v in rest], CELL_MEMORY, TARGETS, knobs)
+        assert len(moved) <= 3, (gone, moved)
+        assert len(moved) <= sum(1 for w in scratch if scratch[w] != first[w])
+        for w in moved:  # a sticky worker moves only from a cell over target to one under it
+            assert fits(next(v.vram_bytes for v in rest if v.worker_id == w), CELL_MEMORY[after[w]], 0.2)
+
+
+def test_min_and_max_replicas() -> None:
+    knobs = Knobs(min_replicas=2, max_replicas=3)
+    # all the compute in one fast worker, 9 others slow: balance alone would pile slow ones up
+    views = [WorkerView("fast", 80 * GB, {c: 1000.0 for c in CELL_MEMORY})] + [
+        WorkerView(f"s{i}", 24 * GB, {c: 10.0 for c in CELL_MEMORY}) for i in range(9)
+    ]
+    a = assign(views, CELL_MEMORY, TARGETS, knobs)
+    counts = {c: sum(1 for v in a.values() if v == c) for c in CELL_MEMORY}
+    assert min(counts.values()) >= 2 and max(counts.values()) <= 3
+    # more workers than max_replicas x cells: the rest stand by
+    many = [WorkerView(f"x{i}", 24 * GB, {c: 10.0 for c in CELL_MEMORY}) for i in range(20)]
+    b = assign(many, CELL_MEMORY, TARGETS, knobs)
+    assert sum(1 for v in b.values() if v) == 15 and sum(1 for v in b.values() if not v) == 5
+    # too few workers for min_replicas everywhere: every cell still gets one first
+    few = assign(many[:5], CELL_MEMORY, TARGETS, knobs)
+    assert sorted(few.values()) == sorted(CELL_MEMORY)
+
+
+def test_reputation_lowers_weight_in_balance() -> None:
+    knobs = Knobs(min_replicas=1, max_replicas=8, ban_reputation=-5.0)
+    mem = {"k0.r0": GB, "k0.r1": GB}
+    tgt = {"k0.r0": 1.0, "k0.r1": 1.0}
+
+    def fleet(rep: float) -> list[WorkerView]:
+        return [WorkerView("g1", 24 * GB, {c: 10.0 for c in mem}), WorkerView("g2", 24 * GB, {c: 10.0 for c in mem}),
+                WorkerView("big", 24 * GB, {c: 20.0 for c in mem}, reputation=rep)]
+
+    trusted = assign(fleet(0.0), mem, tgt, knobs)
+    assert [w for w in trusted if trusted[w] == trusted["big"]] == ["big"]  # 20 vs 10 + 10
+    distrusted = assign(fleet(-4.5), mem, tgt, knobs)  # counts 0.19 of its speed
+    assert sorted(w for w in distrusted if distrusted[w] == distrusted["big"]) in (["big", "g1"], ["big", "g2"])
+    shares = compute_shares(fleet(-4.5), trusted, mem, tgt, knobs)
+    assert shares[trusted["big"]] < 0.2
+
+
+def test_balance_rejects_bad_targets() -> None:
+    with pytest.raises(ValueError):
+        Balance({"a": 1}, {"b": 1.0}, Knobs())
+    with pytest.raises(ValueError):
+        Balance({"a": 1}, {"a": 0.0}, Knobs())
+
+
+# ---------------------------------------------------------------- must-show 2 through the core
+
+
+def fleet_harness(seed: int) -> Harness:
+    spec = make_spec(clusters=2, ranges=2, router=True, min_replicas=2, max_replicas=4,
+                     group_batch=256, max_micro_batch=32, stickiness=0.1, vram_headroom=0.2)
+    hz = Harness(spec=spec, cells=make_cells(spec, expert_gb=9, router_gb=2, targets=TARGETS))
+    order = list(range(len(FLEET)))
+    random.Random(seed).shuffle(order)  # arrival order must not matter
+    for i in order:
+        v, s = FLEET[i]
+        hz.reg(f"w{i:02d}", vram_gb=v, speed=s * UNIT)
+    return hz
+
+
+def speed_of(wid: str, cell: str) -> float:
+    return FLEET[int(wid[1:])][1] * UNIT * (5 if cell == ROUTER else 1)
+
+
+def run_round_everywhere(hz: Harness) -> None:
+    """Every cell runs one round to its commit; workers report their true speed."""
+    for cell in hz.spec.cell_ids:
+        r = hz.round(cell)
+        if r is None:
+            members = [w for w, rec in hz.store.workers.items() if rec.cell_id == cell and rec.state is WorkerState.ACTIVE]
+            for w in members:
+                hz.hb(w)
+            r = hz.round(cell)
+        assert r is not None
+        for m in r.members:
+            if m.worker_id not in r.dropped and hz.st.instruction_for(m.worker_id).order is Order.TRAIN:
+                hz.ready(m.worker_id)
+        r = hz.round(cell)
+        assert r is not None and r.state is RoundState.REDUCING
+        caps = {m.worker_id: m.max_samples for m in r.members}
+        for x in r.contributors:
+            if hz.store.workers[x].cell_id != cell:
+                continue  # moved at another cell's boundary: its late report would be WrongCell
+            samples = caps.get(x, 0) if x not in r.catch_up else 0
+            compute_ms = int(1000 * samples / speed_of(x, cell)) if samples else 0
+            hz.report(x, h(r.round), cell_id=cell, round=r.round, reduce_attempt=r.reduce_attempt,
+                      samples=samples, compute_ms=compute_ms)
+        assert hz.cell(cell).committed_round == r.round
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_must_show_2_heterogeneous_fleet_through_the_core(seed: int) -> None:
+    hz = fleet_harness(seed)
+    targets = hz.st.targets()
+    cells = {w: rec.cell_id for w, rec in hz.store.workers.items()}
+    # 1. fit: nobody gets a cell whose memory does not fit with headroom
+    for w, c in cells.items():
+        assert c, f"{w} idle"
+        assert CELL_MEMORY[c] <= FLEET[int(w[1:])][0] * GB * 0.8, (w, c)
+    assert cells["w00"] == cells["w01"] == ROUTER
+    # 2. balance: every cell's compute share within 15% of its target
+    assert max_rel_error(hz.st.shares(), targets) <= 0.15, hz.st.shares()
+    # 3. per-member batch proportional to throughput, in every cell's first round
+    for w in cells:
+        hz.hb(w)
+    for cell in hz.spec.cell_ids:
+        r = hz.round(cell)
+        assert r is not None
+        batch = {m.worker_id: m.micro_batch * m.grad_accum for m in r.members}
+        assert all(m.micro_batch <= 32 for m in r.members)
+        total_b, total_s = sum(batch.values()), sum(speed_of(w, cell) for w in batch)
+        for w, b in batch.items():
+            assert b / total_b == pytest.approx(speed_of(w, cell) / total_s, abs=0.02), (cell, batch)
+    run_round_everywhere(hz)
+    run_round_everywhere(hz)
+    # the throughput estimates stayed at the true speeds (reports carry samples / compute time)
+    for w, rec in hz.store.workers.items():
+        assert rec.throughput[rec.cell_id] == pytest.approx(speed_of(w, rec.cell_id), rel=0.02)
+    # 4. one departure: only the workers needed move, at the round boundaries
+    before = {w: rec.cell_id for w, rec in hz.store.workers.items()}
+    hz.apply(Leave("w11", "reboot"))  # the fastest card: 18% of all compute
+    experts = [c for c in targets if c != ROUTER]
+    hit = max(abs(hz.st.shares()[c] / targets[c] - 1) for c in experts)
+    assert hit > 0.2
+    run_round_everywhere(hz)
+    run_round_everywhere(hz)
+    after = {w: rec.cell_id for w, rec in hz.store.workers.items() if rec.state is WorkerState.ACTIVE}
+    moved = sorted(w for w in after if after[w] != before[w])
+    # a from-scratch plan of the same 11 workers would move many more
+    views = [WorkerView(w, FLEET[int(w[1:])][0] * GB, {c: speed_of(w, c) for c in CELL_MEMORY}) for w in after]
+    scratch = assign(views, CELL_MEMORY, TARGETS, Knobs(min_replicas=2, max_replicas=4))
+    churn = sum(1 for w in after if scratch[w] != before[w])
+    assert 1 <= len(moved) <= 4 and len(moved) < churn, (moved, churn)
+    for w in moved:
+        assert CELL_MEMORY[after[w]] <= FLEET[int(w[1:])][0] * GB * 0.8
+    # the experts are back near target (stickiness 0.1 tolerates ~that much before paying a
+    # download); the router keeps its two router-only cards, now a larger share of less compute
+    shares = hz.st.shares()
+    assert max(abs(shares[c] / targets[c] - 1) for c in experts) <= 0.25, shares
+    assert sorted(w for w in after if after[w] == ROUTER) == ["w00", "w01"]
+
+
+def test_small_departure_moves_nobody() -> None:
+    hz = fleet_harness(0)
+    for w in list(hz.store.workers):
+        hz.hb(w)
+    run_round_everywhere(hz)
+    before = {w: rec.cell_id for w, rec in hz.store.workers.items()}
+    hz.apply(Leave("w02"))  # the slowest expert card: its cell stays close to target
+    run_round_everywhere(hz)
+    run_round_everywhere(hz)
+    after = {w: rec.cell_id for w, rec in hz.store.workers.items() if rec.state is WorkerState.ACTIVE}
+    assert [w for w in after if after[w] != before[w]] == []  # nobody pays for a download
+    assert max_rel_error(hz.st.shares(), hz.st.targets()) <= 0.25
+
+
+def test_sticky_workers_do_not_move_within_stickiness() -> None:
+    knobs = Knobs(min_replicas=1, max_replicas=8, stickiness=0.5)
+    mem = {"a": GB, "b": GB}
+    bal = Balance(mem, {"a": 1.0, "b": 1.0}, knobs)
+    speeds = [10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 5.0]
+    views = [WorkerView(f"w{i}", 24 * GB, {"a": s, "b": s}, cell_id="a" if i < 4 else "b") for i, s in enumerate(speeds)]
+    for v in views:
+        bal.add_reference(v.throughput)
+        bal.add(v.cell_id, v.throughput["a"])
+    # a holds 40 (ratio 1.23), b 25 (0.77): the gap 0.46 is under the stickiness 0.5
+    assert bal.best_move(views) is None
+    free = [WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=v.cell_id, sticky=False) for v in views]
+    move = bal.best_move(free)  # ... but a worker that holds nothing yet may move
+    assert move is not None and move[0][1:] == ("a", "b")
+
+
+def test_router_losing_a_replica_gets_one_back() -> None:
+    hz = fleet_harness(1)
+    for w in list(hz.store.workers):
+        hz.hb(w)
+    run_round_everywhere(hz)
+    before = {w: rec.cell_id for w, rec in hz.store.workers.items()}
+    hz.apply(Leave("w00"))  # a router-only card: the router drops below min_replicas
+    run_round_everywhere(hz)
+    after = {w: rec.cell_id for w, rec in hz.store.workers.items() if rec.state is WorkerState.ACTIVE}
+    moved = [w for w in after if after[w] != before[w]]
+    assert sum(1 for c in after.values() if c == ROUTER) >= 2
+    assert len(moved) == 1 and after[moved[0]] == ROUTER  # redundancy: exactly one newcomer

@@ -1,0 +1,286 @@
+"""Coordinator core: bad and late events, restore, and the cost of the hot paths.
+
+- every error leaves the state exactly as it was (records, instructions, timers);
+- the error -> gRPC status table;
+- restore from the records the effects wrote rebuilds the same state, which then
+  behaves exactly like the original;
+- a heartbeat that changes nothing does no work and writes nothing; joining is bounded
+  work whatever the number of workers (counted, never timed).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import grpc
+import pytest
+
+from bagel.coordinator import errors as E
+from bagel.coordinator.domain import (
+    CheckpointStored,
+    Heartbeat,
+    Leave,
+    LeaseExpired,
+    LocalState,
+    Order,
+    Phase,
+    Profile,
+    Register,
+    ReportRound,
+    RoundState,
+    Tick,
+    Verdict,
+    WorkerState,
+)
+from bagel.coordinator.errors import GRPC_STATUS, grpc_status_name
+
+from test_state_harness import GB, Harness, h, make_spec, restored
+
+CELL = "k0.r0"
+
+
+def rich_state() -> Harness:
+    """Two commits in k0.r0, a third round REDUCING with one report, a checkpoint, a
+    router-only worker, a lost worker and a banned one."""
+    hz = Harness(spec=make_spec(router=True, ban_reputation=-1.5), max_workers=8)
+    for w in ("a", "b", "c"):
+        hz.reg(w, vram_gb=24)
+    hz.reg("r", vram_gb=4)  # fits only the router (2 GB of 4 x 0.8)
+    assert hz.store.workers["r"].cell_id == "router"
+    assert {hz.store.workers[w].cell_id for w in "abc"} == {CELL}
+    hz.hb("a")
+    hz.hb("r")
+    for n in (1, 2):
+        for m in hz.round(CELL).members:
+            hz.ready(m.worker_id)
+        contributors = hz.round(CELL).contributors
+        assert contributors == ("a", "b", "c")  # members, or catch-up after a late report
+        ra = hz.st.instruction_for("a").reduce_attempt
+        for w in "cab" if n == 2 else "abc":  # c (catch-up in round 2) disagrees: banned (-2 < -1.5)
+            hz.report(w, h(66) if (w, n) == ("c", 2) else h(n), round=n, reduce_attempt=ra)
+    hz.apply(CheckpointStored(CELL, 2, h(2)))
+    assert hz.store.workers["c"].state is WorkerState.BANNED
+    hz.reg("d")
+    hz.reg("lost")
+    hz.advance(11_000)
+    for w in ("a", "b", "d", "r"):
+        hz.hb(w)
+    hz.tick()
+    assert hz.store.workers["lost"].state is WorkerState.LOST
+    hz.ready("a")
+    hz.ready("b")
+    r = hz.round(CELL)
+    assert r is not None and r.state is RoundState.REDUCING and r.round == 3
+    hz.report("a", h(3))
+    return hz
+
+
+def frozen_view(hz: Harness) -> tuple[object, ...]:
+    st = hz.st
+    ins = {}
+    for w in hz.store.workers.values():
+        if w.state in (WorkerState.ACTIVE, WorkerState.BANNED):
+            ins[w.worker_id] = st.instruction_for(w.worker_id)
+    return (st.snapshot(), ins, st.next_wakeup_ms(), st.shares(), st.counts(), sorted(st._leases), sorted(st._deadlines))
+
+
+def bad_events(hz: Harness) -> list[tuple[object, type[E.CoordinatorError]]]:
+    local = hz.store.workers["a"].local
+    prof = Profile(vram_bytes=24 * GB, samples_per_s={CELL: 10.0})
+    return [
+        (Heartbeat("nobody", Phase.IDLE), E.UnknownWorker),
+        (Heartbeat("lost", Phase.IDLE), E.UnknownWorker),
+        (Heartbeat("c", Phase.IDLE), E.Banned),
+        (Heartbeat("a", Phase.UNSPECIFIED), E.InvalidEvent),
+        (Heartbeat("a", 99), E.InvalidEvent),  # type: ignore[arg-type]
+        (Heartbeat("a", Phase.READY, CELL, 3, samples=-1), E.InvalidEvent),
+        (Heartbeat("a", Phase.IDLE, local=LocalState(CELL, -1, "")), E.InvalidEvent),
+        (Register("", prof), E.InvalidEvent),
+        (Register("n", Profile(vram_bytes=-1)), E.InvalidEvent),
+        (Register("n", Profile(vram_bytes=GB, samples_per_s={CELL: math.nan})), E.InvalidEvent),
+        (Register("n", prof, local=LocalState(CELL, -2, "")), E.InvalidEvent),
+        (Register("c", prof), E.Banned),
+        (ReportRound("a", "k9.r9", 3, h(3)), E.InvalidEvent),
+        (ReportRound("a", "router", 1, h(1)), E.WrongCell),
+        (ReportRound("a", CELL, 0, h(1)), E.InvalidEvent),
+        (ReportRound("a", CELL, 1, h(1)), E.StaleRound),
+        (ReportRound("a", CELL, 9, h(1)), E.InvalidEvent),
+        (ReportRound("b", CELL, 3, ""), E.InvalidEvent),
+        (ReportRound("b", CELL, 3, h(3), samples=-5), E.InvalidEvent),
+        (ReportRound("a", CELL, 3, h(4), reduce_attempt=0), E.DuplicateSubmission),
+        (ReportRound("b", CELL, 3, h(3), reduce_attempt=7), E.InvalidEvent),
+        (ReportRound("nobody", CELL, 3, h(3)), E.UnknownWorker),
+        (Leave("nobody"), E.UnknownWorker),
+        (LeaseExpired("nobody"), E.UnknownWorker),
+        (CheckpointStored("k9.r9", 1, h(1)), E.InvalidEvent),
+        (CheckpointStored(CELL, 3, h(3)), E.InvalidRunState),
+        (CheckpointStored(CELL, 2, h(5)), E.InvalidRunState),
+        ("not an event", E.InvalidEvent),
+        (local, E.InvalidEvent),
+    ]
+
+
+def test_errors_leave_state_unchanged() -> None:
+    hz = rich_state()
+    events = bad_events(hz)
+    before = frozen_view(hz)
+    for ev, err in events:
+        with pytest.raises(err):
+            hz.st.apply(hz.now, ev)  # type: ignore[arg-type]
+        assert frozen_view(hz) == before, f"{ev!r} changed the state"
+    with pytest.raises(E.InvalidEvent):
+        hz.st.apply(1.5, Tick())  # type: ignore[arg-type]
+    # the run is full (max_workers=8 counts active workers: a b d r)
+    for i in range(4):
+        hz.reg(f"x{i}", vram_gb=24)
+    full = frozen_view(hz)
+    with pytest.raises(E.CapacityExceeded):
+        hz.st.apply(hz.now, Register("x9", Profile(vram_bytes=GB)))
+    assert frozen_view(hz) == full
+    # ... but a registered worker may re-register
+    hz.reg("x0", vram_gb=24)
+
+
+def test_report_before_freeze_and_from_a_non_contributor() -> None:
+    hz = Harness()
+    for w in "ab":
+        hz.reg(w)
+    hz.hb("a")
+    with pytest.raises(E.WrongPhase):
+        hz.report("a", h(1))
+    hz.ready("a")
+    hz.ready("b")
+    hz.report("a", h(1))
+    hz.report("b", h(1))
+    hz.reg("late")  # round 2 is open; late needs round 1's state
+    with pytest.raises(E.WrongPhase):
+        hz.apply(ReportRound("late", CELL, 2, h(2)))
+
+
+def test_duplicate_report_is_a_noop() -> None:
+    hz = Harness()
+    for w in "abc":
+        hz.reg(w)
+    hz.hb("a")
+    for w in "abc":
+        hz.ready(w)
+    hz.report("a", h(1))
+    before = hz.st.snapshot()
+    out = hz.report("a", h(1))  # a retry after a lost answer
+    assert out.verdict is Verdict.PENDING and out.effects == ()
+    assert hz.st.snapshot() == before
+
+
+def test_grpc_status_table() -> None:
+    expected = {
+        E.InvalidEvent: "INVALID_ARGUMENT",
+        E.UnknownWorker: "NOT_FOUND",
+        E.InvalidRunState: "FAILED_PRECONDITION",
+        E.WrongCell: "FAILED_PRECONDITION",
+        E.WrongPhase: "FAILED_PRECONDITION",
+        E.StaleRound: "FAILED_PRECONDITION",
+        E.DuplicateSubmission: "ALREADY_EXISTS",
+        E.Banned: "PERMISSION_DENIED",
+        E.CapacityExceeded: "RESOURCE_EXHAUSTED",
+    }
+    for cls, name in expected.items():
+        assert grpc_status_name(cls("x")) == name
+        assert issubclass(cls, E.CoordinatorError)
+    # every core error class has an entry, and every entry is a real gRPC code
+    subclasses = {c for c in vars(E).values() if isinstance(c, type) and issubclass(c, E.CoordinatorError)}
+    assert subclasses == set(GRPC_STATUS)
+    for name in GRPC_STATUS.values():
+        assert grpc.StatusCode[name]
+
+    class Custom(E.WrongPhase):
+        pass
+
+    assert grpc_status_name(Custom()) == "FAILED_PRECONDITION"  # inherited along the MRO
+    assert grpc_status_name(ValueError()) == "INTERNAL"
+
+
+def test_restore_round_trip_and_continue() -> None:
+    hz = rich_state()
+    snap = hz.st.snapshot()
+    st2 = restored(hz, rng=random.Random(7), max_workers=8)
+    assert st2.snapshot() == snap
+    for w in snap.workers:
+        if w.state is WorkerState.ACTIVE:
+            assert st2.instruction_for(w.worker_id) == hz.st.instruction_for(w.worker_id)
+            assert st2.worker_phase(w.worker_id)[4] == hz.now + 10_000  # lease renewed
+    assert st2.shares() == pytest.approx(hz.st.shares())
+    # both continue identically: b's report commits round 3 on either
+    outs = [s.apply(hz.now, ReportRound("b", CELL, 3, h(3), samples=100, compute_ms=1000)) for s in (hz.st, st2)]
+    assert outs[0].verdict is outs[1].verdict is Verdict.COMMITTED
+    assert hz.st.snapshot() == st2.snapshot()
+    assert st2.instruction_for("a").order is Order.TRAIN and st2.instruction_for("a").round == 4
+
+
+def test_restore_reattaches_then_expires_silent_workers() -> None:
+    hz = rich_state()
+    st2 = restored(hz)
+    attempt = hz.round(CELL).attempt
+    now = hz.now + 5_000
+    st2.apply(now, Heartbeat("a", Phase.REDUCING, CELL, 3, reduce_attempt=1, local=LocalState(CELL, 2, h(2))))
+    st2.apply(now + 6_000, Tick())  # b, d and r said nothing since the restart
+    snap = {w.worker_id: w.state for w in st2.snapshot().workers}
+    assert snap["a"] is WorkerState.ACTIVE
+    assert snap["b"] is WorkerState.LOST and snap["d"] is WorkerState.LOST
+    # b, a contributor, is lost before reporting; a's report alone is no quorum: re-run
+    rec = st2.cell_view(CELL)[1]
+    assert rec is not None and (rec.round, rec.state, rec.attempt) == (3, RoundState.OPEN, attempt + 1)
+
+
+def test_restore_rejects_inconsistent_records() -> None:
+    hz = rich_state()
+    snap = hz.st.snapshot()
+    with pytest.raises(ValueError):
+        type(hz.st).restore(hz.spec, hz.cells, workers=snap.workers, cell_records=snap.cells,
+                            rounds=snap.rounds + snap.rounds, now_ms=hz.now)
+
+
+# ---------------------------------------------------------------- cost of the hot paths
+
+
+def big(n: int) -> Harness:
+    hz = Harness(spec=make_spec(clusters=2, ranges=2, router=True, max_replicas=100_000, min_replicas=2))
+    for i in range(n):
+        hz.st.apply(hz.now, Register(f"w{i:05d}", Profile(vram_bytes=(8 + i % 5 * 8) * GB,
+                                                            samples_per_s={c: 50.0 + i % 7 * 20 for c in hz.spec.cell_ids})))
+    return hz
+
+
+def test_noop_heartbeat_does_no_work_and_writes_nothing() -> None:
+    for n in (50, 2000):
+        hz = big(n)
+        st = hz.st
+        wid = "w00003"
+        ins = st.instruction_for(wid)
+        st.apply(hz.now, Heartbeat(wid, Phase.IDLE, ins.cell_id, local=LocalState()))  # may open a round
+        ins = st.instruction_for(wid)
+        assert ins.order is Order.TRAIN
+        st.apply(hz.now, Heartbeat(wid, Phase.TRAINING, ins.cell_id, ins.round, local=LocalState()))  # -> TRAINING
+        ops = st.ops
+        for k in range(100):
+            ins = st.instruction_for(wid)
+            out = st.apply(hz.now + k, Heartbeat(wid, Phase.TRAINING, ins.cell_id, ins.round, inner_step=k,
+                                                 local=LocalState(), round_attempt=ins.round_attempt))
+            assert out.effects == ()
+        assert st.ops == ops, f"{n} workers: a no-op heartbeat looped over something"
+        assert len(st._leases) <= n  # lease renewals do not grow the heap
+
+
+def test_join_and_tick_work_is_bounded() -> None:
+    costs = {}
+    for n in (100, 3000):
+        hz = big(n)
+        st = hz.st
+        ops = st.ops
+        st.apply(hz.now, Register("new", Profile(vram_bytes=24 * GB, samples_per_s={c: 90.0 for c in hz.spec.cell_ids})))
+        costs[n] = st.ops - ops
+        ops = st.ops
+        st.apply(hz.now + 1, Tick())  # nothing expired, no deadline
+        assert st.ops == ops
+    bound = 32 * 4 + 32  # candidates x moves + standby scan
+    assert costs[3000] <= bound and costs[100] <= bound, costs
