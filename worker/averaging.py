@@ -128,6 +128,13 @@ class DataPlane:
 
     Create one per worker process (on `await dht.replicate_p2p()`), `await start()`, then
     call `all_reduce` for each ORDER_REDUCE; `await close()` on shutdown.
+
+    reducer: the aggregation rule for the parts this peer reduces ("mean", "trimmed_mean:0.2",
+    "centered_clip:rel=1,iters=10"; see reducers.py). pending_wait_s: how long an incoming
+    contribution for an exchange we have not started yet is held before the sender is told
+    NOT_READY (it retries until its deadline). max_pending_streams: cap on such held streams.
+    reply_grace_s: after our result is complete, how long we wait for the other contributors
+    to take their averaged part (only so the byte counts are complete).
     """
 
     def __init__(
@@ -136,7 +143,7 @@ class DataPlane:
         run_id: str,
         *,
         reducer: str | Reducer = "mean",
-        pending_wait_s: float = 30.0,
+        pending_wait_s: float = 5.0,
         max_pending_streams: int = 64,
         header_timeout_s: float = 10.0,
         reply_grace_s: float = 5.0,
@@ -412,6 +419,8 @@ class DataPlane:
             # the P2P client is closing under us: end this stream's task quietly (it is the top
             # of its task, so nothing above waits for the cancellation)
             log.debug("part stream from %s cancelled at shutdown", info.peer_id)
+        except Exception:  # a bug or a surprise from a hostile peer must cost one stream, nothing more
+            log.exception("part stream from %s failed", info.peer_id)
         finally:
             writer.close()
 
