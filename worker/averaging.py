@@ -27,10 +27,11 @@ others finish without waiting for it, and it still receives the average.
 
 Wire format: `protocol/dataplane.proto`; framing with size limits: `framing.py`; layout,
 split and codec calls: `parts.py`.
-Bytes per member per round (n elements, k = |C| contributors, enc(m) = codec bytes for m
-elements, h ~ 0.2 KiB of headers per stream):
-sent = sum_{j != i} enc(n_j) + (k-1) enc(n_i) + 2(k-1)h, received the same with i and j
-swapped; with equal parts that is about 2 (k-1)/k enc(n) each way.
+Bytes per member i per round (n elements, k = |C| contributors, n_j = size of part j,
+enc(m) = `codec.encoded_nbytes(m)`, h ~ 130 bytes per message: two 4-byte frame prefixes and
+a protobuf header, a little more when a reply lists exclusions):
+sent_i = sum_{j != i} (enc(n_j) + h) + (k-1) (enc(n_i) + h), received_i the same;
+with equal parts that is about 2 (k-1)/k enc(n) each way (the butterfly optimum).
 """
 
 from __future__ import annotations
