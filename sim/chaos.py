@@ -140,6 +140,7 @@ class ChaosRun:
         self.bootstrap: Proc | None = None
         self.bootstrap_maddr = ""
         self.join = ""
+        self.coordinator_key = b""
         self.coordinator_starts = 0
         self.coordinator_expected_exit = True
         self.coordinator_unexpected: list[str] = []
@@ -209,6 +210,19 @@ class ChaosRun:
             "--tick-ms", str(self.sc.tick_ms), "--grace-s", "2", "--log-level", "WARNING",
         ]
 
+    def make_join(self) -> str:
+        """The workers' join string, known before the coordinator runs: the coordinator's key
+        is created here in its data dir (the daemon loads an existing key, `KEY_FILE`), and
+        the initial peer is the bootstrap node, which outlives coordinator restarts."""
+        from bagel.coordinator.daemon import KEY_FILE
+        from bagel.protocol.identity import Identity
+        from bagel.protocol.joinstring import make_join_string
+
+        self.coord_dir.mkdir(parents=True, exist_ok=True)
+        self.coordinator_key = Identity.load_or_create(self.coord_dir / KEY_FILE).public_key
+        self.join = make_join_string(self.sc.spec.run.id, self.coordinator_key, [self.bootstrap_maddr])
+        return self.join
+
     async def start_coordinator(self) -> None:
         self.coordinator_starts += 1
         name = f"coordinator-{self.coordinator_starts}"
@@ -219,12 +233,11 @@ class ChaosRun:
             line = await proc.wait_line(lambda s: s.startswith("join: "), STARTUP_LINE_TIMEOUT_S)
         except (ProcessExited, asyncio.TimeoutError) as e:
             raise RuntimeError(f"{name} did not start: {e}; see {self.out / 'logs' / (name + '.err')}") from None
-        if not self.join:
-            from bagel.protocol.joinstring import make_join_string, parse_join_string
+        from bagel.protocol.joinstring import parse_join_string
 
-            info = parse_join_string(line.split(" ", 1)[1])
-            # initial peer: the bootstrap node, which outlives coordinator restarts
-            self.join = make_join_string(info.run_id, info.coordinator_public_key, [self.bootstrap_maddr])
+        info = parse_join_string(line.split(" ", 1)[1])
+        if info.coordinator_public_key != self.coordinator_key:
+            raise RuntimeError(f"{name} serves with another key than the one created for it in {self.coord_dir}")
         self.coordinator_expected_exit = False
         self._watch(proc, self._on_coordinator_exit)
 
@@ -490,10 +503,13 @@ class ChaosRun:
         self.sup.extra_ports.add(self.coord_port)
         await self.start_bootstrap()
         self.say(f"bootstrap DHT node {self.bootstrap_maddr}")
-        await self.start_coordinator()
-        self.say(f"coordinator up; starting {len(self.workers)} workers")
+        self.make_join()
+        # workers start with the coordinator: they import torch and start their DHT nodes
+        # while it starts, then find its record (start-up is most of a short run's time)
         for slot in self.workers:
             await self.start_worker(slot)
+        await self.start_coordinator()
+        self.say(f"coordinator up; {len(self.workers)} workers started")
         # t = 0 of the schedule: the first committed round
         deadline = time.monotonic() + self.sc.startup_timeout_s
         while self.obs.first_commit_s is None:
@@ -512,7 +528,10 @@ class ChaosRun:
             done = all(t.done() for t in pending)
             if done:
                 last_end = max([ff.ended_s or ff.fired_s or 0.0 for ff in self.fired], default=self.t_zero)
-                after = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s > last_end}
+                # rounds first acknowledged after the last fault (a late ack of an older round
+                # after a coordinator restart is not progress)
+                before = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s <= last_end}
+                after = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s > last_end} - before
                 if len(after) >= self.sc.settle_commits:
                     self.stop_reason = f"{len(after)} rounds committed after the last fault ended"
                     break
@@ -618,23 +637,31 @@ class ChaosRun:
         )
 
     def _result(self, error: str) -> dict[str, Any]:
-        h = self.history()
-        results = inv.check_history(h)
-        not_fired = [ff for ff in self.fired if ff.fired_s is None or ff.error]
-        unexpected = self.coordinator_unexpected + [m for w in self.workers for m in w.unexpected_exits]
-        runner = {
-            "all_faults_fired": inv.InvariantResult(
-                "all_faults_fired",
-                not not_fired and not error,
-                tuple(f"fault {ff.index} ({ff.fault.kind.value} at {ff.fault.at_s:g}s): {ff.error or 'did not fire'}" for ff in not_fired)
-                + ((f"run ended early: {error}",) if error else ()),
-            ),
-            "no_unexpected_exit": inv.InvariantResult("no_unexpected_exit", not unexpected, tuple(unexpected)),
-        }
-        results = {**results, **runner}
         from bagel.sim.chaos_report import build_summary
 
+        h = self.history()
+        unexpected = self.coordinator_unexpected + [m for w in self.workers for m in w.unexpected_exits]
+        results = {**inv.check_history(h), **runner_checks(self.fired, unexpected, error)}
         return build_summary(self, h, results)
+
+
+def runner_checks(fired: list[FiredFault], unexpected_exits: list[str], error: str) -> dict[str, inv.InvariantResult]:
+    """Checks of the run itself, next to sim/invariants.py's checks of the system:
+
+    - `all_faults_fired`: every scheduled fault was applied and the run was not cut short
+      (a chaos run whose faults did not happen proves nothing);
+    - `no_unexpected_exit`: no coordinator or worker process ended unless we ended it.
+    """
+    not_fired = [ff for ff in fired if ff.fired_s is None or ff.error]
+    return {
+        "all_faults_fired": inv.InvariantResult(
+            "all_faults_fired",
+            not not_fired and not error,
+            tuple(f"fault {ff.index} ({ff.fault.kind.value} at {ff.fault.at_s:g}s): {ff.error or 'did not fire'}" for ff in not_fired)
+            + ((f"run ended early: {error}",) if error else ()),
+        ),
+        "no_unexpected_exit": inv.InvariantResult("no_unexpected_exit", not unexpected_exits, tuple(unexpected_exits)),
+    }
 
 
 def _pgid(pid: int) -> int:
