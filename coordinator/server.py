@@ -50,7 +50,7 @@ from bagel.coordinator.errors import CoordinatorError, grpc_status_name
 from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.spec import RunSpec, parse_cell
 from bagel.coordinator.state import CoordinatorState
-from bagel.coordinator.store import AsyncWriter
+from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import EnvelopeError, Verified, Verifier, wall_clock_ms
@@ -269,6 +269,7 @@ class CoordinatorCore:
         self._on_fatal = on_fatal
         self.heartbeat_interval_ms = int(spec.schedule.heartbeat_s * 1000)
         self._counts_dirty = False
+        self._cell_writes: dict[str, asyncio.Future[None]] = {}  # latest CellRecord batch per cell
         self._publish_worker_counts()
 
     # ------------------------------------------------------------------ request path
@@ -283,23 +284,39 @@ class CoordinatorCore:
         return verified
 
     async def apply(self, event: d.Event) -> d.Outcome:
-        """Apply one event and make its effects durable before returning."""
+        """Apply one event; return once its effects, and whatever its answer reveals, are durable.
+
+        - With effects: await its own batch (FIFO: every earlier batch is durable too).
+        - A heartbeat without effects (the hot path) waits only if its instruction names a
+          cell whose record change (a commit, a rollback, a checkpoint) is still being
+          written: a worker never hears of a commit before it is durable. Other pending
+          batches it does not wait for: what else an instruction reveals (a round opened,
+          a freeze) is level-triggered and harmless to re-decide after a crash.
+        - Any other event without effects waits for every pending batch.
+        """
         if not self.accepting:
             raise NotAccepting("the coordinator is shutting down")
         now = self.clock()
         outcome = self.state.apply(now, event)
-        if outcome.effects:
-            fut = self.writer.submit(outcome.effects, now)
-            self.metrics.store_writes.inc()
-            self._observe(outcome.effects)
-            try:
+        try:
+            if outcome.effects:
+                fut = self.writer.submit(outcome.effects, now)
+                self.metrics.store_writes.inc()
+                self._observe(outcome.effects)
+                for rec in outcome.effects:
+                    if isinstance(rec, d.CellRecord):
+                        self._cell_writes[rec.cell_id] = fut
                 await fut
-            except Exception as e:
-                self._die(e)
-                raise NotAccepting("the coordinator's store failed; it is restarting") from e
-        else:
-            # nothing of ours to write, but the answer may depend on a batch still in flight
-            await self.writer.barrier()
+            elif isinstance(event, d.Heartbeat):
+                ins = outcome.instruction
+                pending = self._cell_writes.get(ins.cell_id) if ins is not None and ins.cell_id else None
+                if pending is not None and not pending.done():
+                    await asyncio.shield(pending)
+            else:
+                await self.writer.barrier()
+        except Exception as e:
+            self._die(e)
+            raise NotAccepting("the coordinator's store failed; it is restarting") from e
         return outcome
 
     def _die(self, exc: BaseException) -> None:

@@ -18,14 +18,14 @@ be recorded once and only once, which is what the crash test checks. A second in
 the same (cell, round) with the same hash is a no-op (a retried write); with another hash
 it is an error (`StoreError`) because it would mean two different committed states.
 
-Threads: the daemon writes from one dedicated thread (`AsyncWriter`), so fsyncs never
-block the event loop, in submission order; `Store.open_readonly` serves `status` while a
-daemon runs (WAL readers never block the writer).
+Threads: the daemon writes from one dedicated thread (`bagel.coordinator.writer`), so
+fsyncs never block the event loop, in submission order, several batches per transaction
+when they queue up; `Store.open_readonly` serves `status` while a daemon runs (WAL
+readers never block the writer).
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections.abc
 import dataclasses
 import enum
@@ -35,7 +35,6 @@ import time
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,9 +248,14 @@ class Store:
         if not effects:
             return
         now = int(time.time() * 1000) if now_ms is None else now_ms
+        self.write_many([(effects, now)])
+
+    def write_many(self, batches: Sequence[tuple[Sequence[Any], int]]) -> None:
+        """Several batches, in order, in ONE transaction and one fsync (group commit)."""
         with self._tx() as c:
-            for effect in effects:
-                _apply_effect(c, effect, now)
+            for effects, now in batches:
+                for effect in effects:
+                    _apply_effect(c, effect, now)
 
     def put(self, table: str, key: dict[str, Any], record: dict[str, Any], now_ms: int) -> None:
         """Upsert one record (used by tests and tools; the daemon goes through `write`)."""
@@ -500,46 +504,3 @@ def from_json(tp: Any, data: Any) -> Any:
     if tp is int:
         return int(data)
     return data
-
-
-# ---------------------------------------------------------------------- async writer
-
-
-class AsyncWriter:
-    """Serializes store writes on one thread, in submission order (group-commit style).
-
-    `submit(effects)` returns a future that completes when the batch is durable. Because
-    the executor has one thread and a FIFO queue, awaiting the latest future means every
-    earlier batch is durable too: a handler whose reply depends on state produced by an
-    earlier, still-in-flight batch awaits `barrier()` before replying.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bagel-store")
-        self._last: asyncio.Future[None] | None = None
-        self.batches = 0
-
-    def submit(self, effects: Sequence[Any], now_ms: int) -> asyncio.Future[None]:
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, self.store.write, list(effects), now_ms)
-        self._last = fut
-        self.batches += 1
-        return fut
-
-    async def run(self, fn: Any, *args: Any) -> Any:
-        """Run `fn(*args)` on the store thread, after everything submitted before it."""
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool, fn, *args)
-        self._last = fut
-        return await fut
-
-    async def barrier(self) -> None:
-        """Wait until everything submitted so far is durable (cheap when nothing is pending)."""
-        last = self._last
-        if last is not None and not last.done():
-            await asyncio.shield(last)
-
-    async def close(self) -> None:
-        await self.barrier()
-        self._pool.shutdown(wait=True)

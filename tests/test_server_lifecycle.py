@@ -108,10 +108,10 @@ async def test_unexpected_exception_is_internal_and_serving_continues(tmp_path: 
 async def test_store_failure_stops_acknowledging(tmp_path: Path, monkeypatch) -> None:
     h = await start(tmp_path)
     try:
-        def broken(effects, now_ms=None):
+        def broken(batches):
             raise OSError("disk full")
 
-        monkeypatch.setattr(h.store, "write", broken)
+        monkeypatch.setattr(h.store, "write_many", broken)
         async with CoordinatorClient(f"127.0.0.1:{h.port}", Identity.generate(), "lcrun") as c:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.register(PROFILE, peer("b"))  # a durable change: it cannot be acknowledged

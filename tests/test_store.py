@@ -23,10 +23,10 @@ from bagel.coordinator.domain import (
     WorkerRecord,
     WorkerState,
 )
+from bagel.coordinator.writer import AsyncWriter
 from bagel.coordinator.store import (
     DB_NAME,
     SCHEMA_VERSION,
-    AsyncWriter,
     SpecMismatchError,
     Store,
     StoreError,
@@ -173,3 +173,32 @@ async def test_async_writer_keeps_order_and_barrier(tmp_path) -> None:
     await writer.close()
     store.close()
     assert os.path.getsize(tmp_path / DB_NAME) > 0
+
+
+async def test_async_writer_groups_queued_batches_into_one_transaction(tmp_path) -> None:
+    store = Store.open(tmp_path)
+    writer = AsyncWriter(store)
+    gate = __import__("threading").Event()
+    # hold the writer thread, queue 50 batches behind it, then let go: they share transactions
+    blocker = asyncio.ensure_future(writer.run(gate.wait))
+    futs = [writer.submit([CellRecord("k0.r0", i, H1)], now_ms=i) for i in range(1, 51)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    await blocker
+    await asyncio.gather(*futs)
+    assert writer.batches == 50 and writer.transactions < 50
+    assert store.load().cells[0].committed_round == 50  # applied in order
+    await writer.close()
+    store.close()
+
+
+async def test_async_writer_failure_fails_the_batch(tmp_path) -> None:
+    store = Store.open(tmp_path)
+    writer = AsyncWriter(store)
+    store.write([commit(4)], now_ms=1)
+    with pytest.raises(StoreError):
+        await writer.submit([commit(4, H2)], now_ms=2)
+    await writer.submit([commit(5)], now_ms=3)  # the writer keeps working
+    assert [r for _c, r, _h in store.commits()] == [4, 5]
+    await writer.close()
+    store.close()

@@ -1,0 +1,369 @@
+"""Load benchmark of the coordinator daemon (issue 2, must-show 6).
+
+A real coordinator process (`python -m bagel.coordinator serve`) and, in a separate
+process, a load generator: N simulated workers, each with its own Ed25519 key, register
+and then heartbeat every 5 s (phases spread uniformly), over a few shared gRPC channels.
+The workers follow the round protocol minimally so the coordinator does its real work
+(rounds open, freeze and commit, with SQLite writes, for the workers that get a cell):
+TRAIN -> READY on the next beat, REDUCE -> ReportRound with a hash all honest members
+agree on, SYNC -> adopt the committed state.
+
+Reported per point: heartbeats/s sustained (answered heartbeats over the measurement
+window), p50/p99 heartbeat latency (client-side round trip, so it includes the
+generator's own queueing: an honest upper bound on the server's), target rate, errors.
+Every request is freshly signed (a fresh nonce each time, as the protocol requires):
+signing runs in the generator and competes for the same CPU as the coordinator.
+
+    python bench/coordinator_load.py [--quick] [--workers 1000 5000 10000]
+        [--period-s 5] [--measure-s 30] [--json FILE]
+
+Target (issue 2): 10k workers (2,000 heartbeats/s) at p99 <= 50 ms on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import heapq
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SPEC = """
+[run]
+id = "loadrun"
+
+[data]
+source = "digits"
+clusters = 2
+
+[cells]
+timestep_ranges = 2
+router = true
+
+[diloco]
+inner_steps = 2
+group_batch = 32
+
+[schedule]
+min_replicas = 2
+max_replicas = 8
+lease_s = {lease_s}
+heartbeat_s = {period_s}
+deadline_slack = 3.0
+min_round_s = 5.0
+quorum = 0.5
+
+[checkpoint]
+every_rounds = 1000000
+"""
+
+CHANNELS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------- generator
+
+
+@dataclass
+class SimState:
+    identity: Any
+    phase: int = 1  # PHASE_IDLE
+    cell: str = ""
+    round: int = 0
+    round_attempt: int = 0
+    samples: int = 0
+    local: tuple[str, int, str] = ("", 0, "")
+    reported: set[tuple[str, int, int]] = field(default_factory=set)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    return xs[k]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _generate(
+    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int
+) -> dict[str, Any]:
+    import grpc
+
+    from bagel.protocol import bagel_pb2 as pb
+    from bagel.protocol import bagel_pb2_grpc as pb_grpc
+    from bagel.protocol.envelope import sign_request
+    from bagel.protocol.grpc_options import channel_options
+    from bagel.protocol.identity import Identity
+
+    channels = [grpc.aio.insecure_channel(target, options=channel_options()) for _ in range(CHANNELS)]
+    stubs = [pb_grpc.CoordinatorStub(ch) for ch in channels]
+    for ch in channels:
+        await asyncio.wait_for(ch.channel_ready(), 60)
+    rng = random.Random(0)
+    sims = [SimState(Identity.generate()) for _ in range(n)]
+    errors: dict[str, int] = {}
+
+    def peer(i: int) -> pb.PeerAddress:
+        alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+        tail = "".join(alphabet[(i * 7 + k * 13) % 58] for k in range(44))
+        return pb.PeerAddress(peer_id="12D3KooW" + tail, maddrs=["/ip4/127.0.0.1/tcp/1"])
+
+    async def register(i: int) -> None:
+        s = sims[i]
+        req = pb.RegisterRequest(
+            profile=pb.WorkerProfile(
+                name=f"load{i}", device_kind="cpu", vram_bytes=8 << 30, num_devices=1,
+                link_bandwidth_bytes_per_s=1e8, software_version="bench",
+            ),
+            peer=peer(i),
+            local=pb.LocalState(cell_id=s.local[0], committed_round=s.local[1], state_hash=s.local[2]),
+        )
+        resp = await stubs[i % CHANNELS].Register(sign_request(s.identity, req, run_id="loadrun", method="Register"), timeout=30)
+        act(i, resp.instruction)
+
+    def act(i: int, ins: Any) -> None:
+        s = sims[i]
+        if ins.order == pb.ORDER_TRAIN:
+            s.phase, s.cell, s.round, s.round_attempt = pb.PHASE_READY, ins.cell_id, ins.round, ins.round_attempt
+            s.samples = ins.plan.micro_batch * ins.plan.grad_accum * ins.plan.inner_steps
+        elif ins.order == pb.ORDER_REDUCE:
+            key = (ins.cell_id, ins.round, ins.reduce_attempt)
+            if key not in s.reported:
+                s.reported.add(key)
+                s.phase = pb.PHASE_REDUCING
+                text = f"{ins.cell_id}|{ins.round}|{ins.committed_hash}|{','.join(m.worker_id for m in ins.contributors)}"
+                h = hashlib.sha256(text.encode()).hexdigest()
+                spawn(report(i, ins, h))
+        elif ins.order == pb.ORDER_SYNC:
+            s.local = (ins.cell_id, ins.committed_round, ins.committed_hash)
+            s.phase = pb.PHASE_IDLE
+        elif ins.order == pb.ORDER_WAIT and s.phase != pb.PHASE_REDUCING:
+            s.phase = pb.PHASE_IDLE
+
+    async def report(i: int, ins: Any, h: str) -> None:
+        s = sims[i]
+        req = pb.ReportRoundRequest(cell_id=ins.cell_id, round=ins.round, state_hash=h, samples=s.samples,
+                                    loss=0.5, compute_ms=100, comm_ms=10, reduce_attempt=ins.reduce_attempt)
+        try:
+            resp = await stubs[i % CHANNELS].ReportRound(
+                sign_request(s.identity, req, run_id="loadrun", method="ReportRound"), timeout=30
+            )
+            if resp.verdict == pb.VERDICT_COMMITTED:
+                s.local = (ins.cell_id, ins.round, h)
+            s.phase = pb.PHASE_IDLE
+            act(i, resp.instruction)
+        except grpc.aio.AioRpcError as e:
+            errors[f"ReportRound:{e.code().name}"] = errors.get(f"ReportRound:{e.code().name}", 0) + 1
+            s.phase = pb.PHASE_IDLE
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    # registration, bounded concurrency
+    t0 = time.perf_counter()
+    sem = asyncio.Semaphore(64)
+
+    async def reg(i: int) -> None:
+        async with sem:
+            for _ in range(5):
+                try:
+                    await register(i)
+                    return
+                except grpc.aio.AioRpcError as e:
+                    errors[f"Register:{e.code().name}"] = errors.get(f"Register:{e.code().name}", 0) + 1
+                    await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(reg(i) for i in range(n)))
+    register_s = time.perf_counter() - t0
+
+    latencies: list[float] = []
+    measuring = {"on": False}
+    sent = {"n": 0}
+
+    async def beat(i: int) -> None:
+        s = sims[i]
+        active = s.phase in (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING)
+        req = pb.HeartbeatRequest(
+            phase=s.phase,
+            cell_id=s.cell if active else "",
+            round=s.round if active else 0,
+            inner_step=2 if s.phase == pb.PHASE_READY else 0,
+            samples=s.samples if s.phase == pb.PHASE_READY else 0,
+            local=pb.LocalState(cell_id=s.local[0], committed_round=s.local[1], state_hash=s.local[2]),
+            round_attempt=s.round_attempt if s.phase == pb.PHASE_READY else 0,
+        )
+        start = time.perf_counter()
+        try:
+            resp = await stubs[i % CHANNELS].Heartbeat(
+                sign_request(s.identity, req, run_id="loadrun", method="Heartbeat"), timeout=30
+            )
+        except grpc.aio.AioRpcError as e:
+            key = f"Heartbeat:{e.code().name}"
+            errors[key] = errors.get(key, 0) + 1
+            if e.code() == grpc.StatusCode.NOT_FOUND:  # lease lost under load: re-register
+                spawn(reg(i))
+            return
+        if measuring["on"]:
+            latencies.append((time.perf_counter() - start) * 1000.0)
+        act(i, resp.instruction)
+
+    # fixed-rate schedule: each worker beats every period_s from a random phase
+    loop = asyncio.get_running_loop()
+    base = loop.time()
+    heap = [(base + rng.random() * period_s, i) for i in range(n)]
+    heapq.heapify(heap)
+    end_warm = base + warmup_s
+    end = end_warm + measure_s
+    lag_max = 0.0
+    measured_start = None
+    while True:
+        now = loop.time()
+        if now >= end:
+            break
+        if not measuring["on"] and now >= end_warm:
+            measuring["on"] = True
+            measured_start = time.perf_counter()
+            cpu0, own0 = _cpu_s(server_pid), time.process_time()
+            errors.clear()
+        while heap and heap[0][0] <= now:
+            due, i = heapq.heappop(heap)
+            lag_max = max(lag_max, now - due) if measuring["on"] else lag_max
+            spawn(beat(i))
+            if measuring["on"]:
+                sent["n"] += 1
+            heapq.heappush(heap, (due + period_s, i))
+        await asyncio.sleep(max(0.0, min(heap[0][0] - loop.time(), 0.01)))
+    measured_s = time.perf_counter() - (measured_start or time.perf_counter())
+    server_cpu, own_cpu = _cpu_s(server_pid) - cpu0, time.process_time() - own0
+    answered = len(latencies)
+    for t in list(tasks):
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for ch in channels:
+        await ch.close()
+    return {
+        "workers": n,
+        "heartbeats_per_s": answered / measured_s if measured_s > 0 else 0.0,
+        "target_per_s": n / period_s,
+        "sent_per_s": sent["n"] / measured_s if measured_s > 0 else 0.0,
+        "p50_ms": _percentile(latencies, 0.50),
+        "p99_ms": _percentile(latencies, 0.99),
+        "max_ms": max(latencies) if latencies else float("nan"),
+        "generator_max_lag_ms": lag_max * 1000.0,
+        # CPU per answered heartbeat (the rest of the server's load included: reports, ticks)
+        "server_cpu_us_per_hb": 1e6 * server_cpu / answered if answered else float("nan"),
+        "server_cpu_cores": server_cpu / measured_s if measured_s > 0 else float("nan"),
+        "generator_cpu_cores": own_cpu / measured_s if measured_s > 0 else float("nan"),
+        "register_s": register_s,
+        "errors": dict(errors),
+    }
+
+
+def _generator_main(
+    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, out: Any
+) -> None:
+    import uvloop
+
+    out.put(uvloop.run(_generate(target, n, period_s, warmup_s, measure_s, server_pid)))
+
+
+# ---------------------------------------------------------------------------- driver
+
+
+def run_point(n: int, period_s: float, warmup_s: float, measure_s: float, workdir: Path) -> dict[str, Any]:
+    spec = workdir / f"load-{n}.toml"
+    spec.write_text(SPEC.format(lease_s=max(15.0, 3 * period_s), period_s=period_s))
+    port = _free_port()
+    target = f"127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec), "--data-dir", str(workdir / f"data-{n}"),
+         "--listen", target, "--no-dht", "--tick-ms", "250", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("listening:"):
+                break
+        else:
+            raise RuntimeError(f"coordinator exited with {proc.wait()}")
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        gen = ctx.Process(target=_generator_main, args=(target, n, period_s, warmup_s, measure_s, proc.pid, q))
+        gen.start()
+        result = q.get(timeout=600 + warmup_s + measure_s)
+        gen.join(30)
+        return result
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, nargs="+", default=None, help="registered workers per point (default 1000 5000 10000)")
+    p.add_argument("--period-s", type=float, default=5.0, help="heartbeat period per worker in seconds; default %(default)s")
+    p.add_argument("--warmup-s", type=float, default=None, help="seconds of load before measuring (default: 1.5 periods)")
+    p.add_argument("--measure-s", type=float, default=None, help="measurement window in seconds (default 30; --quick 8)")
+    p.add_argument("--quick", action="store_true", help="short run: 200 and 1000 workers, 8 s windows")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write {'points': [...]} to FILE")
+    args = p.parse_args(argv)
+    workers = args.workers or ([200, 1000] if args.quick else [1000, 5000, 10000])
+    measure_s = args.measure_s or (8.0 if args.quick else 30.0)
+    warmup_s = args.warmup_s if args.warmup_s is not None else 1.5 * args.period_s
+    points = []
+    print(
+        f"{'workers':>8} {'target/s':>9} {'hb/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'gen lag ms':>10} "
+        f"{'srv us/hb':>9} {'srv cores':>9} {'gen cores':>9} {'reg s':>6}  errors"
+    )
+    with tempfile.TemporaryDirectory(prefix="bagel-load-") as tmp:
+        for n in workers:
+            r = run_point(n, args.period_s, warmup_s, measure_s, Path(tmp))
+            points.append(r)
+            print(
+                f"{r['workers']:>8} {r['target_per_s']:>9.0f} {r['heartbeats_per_s']:>9.1f} {r['p50_ms']:>8.2f} "
+                f"{r['p99_ms']:>8.2f} {r['max_ms']:>8.1f} {r['generator_max_lag_ms']:>10.1f} "
+                f"{r['server_cpu_us_per_hb']:>9.0f} {r['server_cpu_cores']:>9.2f} {r['generator_cpu_cores']:>9.2f} "
+                f"{r['register_s']:>6.1f}  "
+                f"{r['errors'] or '-'}",
+                flush=True,
+            )
+    meta = {"cpus": os.cpu_count(), "period_s": args.period_s, "measure_s": measure_s, "loadavg": os.getloadavg()}
+    if args.json:
+        args.json.write_text(json.dumps({"points": points, "meta": meta}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
