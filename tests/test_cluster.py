@@ -98,6 +98,16 @@ async def test_twenty_workers_commit_rounds(tmp_path: Path) -> None:
         status = await workers[0].client.status()
         assert {c.cell_id for c in status.cells} == set(spec.cell_ids)
         assert all(c.committed_round >= 3 for c in status.cells)
+        assert sum(1 for w in status.workers if w.state == "active" and w.lease_expires_unix_ms > 0) == 20
+        # metrics: commits per cell, round durations, RPC latencies, workers by state
+        await asyncio.sleep(1.2)  # worker counts are refreshed by the tick loop, once a second
+        text = h.metrics.text()
+        for cell in spec.cell_ids:
+            line = next(x for x in text.splitlines() if x.startswith(f'bagel_committed_rounds_total{{cell="{cell}"}}'))
+            assert float(line.split()[-1]) >= 3
+        assert 'bagel_round_duration_seconds_count{cell="k0.r0"}' in text
+        assert 'bagel_rpc_latency_seconds_count{method="Heartbeat"}' in text
+        assert 'bagel_workers{state="active"} 20.0' in text
     finally:
         await stop_workers(workers)
         await h.stop()
@@ -105,10 +115,15 @@ async def test_twenty_workers_commit_rounds(tmp_path: Path) -> None:
     assert_commit_history_sane(rows)
     # each committed hash is what the honest contributors computed from the previous one
     recs = all_commits(h.data_dir)
+    rounds = {(r.cell_id, r.round, r.attempt): r for r in all_rounds(h.data_dir)}
     prev: dict[str, str] = {}
     for c in recs:
         assert c.state_hash == honest_hash(c.cell_id, c.round, prev.get(c.cell_id, ""), c.contributors)
-        assert set(c.agreeing) <= set(c.contributors) and len(c.agreeing) * 2 > len(c.contributors)
+        assert set(c.agreeing) <= set(c.contributors)
+        # the quorum counts the weighted contributors (zero-weight catch-up ones excluded)
+        catch_up = set(rounds[(c.cell_id, c.round, c.attempt)].catch_up)
+        weighted = set(c.contributors) - catch_up
+        assert len(set(c.agreeing) - catch_up) > spec.schedule.quorum * len(weighted)
         prev[c.cell_id] = c.state_hash
     # honest workers that took part in the last commit of their cell hold exactly that state
     last = {c.cell_id: c for c in recs}
