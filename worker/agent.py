@@ -33,6 +33,8 @@ heartbeat answer can never overtake a newer ReportRound answer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import socket
@@ -130,6 +132,7 @@ class Agent:
         self._coord_epoch = 0  # bumps whenever the coordinator answers again after failing
         self._down_since: float | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._hb_task: asyncio.Task | None = None
         self.dht: Any = None
         self.p2p: Any = None
         self.dataplane: Any = None
@@ -156,7 +159,6 @@ class Agent:
 
         self.display.update(worker=self.worker_id, phase="starting")
         self.display.event("identity", worker_id=self.worker_id, device=str(self.device))
-        hb_task: asyncio.Task | None = None
         try:
             self.dht = await asyncio.to_thread(
                 hivemind.DHT,
@@ -182,9 +184,11 @@ class Agent:
             self.store = LocalStore(self.cfg.data_dir, self.join.run_id, record.spec_hash)
             self._load_local()
             self.spec = self._cached_spec(record.spec_hash)
+            if self.spec is not None:
+                self._prefetch_data()
             if not await self._register():
                 return 0
-            hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+            self._hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
             await self._control_loop()
             await self._leave()
             return 0
@@ -192,9 +196,7 @@ class Agent:
             self.display.event("fatal", level="error", message=str(e))
             return 3
         finally:
-            if hb_task is not None:
-                hb_task.cancel()
-                await asyncio.gather(hb_task, return_exceptions=True)
+            await self._stop_heartbeats()
             await self._close()
 
     async def _until_stopped(self, coro: Any) -> Any:
@@ -232,6 +234,12 @@ class Agent:
             await asyncio.to_thread(self.dht.shutdown)
         self.display.update(phase="stopped")
 
+    async def _stop_heartbeats(self) -> None:
+        if self._hb_task is not None:
+            self._hb_task.cancel()
+            await asyncio.gather(self._hb_task, return_exceptions=True)
+            self._hb_task = None
+
     async def _leave(self) -> None:
         """Finish a running exchange (bounded) or abandon training, then Leave."""
         w = self.work
@@ -242,6 +250,7 @@ class Agent:
             except (TimeoutError, asyncio.CancelledError, Exception):
                 pass
         self._drop_work("leaving")
+        await self._stop_heartbeats()  # else a heartbeat after Leave would re-register us
         if self.client is not None:
             try:
                 async with self._rpc_lock:
@@ -323,6 +332,7 @@ class Agent:
             if first_contact:
                 self.spec = parse_spec(resp.spec_toml)
                 self._cache_spec(resp.spec_toml, resp.spec_hash)
+                self._prefetch_data()
                 await self._send_spec_to_ranks(resp.spec_toml)
             self.hb_interval_s = max(0.05, resp.heartbeat_interval_ms / 1000.0) if resp.heartbeat_interval_ms else 2.0
             if first_contact:  # registered without throughput: measure, then register again
@@ -332,21 +342,39 @@ class Agent:
             return True
         return False
 
+    def _prefetch_data(self) -> None:
+        """Load (and cluster) the run's dataset in the background: the first round needs it."""
+        from bagel.models.data import load_dataset
+
+        spec = self.spec
+        self._spawn(asyncio.to_thread(load_dataset, spec), "prefetch-data")
+
     async def _send_spec_to_ranks(self, spec_toml: str) -> None:
         if self.ctx.enabled:
             await asyncio.to_thread(ddp.send_command, self.ctx, {"op": "spec", "spec_toml": spec_toml})
 
     async def _measure_profile(self) -> None:
+        """Benchmark every cell of the run, or reuse this worker's recent measurement (a
+        restart after a crash should not spend its first seconds re-benchmarking)."""
         from bagel.models.experts import cell_task
 
         spec = self.spec
         assert spec is not None
-        self.display.update(phase="profiling")
-        tasks = [(c, (lambda c=c: cell_task(spec, c))) for c in spec.cell_ids]
-        self.profile = await asyncio.to_thread(
-            measure, self.name, self.device, tasks, max_vram_gb=self.cfg.max_vram_gb, throttle=self.cfg.throttle,
-            num_devices=self.ctx.world_size, uplink_mbps=self.cfg.uplink_mbps,
-        )
+        cache = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "profile.json"
+        key = {
+            "spec_hash": spec.spec_hash, "device": str(self.device), "throttle": self.cfg.throttle,
+            "world": self.ctx.world_size, "max_vram_gb": self.cfg.max_vram_gb, "uplink_mbps": self.cfg.uplink_mbps,
+        }
+        self.profile = _cached_profile(cache, key, self.name)
+        if self.profile is None:
+            self.display.update(phase="profiling")
+            tasks = [(c, (lambda c=c: cell_task(spec, c))) for c in spec.cell_ids]
+            self.profile = await asyncio.to_thread(
+                measure, self.name, self.device, tasks, max_vram_gb=self.cfg.max_vram_gb, throttle=self.cfg.throttle,
+                num_devices=self.ctx.world_size, uplink_mbps=self.cfg.uplink_mbps,
+            )
+            body = {"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(self.profile)}
+            await asyncio.to_thread(atomic_write, cache, json.dumps(body).encode())
         sps = ", ".join(f"{c} {v:.0f}" for c, v in self.profile.samples_per_s.items())
         self.display.event("profile", device=self.profile.device_name, vram_gb=round(self.profile.vram_bytes / 2**30, 1), samples_per_s=sps)
 
@@ -513,10 +541,10 @@ class Agent:
         assert self.spec is not None and self.client is not None
         self.display.update(phase="syncing", cell=cell, round=rnd)
         try:
-            rt = await self._runtime_for(cell)
             if rnd == 0 and not want:
                 from bagel.worker.diloco import CellState
 
+                rt = await self._runtime_for(cell)
                 state = CellState.from_model(rt.task.build_model())
                 source = "initial state (built locally)"
             else:
@@ -593,6 +621,9 @@ class Agent:
             return
         self._drop_work("a new round")
         rt = await self._runtime_for(i.cell_id)
+        if self._stop.is_set() or self.instr is not i:
+            self._wake.set()  # things changed while the model was built: look again
+            return
         reset = self._reset_optimizer
         self._reset_optimizer = False
         w = RoundWork.from_instruction(i, ids.index(self.worker_id))
@@ -768,22 +799,22 @@ class Agent:
 
     def _commit(self, w: RoundWork) -> None:
         out = w.pending
-        assert out is not None
-        self.held = LocalCheckpoint(w.cell_id, w.round, out.state, out.state_hash, out.residuals)
+        assert out is not None and w.result is not None
+        cp = LocalCheckpoint(w.cell_id, w.round, out.state, out.state_hash, out.residuals)
+        self.held = cp
         self.work = None
         self.counters.rounds_committed += 1
-        self.stateserver.withdraw()
-        self.stateserver.publish(w.cell_id, w.round, out.state)
-        self.display.event(
-            "committed", cell=w.cell_id, round=w.round, hash=out.state_hash, loss=round(w.result.mean_loss, 5) if w.result else None,
-            samples=w.result.samples if w.result else 0, contributors=w.contributors, inner_steps=w.plan.inner_steps,
-            micro_batch=w.plan.micro_batch, grad_accum=w.plan.grad_accum,
+        self.stateserver.publish(w.cell_id, w.round, out.state)  # keeps the last few per cell
+        self.display.update(committed=w.round, step=0)
+        event = dict(
+            cell=w.cell_id, round=w.round, hash=out.state_hash, loss=round(w.result.mean_loss, 5),
+            samples=w.result.samples, contributors=w.contributors, inner_steps=w.plan.inner_steps,
+            micro_batch=w.plan.micro_batch, grad_accum=w.plan.grad_accum, catch_up=w.catch_up,
             bytes_sent=out.bytes_sent, bytes_received=out.bytes_received,
             exchange_sent_total=self.counters.exchange_sent, exchange_received_total=self.counters.exchange_received,
             bytes_sent_total=self.counters.bytes_sent, bytes_received_total=self.counters.bytes_received,
         )
-        self.display.update(committed=w.round, step=0)
-        self._spawn(self._save_local(), "save")
+        self._spawn(self._save_local(cp, "committed", event), "save")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -819,15 +850,19 @@ class Agent:
             self.display.event("resumed", cell=cp.cell_id, round=cp.committed_round, hash=cp.state_hash[:12])
             self.display.update(committed=cp.committed_round, cell=cp.cell_id)
 
-    async def _save_local(self) -> None:
-        held = self.held
-        if held is None or self.store is None:
+    async def _save_local(self, cp: LocalCheckpoint | None = None, event: str = "", fields: dict[str, Any] | None = None) -> None:
+        """Write `cp` (default: the held state) atomically, then announce `event`: a
+        "committed" event is only emitted once the state it names is on disk."""
+        cp = cp or self.held
+        if cp is None or self.store is None:
             return
         async with self._save_lock:
-            await asyncio.to_thread(self.store.save, held)
+            await asyncio.to_thread(self.store.save, cp)
             if self.cfg.keep_round_history:
-                hist = self.store.path.parent / "history" / f"{held.cell_id}.r{held.committed_round}.safetensors"
+                hist = self.store.path.parent / "history" / f"{cp.cell_id}.r{cp.committed_round}.safetensors"
                 await asyncio.to_thread(atomic_write, hist, self.store.path.read_bytes())
+        if event:
+            self.display.event(event, **(fields or {}))
 
     def _spec_cache_path(self, spec_hash: str) -> Path:
         return Path(self.cfg.data_dir) / "runs" / self.join.run_id / f"spec-{spec_hash[:16]}.toml"
@@ -862,6 +897,26 @@ class Agent:
 
         task.add_done_callback(done)
         return task
+
+
+PROFILE_MAX_AGE_S = 24 * 3600.0
+
+
+def _cached_profile(path: Path, key: dict[str, Any], name: str) -> Profile | None:
+    """A profile measured earlier under the same key (run spec, device, throttle, ...)."""
+    try:
+        body = json.loads(path.read_text())
+        if body.get("key") != key or time.time() - float(body["measured_unix_s"]) > PROFILE_MAX_AGE_S:
+            return None
+        p = body["profile"]
+        return Profile(
+            name=name, device_kind=str(p["device_kind"]), device_name=str(p["device_name"]),
+            vram_bytes=int(p["vram_bytes"]), num_devices=int(p["num_devices"]),
+            link_bandwidth_bytes_per_s=float(p["link_bandwidth_bytes_per_s"]),
+            samples_per_s={str(k): float(v) for k, v in p["samples_per_s"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # ====================================================================== other ranks

@@ -153,9 +153,17 @@ async def reduce_round(
     from bagel.worker.averaging import Contributor
 
     assert w.delta is not None and w.result is not None
+    # Catch-up contributors come with max_samples 0 (coordinator core), while the data plane
+    # refuses budgets <= 0. They abstain (weight 0, no payload) anyway, so every worker maps
+    # a zero budget to 1 the same way (the group digest stays equal everywhere); at worst a
+    # lying catch-up peer could weigh as 1 sample. Remove once the data plane accepts 0.
+    contributors = [
+        Contributor(m.worker_id, m.peer.peer_id, tuple(m.peer.maddrs), max(1, int(m.max_samples)))
+        for m in i.contributors
+    ]
     res = await dataplane.all_reduce(
         worker_id=worker_id, cell_id=w.cell_id, round=w.round, round_attempt=w.round_attempt,
-        reduce_attempt=i.reduce_attempt, contributors=[Contributor.from_member(m) for m in i.contributors],
+        reduce_attempt=i.reduce_attempt, contributors=contributors,
         delta=w.delta, weight=float(w.result.samples), codec=spec.diloco.codec, timeout_s=timeout_s,
         error_feedback=ef,
     )
