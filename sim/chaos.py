@@ -119,6 +119,8 @@ class Observations:
     ready_loss: list[tuple[float, int, str, int, float]] = field(default_factory=list)  # t, worker, cell, round, loss
     verdicts: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
     events: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    errors: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # first few "error" events
+    banned: dict[int, str] = field(default_factory=dict)  # worker -> the coordinator's ban message
     first_commit_s: float | None = None
 
 
@@ -298,6 +300,12 @@ class ChaosRun:
             return
         t = float(ev.get("ts", time.time())) - self.origin
         self.obs.events[slot.index][name] += 1
+        message = str(ev.get("message", ""))
+        if "is banned" in message and slot.index not in self.obs.banned:
+            self.obs.banned[slot.index] = message
+            self.say(f"{slot.label} is banned by the coordinator: {message[:160]}")
+        if name == "error" and len(self.obs.errors[slot.index]) < 5:
+            self.obs.errors[slot.index].append(message[:300])
         if name == "identity":
             slot.worker_id = str(ev.get("worker_id", ""))
         elif name == "ready":
@@ -532,8 +540,17 @@ class ChaosRun:
                 # after a coordinator restart is not progress)
                 before = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s <= last_end}
                 after = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s > last_end} - before
-                if len(after) >= self.sc.settle_commits:
-                    self.stop_reason = f"{len(after)} rounds committed after the last fault ended"
+                # every cell that trained should show it recovered; a cell that does not within
+                # the progress bound is reported (findings), and the run ends there
+                stalled = {c for c, _ in before} - {c for c, _ in after}
+                if len(after) >= self.sc.settle_commits and not stalled:
+                    self.stop_reason = f"{len(after)} rounds committed after the last fault ended, in every cell"
+                    break
+                if len(after) >= self.sc.settle_commits and now > last_end + self.sc.progress_bound_s:
+                    self.stop_reason = (
+                        f"{len(after)} rounds committed after the last fault ended; cells {sorted(stalled)} "
+                        f"did not commit within progress_bound_s"
+                    )
                     break
             if now >= cap:
                 self.stop_reason = f"max_duration_s = {self.sc.max_duration_s:g}s reached"

@@ -75,6 +75,36 @@ def byzantine_effect(run: ChaosRun) -> dict[str, Any]:
     return out
 
 
+def findings(run: ChaosRun, final: inv.CommitLogRead) -> list[str]:
+    """What a reader should look at even when every invariant holds: honest workers the
+    coordinator banned, workers that logged internal errors, cells that stopped committing."""
+    out: list[str] = []
+    for proc in run.sup.procs:
+        if proc.term_timed_out and proc.name.startswith("coordinator"):
+            out.append(f"{proc.name} did not exit within its grace period after SIGTERM (it was SIGKILLed)")
+    for w in run.workers:
+        if w.index in run.obs.banned and not w.byzantine:
+            out.append(f"honest worker {w.label} was banned: {run.obs.banned[w.index][:200]}")
+        if w.index in run.obs.banned and w.byzantine:
+            out.append(f"Byzantine worker {w.label} ({w.byzantine}) was banned: {run.obs.banned[w.index][:200]}")
+        for proc in run.sup.procs:
+            if proc.term_timed_out and proc.name.startswith(f"{w.label}-"):
+                out.append(f"{proc.name} did not exit within its grace period after SIGTERM (it was SIGKILLed)")
+        n = run.obs.events.get(w.index, {}).get("error", 0)
+        if n:
+            out.append(f"{w.label} logged {n} error event(s), e.g. {run.obs.errors[w.index][0][:200]!r}")
+    last_end = max([ff.ended_s or ff.fired_s or 0.0 for ff in run.fired], default=0.0)
+    cells = {c.cell_id for c in final.commits}
+    after = {c.cell_id for c in final.commits if c.committed_s > last_end}
+    for cell in sorted(cells - after):
+        last = max(c.committed_s for c in final.commits if c.cell_id == cell)
+        out.append(
+            f"cell {cell} committed nothing after the last fault ended (its last commit at "
+            f"{last - (run.t_zero or 0.0):.1f}s, the run ended at {run.end_s - (run.t_zero or 0.0):.1f}s)"
+        )
+    return out
+
+
 def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.InvariantResult]) -> dict[str, Any]:
     """Write summary.json, summary.md and timeline.png into run.out; return the summary."""
     final = max(run.commit_logs, key=lambda r: r.t_s) if run.commit_logs else inv.CommitLogRead(0.0, "none", ())
@@ -101,6 +131,7 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
         "t_zero_run_s": None if run.t_zero is None else round(run.t_zero, 3),
         "end_run_s": round(run.end_s, 3),
         "stop_reason": run.stop_reason,
+        "findings": findings(run, final),
         "interrupted": run.stop_reason == "interrupted",
         "workers": [
             {
@@ -113,6 +144,8 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
                 "verdicts": dict(run.obs.verdicts.get(w.index, {})),
                 "events": dict(run.obs.events.get(w.index, {})),
                 "unexpected_exits": w.unexpected_exits,
+                "banned": run.obs.banned.get(w.index),
+                "errors": list(run.obs.errors.get(w.index, [])),
             }
             for w in run.workers
         ],
@@ -194,6 +227,9 @@ def plot_timeline(run: ChaosRun, final: inv.CommitLogRead, path: Path) -> None:
         style = {"color": "red", "marker": "x", "s": 18} if idx in byz else {"color": "gray", "marker": ".", "s": 8, "alpha": 0.6}
         label = f"w{idx} {run.workers[idx].byzantine} (Byzantine)" if idx in byz else None
         bx.scatter([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
+    lo, hi = bx.get_ylim()
+    if lo > 0 and hi / lo > 20:  # a diverging (Byzantine) cell would flatten the others
+        bx.set_yscale("log")
     bx.set_ylabel("training loss")
     bx.set_xlabel("seconds since the first committed round")
     bx.legend(loc="upper right", fontsize=8)
@@ -218,7 +254,10 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
     for name, r in results.items():
         ev = "; ".join(r.violations[:3]) + (f" (+{len(r.violations) - 3} more)" if len(r.violations) > 3 else "")
         lines.append(f"| `{name}` | {'yes' if r.ok else '**NO**'} | {ev.replace('|', '/') or '-'} |")
-    lines += ["", f"Progress bound: {summary['progress_bound_s']:g} s after each fault ends.", "", "## Faults", "",
+    lines += ["", f"Progress bound: {summary['progress_bound_s']:g} s after each fault ends."]
+    if summary.get("findings"):
+        lines += ["", "## Findings (not invariants, worth a look)", ""] + [f"- {f}" for f in summary["findings"]]
+    lines += ["", "## Faults", "",
               "| # | kind | at (s) | ended (s) | targets | detail |", "| --- | --- | --- | --- | --- | --- |"]
     for f in summary["faults"]:
         at = "not fired" if f["at_s"] is None else f"{f['at_s']:.1f}"
@@ -227,11 +266,16 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
         lines.append(f"| {f['index']} | {f['kind']} | {at} | {end} | {', '.join(f['targets'])} | {detail} |")
     lines += ["", "## Committed rounds per cell", "", "| cell | rounds |", "| --- | --- |"]
     lines += [f"| {c} | {n} |" for c, n in summary["committed_rounds_per_cell"].items()]
-    lines += ["", "## Workers", "", "| worker | id | Byzantine | starts | rounds contributed | verdicts |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "## Workers", "", "| worker | id | Byzantine | starts | rounds contributed | verdicts | banned | errors |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for w in summary["workers"]:
         verdicts = ", ".join(f"{k} {v}" for k, v in sorted(w["verdicts"].items()))
-        lines.append(f"| w{w['index']} | {w['worker_id']} | {w['byzantine'] or '-'} | {w['starts']} | {w['rounds_contributed']} | {verdicts} |")
+        banned = "yes" if w.get("banned") else "-"
+        errors = w["events"].get("error", 0)
+        lines.append(
+            f"| w{w['index']} | {w['worker_id']} | {w['byzantine'] or '-'} | {w['starts']} | {w['rounds_contributed']} | "
+            f"{verdicts} | {banned} | {errors} |"
+        )
     if summary["byzantine"]:
         lines += ["", "## Byzantine workers", "",
                   "Robust aggregation is not in yet (a later issue), so a Byzantine worker's update is averaged in. "
@@ -252,4 +296,4 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
     return "\n".join(lines)
 
 
-__all__ = ["build_summary", "byzantine_effect", "markdown", "plot_timeline"]
+__all__ = ["build_summary", "byzantine_effect", "findings", "markdown", "plot_timeline"]

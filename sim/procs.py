@@ -155,6 +155,7 @@ class Proc:
     started_s: float
     lines: int = 0
     stopped: bool = False  # SIGSTOPped and not yet continued
+    term_timed_out: bool = False  # ignored a SIGTERM for the whole grace period (then SIGKILLed)
     _reader: asyncio.Task[None] | None = field(default=None, repr=False)
     _waiters: list[tuple[Callable[[str], bool], asyncio.Future[str]]] = field(default_factory=list, repr=False)
 
@@ -291,6 +292,7 @@ class Supervisor:
             try:
                 await asyncio.wait_for(proc.process.wait(), grace_s)
             except asyncio.TimeoutError:
+                proc.term_timed_out = True
                 log.warning("%s did not stop within %.0fs of SIGTERM: SIGKILL", proc.name, grace_s)
         # whatever the leader left behind in its group goes too
         self.signal(proc, signal.SIGKILL)
