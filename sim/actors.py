@@ -49,7 +49,7 @@ class W:
         "online", "gen", "job", "act", "since", "key", "rkey", "samples", "own_s", "dur_s",
         "job_due", "job_kind", "local", "prev_local", "poll", "renew_due", "renew_armed",
         "cut", "stopped", "banned", "ever", "sent", "recv", "ex", "lock", "sync_target",
-        "uploaded", "report", "lease_until", "epoch",
+        "uploaded", "report", "lease_until", "epoch", "waited",
     )
 
     def __init__(self, i: int) -> None:
@@ -85,6 +85,7 @@ class W:
         self.report: d.ReportRound | None = None  # sent but not acknowledged (lost): resend
         self.lease_until = 0  # lease expiry the core last granted (heartbeat lease mode)
         self.epoch = 0  # bumps whenever the worker (re)gains contact: invalidates LEASE events
+        self.waited: tuple | None = None  # (cell, committed round) of the WAIT it last got
 
 
 class Exchange:
@@ -202,6 +203,8 @@ class WorkerBehaviour:
         if ins is None or not w.online:
             return
         o = ins.order
+        if o is not d.Order.WAIT:
+            w.waited = None
         if o is d.Order.TRAIN:
             if w.key != (ins.cell_id, ins.round, ins.round_attempt) or w.act not in (TRAIN, READY, STALL):
                 if ins.plan is not None:
@@ -209,7 +212,7 @@ class WorkerBehaviour:
                     self._start_train(w, ins)
         elif o is d.Order.REDUCE:
             rkey = (ins.cell_id, ins.round, ins.reduce_attempt)
-            if w.rkey != rkey and w.key is not None and w.key[:2] == (ins.cell_id, ins.round):
+            if w.rkey != rkey:
                 self._start_reduce(w, ins, rkey)
         elif o is d.Order.SYNC:
             target = (ins.cell_id, ins.committed_round, ins.committed_hash)
@@ -219,6 +222,12 @@ class WorkerBehaviour:
         elif o is d.Order.WAIT:
             if w.act != IDLE:
                 self._abandon(w, "")
+            wait = (ins.cell_id, ins.committed_round)
+            if ins.cell_id and w.waited != wait:
+                # a waiting worker keeps heartbeating, and a heartbeat of a synced worker is
+                # what opens a cell's next round: deliver the next one (once per new wait)
+                self._poll_later(w)
+            w.waited = wait
         elif o is d.Order.LEAVE:
             self._ban(w)
             return
@@ -292,6 +301,16 @@ class WorkerBehaviour:
             self._react(w, out.instruction)
 
     def _start_reduce(self: Engine, w: W, ins: d.Instruction, rkey: tuple) -> None:
+        """Join the exchange. A member that trained this round contributes its samples; any
+        other contributor is a zero-weight catch-up (a straggler cut at the freeze, or a
+        synced worker that was not a member): it drops its training and exchanges a zero
+        pseudo-gradient to receive the new state without a download."""
+        trained = w.key is not None and w.key[:2] == rkey[:2] and w.act in (READY, REDUCE, WAITV)
+        if not trained:
+            self._abandon(w, "")
+            w.samples = 0
+            w.own_s = 0.0
+            w.local = d.LocalState(ins.cell_id, ins.committed_round, ins.committed_hash)
         ex = self.exchanges.get(rkey)
         if ex is None:
             by = self.by_id

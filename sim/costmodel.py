@@ -73,9 +73,11 @@ class WorkloadSpec:
     """What one cell costs. Figures for a DiT-XL/2-class expert are the defaults."""
 
     expert_params: float = 675e6  # DiT-XL/2 (Peebles & Xie 2023, Table 4)
-    router_params: float = 30e6
     expert_gflops_per_sample: float = 357.0  # 3 x 119 GFLOPs forward (DiT-XL/2, 256 px)
-    router_gflops_per_sample: float = 12.0
+    # the router: a classifier on noised latents with a DiT-B/2-sized trunk (130M
+    # parameters, 23 GFLOPs forward; Peebles & Xie 2023, Table 4)
+    router_params: float = 130e6
+    router_gflops_per_sample: float = 69.0
     mfu: float = 0.35
     # bytes of committed state per parameter a joiner downloads: fp32 weights + momentum
     state_bytes_per_param: float = 8.0

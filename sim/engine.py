@@ -369,11 +369,18 @@ class Engine(WorkerBehaviour):
             self._tick_at(r.deadline_ms - T0_MS)
         if r.state is d.RoundState.ABORTED:
             self.ledger.aborts += 1
+            self.ledger.abort_reasons[_reason_kind(r.reason)] += 1
             self.ledger.resolve_abort(key)
             self.locksteps.pop(key, None)
-        elif r.state is d.RoundState.OPEN and r.deadline_ms:
+        elif r.state is d.RoundState.OPEN:
             self.member_ids[key] = tuple(m.worker_id for m in r.members)
-        for wid in self.member_ids.get(key, ()) if r.state is not d.RoundState.OPEN else (m.worker_id for m in r.members):
+        if r.state is d.RoundState.OPEN:
+            who = tuple(m.worker_id for m in r.members)
+        elif r.state is d.RoundState.REDUCING:
+            who = self.member_ids.get(key, ()) + r.contributors  # catch-up contributors too
+        else:
+            who = self.member_ids.get(key, ()) + r.contributors
+        for wid in who:
             if wid != caller:
                 w = self.by_id.get(wid)
                 if w is not None and w.online:
@@ -383,16 +390,23 @@ class Engine(WorkerBehaviour):
 
     def _on_commit(self, c: d.CommitRecord) -> None:
         led = self.ledger
+        by = self.by_id
+        members = [by[x] for x in c.contributors if x in by]
+        key = (c.cell_id, c.round, c.attempt)
+        # every frozen contributor that trained this round is in the committed average,
+        # whatever order the reports then came in (the core's CommitRecord.samples counts
+        # only those that reported before the quorum did); catch-up contributors add nothing
+        trained = [w for w in members if w.key == key and w.samples > 0]
+        useful = {w.i for w in trained if not w.byz}
+        rejected = {w.i for w in trained if w.byz}
+        samples = sum(w.samples for w in trained if not w.byz)
         led.committed_rounds += 1
-        led.commits.append((self.now / 1000.0, c.cell_id, c.samples))
+        led.commits.append((self.now / 1000.0, c.cell_id, samples))
         j = self.cell_index.get(c.cell_id)
         if j is not None:
             self.rounds_now[j] += 1
-        by = self.by_id
-        agreeing = {by[x].i for x in c.agreeing if x in by}
-        contributors = {by[x].i for x in c.contributors if x in by}
-        led.resolve_commit((c.cell_id, c.round, c.attempt), agreeing, contributors)
-        self.locksteps.pop((c.cell_id, c.round, c.attempt), None)
+        led.resolve_commit(key, useful, rejected)
+        self.locksteps.pop(key, None)
 
     def _poll_later(self, w: W) -> None:
         """The worker's next periodic heartbeat (fixed phase) delivers its new instruction."""
@@ -458,3 +472,8 @@ class Engine(WorkerBehaviour):
             steps_per_round=int(self.policy.core.inner_steps or self.spec.diloco.inner_steps),
             throughput_spread=spread,
         )
+
+
+def _reason_kind(reason: str) -> str:
+    """An abort reason without its numbers, so reasons can be counted."""
+    return "".join("#" if ch.isdigit() else ch for ch in reason).replace("##", "#")

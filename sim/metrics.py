@@ -43,6 +43,7 @@ class Ledger:
     committed_rounds: int = 0
     commits: list[tuple[float, str, int]] = field(default_factory=list)  # (t_s, cell, samples)
     aborts: int = 0
+    abort_reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     faults: list[tuple[float, str, int]] = field(default_factory=list)  # (t_s, kind, workers hit)
     core_errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
@@ -64,14 +65,19 @@ class Ledger:
         if entry is not None and not entry[1]:
             entry[1] = cause
 
-    def resolve_commit(self, key: RoundKey, agreeing: set[int], contributors: set[int]) -> None:
+    def resolve_commit(self, key: RoundKey, useful: set[int], rejected: set[int]) -> None:
+        """`useful`: contributors whose pseudo-gradient is in the committed average (every
+        frozen contributor of the committed exchange: the exchange completed, whatever order
+        the reports then came in); `rejected`: contributors whose update does not count
+        (Byzantine). Everyone else who trained sat the round out (straggler) unless a cause
+        was marked (preempted)."""
         for widx, (flops, cause) in self.pending.pop(key, {}).items():
-            if widx in agreeing:
+            if widx in useful:
                 self.buckets["committed"] += flops
+            elif widx in rejected:
+                self.buckets["rejected"] += flops
             elif cause:
                 self.buckets[cause] += flops
-            elif widx in contributors:
-                self.buckets["rejected"] += flops
             else:
                 self.buckets["straggler"] += flops
 

@@ -1,0 +1,145 @@
+"""The discrete-event engine: determinism, the daemon's own core, conservation, scenarios."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import bagel.coordinator.daemon as daemon
+import bagel.coordinator.policy as core_policy
+import bagel.coordinator.rounds as core_rounds
+import bagel.coordinator.scheduler as scheduler
+import bagel.coordinator.server as server
+import bagel.coordinator.state as core_state
+from bagel.sim import policies
+from bagel.sim.cli import main
+from bagel.sim.engine import Engine
+from bagel.sim.metrics import BUCKETS
+from bagel.sim.report import summarize
+from bagel.sim.scenario import load_scenario
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
+SMALL = dict(workers=120, hours=1.5)
+
+
+def _het():
+    return load_scenario(SCENARIOS / "heterogeneity-10x.toml")
+
+
+def _summary(sc, names, seed, **kw):
+    res = [Engine(sc, policies.get(n), seed=seed, **kw).run() for n in names]
+    return summarize(res, scenario=sc.scenario.name, seed=seed, target_samples=sc.scenario.target_samples_per_cell)
+
+
+@pytest.mark.timeout(300)
+def test_same_seed_same_summary_other_seed_differs():
+    sc = _het()
+    a = _summary(sc, ["bagel", "diloco_wait_all"], 11, **SMALL)
+    b = _summary(sc, ["bagel", "diloco_wait_all"], 11, **SMALL)
+    assert a == b
+    assert a["policies"]["bagel"]["committed_rounds"] > 0
+    c = _summary(sc, ["bagel", "diloco_wait_all"], 12, **SMALL)
+    assert c != a
+
+
+def test_the_simulator_drives_the_daemons_core_and_scheduler(monkeypatch):
+    sc = _het()
+    eng = Engine(sc, policies.get("bagel"), workers=40, hours=0.5)
+    # the one state machine the daemon's shell drives, by identity
+    assert type(eng.core) is core_state.CoordinatorState
+    assert server.CoordinatorState is core_state.CoordinatorState
+    assert daemon.CoordinatorState is core_state.CoordinatorState
+    # the scheduler objects the core calls are the scheduler module's own
+    assert isinstance(eng.core.balance, scheduler.Balance)
+    assert core_rounds.plan_round is scheduler.plan_round
+    # bagel runs with the daemon's default policy object itself
+    assert eng.core.policy is core_policy.BAGEL
+    default = inspect.signature(core_state.CoordinatorState.__init__).parameters["policy"].default
+    assert default is core_policy.BAGEL
+    assert policies.get("diloco_wait_all").core is core_policy.DILOCO_WAIT_ALL
+    # and it really plans its rounds through scheduler.plan_round (as the core references it)
+    calls = []
+    real = core_rounds.plan_round
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(core_rounds, "plan_round", counting)
+    res = Engine(sc, policies.get("bagel"), workers=40, hours=0.5).run()
+    assert calls and res.core_calls > len(calls)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["bagel", "diloco_wait_all", "sync_dp"])
+def test_every_offered_flop_lands_in_exactly_one_bucket(policy):
+    res = Engine(_het(), policies.get(policy), **SMALL).run()
+    L = res.ledger
+    assert set(L.buckets) == set(BUCKETS)
+    assert all(v >= 0 for v in L.buckets.values())
+    assert sum(L.buckets.values()) == pytest.approx(L.offered, rel=1e-9)
+    assert L.offered > 0
+
+
+@pytest.mark.timeout(300)
+def test_heartbeat_lease_mode_drives_the_core_lease_timer():
+    """Faithful lease mode: workers renew leases with heartbeats, the core's Tick expires
+    the dead ones. It must make progress like the declared mode does."""
+    sc = _het()
+    hb = replace(sc, engine=replace(sc.engine, lease_mode="heartbeat"))
+    res = Engine(hb, policies.get("bagel"), **SMALL).run()
+    assert res.ledger.committed_rounds > 0
+    # nobody alive was expired by mistake: refused heartbeats of unknown workers are rare
+    assert res.ledger.core_errors.get("UnknownWorker", 0) <= 2
+
+
+@pytest.mark.timeout(120)
+def test_spot_storm_kills_the_stated_fraction():
+    sc = load_scenario(SCENARIOS / "spot-storm.toml")
+    storm = replace(sc, faults=(replace(sc.faults[0], at_s=1800.0),))
+    res = Engine(storm, policies.get("bagel"), workers=150, hours=1.0).run()
+    (t, kind, hit), = res.ledger.faults
+    assert kind == "kill" and t == 1800.0
+    online = res.online_timeline
+    assert hit == pytest.approx(0.3 * online[len(online) // 2], rel=0.2)
+    assert online[-1] < online[len(online) // 2]
+
+
+@pytest.mark.timeout(120)
+def test_byzantine_workers_are_rejected_and_waste_is_counted():
+    sc = load_scenario(SCENARIOS / "byzantine-10pct.toml")
+    res = Engine(sc, policies.get("bagel"), workers=150, hours=1.5).run()
+    assert res.ledger.buckets["rejected"] > 0
+    assert res.ledger.committed_rounds > 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "name", ["steady", "churn", "spot-storm", "heterogeneity-10x", "byzantine-10pct", "partition"]
+)
+def test_each_scenario_runs_small_and_writes_the_report(name, tmp_path):
+    out = tmp_path / name
+    rc = main(["run", str(SCENARIOS / f"{name}.toml"), "--out", str(out), "--workers", "100", "--hours", "1", "--no-progress"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert set(s) >= {"policies", "wall_s", "workers", "virtual_hours"}
+    assert s["workers"] == 100 and s["virtual_hours"] == 1.0
+    assert set(s["policies"]) == {"sync_dp", "diloco_wait_all", "bagel"}
+    for p in s["policies"].values():
+        assert {"goodput", "utilization", "committed_rounds"} <= set(p)
+        assert 0.0 <= p["goodput"] <= p["utilization"] <= 1.0 + 1e-9
+    for png in ("committed_rounds.png", "wasted_work.png", "utilization.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "| bagel |" in (out / "summary.md").read_text()
+
+
+def test_cli_rejects_bad_input(tmp_path, capsys):
+    sc = str(SCENARIOS / "steady.toml")
+    assert main(["run", sc, "--out", str(tmp_path), "--policies", "bagel,nope"]) == 2
+    assert "unknown policy 'nope'" in capsys.readouterr().err
+    assert main(["run", str(tmp_path / "missing.toml"), "--out", str(tmp_path)]) == 2
+    assert main(["run", sc, "--out", str(tmp_path), "--workers", "0"]) == 2
