@@ -7,6 +7,11 @@
 writes DIR/summary.json, DIR/summary.md and PNG plots (committed rounds per cell over
 time, wasted work by cause, utilisation). This shell does the I/O and reads the wall
 clock; the engine itself is pure. `python -m bagel.sim run ...` is the same command.
+
+    bagel-sim chaos SCENARIO.toml --out DIR ...
+
+runs real processes with faults on a schedule (`bagel.sim.chaos`, which registers its own
+subcommand and flags here).
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--profile", type=Path, default=None, help="write cProfile stats of the whole run to this file")
+    from .chaos import add_chaos_parser
+
+    add_chaos_parser(sub)
     return p
 
 
@@ -120,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.command == "run":
         return _cmd_run(a)
-    return 2  # pragma: no cover (argparse enforces the subcommand)
+    return int(a.func(a))  # chaos
 
 
 if __name__ == "__main__":  # pragma: no cover
