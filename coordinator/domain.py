@@ -316,7 +316,9 @@ class RoundRecord:
     inner_steps: int
     members: tuple[MemberPlan, ...]  # sorted by worker_id
     dropped: tuple[str, ...] = ()  # members lost/left/moved during the round, sorted
-    ready: Mapping[str, int] = field(default_factory=dict)  # member -> samples (PHASE_READY)
+    # member -> samples it said READY with; recorded from the freeze on (before it,
+    # readiness is volatile: ready workers keep heartbeating READY after a restart)
+    ready: Mapping[str, int] = field(default_factory=dict)
     contributors: tuple[str, ...] = ()  # frozen at REDUCING, sorted (catch_up included)
     # contributors with zero weight: workers holding the round's base state that did not
     # train it (joiners, members not ready at the freeze). They exchange a zero

@@ -98,7 +98,7 @@ class Round:
         "cell", "round", "attempt", "state", "opened_ms", "deadline_ms", "inner_steps", "plans",
         "dropped", "ready", "contributors", "reduce_attempt", "first_reduce_attempt", "frozen_ms",
         "reduce_deadline_ms", "reports", "predicted_compute_ms", "predicted_comm_ms", "ended_ms",
-        "reason", "members_wire", "contributors_wire", "catch_up", "frozen",
+        "reason", "members_wire", "contributors_wire", "catch_up", "frozen", "member_plans",
     )
 
     def __init__(self, cell: str, round: int, attempt: int, opened_ms: int, deadline_ms: int,
@@ -110,9 +110,13 @@ class Round:
         self.opened_ms = opened_ms
         self.deadline_ms = deadline_ms
         self.inner_steps = inner_steps
+        self.member_plans = plans
         self.plans: dict[str, MemberPlan] = {p.worker_id: p for p in plans}
         self.dropped: dict[str, None] = {}
-        self.ready: dict[str, int] = {}  # live members only
+        # live members that said READY, with their samples. Volatile until the freeze: a
+        # ready worker keeps heartbeating READY, so a restarted core learns it again, and
+        # a READY heartbeat then costs no write (O(members) per round instead of squared).
+        self.ready: dict[str, int] = {}
         self.contributors: tuple[str, ...] = ()
         self.catch_up: dict[str, None] = {}  # zero-weight contributors
         self.frozen: dict[str, None] = {}  # contributors, as a set
@@ -173,9 +177,9 @@ class Round:
             opened_ms=self.opened_ms,
             deadline_ms=self.deadline_ms,
             inner_steps=self.inner_steps,
-            members=tuple(self.plans.values()),
+            members=self.member_plans,
             dropped=tuple(sorted(self.dropped)),
-            ready=dict(self.ready),
+            ready={} if self.state in (RoundState.OPEN, RoundState.TRAINING) else dict(self.ready),
             contributors=self.contributors,
             catch_up=tuple(self.catch_up),
             reduce_attempt=self.reduce_attempt,

@@ -32,6 +32,7 @@ and sets the deadline from the predicted compute and communication times.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -325,46 +326,58 @@ def assign(
 
     Keeps every current assignment that still fits (and is not over max_replicas), places
     the rest one by one (most constrained first, then fastest), then applies up to
-    `max_moves` (default: one per worker) improving moves under the stickiness rule.
+    `max_moves` (default: one per worker) improving moves or swaps under the stickiness
+    rule, each looking at `knobs.candidates` workers from the most over-target cells
+    down (the same bounded repair the state runs on every join, leave and boundary).
+    A worker placed by this call holds nothing yet, so it is never sticky.
     """
     bal = Balance(cell_memory, cell_targets, knobs)
-    for w in workers:
-        bal.add_reference(w.throughput)
-    cur: dict[str, str] = {}
     by_id = {w.worker_id: w for w in workers}
     if len(by_id) != len(workers):
         raise ValueError("duplicate worker ids")
+    for w in workers:
+        bal.add_reference(w.throughput)
+    cur: dict[str, str] = {}
     # keep what fits, fastest first so a full cell keeps its best members
-    for w in sorted(workers, key=lambda w: (-throughput_for(w.throughput, w.cell_id or ""), w.worker_id)):
+    for w in sorted(workers, key=lambda w: (-throughput_for(w.throughput, w.cell_id), w.worker_id)):
         c = w.cell_id
-        if c and c in bal.target and bal.target[c] > 0 and c in bal.eligible(w.vram_bytes) and bal.count[c] < knobs.max_replicas:
+        keep = c in bal.target and bal.target[c] > 0 and c in bal.eligible(w.vram_bytes)
+        if c and (not w.movable or (keep and bal.count[c] < knobs.max_replicas)):
             cur[w.worker_id] = c
             bal.add(c, bal.raw_power(w.throughput, w.reputation, c))
     pending = [w for w in workers if w.worker_id not in cur and w.movable]
-    pending.sort(key=lambda w: (len(bal.eligible(w.vram_bytes)), -max((throughput_for(w.throughput, c) / bal.ref(c) for c in bal.eligible(w.vram_bytes)), default=0.0), w.worker_id))
-    for w in pending:
+
+    def constrained_then_fast(w: WorkerView) -> tuple[int, float, str]:
+        el = bal.eligible(w.vram_bytes)
+        return len(el), -max((throughput_for(w.throughput, c) / bal.ref(c) for c in el), default=0.0), w.worker_id
+
+    for w in sorted(pending, key=constrained_then_fast):
         c = bal.best_cell(w.vram_bytes, w.throughput, w.reputation)
         cur[w.worker_id] = c
         if c:
             bal.add(c, bal.raw_power(w.throughput, w.reputation, c))
     for w in workers:
-        cur.setdefault(w.worker_id, w.cell_id if not w.movable else "")
-    # improving moves; a worker placed by this call holds no state yet, so it is not sticky
-    budget = len(workers) if max_moves is None else max_moves
-    for _ in range(budget):
-        views = [
-            WorkerView(
-                w.worker_id, w.vram_bytes, w.throughput, w.reputation, cur[w.worker_id], w.movable,
-                w.sticky and cur[w.worker_id] == w.cell_id,
-            )
-            for w in workers
-            if cur[w.worker_id]
-        ]
-        move = bal.best_move(views)
+        cur.setdefault(w.worker_id, "")
+    by_cell: dict[str, dict[str, WorkerView]] = {c: {} for c in bal.cells}
+
+    def view(w: WorkerView) -> WorkerView:
+        c = cur[w.worker_id]
+        return WorkerView(w.worker_id, w.vram_bytes, w.throughput, w.reputation, c, w.movable,
+                          w.sticky and c == w.cell_id)
+
+    for w in workers:
+        if cur[w.worker_id]:
+            by_cell[cur[w.worker_id]][w.worker_id] = view(w)
+    for _ in range(len(workers) if max_moves is None else max_moves):
+        ratios = bal.ratios()
+        cands: list[WorkerView] = []
+        for c in sorted(ratios, key=lambda x: -ratios[x]):
+            cands.extend(itertools.islice(by_cell[c].values(), knobs.candidates - len(cands)))
+        move = bal.best_move(cands)
         if move is not None:
             moves: tuple[Move, ...] = (move[0],)
         else:
-            swap = bal.best_swap(views[: knobs.candidates])
+            swap = bal.best_swap(cands)
             if swap is None:
                 break
             moves = swap[:2]
@@ -373,6 +386,8 @@ def assign(
             bal.remove(a, bal.raw_power(w.throughput, w.reputation, a))
             bal.add(b, bal.raw_power(w.throughput, w.reputation, b))
             cur[wid] = b
+            del by_cell[a][wid]
+            by_cell[b][wid] = view(w)
     return cur
 
 

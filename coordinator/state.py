@@ -16,22 +16,34 @@ The round protocol (team brief; design section 4), per cell:
   opens (OPEN) with all synced workers as members and a plan from `scheduler.plan_round`.
   The first TRAINING (or READY) heartbeat makes it TRAINING.
 - When every live member is READY, or at the deadline with at least ceil(quorum x live)
-  ready (and never under wait_for_all), the contributors are frozen: REDUCING, with a
-  `reduce_attempt` that is never reused for the same round number. Otherwise the attempt
-  is ABORTED and re-run at once (same round number, attempt + 1) with the synced workers.
-- ReportRound: the round commits when strictly more than quorum x |contributors|
-  reports carry the same hash; it aborts when that has become impossible or at the
-  reduce deadline. A contributor lost while REDUCING, before anyone reported success,
-  re-freezes the survivors (reduce_attempt + 1) if enough remain, else aborts.
+  ready (never under wait_for_all), the contributors are frozen: REDUCING, with a
+  `reduce_attempt` that is never reused for the same round number. The ready members
+  contribute with their samples; every other worker of the cell that holds the round's
+  base state (a member that missed the freeze, a joiner that synced mid-round) joins the
+  exchange with zero weight (`catch_up`), so it ends the round holding the new state
+  instead of chasing it with downloads. Too few ready at the deadline: the attempt is
+  ABORTED and re-run at once (same round number, attempt + 1) by the synced workers.
+- ReportRound: the round commits when strictly more than quorum x |weighted
+  contributors| reports carry the same hash; it aborts when that has become impossible
+  or at the reduce deadline. A contributor lost while REDUCING, before anyone reported
+  success, re-freezes the survivors (reduce_attempt + 1) if enough remain, else aborts.
 - After a commit the agreeing contributors hold the new state, everybody else resyncs;
   the scheduler may move idle workers (round boundary), and the next round opens at once.
 - Every checkpoint.every_rounds commits, one agreeing contributor is asked to upload.
 - A lost lease drops the worker from its open round at once (fail_fast_leases) and from
-  its cell. A cell whose committed state nobody live holds falls back to its checkpoint.
+  its cell. A cell whose committed state nobody live holds, when someone needs it, falls
+  back to its latest checkpoint.
+- Late and duplicate messages are handled on purpose (errors.StaleRound says which are
+  errors): a repeated report gets its verdict again, a report of an aborted attempt gets
+  VERDICT_ABORTED, a READY of an old attempt (Heartbeat.round_attempt) is ignored.
 
 Effects: every transition returns the durable records it changed (`Outcome.effects`);
 a heartbeat that changes nothing returns none and costs O(1). A transition validates
 before it mutates, so one that raises a `CoordinatorError` changes nothing.
+
+The class is assembled from `membership.Membership` (workers, leases, placement,
+reputation) and `rounds.RoundLifecycle` (open, freeze, commit, abort); this module holds
+the event handlers, the queries, the instructions and restore.
 """
 
 from __future__ import annotations
@@ -257,9 +269,10 @@ class CoordinatorState(RoundLifecycle, Membership):
         Cells take their committed state from `cell_records`; the most recent commits per
         cell are kept for checkpoint checks. Active workers keep their cell and get their
         lease renewed to now + lease_s, so they can re-attach before they are declared lost.
-        The non-terminal round record of a cell (at most one) continues where it was, with
-        its deadlines (a deadline that passed during the outage fires on the first Tick);
-        terminal round records are history and are ignored.
+        The non-terminal round record of a cell (at most one) continues where it was; its
+        deadline fires no earlier than now + lease_s, so workers can re-attach first (a
+        ready member re-sends READY: readiness before the freeze is not stored). Terminal
+        round records are history and are ignored.
         """
         st = cls(spec, cells, policy=policy, rng=rng, now_ms=now_ms, max_workers=max_workers)
         for rec in cell_records:
@@ -289,10 +302,13 @@ class CoordinatorState(RoundLifecycle, Membership):
             for wid in r.plans:
                 if st._busy(r, wid):
                     c.idle.pop(wid, None)
+            # workers could not report while the coordinator was down: give them a lease's
+            # time to re-attach (re-send READY, report) before a deadline fires
+            grace = now_ms + st._lease_ms
             if r.state is RoundState.REDUCING:
-                st._push_deadline(r.reduce_deadline_ms, r, REDUCE_DEADLINE)
+                st._push_deadline(max(r.reduce_deadline_ms, grace), r, REDUCE_DEADLINE)
             else:
-                st._push_deadline(r.deadline_ms, r, TRAIN_DEADLINE)
+                st._push_deadline(max(r.deadline_ms, grace), r, TRAIN_DEADLINE)
         st._clear_dirty()
         return st
 
@@ -375,8 +391,7 @@ class CoordinatorState(RoundLifecycle, Membership):
                     r.state = RoundState.TRAINING
                     self._dr[r.key] = r
                 if phase is Phase.READY and w.id not in r.ready:
-                    r.ready[w.id] = ev.samples
-                    self._dr[r.key] = r
+                    r.ready[w.id] = ev.samples  # volatile until the freeze: no write
                     self._check_freeze(c, r, now)
             # A READY of an old attempt, or from a member that sat out, is a late no-op: the
             # instruction below tells the worker what the current attempt wants.

@@ -284,3 +284,27 @@ def test_join_and_tick_work_is_bounded() -> None:
         assert st.ops == ops
     bound = 32 * 4 + 32  # candidates x moves + standby scan
     assert costs[3000] <= bound and costs[100] <= bound, costs
+
+
+def test_ready_is_volatile_and_relearned_after_restore() -> None:
+    hz = Harness()
+    for w in "abc":
+        hz.reg(w)
+    hz.hb("a")
+    hz.hb("a", Phase.TRAINING)
+    for w in "ab":
+        out = hz.ready(w)
+        assert out.effects == ()  # no write per READY: O(members) writes per round
+    st2 = restored(hz)
+    rec = st2.cell_view(CELL)[1]
+    assert rec is not None and rec.state is RoundState.TRAINING and rec.ready == {}
+    # the deadline waits at least a lease after the restart, so workers can re-attach
+    assert st2.next_wakeup_ms() is not None and st2.next_wakeup_ms() >= hz.now + 10_000  # type: ignore[operator]
+    ins = st2.instruction_for("a")
+    for w in "abc":  # ready workers keep saying so; c finishes now
+        out = st2.apply(hz.now + 1, Heartbeat(w, Phase.READY, CELL, 1, samples=100, local=LocalState(),
+                                             round_attempt=ins.round_attempt))
+    rec = st2.cell_view(CELL)[1]
+    assert rec is not None and rec.state is RoundState.REDUCING and rec.contributors == ("a", "b", "c")
+    assert rec.ready == {"a": 100, "b": 100, "c": 100}
+    assert any(getattr(e, "state", None) is RoundState.REDUCING for e in out.effects)
