@@ -399,6 +399,8 @@ def cluster_spec_text(
     max_replicas: int = 8,
     quorum: float = 0.5,
     every_rounds: int = 1000,
+    deadline_slack: float = 2.0,
+    min_round_s: float = 1.0,
     extra: str = "",
 ) -> str:
     """A run spec for cluster tests: short leases and heartbeats, tiny rounds."""
@@ -425,8 +427,8 @@ min_replicas = {min_replicas}
 max_replicas = {max_replicas}
 lease_s = {lease_s}
 heartbeat_s = {heartbeat_s}
-deadline_slack = 2.0
-min_round_s = 1.0
+deadline_slack = {deadline_slack}
+min_round_s = {min_round_s}
 quorum = {quorum}
 
 [checkpoint]
