@@ -26,7 +26,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from bagel.coordinator.domain import CellConfig
-from bagel.coordinator.spec import ROUTER_CELL, RunSpec, parse_cell
+from bagel.coordinator.spec import RunSpec, parse_cell
 
 log = logging.getLogger(__name__)
 
@@ -123,4 +123,4 @@ def configs_from_json(spec: RunSpec, data: object) -> list[CellConfig]:
     return configs
 
 
-__all__ = ["ROUTER_CELL", "ROUTER_SHARE", "cell_configs", "cell_targets", "cluster_sizes"]
+__all__ = ["ROUTER_SHARE", "cell_configs", "cell_targets", "cluster_sizes"]

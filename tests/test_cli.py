@@ -21,7 +21,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bagel.coordinator import cli
 from bagel.protocol import bagel_pb2 as pb
-from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.client import CoordinatorClient
 from bagel.protocol.identity import Identity
 
