@@ -9,9 +9,10 @@ Every worker request takes the same path (design sections 3, 8, 10):
 3. the servicer translates the payload into a core event (`bagel.coordinator.wire`);
 4. `CoordinatorCore.apply`: `CoordinatorState.apply(now_ms, event)` on the event loop
    (the pure core is not thread-safe and needs no lock there), then `outcome.effects`
-   go to SQLite in one transaction on the store thread; the reply waits until they, and
-   every earlier batch, are durable. A heartbeat that changed nothing durable waits for
-   nothing and writes nothing: that is the hot path.
+   go to SQLite in one transaction on the writer thread (`bagel.coordinator.writer`,
+   group commit); the reply waits until they, and every earlier batch, are durable. A
+   heartbeat that changed nothing durable writes nothing and waits only if its answer
+   would reveal a cell change still being written: that is the hot path.
 5. the outcome is translated back.
 
 An event the core refuses raises a typed error before it mutates anything, so a
