@@ -26,6 +26,7 @@ import torch
 from .wire import (
     DEFAULT_MAX_ELEMENTS,
     DTYPE_CODES,
+    MAX_NDIM,
     CodecError,
     CodecId,
     Header,
@@ -132,8 +133,10 @@ class Codec(ABC):
         """Encode ``t`` (any shape; float32/16, bfloat16, float64; any device) to bytes."""
         if self.stochastic and generator is None:
             raise ValueError(f"{self.name} rounds stochastically: pass a seeded torch.Generator")
-        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else ()
         x = flat_fp32(t)
+        shape = tuple(t.shape)
+        if len(shape) > MAX_NDIM:
+            raise ValueError(f"tensors of at most {MAX_NDIM} dimensions can be encoded, got {len(shape)}")
         n = x.numel()
         block, count, body_nbytes = self._layout(n)
         hdr = header_nbytes(len(shape))

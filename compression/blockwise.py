@@ -2,14 +2,14 @@
 
 The flat tensor is cut into blocks of ``block`` values (the last one may be shorter). Each
 block stores one float32 scale ``s = max(absmax / Q, 2**-126)`` and its values as integers
-``q = round(x / s)`` with ``|q| <= Q`` (Q = 127 or 7). This is the absmax scheme of
-Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022), without the
-dynamic (non-linear) code book: a linear code keeps decode a single multiply, which is
-exact in IEEE arithmetic and therefore bit-identical on every machine.
+``q = round(x * (1 / s))`` (half to even) with ``|q| <= Q`` (Q = 127 or 7). This is the
+absmax scheme of Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR
+2022), without the dynamic (non-linear) code book: a linear code keeps decode a single
+multiply, which is exact in IEEE arithmetic and therefore bit-identical on every machine.
 
-Stochastic mode (``:stochastic``) rounds ``q = floor(x / s + u)`` with ``u`` uniform on a
-2**-16 grid in (0, 1), drawn from the caller's generator, so ``E[q * s] = x`` to within
-2**-17 * s (unbiased rounding as in QSGD, Alistarh et al. 2017).
+Stochastic mode (``:stochastic``) rounds ``q = floor(x * (1 / s) + u)`` with ``u`` uniform
+on a 2**-16 grid in (0, 1), drawn from the caller's generator, so ``E[q * s] = x`` to
+within 2**-17 * s (unbiased rounding as in QSGD, Alistarh et al. 2017).
 
 Body layout: ``count`` float32 scales, then the codes: ``numel`` int8 bytes (int8), or
 ``ceil(numel / 2)`` bytes for int4 with element ``2i`` in the low nibble and ``2i+1`` in the
@@ -30,13 +30,14 @@ they decode to a finite ``-128 * s`` / ``-8 * s``, and refusing them would cost 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from .base import Codec, NonFiniteError, register, require_finite
-from .wire import FLAG_STOCHASTIC, CodecError, CodecId, Header, align4
+from .base import Codec, register, require_finite
+from .wire import FLAG_STOCHASTIC, CodecError, CodecId, Header
 
 MIN_SCALE = 2.0**-126  # smallest normal float32: keeps 1/s finite for tiny or all-zero blocks
 MAX_SCALE = 3.4028234663852886e38 / 128  # decoder limit: |q * s| stays finite for any int8 q
@@ -74,7 +75,14 @@ class _Blockwise(Codec):
         nblocks = -(-numel // self.block)
         return self.block, nblocks, 4 * nblocks + self._codes_nbytes(numel)
 
-    def _quantize(self, x: torch.Tensor, nblocks: int, scales: torch.Tensor, generator: torch.Generator | None, emit) -> None:
+    def _quantize(
+        self,
+        x: torch.Tensor,
+        nblocks: int,
+        scales: torch.Tensor,
+        generator: torch.Generator | None,
+        emit: Callable[[int, torch.Tensor], None],
+    ) -> None:
         """Compute every block's scale into ``scales`` and call ``emit(start, y)`` with the
         rounded integers ``y`` (float32, exact) of each chunk of whole blocks, in order.
 
@@ -112,7 +120,7 @@ class _Blockwise(Codec):
     def _round_rows(self, xs: torch.Tensor, sc: torch.Tensor, y: torch.Tensor, generator: torch.Generator | None) -> None:
         """Turn the absmax ``sc`` of each row into its scale, in place, and write the
         row's integers ``round(x / s)`` (or the stochastic rounding) into ``y``."""
-        sc.mul_(1.0 / self.qmax).clamp_(min=MIN_SCALE)
+        sc.div_(self.qmax).clamp_(min=MIN_SCALE)
         torch.mul(xs, torch.reciprocal(sc)[:, None], out=y)
         if self.stochastic_rounding:
             y.add_(_uniform16(y.numel(), generator).view_as(y))
@@ -303,4 +311,4 @@ def _parse(cls: type[_Blockwise]):
 register("int8", Int8Codec, _parse(Int8Codec))
 register("int4", Int4Codec, _parse(Int4Codec))
 
-__all__ = ["Int8Codec", "Int4Codec", "MIN_SCALE", "MAX_SCALE", "align4"]
+__all__ = ["Int8Codec", "Int4Codec", "MIN_SCALE", "MAX_SCALE"]

@@ -254,5 +254,7 @@ def test_bad_names_are_refused_precisely() -> None:
 def test_encode_refuses_non_float_tensors() -> None:
     with pytest.raises(TypeError, match="float"):
         get_codec("int8").encode(torch.arange(10))
+    with pytest.raises(ValueError, match="dimensions"):
+        get_codec("int8").encode(torch.zeros([1] * 9))
     with pytest.raises(TypeError, match="bytes-like"):
         decode("not bytes")  # type: ignore[arg-type]
