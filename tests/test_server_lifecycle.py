@@ -122,3 +122,23 @@ async def test_store_failure_stops_acknowledging(tmp_path: Path, monkeypatch) ->
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await h.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_reflection_lists_the_services(tmp_path: Path) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    h = await start(tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{h.port}") as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+
+            async def ask():
+                yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+            names = set()
+            async for resp in stub.ServerReflectionInfo(ask()):
+                names |= {s.name for s in resp.list_services_response.service}
+        assert {"bagel.v1.Coordinator", "grpc.health.v1.Health"} <= names
+    finally:
+        await h.stop()
