@@ -43,7 +43,8 @@ from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.server import SERVICE_NAME, CoordinatorCore, CoordinatorServicer, ErrorInterceptor
 from bagel.coordinator.spec import RunSpec
 from bagel.coordinator.state import CoordinatorState
-from bagel.coordinator.store import AsyncWriter, Store, StoreError
+from bagel.coordinator.store import Store, StoreError
+from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import wall_clock_ms
