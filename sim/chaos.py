@@ -486,7 +486,7 @@ class ChaosRun:
         self.spec_path.write_text(self.sc.run_spec_text)
         (self.out / RUN_MARKER).write_text(json.dumps({"scenario": self.sc.name, "started_unix_s": self.origin}))
         atexit.register(self.sup.kill_all_now)  # last resort if the loop dies abnormally
-        sampler = self._spawn(self._sample_loop())
+        self._spawn(self._sample_loop())
         error = ""
         try:
             await self._drive()
@@ -497,8 +497,17 @@ class ChaosRun:
             error = self.stop_reason
             self.say(self.stop_reason)
         finally:
-            sampler.cancel()
-            await self._stop_all()
+            # stopping must finish even if a signal arrives meanwhile: a second Ctrl-C/SIGTERM
+            # SIGKILLs every group at once, and the (shielded) stop then completes quickly
+            stopper = asyncio.ensure_future(self._stop_all())
+            while not stopper.done():
+                try:
+                    await asyncio.shield(stopper)
+                except asyncio.CancelledError:
+                    error = error or "interrupted"
+                    self.stop_reason = self.stop_reason or "interrupted"
+                    self.say("interrupted while stopping: SIGKILL every process group")
+                    self.sup.kill_all_now()
             atexit.unregister(self.sup.kill_all_now)
         return self._result(error)
 
@@ -572,8 +581,16 @@ class ChaosRun:
             await asyncio.sleep(SAMPLE_EVERY_S)
 
     async def _stop_all(self) -> None:
-        """Read the log while running, stop workers then the coordinator, read it again."""
+        """Cancel pending faults, read the log while running, stop workers then the
+        coordinator, read it again."""
         self.end_s = self.now()
+        for w in self.workers:
+            w.expected_exit = True
+        self.coordinator_expected_exit = True
+        bg = list(self._bg)  # fault tasks (no fault may fire while stopping), watchers, the sampler
+        for t in bg:
+            t.cancel()
+        await asyncio.gather(*bg, return_exceptions=True)
         if self.coordinator is not None and self.coordinator.alive():
             with contextlib.suppress(Exception):
                 self.read_commit_log("end (running)")
@@ -587,9 +604,6 @@ class ChaosRun:
         await self.sup.shutdown(grace_s=5.0)
         if self.proxy is not None:
             await self.proxy.close()
-        for t in list(self._bg):
-            t.cancel()
-        await asyncio.gather(*self._bg, return_exceptions=True)
         if (self.coord_dir / "coordinator.sqlite3").exists():
             with contextlib.suppress(Exception):
                 self.read_commit_log("final (stopped)")
@@ -759,16 +773,22 @@ def run_chaos(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        # Ctrl-C and SIGTERM cancel the run; it then stops every process and still reports
+        # (a second one during the stop SIGKILLs every process group at once)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
         try:
             return await run.run()
         finally:
-            loop.remove_signal_handler(signal.SIGTERM)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
     try:
         summary = asyncio.run(main())
     except (KeyboardInterrupt, asyncio.CancelledError):
-        print("bagel-sim chaos: interrupted; every process was stopped", file=sys.stderr)
+        summary = {"interrupted": True}
+    if summary.get("interrupted"):
+        print(f"bagel-sim chaos: interrupted; every process was stopped; partial report in {args.out}", file=sys.stderr)
         return EXIT_INTERRUPTED
     ok = all(summary["invariants"].values())
     if not args.quiet:

@@ -209,7 +209,8 @@ def plot_timeline(run: ChaosRun, final: inv.CommitLogRead, path: Path) -> None:
             ax.plot([], [], color=color, linestyle="--", label=f"fault: {kind}")
     ax.set_ylabel("committed rounds")
     ax.set_title(f"bagel-sim chaos: {run.sc.name} ({len(final.commits)} committed rounds)")
-    ax.legend(loc="upper left", fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
     records = getattr(run, "_commit_records", ())
     by_cell: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -232,7 +233,8 @@ def plot_timeline(run: ChaosRun, final: inv.CommitLogRead, path: Path) -> None:
         bx.set_yscale("log")
     bx.set_ylabel("training loss")
     bx.set_xlabel("seconds since the first committed round")
-    bx.legend(loc="upper right", fontsize=8)
+    if bx.get_legend_handles_labels()[0]:
+        bx.legend(loc="upper right", fontsize=8)
     bx.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

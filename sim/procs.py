@@ -213,8 +213,8 @@ class Supervisor:
     ) -> Proc:
         log_path = self.log_dir / f"{name}.log"
         err = open(self.log_dir / f"{name}.err", "ab")  # noqa: SIM115 - handed to the child
-        try:
-            process = await asyncio.create_subprocess_exec(
+        starting = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
@@ -224,6 +224,15 @@ class Supervisor:
                 start_new_session=True,
                 limit=MAX_LINE,
             )
+        )
+        cancelled = False
+        try:
+            try:
+                process = await asyncio.shield(starting)
+            except asyncio.CancelledError:
+                # the child may exist already: register it (so it is stopped), then give up
+                cancelled = True
+                process = await starting
         finally:
             err.close()
         proc = Proc(name, list(argv), log_path, process, self.clock())
@@ -231,6 +240,8 @@ class Supervisor:
         self.seen_pids.add(process.pid)
         proc._reader = asyncio.create_task(self._read(proc, on_line), name=f"read-{name}")
         log.info("started %s (pid %d)", name, process.pid)
+        if cancelled:
+            raise asyncio.CancelledError
         return proc
 
     async def _read(self, proc: Proc, on_line: LineHandler | None) -> None:

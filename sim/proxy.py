@@ -209,10 +209,14 @@ class FaultProxy:
         for c in conns:
             for w in c.writers():
                 w.transport.abort()
-        tasks = [c.task for c in conns if c.task is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # the pumps see the closed transports and end; handlers are only cancelled if they
+        # do not (asyncio 3.11's stream callback logs an error for a cancelled handler task)
+        tasks = [c.task for c in conns if c.task is not None and not c.task.done()]
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=5.0)
+            for t in stuck:
+                t.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
 
     async def __aenter__(self) -> FaultProxy:
         return await self.start()
