@@ -231,3 +231,14 @@ def test_free_port_is_bindable():
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", free_port()))
+
+
+def test_add_chaos_parser_registers_the_subcommand(tmp_path):
+    import argparse
+
+    from bagel.sim.chaos import add_chaos_parser, run_chaos
+
+    parser = argparse.ArgumentParser(prog="bagel-sim")
+    add_chaos_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["chaos", "s.toml", "--out", str(tmp_path / "o"), "--workers", "4", "--quiet"])
+    assert args.func is run_chaos and args.workers == 4 and args.quiet and args.scenario == Path("s.toml")
