@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler-steps", type=int, default=32, help="ODE steps per sample")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1 = none)")
     p.add_argument("--per-class", type=int, default=100, help="conditional samples per class")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (1: these models are too small to gain from more, and on a "
+                   "busy machine idle OpenMP threads spin and cost ~10x the CPU per step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 150 steps, 20 samples per class")
     args = p.parse_args(argv)
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     expert_budget = budget * (1.0 - args.router_share) if spec.cells.router else budget
     expert_batch = max(1, args.batch // len(spec.expert_cells))
     cells: dict[tuple[int, int], torch.nn.Module] = {}
+    cell_buckets: dict[str, list[float]] = {}
     cell_report: dict[str, dict] = {}
     expert_steps = 0
     for cell in spec.expert_cells:
@@ -125,9 +129,12 @@ def main(argv: list[str] | None = None) -> dict:
         expert_steps += r.sample_steps
         cells[(task.cluster, task.trange)] = r.model
         xh, yh = task.heldout_data()
+        # over all t, so the table shows each expert is good inside its range only
+        by_t = ev.loss_per_bucket(lambda xt, t, y, m=r.model: m(xt, t, y), xh, yh, BUCKETS, seed=2)
         cell_report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,
                              "sample_steps": r.sample_steps, "t_range": task.train_range,
-                             "heldout_loss": task.eval_loss(r.model, xh, yh, seed=1)}
+                             "heldout_loss": task.eval_loss(r.model, xh, yh, seed=1),
+                             "heldout_loss_by_t": dict(zip(_bucket_names(), by_t))}
     router_model = None
     if spec.cells.router:
         task = experts.cell_task(spec, ROUTER_CELL)
@@ -143,20 +150,17 @@ def main(argv: list[str] | None = None) -> dict:
     timings["experts_train_s"] = time.perf_counter() - t0
     log(f"experts + router: {expert_steps} sample-steps ({timings['experts_train_s']:.0f}s)")
 
-    manifest = ds.manifest
-    composed = compose.ComposedModel(
-        cells, flow.timestep_ranges(c.timestep_ranges, c.t_mean, c.t_std), spec.data.clusters,
-        router=router_model,
-        cluster_prior=torch.bincount(torch.from_numpy(manifest.train_labels), minlength=spec.data.clusters).float(),
-        class_given_cluster=compose.class_histogram(torch.from_numpy(manifest.train_labels), ds.y_train,
-                                                    spec.data.clusters, nc),
-        null_label=nc, trace=[],
-    )
+    trained = {f"k{k}.r{r}": m for (k, r), m in cells.items()}
+    if router_model is not None:
+        trained[ROUTER_CELL] = router_model
+    composed = compose.from_cells(spec, trained)
+    composed.trace = []
     mono_composed = compose.single(mono_model, null_label=nc)
 
     # evaluation: identical noise and labels for both.
     t0 = time.perf_counter()
     results: dict[str, dict] = {}
+    usage: dict[str, int] = {}
     labels = torch.arange(nc).repeat_interleave(args.per_class)
     noise = torch.randn(len(labels), spec.model.channels, spec.model.image_size, spec.model.image_size,
                         generator=torch.Generator().manual_seed(derive_seed("bench-noise", args.seed) % 2**31))
@@ -166,6 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
         samples = compose.sample(model, noise, labels, steps=args.sampler_steps, method=args.sampler,
                                  guidance=args.guidance)
         sample_s = time.perf_counter() - s0
+        if model is composed:  # which cells answered, during sampling only
+            for _, chosen in composed.trace or []:
+                for k, r in chosen.tolist():
+                    usage[f"k{k}.r{r}"] = usage.get(f"k{k}.r{r}", 0) + 1
+            composed.trace = None
         rep = ev.evaluate_samples(samples, labels, clf, ds.x_train, ds.x_heldout)
         buckets = ev.loss_per_bucket(lambda x, t, y, m=model: m.velocity(x, t, y), ds.x_heldout, ds.y_heldout,
                                      BUCKETS, seed=2)
@@ -174,10 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "grid": str(grid), "sample_s": sample_s}
     timings["evaluation_s"] = time.perf_counter() - t0
 
-    usage: dict[str, int] = {}
-    for _, chosen in composed.trace or []:
-        for k, r in chosen.tolist():
-            usage[f"k{k}.r{r}"] = usage.get(f"k{k}.r{r}", 0) + 1
+    usage = dict(sorted(usage.items()))
     doc = {
         "monolith": results["monolith"],
         "experts": {**results["experts"], "cells": cell_report, "routing_counts": usage},
@@ -189,6 +195,8 @@ def main(argv: list[str] | None = None) -> dict:
         "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
         "timings_s": timings,
         "wall_s": sum(timings.values()),
+        # CPU seconds of this process: on a shared machine, wall time overstates the cost.
+        "cpu_s": resource.getrusage(resource.RUSAGE_SELF).ru_utime + resource.getrusage(resource.RUSAGE_SELF).ru_stime,
     }
     _print_table(doc)
     if args.json:
@@ -215,9 +223,15 @@ def _print_table(doc: dict) -> None:
     for name, a, b in rows:
         print(f"{name:<42}{a:>12.4f}{b:>12.4f}")
     print(f"{'training sample-steps':<42}{doc['sample_steps']:>12}{doc['experts_sample_steps']:>12}")
+    cells = {c: v for c, v in e["cells"].items() if "heldout_loss_by_t" in v}
+    print(f"\nper-cell held-out loss on its cluster ({', '.join(_bucket_names())}):")
+    for c, v in cells.items():
+        lo, hi = v["t_range"]
+        print(f"  {c} t in [{lo:.2f}, {hi:.2f}]: " + "  ".join(f"{x:.3f}" for x in v["heldout_loss_by_t"].values()))
+    print(f"routing (cell: sample-steps): {e['routing_counts']}")
     print(f"experts / monolith digits-FD: {doc['fd_ratio']:.3f}   (reference FD, real held-out vs train: "
           f"{m['reference_fd']:.2f})")
-    print(f"grids: {m['grid']}  {e['grid']}   wall: {doc['wall_s']:.0f}s  timings: "
+    print(f"grids: {m['grid']}  {e['grid']}   wall: {doc['wall_s']:.0f}s  cpu: {doc['cpu_s']:.0f}s  timings: "
           + ", ".join(f"{k}={v:.0f}" for k, v in doc["timings_s"].items()))
 
 

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn as nn
 
 from bagel.models import flow
+
+if TYPE_CHECKING:
+    from bagel.coordinator.spec import RunSpec
 
 Prediction = Literal["v", "eps", "x0"]
 Cell = tuple[int, int]
@@ -185,3 +188,41 @@ def class_histogram(cluster_labels: torch.Tensor, class_labels: torch.Tensor, cl
     counts = torch.ones(clusters, classes, dtype=torch.float64)
     counts.index_put_((cluster_labels.long(), class_labels.long()), torch.ones(len(class_labels), dtype=torch.float64), accumulate=True)
     return (counts / counts.sum(dim=1, keepdim=True)).float()
+
+
+def from_cells(
+    spec: RunSpec,
+    models: Mapping[str, nn.Module],
+    prediction: Mapping[str, Prediction] | None = None,
+) -> ComposedModel:
+    """A composed model of a run from whichever of its cells are available ({cell id: model},
+    e.g. loaded with `checkpoint.load`); the router is used when present, the cluster sizes
+    and class histogram come from the run's cluster manifest."""
+    from bagel.coordinator.spec import ROUTER_CELL, parse_cell
+    from bagel.models.data import load_dataset
+
+    ds = load_dataset(spec)
+    labels = torch.from_numpy(ds.manifest.train_labels)
+    k, c = spec.data.clusters, spec.cells
+    experts: dict[Cell, nn.Module] = {}
+    kinds: dict[Cell, Prediction] = {}
+    for cell_id, model in models.items():
+        if cell_id == ROUTER_CELL:
+            continue
+        parsed = parse_cell(cell_id)
+        if parsed is None or cell_id not in spec.expert_cells:
+            raise ValueError(f"{cell_id!r} is not an expert cell of run {spec.run.id!r}")
+        experts[parsed] = model.eval()
+        kinds[parsed] = (prediction or {}).get(cell_id, "v")
+    nc = spec.model.num_classes
+    router_model = models.get(ROUTER_CELL)
+    return ComposedModel(
+        experts,
+        flow.timestep_ranges(c.timestep_ranges, c.t_mean, c.t_std),
+        k,
+        router=router_model.eval() if router_model is not None else None,
+        cluster_prior=torch.bincount(labels, minlength=k).float(),
+        class_given_cluster=class_histogram(labels, ds.y_train, k, nc) if nc > 0 else None,
+        prediction=kinds,
+        null_label=nc if nc > 0 else None,
+    )

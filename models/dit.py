@@ -18,7 +18,7 @@ built models, and the scheduler uses it to size cells without building them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -245,10 +245,3 @@ class DiT(nn.Module):
             h = block(h, c)
         return self.unpatchify(self.final(h, c))
 
-
-def build(cfg: DiTConfig) -> DiT:
-    return DiT(cfg)
-
-
-def with_classes(cfg: DiTConfig, num_classes: int) -> DiTConfig:
-    return replace(cfg, num_classes=num_classes)

@@ -65,9 +65,9 @@ class DigitsClassifier(nn.Module):
 
     def __init__(self, classes: int = 10, features: int = FEATURES) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
-        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.fc = nn.Linear(64 * 4 * 4, features)
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 4 * 4, features)
         self.out = nn.Linear(features, classes)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:

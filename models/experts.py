@@ -119,6 +119,11 @@ def cell_config(spec: RunSpec, cell_id: str) -> ModelConfig:
     return expert_config(m.arch, m.preset, m.image_size, m.channels, m.num_classes)
 
 
+def cell_param_count(spec: RunSpec, cell_id: str) -> int:
+    """Parameters of a cell's model, from the spec alone (closed form)."""
+    return _count(cell_config(spec, cell_id))
+
+
 def cell_memory_bytes(spec: RunSpec, cell_id: str, micro_batch: int) -> int:
     """Training memory of a cell: STATE_COPIES x params x 4 bytes + activations (closed form)."""
     if micro_batch < 1:

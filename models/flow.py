@@ -22,7 +22,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -245,19 +244,3 @@ def heun_sample(velocity: Velocity, noise: torch.Tensor, steps: int, shift: floa
             x = x_pred
     return x
 
-
-def mse_per_bucket(
-    losses: torch.Tensor, t: torch.Tensor, edges: Sequence[float]
-) -> list[float]:
-    """Mean of `losses` within each [edges[i], edges[i+1]) bucket of t (NaN for an empty one)."""
-    out: list[float] = []
-    for i in range(len(edges) - 1):
-        lo, hi = edges[i], edges[i + 1]
-        mask = (t >= lo) & ((t < hi) if i < len(edges) - 2 else (t <= hi))
-        out.append(float(losses[mask].mean()) if bool(mask.any()) else float("nan"))
-    return out
-
-
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy (wrapper kept here so every objective lives in this module)."""
-    return F.cross_entropy(logits, target)

@@ -78,8 +78,7 @@ def train(
             # a short run does not sample from weights still close to the initialisation.
             decay = min(ema, (1.0 + step) / (10.0 + step))
             with torch.no_grad():
-                for pe, pm in zip(ema_model.parameters(), model.parameters()):
-                    pe.lerp_(pm, 1.0 - decay)
+                torch._foreach_lerp_(list(ema_model.parameters()), list(model.parameters()), 1.0 - decay)
         if log and log_every and (step + 1) % log_every == 0:
             recent = losses[-log_every:]
             log(f"step {step + 1}/{steps} loss {sum(recent) / len(recent):.4f}")

@@ -120,3 +120,64 @@ def test_normalise_ranges():
         data.normalise(np.array([0.0, 3.0]))
     with pytest.raises(data.DataError):
         data.normalise(np.array([np.nan]))
+
+
+def _folder_spec(path, source: str, size: int = 8, channels: int = 1, clusters: int = 2) -> object:
+    return parse_spec(
+        f'[run]\nid = "f"\n[model]\nimage_size = {size}\nchannels = {channels}\nnum_classes = 3\n'
+        f'[data]\nsource = "{source}"\npath = "{path}"\nclusters = {clusters}\nholdout_fraction = 0.2\n'
+    )
+
+
+def test_image_folder_source_with_class_subfolders(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for label in ("a_cats", "b_dogs", "c_owls"):
+        (tmp_path / label).mkdir()
+        for i in range(6):
+            arr = rng.integers(0, 256, (12, 10, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(tmp_path / label / f"{i}.png" if i % 2 else tmp_path / label / f"{i}.jpg")
+    (tmp_path / "notes.txt").write_text("not an image")
+    ds = data.load_dataset(_folder_spec(tmp_path, "folder", size=8, channels=3))
+    assert ds.x_train.shape[1:] == (3, 8, 8)
+    assert float(ds.x_train.min()) >= -1.0 and float(ds.x_train.max()) <= 1.0
+    labels = sorted(torch.cat([ds.y_train, ds.y_heldout]).tolist())
+    assert labels == [0] * 6 + [1] * 6 + [2] * 6
+    gray = data.load_dataset(_folder_spec(tmp_path, "folder", size=4, channels=1))
+    assert gray.x_train.shape[1:] == (1, 4, 4)
+
+
+def test_image_folder_errors(tmp_path):
+    with pytest.raises(data.DataError, match="not a directory"):
+        data.load_dataset(_folder_spec(tmp_path / "absent", "folder"))
+    with pytest.raises(data.DataError, match="no PNG/JPEG"):
+        data.load_dataset(_folder_spec(tmp_path, "folder"))
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(data.DataError, match="cannot read image"):
+        data.load_dataset(_folder_spec(tmp_path, "folder"))
+
+
+def test_npy_source_file_and_directory_with_resizing(tmp_path):
+    rng = np.random.default_rng(1)
+    x = rng.random((30, 16, 16)).astype(np.float32)  # floats in [0, 1], [N, H, W]
+    y = np.arange(30) % 3
+    np.save(tmp_path / "images.npy", x)
+    np.save(tmp_path / "labels.npy", y)
+    ds = data.load_dataset(_folder_spec(tmp_path, "npy", size=8))
+    assert ds.x_train.shape == (24, 1, 8, 8) and len(ds.x_heldout) == 6
+    assert sorted(torch.cat([ds.y_train, ds.y_heldout]).tolist()) == sorted(y.tolist())
+    # a single file, channels-last uint8, no labels file: labels default to 0
+    np.save(tmp_path / "rgb.npy", rng.integers(0, 256, (20, 8, 8, 3), dtype=np.uint8))
+    ds2 = data.load_dataset(_folder_spec(tmp_path / "rgb.npy", "npy", channels=3))
+    assert ds2.x_train.shape[1:] == (3, 8, 8) and int(ds2.y_train.max()) == 0
+
+
+def test_npy_source_refuses_pickles_and_bad_labels(tmp_path):
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}] * 4, dtype=object), allow_pickle=True)
+    with pytest.raises(data.DataError, match="cannot load"):
+        data.load_dataset(_folder_spec(tmp_path / "obj.npy", "npy"))
+    np.save(tmp_path / "x.npy", np.zeros((10, 8, 8), dtype=np.uint8))
+    np.save(tmp_path / "x.labels.npy", np.zeros(9, dtype=np.int64))
+    with pytest.raises(data.DataError, match="labels must be"):
+        data.load_dataset(_folder_spec(tmp_path / "x.npy", "npy"))

@@ -92,6 +92,8 @@ def test_memory_estimate_is_closed_form_and_grows_with_batch(spec):
     assert experts.param_count("dit", "XL/2", 32, 4, 1000) == 674_816_272
     assert experts.cell_memory_bytes(big, "k0.r0", 1) > 7 * 4 * 670e6
     assert experts.cell_memory_bytes(big, "router", 1) < 100e6
+    assert experts.cell_param_count(big, "k0.r0") == experts.param_count("dit", "XL/2", 32, 3, 1000)
+    assert experts.cell_param_count(spec, "k0.r0") == p
 
 
 @pytest.mark.parametrize("bad", ["k9.r0", "k0.r7", "nope", "k0.r0 ", "router2"])

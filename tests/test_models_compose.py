@@ -146,3 +146,27 @@ def test_training_the_router_lowers_its_cross_entropy():
     xt = flow.interpolate(xh, torch.randn(xh.shape, generator=gen), t)
     acc = float((res.model(xt, t).argmax(1) == yh).float().mean())
     assert acc > 0.8
+
+
+def test_from_cells_composes_checkpointed_cells_with_one_missing(tmp_path):
+    from bagel.models import checkpoint
+
+    spec = load_spec("examples/digits-2x2.toml")
+    loaded = {}
+    for cell in ("k0.r0", "k0.r1", "k1.r1", "router"):  # k1.r0 is missing
+        checkpoint.save(tmp_path / cell, experts.cell_task(spec, cell).build_model())
+        loaded[cell], _ = checkpoint.load(tmp_path / cell)
+    cm = compose.from_cells(spec, loaded)
+    assert set(cm.experts) == {(0, 0), (0, 1), (1, 1)} and cm.router is not None
+    assert cm.class_given_cluster.shape == (2, 10)
+    # the low-t step of a sample routed to cluster 1 falls back to k1.r1
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    scores = cm.route_scores(x, torch.full((4,), 0.1), None)
+    chosen = cm.choose(x, torch.full((4,), 0.1), None)
+    for i in range(4):
+        expect = (0, 0) if int(scores[i].argmax()) == 0 else (1, 1)
+        assert tuple(chosen[i].tolist()) == expect
+    out = compose.sample(cm, x, torch.arange(4), steps=4, method="heun", guidance=2.0)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    with pytest.raises(ValueError):
+        compose.from_cells(spec, {"k5.r0": loaded["k0.r0"]})
