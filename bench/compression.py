@@ -3,7 +3,9 @@
 For every codec and data set (Gaussian, Student-t with df=3) it reports bytes per value
 (everything on the wire: header, scales, CRC), relative L2 error, and encode and decode
 throughput in GB/s of float32 input (best of ``--reps`` timed runs after one warm-up;
-decode includes allocating the output tensor, as callers get it). It prints a table and,
+decode includes allocating the output tensor, as callers get it; ``dec->out`` is our decode
+into a reused buffer, ``decode(buf, out=...)``, which shows what page-faulting a fresh
+64 MiB output costs). It prints a table and,
 with ``--json FILE``, writes ``{"meta": {...}, "targets": {...}, "rows": [...]}``.
 
 hivemind's ``Uniform8BitQuantization`` and ``Quantile8BitQuantization`` break under
@@ -101,7 +103,11 @@ def measure_ours(name: str, x: torch.Tensor, data: str, reps: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     t_enc, buf = best_time(lambda: codec.encode(x, generator=gen), reps)
     t_dec, y = best_time(lambda: decode(buf), reps)
-    return row(codec.name, "bagel", data, x.numel(), len(buf), x, y, t_enc, t_dec, "main")
+    out = torch.empty(x.numel(), dtype=torch.float32)
+    t_reuse, _ = best_time(lambda: decode(buf, out=out), reps)
+    r = row(codec.name, "bagel", data, x.numel(), len(buf), x, y, t_enc, t_dec, "main")
+    r["decode_into_out_gbps"] = 4.0 * x.numel() / 1e9 / t_reuse  # decode(buf, out=reused buffer)
+    return r
 
 
 def unavailable(name: str, data: str, reason: str) -> dict:
@@ -184,15 +190,16 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'codec':26} {'impl':8} {'data':9} {'bytes/val':>9} {'rel L2 err':>10} {'enc GB/s':>8} {'dec GB/s':>8}  env"
+    head = f"{'codec':26} {'impl':8} {'data':9} {'bytes/val':>9} {'rel L2 err':>10} {'enc GB/s':>8} {'dec GB/s':>8} {'dec->out':>8}  env"
     lines = [head, "-" * len(head)]
     for r in rows:
         if r["bytes_per_value"] is None:
-            lines.append(f"{r['codec']:26} {r['impl']:8} {r['data']:9} {'-':>9} {'-':>10} {'-':>8} {'-':>8}  unavailable: {r['note']}")
+            lines.append(f"{r['codec']:26} {r['impl']:8} {r['data']:9} {'-':>9} {'-':>10} {'-':>8} {'-':>8} {'-':>8}  unavailable: {r['note']}")
             continue
+        reuse = f"{r['decode_into_out_gbps']:.3f}" if "decode_into_out_gbps" in r else "-"
         lines.append(
             f"{r['codec']:26} {r['impl']:8} {r['data']:9} {r['bytes_per_value']:9.4f} {r['rel_error']:10.3e}"
-            f" {r['encode_gbps']:8.3f} {r['decode_gbps']:8.3f}  {r['env']}"
+            f" {r['encode_gbps']:8.3f} {r['decode_gbps']:8.3f} {reuse:>8}  {r['env']}"
         )
     return "\n".join(lines)
 

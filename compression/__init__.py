@@ -5,6 +5,7 @@ Public API::
     codec = get_codec("int8:block=256")      # fp32 fp16 bf16 int8 int4 [block=N] [stochastic] topk:F
     buf = codec.encode(t, generator=g)      # bytes with a self-describing header + CRC32
     x = decode(buf, max_elements=2**28)     # float32 tensor of the encoded shape; CodecError if bad
+    decode(buf, out=reused)                 # same, into a caller's float32 buffer
     codec.encoded_nbytes(numel)             # exact wire size
     codec.error_bound(t)                    # declared max abs round-trip error for this input
     ErrorFeedback().compensate(key, t) / .update(key, compensated, decoded)

@@ -110,9 +110,10 @@ class Codec(ABC):
 
     @classmethod
     @abstractmethod
-    def decode_body(cls, h: Header, body: torch.Tensor) -> torch.Tensor:
-        """Flat float32 tensor of ``h.numel`` values from the (checked) uint8 body.
-        Raises ``CodecError`` for a body whose contents are invalid (e.g. a NaN scale)."""
+    def decode_body(cls, h: Header, body: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the ``h.numel`` values of the (length-checked) uint8 body into the flat
+        float32 tensor ``out``. Raises ``CodecError`` for a body whose contents are invalid
+        (e.g. a NaN scale)."""
 
     @abstractmethod
     def error_bound(self, t: torch.Tensor) -> float:
@@ -195,23 +196,44 @@ def peek_header(buf: bytes | bytearray | memoryview, *, max_elements: int = DEFA
     return h
 
 
-def decode(buf: bytes | bytearray | memoryview, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
-    """Decode any codec's bytes to a new float32 tensor of the encoded shape.
+def decode(
+    buf: bytes | bytearray | memoryview,
+    *,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode any codec's bytes to a float32 tensor of the encoded shape.
 
     Order of checks: header fields and exact lengths (``wire.parse_header``), the codec's
     own counts (``check_header``), the CRC32, then the body's contents. Nothing sized by
     the buffer's claims is allocated before the lengths are proven consistent with the
-    actual buffer and with ``max_elements``. Any malformed buffer raises ``CodecError``."""
+    actual buffer and with ``max_elements``, which therefore bounds the output (a sparse
+    top-k buffer is small but may legitimately declare up to ``max_elements`` values).
+    Any malformed buffer raises ``CodecError``.
+
+    ``out``: an optional contiguous float32 CPU tensor with the encoded number of elements,
+    written in place and returned reshaped; reusing one saves allocating (and page-faulting)
+    a fresh output per call. If decoding fails, its contents are unspecified."""
     mv = _as_bytes_view(buf)
     h = parse_header(mv, max_elements)
     cls = _DECODERS[h.codec]
     cls.check_header(h)
     check_crc(mv)
+    if out is None:
+        flat = torch.empty(h.numel, dtype=torch.float32)
+    else:
+        if out.dtype != torch.float32 or out.device.type != "cpu" or not out.is_contiguous() or out.numel() != h.numel:
+            raise ValueError(
+                f"out must be a contiguous float32 CPU tensor of {h.numel} elements,"
+                f" got {out.dtype} {tuple(out.shape)} on {out.device}"
+            )
+        flat = out.view(-1)
     if h.body_nbytes:
         body = torch.frombuffer(mv, dtype=torch.uint8, count=h.body_nbytes, offset=h.nbytes)
     else:
         body = torch.empty(0, dtype=torch.uint8)
-    return cls.decode_body(h, body).view(h.shape)
+    cls.decode_body(h, body, flat)
+    return flat.view(h.shape)
 
 
 def _as_bytes_view(buf: bytes | bytearray | memoryview) -> memoryview:

@@ -193,15 +193,13 @@ class Int8Codec(_Blockwise):
         return FLAG_STOCHASTIC if self.stochastic_rounding else 0
 
     @classmethod
-    def decode_body(cls, h: Header, body: torch.Tensor) -> torch.Tensor:
+    def decode_body(cls, h: Header, body: torch.Tensor, out: torch.Tensor) -> None:
         scales = cls._scales(h, body)
         codes = body[4 * h.count :].view(torch.int8)
-        out = torch.empty(h.numel, dtype=torch.float32)
         for s, e, rows in _chunks(h.numel, h.block):
             chunk = out[s:e]
             chunk.copy_(codes[s:e])
             chunk.view(rows, -1).mul_(scales[s // h.block : s // h.block + rows, None])
-        return out
 
 
 @dataclass(frozen=True)
@@ -246,13 +244,12 @@ class Int4Codec(_Blockwise):
             raise CodecError(f"int4: block {h.block} is odd")
 
     @classmethod
-    def decode_body(cls, h: Header, body: torch.Tensor) -> torch.Tensor:
+    def decode_body(cls, h: Header, body: torch.Tensor, out: torch.Tensor) -> None:
         scales = cls._scales(h, body)
         n = h.numel
         packed = body[4 * h.count :]
         if n % 2 and int(packed[-1]) >> 4 != 8:
             raise CodecError("int4: the padding nibble of an odd-length tensor is not zero (8)")
-        out = torch.empty(n, dtype=torch.float32)
         pairs = torch.empty(min(CHUNK, n + 1) // 2 + 1, 2, dtype=torch.uint8)
         for s, e, rows in _chunks(n, h.block):
             p = packed[s // 2 : (e + 1) // 2]
@@ -263,7 +260,6 @@ class Int4Codec(_Blockwise):
             chunk = out[s:e]
             chunk.copy_(pr.view(-1)[: e - s].view(torch.int8))
             chunk.view(rows, -1).mul_(scales[s // h.block : s // h.block + rows, None])
-        return out
 
 
 def _uniform16(m: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -68,15 +68,12 @@ class _FloatCodec(Codec):
             raise CodecError(f"{_FORMATS[cls.codec_id][0]}: body of {h.body_nbytes} bytes, expected {h.numel * width}")
 
     @classmethod
-    def decode_body(cls, h: Header, body: torch.Tensor) -> torch.Tensor:
+    def decode_body(cls, h: Header, body: torch.Tensor, out: torch.Tensor) -> None:
         _, dtype, _ = _FORMATS[cls.codec_id]
-        # A new tensor in every case: the body aliases the caller's (immutable) buffer.
-        out = torch.empty(h.numel, dtype=torch.float32)
-        out.copy_(body.view(dtype))
+        out.copy_(body.view(dtype))  # a copy even for fp32: the body aliases the caller's buffer
         lo, hi = _extremes(out)
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise CodecError(f"{_FORMATS[cls.codec_id][0]} body holds non-finite values")
-        return out
 
     def error_bound(self, t: torch.Tensor) -> float:
         rel, sub = _ROUNDING[self.codec_id]

@@ -121,7 +121,7 @@ class TopKCodec(Codec):
             raise CodecError(f"topk: body of {h.body_nbytes} bytes, expected {expected}")
 
     @classmethod
-    def decode_body(cls, h: Header, body: torch.Tensor) -> torch.Tensor:
+    def decode_body(cls, h: Header, body: torch.Tensor, out: torch.Tensor) -> None:
         n, k = h.numel, h.count
         nchunks = -(-n // CHUNK)
         values = body[: 4 * k].view(torch.float32)
@@ -136,9 +136,9 @@ class TopKCodec(Codec):
                 raise CodecError("topk: a chunk declares more kept values than it has elements")
         if int(counts.sum()) != k:
             raise CodecError(f"topk: chunk counts sum to {int(counts.sum())}, header declares {k}")
-        out = torch.zeros(n, dtype=torch.float32)
         if k == 0:
-            return out
+            out.zero_()
+            return
         offsets = body[start : start + 2 * k].view(torch.int16).to(torch.int64) & (CHUNK - 1)
         chunk_of = torch.repeat_interleave(torch.arange(nchunks, dtype=torch.int64), counts)
         idx = offsets.add_(chunk_of << CHUNK_BITS)
@@ -148,8 +148,8 @@ class TopKCodec(Codec):
             raise CodecError(f"topk: index {int(idx[-1])} out of range for {n} elements")
         if not bool(torch.isfinite(values).all()):
             raise CodecError("topk: non-finite value")
+        out.zero_()
         out[idx] = values
-        return out
 
     def error_bound(self, t: torch.Tensor) -> float:
         n = t.numel()

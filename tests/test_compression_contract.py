@@ -112,6 +112,14 @@ def check_codec(make_codec: Callable[[], Codec], *, seed: int = 0) -> None:
     a, b = _encode(codec, x, seed=3), _encode(codec, x, seed=3)
     assert a == b
     assert torch.equal(decode(a), decode(a))
+    # Decoding into a caller's buffer writes every element (pre-filled with junk here).
+    reuse = torch.full((5000,), 7.0)
+    assert decode(a, out=reuse).data_ptr() == reuse.data_ptr()
+    assert torch.equal(reuse, decode(a))
+    with pytest.raises(ValueError, match="out must be"):
+        decode(a, out=torch.zeros(4999))
+    with pytest.raises(ValueError, match="out must be"):
+        decode(a, out=torch.zeros(5000, dtype=torch.float64))
     if codec.stochastic:
         with pytest.raises(ValueError, match="Generator"):
             codec.encode(x)
