@@ -1,0 +1,317 @@
+"""`make demo`: a whole Bagel run on this machine, then a report of what it achieved.
+
+    python -m bagel.worker.demo --run examples/digits-2x2.toml --out demo-out [--duration-s 300]
+
+1. starts a coordinator on the run spec (a subprocess, loopback only) and reads its join string;
+2. starts `--workers` workers (default 4) with different `--throttle` values, so one machine
+   plays a heterogeneous swarm (the scheduler gives slower workers smaller batches);
+3. shows live progress: a table from the coordinator's GetStatus every few seconds;
+4. after `--duration-s`, stops the workers gracefully (they finish or abandon the round and
+   Leave) and then the coordinator; Ctrl-C stops early the same way (twice: at once);
+5. writes to `--out`:
+   - `samples.png`: class-conditional samples (one row per digit) of the composed sampler
+     over the latest committed state of every cell that trained (workers' local
+     checkpoints, else the coordinator's checkpoints; each verified by its state hash);
+   - `report.json` and `report.md`: committed rounds per cell, held-out loss per cell at
+     the initial weights and at the end, and per worker the bytes it sent next to what
+     synchronous data-parallel fp32 training would have sent for the same work (a ring
+     all-reduce of fp32 gradients every inner step: 2 (k-1)/k x 4 x params bytes per step
+     in a group of k).
+Every process started here runs in its own process group and is stopped in a `finally`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_THROTTLES = (1.0, 1.5, 2.0, 3.0)
+STATUS_EVERY_S = 3.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bagel.worker.demo", description="Run a local Bagel swarm and report.")
+    p.add_argument("--run", type=Path, required=True, help="run spec (TOML)")
+    p.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory (default: demo-out)")
+    p.add_argument("--duration-s", type=float, default=300.0, help="training time in seconds (default: 300)")
+    p.add_argument("--workers", type=int, default=4, help="number of workers (default: 4)")
+    p.add_argument("--throttles", default=",".join(f"{t:g}" for t in DEFAULT_THROTTLES),
+                   help="comma-separated --throttle per worker, cycled (default: 1,1.5,2,3)")
+    p.add_argument("--sample-steps", type=int, default=32, help="Euler steps of the composed sampler (default: 32)")
+    return p
+
+
+class _Stop:
+    """SIGINT/SIGTERM: first = stop training and report; second = stop at once."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count >= 2:
+            raise KeyboardInterrupt
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from bagel.coordinator.spec import SpecError, load_spec
+    from bagel.worker.procs import CoordinatorProc, Managed, WorkerProc, cleanup
+
+    try:
+        spec = load_spec(args.run)
+        throttles = [float(x) for x in args.throttles.split(",") if x.strip()]
+    except (SpecError, ValueError, OSError) as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return 2
+    if args.workers < 1 or not throttles or min(throttles) < 1:
+        print("demo: --workers must be >= 1 and every throttle >= 1", file=sys.stderr)
+        return 2
+    out: Path = args.out
+    for sub in ("coordinator", "workers", "logs"):
+        shutil.rmtree(out / sub, ignore_errors=True)  # a fresh run every time
+    out.mkdir(parents=True, exist_ok=True)
+    stop = _Stop()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    procs: list[Managed] = []
+    workers: list[tuple[WorkerProc, float]] = []
+    started = time.time()
+    try:
+        with cleanup(procs):
+            coord = CoordinatorProc.make(args.run, out / "coordinator", out / "logs" / "coordinator.log", tick_ms=200)
+            procs.append(coord)
+            coord.start_and_wait(timeout_s=120)
+            print(f"coordinator listening on {coord.endpoint}\njoin string: {coord.join}\n", flush=True)
+            for i in range(args.workers):
+                t = throttles[i % len(throttles)]
+                name = f"worker{i + 1}"
+                w = WorkerProc.make(coord.join, out / "workers" / name, out / "logs" / f"{name}.log", name=name, throttle=t)
+                procs.append(w)
+                w.start()
+                workers.append((w, t))
+                print(f"started {name} (--throttle {t:g}), log: {w.log_path}", flush=True)
+            start_losses = _initial_losses(spec)  # while the workers start up
+            _watch(coord.endpoint, workers, args.duration_s, stop)
+            print("\nstopping the workers (they finish or abandon their round and leave)...", flush=True)
+            for w, _ in workers:
+                if w.alive():
+                    w.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            for w, _ in workers:
+                w.stop(timeout_s=60)
+            final_status = _status_or_none(coord.endpoint)
+            coord.stop(timeout_s=30)
+        print("all processes stopped; evaluating...", flush=True)
+        report = _report(spec, out, workers, start_losses, final_status, time.time() - started, args.sample_steps)
+        print(_markdown(report))
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: every process was stopped", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------------- live view
+
+
+def _status_or_none(endpoint: str) -> Any:
+    from bagel.worker.procs import get_status
+
+    try:
+        return get_status(endpoint)
+    except Exception:  # the coordinator may be briefly unresponsive; the view just skips
+        return None
+
+
+def _watch(endpoint: str, workers: list, duration_s: float, stop: _Stop) -> None:
+    """Print a compact table of cells and workers every few seconds until time is up."""
+    from bagel.protocol import bagel_pb2 as pb
+
+    names = {}
+    t0 = time.time()
+    tty = sys.stdout.isatty()
+    last_print = 0.0
+    while time.time() - t0 < duration_s and not stop.requested:
+        time.sleep(min(STATUS_EVERY_S, max(0.1, duration_s - (time.time() - t0))))
+        st = _status_or_none(endpoint)
+        if st is None:
+            continue
+        for w in st.workers:
+            names[w.worker_id] = w.name or w.worker_id[:8]
+        if not tty and time.time() - last_print < 15.0:
+            continue
+        last_print = time.time()
+        lines = [f"--- {time.time() - t0:5.0f}s / {duration_s:.0f}s " + "-" * 50]
+        lines.append(f"{'cell':8} {'committed':>9} {'round':>9} {'members':>7} {'last loss':>9} {'samples':>9}")
+        for c in st.cells:
+            lines.append(
+                f"{c.cell_id:8} {c.committed_round:9d} {c.round_state:>9} {len(c.members):7d} "
+                f"{c.last_loss:9.4f} {c.samples_committed:9d}"
+            )
+        lines.append(f"{'worker':10} {'cell':8} {'phase':9} {'samples/s':>9} {'rounds':>6} {'state':>7}")
+        for w in sorted(st.workers, key=lambda w: w.name):
+            phase = pb.Phase.Name(w.phase).removeprefix("PHASE_").lower()
+            lines.append(f"{(w.name or w.worker_id[:10]):10} {w.cell_id or '-':8} {phase:9} {w.samples_per_s:9.0f} {w.rounds_contributed:6d} {w.state:>7}")
+        print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def _initial_losses(spec: Any) -> dict[str, float]:
+    from bagel.models.experts import cell_task
+
+    out = {}
+    for cell in spec.cell_ids:
+        task = cell_task(spec, cell)
+        x, y = task.heldout_data()
+        out[cell] = task.eval_loss(task.build_model(), x, y, seed=0)
+    return out
+
+
+def _latest_states(spec: Any, out: Path, workers: list) -> dict[str, tuple[int, Any, str]]:
+    """cell -> (round, CellState, source): the newest verified state of every cell."""
+    from bagel.worker.diloco import CellState
+    from bagel.worker.localstate import LocalStateError, LocalStore
+
+    best: dict[str, tuple[int, Any, str]] = {}
+    for w, _ in workers:
+        try:
+            cp = LocalStore(w.data_dir, spec.run.id, spec.spec_hash).load()
+        except LocalStateError:
+            continue
+        if cp is not None and cp.committed_round > best.get(cp.cell_id, (0,))[0]:
+            best[cp.cell_id] = (cp.committed_round, cp.state, f"{w.name} local checkpoint")
+    root = out / "coordinator" / "checkpoints"
+    for meta_path in sorted(root.rglob("*.json")) if root.exists() else []:
+        try:
+            meta = json.loads(meta_path.read_text())
+            cell, rnd = str(meta["cell_id"]), int(meta["round"])
+            if rnd <= best.get(cell, (0,))[0]:
+                continue
+            data = (meta_path.parent / Path(meta["path"]).name).read_bytes()
+            state = CellState.from_safetensors(data)
+            if state.state_hash() != meta["state_hash"]:
+                continue
+            best[cell] = (rnd, state, "coordinator checkpoint")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return best
+
+
+def _ddp_bytes(commit: dict[str, Any], params: int) -> float:
+    """fp32 gradient bytes a ring all-reduce sends per worker over the round's inner steps."""
+    k = int(commit.get("contributors") or 0)
+    if k < 2 or commit.get("catch_up"):
+        return 0.0
+    return commit["inner_steps"] * 2.0 * (k - 1) / k * 4.0 * params
+
+
+def _report(spec: Any, out: Path, workers: list, start_losses: dict[str, float], status: Any, wall_s: float, sample_steps: int) -> dict[str, Any]:
+    import torch
+
+    from bagel.models.compose import from_cells, sample
+    from bagel.models.evaluate import save_grid
+    from bagel.models.experts import cell_task
+
+    states = _latest_states(spec, out, workers)
+    cells: dict[str, Any] = {}
+    models = {}
+    params: dict[str, int] = {}
+    for cell in spec.cell_ids:
+        task = cell_task(spec, cell)
+        model = task.build_model()
+        params[cell] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        x, y = task.heldout_data()
+        entry: dict[str, Any] = {"heldout_loss_start": start_losses[cell], "heldout_loss_end": None,
+                                 "state_round": 0, "state_source": "none (never trained)"}
+        if status is not None:
+            c = next((c for c in status.cells if c.cell_id == cell), None)
+            if c is not None:
+                entry["committed_rounds"] = int(c.committed_round)
+                entry["samples_committed"] = int(c.samples_committed)
+        if cell in states:
+            rnd, state, source = states[cell]
+            state.load_into(model)
+            entry.update(heldout_loss_end=task.eval_loss(model, x, y, seed=0), state_round=rnd, state_source=source)
+            models[cell] = model
+        else:
+            entry["heldout_loss_end"] = start_losses[cell]
+        entry["loss_fell"] = entry["heldout_loss_end"] < entry["heldout_loss_start"]
+        cells[cell] = entry
+    wrows: dict[str, Any] = {}
+    for w, throttle in workers:
+        commits = w.events("committed")
+        sent = max((e.get("exchange_sent_total", 0) for e in commits), default=0)
+        total = max((e.get("bytes_sent_total", 0) for e in commits), default=0)
+        ddp = sum(_ddp_bytes(e, params.get(e["cell"], 0)) for e in commits)
+        wrows[w.name] = {
+            "throttle": throttle,
+            "rounds_committed": len(commits),
+            "rounds_contributed": sum(1 for e in commits if e.get("samples", 0) > 0),
+            "samples": sum(e.get("samples", 0) for e in commits),
+            "cells": sorted({e["cell"] for e in commits}),
+            "bytes_sent_exchange": sent,
+            "bytes_sent_total": total,
+            "ddp_fp32_bytes_same_work": int(ddp),
+            "reduction_vs_ddp": (ddp / sent) if sent else None,
+        }
+    png = out / "samples.png"
+    if models:
+        composed = from_cells(spec, models)
+        nc = spec.model.num_classes
+        g = torch.Generator().manual_seed(0)
+        rows = nc if nc > 0 else 8
+        labels = torch.arange(rows).repeat_interleave(10) if nc > 0 else None
+        noise = torch.randn(rows * 10, spec.model.channels, spec.model.image_size, spec.model.image_size, generator=g)
+        images = sample(composed, noise, labels, steps=sample_steps)
+        save_grid(images, png, nrow=10)
+    report = {
+        "run_id": spec.run.id,
+        "wall_s": round(wall_s, 1),
+        "cells": cells,
+        "workers": wrows,
+        "samples_png": str(png) if models else None,
+        "loss_fell_in_every_cell": all(c["loss_fell"] for c in cells.values()),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(_markdown(report))
+    return report
+
+
+def _fmt_bytes(n: float) -> str:
+    from bagel.worker.display import human_bytes
+
+    return human_bytes(n)
+
+
+def _markdown(r: dict[str, Any]) -> str:
+    lines = [f"# Bagel demo: run `{r['run_id']}`", "", f"Wall time: {r['wall_s']:.0f} s.", "",
+             "## Cells", "", "| cell | committed rounds | held-out loss start | end | state used |", "|---|---:|---:|---:|---|"]
+    for cell, c in r["cells"].items():
+        lines.append(f"| {cell} | {c.get('committed_rounds', '-')} | {c['heldout_loss_start']:.4f} | "
+                     f"{c['heldout_loss_end']:.4f} | round {c['state_round']} ({c['state_source']}) |")
+    lines += ["", "## Workers", "",
+              "| worker | throttle | cells | rounds (contributed) | samples | bytes sent (exchange) | DDP fp32, same work | reduction |",
+              "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for name, w in r["workers"].items():
+        red = f"{w['reduction_vs_ddp']:.0f}x" if w["reduction_vs_ddp"] else "-"
+        lines.append(f"| {name} | {w['throttle']:g} | {', '.join(w['cells']) or '-'} | {w['rounds_committed']} ({w['rounds_contributed']}) | "
+                     f"{w['samples']} | {_fmt_bytes(w['bytes_sent_exchange'])} | {_fmt_bytes(w['ddp_fp32_bytes_same_work'])} | {red} |")
+    lines += ["", f"Held-out loss fell in every cell: **{r['loss_fell_in_every_cell']}**."]
+    if r.get("samples_png"):
+        lines.append(f"Samples of the composed model (one row per class): `{r['samples_png']}`.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
