@@ -105,6 +105,28 @@ def findings(run: ChaosRun, final: inv.CommitLogRead) -> list[str]:
     return out
 
 
+def loss_by_cell(run: ChaosRun) -> dict[str, dict[str, Any]]:
+    """Per cell: committed rounds, how many had a Byzantine contributor, and the committed
+    loss first / best / worst / last, so a poisoned cell stands next to a clean one."""
+    byz = {w.worker_id for w in run.workers if w.byzantine and w.worker_id}
+    by_cell: dict[str, list[Any]] = defaultdict(list)
+    for c in getattr(run, "_commit_records", ()):
+        by_cell[c.cell_id].append(c)
+    out: dict[str, dict[str, Any]] = {}
+    for cell, commits in sorted(by_cell.items()):
+        commits.sort(key=lambda c: c.round)
+        losses = [c.loss for c in commits if _finite(c.loss) is not None]
+        out[cell] = {
+            "rounds": len(commits),
+            "rounds_with_byzantine_contributor": sum(bool(byz & set(c.contributors)) for c in commits),
+            "first_loss": round(losses[0], 4) if losses else None,
+            "best_loss": round(min(losses), 4) if losses else None,
+            "worst_loss": round(max(losses), 4) if losses else None,
+            "last_loss": round(losses[-1], 4) if losses else None,
+        }
+    return out
+
+
 def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.InvariantResult]) -> dict[str, Any]:
     """Write summary.json, summary.md and timeline.png into run.out; return the summary."""
     final = max(run.commit_logs, key=lambda r: r.t_s) if run.commit_logs else inv.CommitLogRead(0.0, "none", ())
@@ -151,6 +173,7 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
         ],
         "coordinator_starts": run.coordinator_starts,
         "byzantine": byzantine_effect(run),
+        "cells": loss_by_cell(run),
         "loss_per_cell": dict(sorted(loss.items())),
         "commit_log_reads": [{"label": r.label, "run_time_s": round(r.t_s, 3), "commits": len(r.commits)} for r in run.commit_logs],
         "evidence": {
@@ -266,8 +289,16 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
         end = "-" if f["end_s"] is None else f"{f['end_s']:.1f}"
         detail = f["detail"] + (f" ERROR: {f['error']}" if f["error"] else "")
         lines.append(f"| {f['index']} | {f['kind']} | {at} | {end} | {', '.join(f['targets'])} | {detail} |")
-    lines += ["", "## Committed rounds per cell", "", "| cell | rounds |", "| --- | --- |"]
-    lines += [f"| {c} | {n} |" for c, n in summary["committed_rounds_per_cell"].items()]
+    lines += ["", "## Committed rounds per cell", "",
+              "| cell | rounds | with a Byzantine contributor | loss first | best | worst | last |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    cells = summary.get("cells", {})
+    for c, n in summary["committed_rounds_per_cell"].items():
+        x = cells.get(c, {})
+        lines.append(
+            f"| {c} | {n} | {x.get('rounds_with_byzantine_contributor', '-')} | {x.get('first_loss')} | "
+            f"{x.get('best_loss')} | {x.get('worst_loss')} | {x.get('last_loss')} |"
+        )
     lines += ["", "## Workers", "", "| worker | id | Byzantine | starts | rounds contributed | verdicts | banned | errors |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for w in summary["workers"]:
@@ -280,8 +311,9 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
         )
     if summary["byzantine"]:
         lines += ["", "## Byzantine workers", "",
-                  "Robust aggregation is not in yet (a later issue), so a Byzantine worker's update is averaged in. "
-                  "Loss change = the cell's committed loss in the next round minus this round's, averaged.", "",
+                  "Robust aggregation is not in yet (a later issue), so a Byzantine worker's update is averaged in; "
+                  "compare its cell's loss with the clean cells above. Loss change = the cell's committed loss in "
+                  "the next round minus this round's, averaged over the rounds it contributed to / all other rounds.", "",
                   "| worker | mode | rounds contributed | loss change after its rounds | after the others | verdicts |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for label, b in summary["byzantine"].items():
@@ -298,4 +330,4 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
     return "\n".join(lines)
 
 
-__all__ = ["build_summary", "byzantine_effect", "findings", "markdown", "plot_timeline"]
+__all__ = ["build_summary", "byzantine_effect", "findings", "loss_by_cell", "markdown", "plot_timeline"]

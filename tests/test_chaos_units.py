@@ -14,7 +14,7 @@ import pytest
 
 from bagel.coordinator.domain import CommitRecord
 from bagel.sim.chaos import ChaosRun, FiredFault, main as chaos_main, runner_checks
-from bagel.sim.chaos_report import byzantine_effect, markdown
+from bagel.sim.chaos_report import byzantine_effect, loss_by_cell, markdown
 from bagel.sim.chaos_scenario import ScenarioError, load_scenario, parse_scenario
 from bagel.sim.faults import Fault, FaultKind
 from bagel.sim.invariants import InvariantResult
@@ -141,6 +141,9 @@ def test_byzantine_effect_compares_loss_after_its_rounds(tmp_path):
     assert eff["mean_loss_change_after_its_rounds"] == pytest.approx(0.45)
     assert eff["mean_loss_change_after_other_rounds"] == pytest.approx(-0.25)
     assert eff["rounds_compared"] == [2, 2]
+    cells = loss_by_cell(run)["k0.r0"]
+    assert cells == {"rounds": 5, "rounds_with_byzantine_contributor": 2, "first_loss": 1.0, "best_loss": 1.0,
+                     "worst_loss": 1.6, "last_loss": 1.4}
 
 
 # ---------------------------------------------------------------------------- supervision
