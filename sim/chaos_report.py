@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from bagel.sim import invariants as inv
 
 if TYPE_CHECKING:  # pragma: no cover
-    from bagel.sim.chaos import ChaosRun
+    from bagel.sim.chaos_run import ChaosRun
 
 _FAULT_COLORS = {
     "kill": "tab:red",
@@ -44,7 +44,7 @@ def _finite(x: float) -> float | None:
 
 def byzantine_effect(run: ChaosRun) -> dict[str, Any]:
     """Per Byzantine worker: rounds contributed, verdicts, and the loss change that followed."""
-    records = getattr(run, "_commit_records", ())
+    records = run.commit_records
     by_cell: dict[str, list[Any]] = defaultdict(list)
     for c in records:
         by_cell[c.cell_id].append(c)
@@ -55,9 +55,9 @@ def byzantine_effect(run: ChaosRun) -> dict[str, Any]:
         with_it: list[float] = []
         without: list[float] = []
         contributed = 0
-        for cell, commits in by_cell.items():
+        for commits in by_cell.values():
             commits = sorted(commits, key=lambda c: c.round)
-            for a, b in zip(commits, commits[1:]):
+            for a, b in zip(commits, commits[1:], strict=False):
                 if b.round != a.round + 1 or not (_finite(a.loss) and _finite(b.loss)):
                     continue
                 delta = b.loss - a.loss  # the loss of the round after: did this round's step help?
@@ -110,7 +110,7 @@ def loss_by_cell(run: ChaosRun) -> dict[str, dict[str, Any]]:
     loss first / best / worst / last, so a poisoned cell stands next to a clean one."""
     byz = {w.worker_id for w in run.workers if w.byzantine and w.worker_id}
     by_cell: dict[str, list[Any]] = defaultdict(list)
-    for c in getattr(run, "_commit_records", ()):
+    for c in run.commit_records:
         by_cell[c.cell_id].append(c)
     out: dict[str, dict[str, Any]] = {}
     for cell, commits in sorted(by_cell.items()):
@@ -133,7 +133,7 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
     per_cell: dict[str, int] = defaultdict(int)
     for c in final.commits:
         per_cell[c.cell_id] += 1
-    records = getattr(run, "_commit_records", ())
+    records = run.commit_records
     contributed: dict[str, int] = defaultdict(int)
     loss: dict[str, list[list[float]]] = defaultdict(list)
     t0 = run.t_zero or 0.0
@@ -179,7 +179,7 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
         "evidence": {
             "acknowledged_commits": len(h.acknowledged),
             "hash_observations": len(h.hashes),
-            "local_checkpoints_rehashed": getattr(run, "_n_local", 0),
+            "local_checkpoints_rehashed": run.n_local_checkpoints,
             "started_pids": len(h.started_pids),
             "bound_ports": list(h.bound_ports),
         },
@@ -235,7 +235,7 @@ def plot_timeline(run: ChaosRun, final: inv.CommitLogRead, path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
-    records = getattr(run, "_commit_records", ())
+    records = run.commit_records
     by_cell: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for c in records:
         if _finite(c.loss) is not None:

@@ -45,7 +45,8 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from bagel.coordinator.spec import RunSpec, SpecError, parse_spec
 from bagel.sim.faults import ByzantineMode, Fault, FaultError, FaultKind, parse_faults

@@ -302,7 +302,7 @@ class Supervisor:
                 proc.process.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.process.wait(), grace_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 proc.term_timed_out = True
                 log.warning("%s did not stop within %.0fs of SIGTERM: SIGKILL", proc.name, grace_s)
         # whatever the leader left behind in its group goes too

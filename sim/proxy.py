@@ -82,7 +82,8 @@ class _Pipe:
                 if not data:
                     break
                 async with self._space:  # bounded buffer: back-pressure the sender
-                    await self._space.wait_for(lambda: self.buffered + len(data) <= self.proxy.max_buffer_bytes or self.buffered == 0)
+                    n = len(data)
+                    await self._space.wait_for(lambda n=n: self.buffered + n <= self.proxy.max_buffer_bytes or self.buffered == 0)
                     self.buffered += len(data)
                 self._queue.put_nowait((time.monotonic(), data))
         finally:
@@ -284,7 +285,7 @@ class FaultProxy:
                 target_r, target_w = await asyncio.wait_for(
                     asyncio.open_connection(self.target_host, self.target_port), self.connect_timeout_s
                 )
-            except (OSError, asyncio.TimeoutError) as e:
+            except (TimeoutError, OSError) as e:
                 log.debug("proxy %s: upstream %s:%d unreachable: %r", self.address, self.target_host, self.target_port, e)
                 conn.abort()  # the client sees a reset, as it would without the proxy
                 return

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from bagel.coordinator.domain import CommitRecord
-from bagel.sim.chaos import ChaosRun, FiredFault, main as chaos_main, runner_checks
+from bagel.sim.chaos import main as chaos_main
+from bagel.sim.chaos_evidence import FiredFault, runner_checks
+from bagel.sim.chaos_run import ChaosRun
 from bagel.sim.chaos_report import byzantine_effect, loss_by_cell, markdown
 from bagel.sim.chaos_scenario import ScenarioError, load_scenario, parse_scenario
 from bagel.sim.faults import Fault, FaultKind
@@ -132,7 +134,7 @@ def test_byzantine_effect_compares_loss_after_its_rounds(tmp_path):
         return CommitRecord("k0.r0", r, 1, f"{r:064x}", 1000 * r, contributors, contributors, 10, loss)
 
     # rounds 1 and 3 include the Byzantine worker: the loss went up after them
-    run._commit_records = (
+    run.commit_records = (
         rec(1, 1.0, ("byz", "honest")), rec(2, 1.5, ("honest",)), rec(3, 1.2, ("byz", "honest")), rec(4, 1.6, ("honest",)),
         rec(5, 1.4, ("honest",)),
     )
@@ -245,3 +247,65 @@ def test_add_chaos_parser_registers_the_subcommand(tmp_path):
     add_chaos_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["chaos", "s.toml", "--out", str(tmp_path / "o"), "--workers", "4", "--quiet"])
     assert args.func is run_chaos and args.workers == 4 and args.quiet and args.scenario == Path("s.toml")
+
+
+# ---------------------------------------------------------------------------- evidence
+
+
+def test_local_checkpoints_are_rehashed_and_a_corrupt_one_breaks_the_replica_invariant(tmp_path):
+    """The chain a chaos run relies on: the workers' kept checkpoints -> observations ->
+    sim/invariants.py. A flipped byte in one replica's file must fail `replicas_bit_identical`."""
+    import torch
+
+    from bagel.sim import invariants as inv
+    from bagel.sim.chaos_evidence import local_hashes
+    from bagel.worker.diloco import CellState
+    from bagel.worker.localstate import LocalCheckpoint, LocalStore
+
+    sc = parse_scenario(scenario())
+    spec = sc.spec
+    torch.manual_seed(0)
+    state = CellState.from_model(torch.nn.Linear(4, 3))
+    h = state.state_hash()
+    dirs = []
+    for i in range(2):
+        d = tmp_path / f"w{i}"
+        store = LocalStore(d, spec.run.id, spec.spec_hash)
+        store.save(LocalCheckpoint("k0.r0", 3, state, h, {}))
+        hist = store.path.parent / "history" / "k0.r0.r3.safetensors"
+        hist.parent.mkdir(parents=True)
+        hist.write_bytes(store.path.read_bytes())
+        dirs.append(d)
+    obs = local_hashes([("wa", dirs[0]), ("wb", dirs[1])], spec, t=9.0)
+    assert sorted((o.worker_id, o.cell_id, o.round, o.state_hash) for o in obs) == [
+        ("wa", "k0.r0", 3, h), ("wa", "k0.r0", 3, h), ("wb", "k0.r0", 3, h), ("wb", "k0.r0", 3, h)
+    ]
+    log = inv.CommitLogRead(10.0, "final", (inv.CommitEntry("k0.r0", 1, "a" * 64), inv.CommitEntry("k0.r0", 2, "b" * 64),
+                                            inv.CommitEntry("k0.r0", 3, h)))
+    assert inv.check_replicas_bit_identical(inv.History(commit_logs=(log,), hashes=tuple(obs))).ok
+
+    hist = dirs[1] / "runs" / spec.run.id / "history" / "k0.r0.r3.safetensors"
+    raw = bytearray(hist.read_bytes())
+    raw[-1] ^= 0x01  # one bit of one weight
+    hist.write_bytes(bytes(raw))
+    obs = local_hashes([("wa", dirs[0]), ("wb", dirs[1])], spec, t=9.0)
+    bad = [o for o in obs if o.state_hash != h]
+    assert len(bad) == 1 and bad[0].worker_id == "wb" and (bad[0].cell_id, bad[0].round) == ("k0.r0", 3)
+    result = inv.check_replicas_bit_identical(inv.History(commit_logs=(log,), hashes=tuple(obs)))
+    assert not result.ok and "wb" in result.violations[0]
+
+
+def test_worker_events_become_observations():
+    from bagel.sim.chaos_evidence import Observations
+
+    obs = Observations()
+    h = "c" * 64
+    assert obs.on_event(0, "wa", {"event": "ready", "cell": "k0.r0", "round": 2, "loss": 1.5}, 1.0) == ""
+    obs.on_event(0, "wa", {"event": "verdict", "cell": "k0.r0", "round": 2, "verdict": "resync", "hash": "d" * 64}, 2.0)
+    obs.on_event(0, "wa", {"event": "committed", "cell": "k0.r0", "round": 2, "hash": h}, 3.0)
+    note = obs.on_event(1, "wb", {"event": "heartbeat-refused", "message": "PERMISSION_DENIED: worker wb is banned: reputation"}, 4.0)
+    obs.on_event(1, "wb", {"event": "error", "message": "reduce: ValueError: boom"}, 5.0)
+    assert "banned" in note and 1 in obs.banned and obs.errors[1] == ["reduce: ValueError: boom"]
+    assert obs.first_commit_s == 3.0 and obs.acknowledged[0].state_hash == h
+    assert [(o.source, o.state_hash[0]) for o in obs.hashes] == [("report", "d"), ("applied", "c")]
+    assert obs.ready_loss == [(1.0, 0, "k0.r0", 2, 1.5)] and obs.verdicts[0]["resync"] == 1

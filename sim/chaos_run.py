@@ -1,0 +1,553 @@
+"""The chaos driver: start the real processes, apply the faults on schedule, stop everything.
+
+`ChaosRun(scenario, out_dir).run()` is the whole of `bagel-sim chaos` but the command line
+(sim/chaos.py, whose docstring draws the topology). It owns the processes (through a
+`sim.procs.Supervisor`), the `FaultProxy` in front of the coordinator, and the fault
+schedule; what it sees goes to `sim/chaos_evidence.py`, the verdicts come from
+`sim/invariants.py`, and `sim/chaos_report.py` writes the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bagel.sim import invariants as inv
+from bagel.sim.chaos_evidence import FiredFault, Observations, leaked_ports, local_hashes, read_commit_log, runner_checks
+from bagel.sim.chaos_scenario import ChaosScenario
+from bagel.sim.faults import Fault, FaultKind
+from bagel.sim.procs import Proc, ProcessExited, Supervisor, free_port
+from bagel.sim.proxy import FaultProxy
+
+log = logging.getLogger("bagel.sim.chaos")
+
+SAMPLE_EVERY_S = 2.0
+STARTUP_LINE_TIMEOUT_S = 120.0
+WORKER_GRACE_S = 15.0
+COORDINATOR_GRACE_S = 10.0
+_BOOT_RE = re.compile(r"--initial_peers (/\S+/p2p/\S+)")
+RUN_MARKER = "chaos-run.json"
+
+
+@dataclass
+class WorkerSlot:
+    index: int
+    data_dir: Path
+    throttle: float
+    byzantine: str
+    proc: Proc | None = None
+    worker_id: str = ""
+    starts: int = 0
+    expected_exit: bool = True  # we killed/stopped it, or it is not running
+    unexpected_exits: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"w{self.index}"
+
+
+class ChaosRun:
+    """One chaos run: `await ChaosRun(scenario, out).run()` returns the result document."""
+
+    def __init__(self, scenario: ChaosScenario, out_dir: Path, *, python: str = sys.executable, echo: bool = True) -> None:
+        self.sc = scenario
+        self.out = Path(out_dir)
+        self.python = python
+        self.echo = echo
+        self.origin = time.time()  # run time 0 (wall clock: the store's commit times are wall clock too)
+        self.sup = Supervisor(self.out / "logs")
+        self.coord_dir = self.out / "coordinator"
+        self.spec_path = self.out / "run.toml"
+        self.coord_port = 0
+        self.proxy: FaultProxy | None = None
+        self.coordinator: Proc | None = None
+        self.bootstrap: Proc | None = None
+        self.bootstrap_maddr = ""
+        self.join = ""
+        self.coordinator_key = b""
+        self.coordinator_starts = 0
+        self.coordinator_expected_exit = True
+        self.coordinator_unexpected: list[str] = []
+        self.workers = [
+            WorkerSlot(i, self.out / "workers" / f"w{i}", scenario.throttle_of(i), scenario.byzantine.get(i, ""))
+            for i in range(scenario.workers)
+        ]
+        self.obs = Observations()
+        self.commit_logs: list[inv.CommitLogRead] = []
+        self.fired = [FiredFault(i, f) for i, f in enumerate(scenario.faults)]
+        self.rng = random.Random(scenario.seed)
+        self.t_zero: float | None = None
+        self.end_s = 0.0
+        self.stop_reason = ""
+        self.commit_records: tuple[Any, ...] = ()
+        self.n_local_checkpoints = 0
+        self._bg: set[asyncio.Task[Any]] = set()
+        self._commit_event = asyncio.Event()
+
+    # ------------------------------------------------------------------ time and output
+
+    def now(self) -> float:
+        return time.time() - self.origin
+
+    def say(self, msg: str) -> None:
+        line = f"[chaos {self.now():7.1f}s] {msg}"
+        log.info(msg)
+        if self.echo:
+            print(line, file=sys.stderr, flush=True)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # two cores shared by every process of the run: one math thread each
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.setdefault("BAGEL_LOG_LEVEL", "WARNING")
+        return env
+
+    # ------------------------------------------------------------------ processes
+
+    async def start_bootstrap(self) -> None:
+        argv = [
+            self.python, "-m", "hivemind.hivemind_cli.run_dht",
+            "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
+            "--identity_path", str(self.out / "bootstrap.key"),
+        ]
+        boot_log = self.out / "logs" / "bootstrap.err"
+        # hivemind logs to stderr; read the announce line from its log file
+        self.bootstrap = await self.sup.spawn("bootstrap", argv, env=self._env())
+        deadline = time.monotonic() + STARTUP_LINE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            text = boot_log.read_text(errors="replace") if boot_log.exists() else ""
+            m = _BOOT_RE.search(text)
+            if m:
+                self.bootstrap_maddr = m.group(1)
+                return
+            if not self.bootstrap.alive():
+                raise RuntimeError(f"the bootstrap DHT node exited ({self.bootstrap.returncode}); see {boot_log}")
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"the bootstrap DHT node did not announce itself within {STARTUP_LINE_TIMEOUT_S:.0f}s")
+
+    def _coordinator_argv(self) -> list[str]:
+        listen = f"127.0.0.1:{self.coord_port}"
+        advertise = self.proxy.address if self.proxy is not None else listen
+        return [
+            self.python, "-m", "bagel.coordinator", "serve",
+            "--run", str(self.spec_path), "--data-dir", str(self.coord_dir),
+            "--listen", listen, "--advertise-endpoint", advertise,
+            "--initial-peers", self.bootstrap_maddr,
+            "--tick-ms", str(self.sc.tick_ms), "--grace-s", "2", "--log-level", "WARNING",
+        ]
+
+    def make_join(self) -> str:
+        """The workers' join string, known before the coordinator runs: the coordinator's key
+        is created here in its data dir (the daemon loads an existing key, `KEY_FILE`), and
+        the initial peer is the bootstrap node, which outlives coordinator restarts."""
+        from bagel.coordinator.daemon import KEY_FILE
+        from bagel.protocol.identity import Identity
+        from bagel.protocol.joinstring import make_join_string
+
+        self.coord_dir.mkdir(parents=True, exist_ok=True)
+        self.coordinator_key = Identity.load_or_create(self.coord_dir / KEY_FILE).public_key
+        self.join = make_join_string(self.sc.spec.run.id, self.coordinator_key, [self.bootstrap_maddr])
+        return self.join
+
+    async def start_coordinator(self) -> None:
+        self.coordinator_starts += 1
+        name = f"coordinator-{self.coordinator_starts}"
+
+        proc = await self.sup.spawn(name, self._coordinator_argv(), env=self._env())
+        self.coordinator = proc
+        try:
+            line = await proc.wait_line(lambda s: s.startswith("join: "), STARTUP_LINE_TIMEOUT_S)
+        except (TimeoutError, ProcessExited) as e:
+            raise RuntimeError(f"{name} did not start: {e}; see {self.out / 'logs' / (name + '.err')}") from None
+        from bagel.protocol.joinstring import parse_join_string
+
+        info = parse_join_string(line.split(" ", 1)[1])
+        if info.coordinator_public_key != self.coordinator_key:
+            raise RuntimeError(f"{name} serves with another key than the one created for it in {self.coord_dir}")
+        self.coordinator_expected_exit = False
+        self._watch(proc, self._on_coordinator_exit)
+
+    def _on_coordinator_exit(self, proc: Proc) -> None:
+        if not self.coordinator_expected_exit and proc is self.coordinator:
+            msg = f"{proc.name} exited on its own with code {proc.returncode} at {self.now():.1f}s"
+            self.coordinator_unexpected.append(msg)
+            self.say("UNEXPECTED: " + msg)
+
+    async def start_worker(self, slot: WorkerSlot) -> None:
+        slot.starts += 1
+        argv = [
+            self.python, "-m", "bagel.worker", "join", self.join,
+            "--data-dir", str(slot.data_dir), "--device", "cpu", "--log-json",
+            "--name", slot.label, "--throttle", str(slot.throttle),
+            "--dht-listen", "/ip4/127.0.0.1/tcp/0", "--keep-round-history",
+            "--reduce-timeout-s", str(self.sc.reduce_timeout_s),
+        ]
+        if slot.byzantine:
+            argv += ["--byzantine", slot.byzantine]
+        argv += list(self.sc.extra_worker_args)
+        slot.data_dir.mkdir(parents=True, exist_ok=True)
+        name = f"{slot.label}-{slot.starts}"
+        slot.proc = await self.sup.spawn(name, argv, env=self._env(), on_line=lambda p, line: self._on_worker_line(slot, line))
+        slot.expected_exit = False
+        self._watch(slot.proc, lambda p: self._on_worker_exit(slot, p))
+
+    def _on_worker_exit(self, slot: WorkerSlot, proc: Proc) -> None:
+        if not slot.expected_exit and proc is slot.proc:
+            msg = f"{proc.name} exited on its own with code {proc.returncode} at {self.now():.1f}s"
+            slot.unexpected_exits.append(msg)
+            self.say("UNEXPECTED: " + msg)
+
+    def _watch(self, proc: Proc, on_exit: Any) -> None:
+        async def watch() -> None:
+            await proc.process.wait()
+            on_exit(proc)
+
+        self._spawn(watch())
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        t = asyncio.ensure_future(coro)
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+        return t
+
+    # ------------------------------------------------------------------ worker events
+
+    def _on_worker_line(self, slot: WorkerSlot, line: str) -> None:
+        if not line.startswith("{"):
+            return
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            return
+        name = ev.get("event")
+        if name == "step" or not isinstance(name, str) or not isinstance(ev, dict):
+            return  # per-inner-step progress: not needed here
+        if name == "identity":
+            slot.worker_id = str(ev.get("worker_id", ""))
+        t = float(ev.get("ts", time.time())) - self.origin
+        note = self.obs.on_event(slot.index, slot.worker_id, ev, t)
+        if note:
+            self.say(f"{slot.label} {note}")
+        if name == "committed":
+            self._commit_event.set()
+
+    # ------------------------------------------------------------------ commit log
+
+    def read_commit_log(self, label: str) -> inv.CommitLogRead:
+        """Read the coordinator's commit log now (label says when: before a kill, ...)."""
+        from bagel.coordinator.store import StoreError
+
+        t = self.now()
+        try:
+            read, records = read_commit_log(self.coord_dir, label, t, self.origin)
+        except StoreError as e:
+            self.say(f"commit log unreadable at '{label}': {e}")
+            read, records = inv.CommitLogRead(t, label, ()), ()
+        else:
+            self.commit_records = records  # the latest full records (loss, contributors) for the report
+        self.commit_logs.append(read)
+        self.say(f"commit log '{label}': {len(read.commits)} commits")
+        return read
+
+    # ------------------------------------------------------------------ faults
+
+    def _live_workers(self) -> list[WorkerSlot]:
+        return [w for w in self.workers if w.proc is not None and w.proc.alive()]
+
+    def _targets(self, f: Fault) -> list[WorkerSlot]:
+        if f.workers:
+            return [self.workers[i] for i in f.workers]
+        live = sorted(self._live_workers(), key=lambda w: w.index)
+        n = f.count if f.count > 0 else max(1, round(f.fraction * len(live)))
+        return self.rng.sample(live, min(n, len(live)))
+
+    async def _after(self, delay_s: float, fn: Any, *args: Any) -> None:
+        await asyncio.sleep(max(0.0, delay_s))
+        await fn(*args)
+
+    async def fire(self, ff: FiredFault) -> None:
+        f = ff.fault
+        try:
+            await self._fire(ff, f)
+        except Exception as e:  # a fault that could not be applied is reported, and fails the run
+            ff.error = f"{type(e).__name__}: {e}"
+            self.say(f"fault {ff.index} ({f.kind.value}) FAILED: {ff.error}")
+
+    async def _fire(self, ff: FiredFault, f: Fault) -> None:
+        kind = f.kind
+        if kind in (FaultKind.KILL, FaultKind.LEAVE, FaultKind.STOP):
+            targets = self._targets(f)
+            if not targets:
+                raise RuntimeError("no live worker to hit")
+            spacing = f.within_s / len(targets) if f.within_s > 0 else 0.0
+            hits = []
+            for k, slot in enumerate(targets):
+                hits.append(self._spawn(self._after(k * spacing, self._hit_worker, ff, f, slot)))
+            await asyncio.gather(*hits)
+            return
+        ff.fired_s = self.now()
+        if kind is FaultKind.COORDINATOR_KILL:
+            await self._coordinator_kill(ff, f)
+            return
+        proxy = self.proxy
+        assert proxy is not None  # the scenario parser refuses proxy faults without a proxy
+        ff.targets = [f"proxy {proxy.address} -> 127.0.0.1:{self.coord_port}"]
+        if kind is FaultKind.RESET:
+            n = proxy.reset()
+            ff.detail = f"reset {n} open connections"
+            ff.ended_s = ff.fired_s
+        elif kind is FaultKind.HANG:
+            proxy.hang()
+            ff.detail = f"hang for {f.duration_s:g}s"
+            self.say(f"proxy hangs for {f.duration_s:g}s")
+            await asyncio.sleep(f.duration_s)
+            proxy.resume()
+            ff.ended_s = self.now()
+        elif kind is FaultKind.LATENCY:
+            before = proxy.latency_s * 1000.0
+            proxy.set_latency(f.latency_ms)
+            ff.detail = f"+{f.latency_ms:g} ms each direction" + (f" for {f.duration_s:g}s" if f.duration_s else " until the end")
+            self.say(f"proxy latency +{f.latency_ms:g} ms")
+            if f.duration_s > 0:
+                await asyncio.sleep(f.duration_s)
+                proxy.set_latency(before)
+                ff.ended_s = self.now()
+            else:
+                ff.ended_s = ff.fired_s  # a lasting degradation: progress must resume under it
+        elif kind is FaultKind.BANDWIDTH:
+            before = proxy.bandwidth_bytes_per_s
+            proxy.set_bandwidth(f.bandwidth_bytes_per_s)
+            ff.detail = f"cap {f.bandwidth_bytes_per_s:g} B/s per direction per connection" + (f" for {f.duration_s:g}s" if f.duration_s else " until the end")
+            self.say(ff.detail)
+            if f.duration_s > 0:
+                await asyncio.sleep(f.duration_s)
+                proxy.set_bandwidth(before)
+                ff.ended_s = self.now()
+            else:
+                ff.ended_s = ff.fired_s
+        else:  # pragma: no cover - parse_scenario refuses the rest
+            raise RuntimeError(f"unsupported fault kind {kind.value}")
+
+    async def _hit_worker(self, ff: FiredFault, f: Fault, slot: WorkerSlot) -> None:
+        proc = slot.proc
+        if proc is None or not proc.alive():
+            raise RuntimeError(f"{slot.label} is not running")
+        t = self.now()
+        ff.fired_s = t if ff.fired_s is None else min(ff.fired_s, t)
+        ff.targets.append(f"{slot.label} ({slot.worker_id or 'id unknown'})")
+        slot.expected_exit = True
+        if f.kind is FaultKind.KILL:
+            self.say(f"SIGKILL {slot.label} (pid {proc.pid})")
+            await self.sup.kill(proc)
+            if f.duration_s > 0:
+                await asyncio.sleep(f.duration_s)
+                self.say(f"restart {slot.label} on the same data dir")
+                await self.start_worker(slot)
+                ff.detail = f"restarted after {f.duration_s:g}s"
+            ff.ended_s = max(ff.ended_s or 0.0, self.now())
+        elif f.kind is FaultKind.LEAVE:
+            self.say(f"SIGTERM {slot.label} (graceful leave)")
+            await self.sup.stop(proc, WORKER_GRACE_S)
+            ff.detail = f"exit code {proc.returncode}"
+            ff.ended_s = max(ff.ended_s or 0.0, self.now())
+        elif f.kind is FaultKind.STOP:
+            self.say(f"SIGSTOP {slot.label} for {f.duration_s:g}s")
+            self.sup.signal(proc, signal.SIGSTOP)
+            await asyncio.sleep(f.duration_s)
+            self.sup.signal(proc, signal.SIGCONT)
+            slot.expected_exit = False
+            self.say(f"SIGCONT {slot.label}")
+            ff.ended_s = max(ff.ended_s or 0.0, self.now())
+
+    async def _coordinator_kill(self, ff: FiredFault, f: Fault) -> None:
+        proc = self.coordinator
+        if proc is None or not proc.alive():
+            raise RuntimeError("the coordinator is not running")
+        n = self.coordinator_starts
+        self.read_commit_log(f"before coordinator kill #{n}")
+        self.coordinator_expected_exit = True
+        ff.targets = [f"coordinator (pid {proc.pid})"]
+        self.say(f"SIGKILL coordinator (pid {proc.pid}); restart in {f.duration_s:g}s")
+        await self.sup.kill(proc)
+        await asyncio.sleep(f.duration_s)
+        await self.start_coordinator()
+        ff.ended_s = self.now()
+        ff.detail = f"down {ff.ended_s - (ff.fired_s or ff.ended_s):.1f}s (restart on the same data dir)"
+        self.say(f"coordinator back ({ff.detail})")
+        self.read_commit_log(f"after coordinator restart #{n}")
+
+    # ------------------------------------------------------------------ the run
+
+    async def run(self) -> dict[str, Any]:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.spec_path.write_text(self.sc.run_spec_text)
+        (self.out / RUN_MARKER).write_text(json.dumps({"scenario": self.sc.name, "started_unix_s": self.origin}))
+        atexit.register(self.sup.kill_all_now)  # last resort if the loop dies abnormally
+        self._spawn(self._sample_loop())
+        error = ""
+        try:
+            await self._drive()
+        except asyncio.CancelledError:  # Ctrl-C / SIGTERM: stop everything, still write the report
+            self.stop_reason = error = "interrupted"
+        except Exception as e:
+            self.stop_reason = f"error: {type(e).__name__}: {e}"
+            error = self.stop_reason
+            self.say(self.stop_reason)
+        finally:
+            # stopping must finish even if a signal arrives meanwhile: a second Ctrl-C/SIGTERM
+            # SIGKILLs every group at once, and the (shielded) stop then completes quickly
+            stopper = asyncio.ensure_future(self._stop_all())
+            while not stopper.done():
+                try:
+                    await asyncio.shield(stopper)
+                except asyncio.CancelledError:
+                    error = error or "interrupted"
+                    self.stop_reason = self.stop_reason or "interrupted"
+                    self.say("interrupted while stopping: SIGKILL every process group")
+                    self.sup.kill_all_now()
+            atexit.unregister(self.sup.kill_all_now)
+        return self._result(error)
+
+    async def _drive(self) -> None:
+        self.coord_port = free_port()
+        if self.sc.proxy:
+            self.proxy = await FaultProxy("127.0.0.1", self.coord_port).start()
+            self.sup.extra_ports.add(self.proxy.port)
+            self.say(f"fault proxy {self.proxy.address} -> coordinator 127.0.0.1:{self.coord_port}")
+        self.sup.extra_ports.add(self.coord_port)
+        await self.start_bootstrap()
+        self.say(f"bootstrap DHT node {self.bootstrap_maddr}")
+        self.make_join()
+        # workers start with the coordinator: they import torch and start their DHT nodes
+        # while it starts, then find its record (start-up is most of a short run's time)
+        for slot in self.workers:
+            await self.start_worker(slot)
+        await self.start_coordinator()
+        self.say(f"coordinator up; {len(self.workers)} workers started")
+        # t = 0 of the schedule: the first committed round
+        deadline = time.monotonic() + self.sc.startup_timeout_s
+        while self.obs.first_commit_s is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no round committed within startup_timeout_s = {self.sc.startup_timeout_s:g}s")
+            self._commit_event.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._commit_event.wait(), 1.0)
+        self.t_zero = self.obs.first_commit_s
+        self.say(f"first round committed: t = 0 of the fault schedule (run time {self.t_zero:.1f}s)")
+        pending = [self._spawn(self._after(self.t_zero + ff.fault.at_s - self.now(), self.fire, ff)) for ff in self.fired]
+        cap = self.t_zero + self.sc.max_duration_s
+        last_progress = 0.0
+        while True:
+            now = self.now()
+            done = all(t.done() for t in pending)
+            if done:
+                last_end = max([ff.ended_s or ff.fired_s or 0.0 for ff in self.fired], default=self.t_zero)
+                # rounds first acknowledged after the last fault (a late ack of an older round
+                # after a coordinator restart is not progress)
+                before = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s <= last_end}
+                after = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s > last_end} - before
+                # every cell that trained should show it recovered; a cell that does not within
+                # the progress bound is reported (findings), and the run ends there
+                stalled = {c for c, _ in before} - {c for c, _ in after}
+                if len(after) >= self.sc.settle_commits and not stalled:
+                    self.stop_reason = f"{len(after)} rounds committed after the last fault ended, in every cell"
+                    break
+                if len(after) >= self.sc.settle_commits and now > last_end + self.sc.progress_bound_s:
+                    self.stop_reason = (
+                        f"{len(after)} rounds committed after the last fault ended; cells {sorted(stalled)} "
+                        f"did not commit within progress_bound_s"
+                    )
+                    break
+            if now >= cap:
+                self.stop_reason = f"max_duration_s = {self.sc.max_duration_s:g}s reached"
+                break
+            if now - last_progress >= 10.0:
+                last_progress = now
+                rounds = len({(c.cell_id, c.round) for c in self.obs.acknowledged})
+                fired = sum(ff.fired_s is not None for ff in self.fired)
+                self.say(f"t={now - self.t_zero:+.0f}s committed rounds {rounds}, faults fired {fired}/{len(self.fired)}")
+            await asyncio.sleep(0.5)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self.say(f"stopping: {self.stop_reason}")
+
+    async def _sample_loop(self) -> None:
+        while True:
+            await asyncio.to_thread(self.sup.sample)
+            await asyncio.sleep(SAMPLE_EVERY_S)
+
+    async def _stop_all(self) -> None:
+        """Cancel pending faults, read the log while running, stop workers then the
+        coordinator, read it again."""
+        self.end_s = self.now()
+        for w in self.workers:
+            w.expected_exit = True
+        self.coordinator_expected_exit = True
+        bg = list(self._bg)  # fault tasks (no fault may fire while stopping), watchers, the sampler
+        for t in bg:
+            t.cancel()
+        await asyncio.gather(*bg, return_exceptions=True)
+        if self.coordinator is not None and self.coordinator.alive():
+            with contextlib.suppress(Exception):
+                self.read_commit_log("end (running)")
+        for w in self.workers:
+            w.expected_exit = True
+        self.coordinator_expected_exit = True
+        workers = [w.proc for w in self.workers if w.proc is not None]
+        await asyncio.gather(*(self.sup.stop(p, WORKER_GRACE_S) for p in workers if p.alive()), return_exceptions=True)
+        if self.coordinator is not None:
+            await self.sup.stop(self.coordinator, COORDINATOR_GRACE_S)
+        await self.sup.shutdown(grace_s=5.0)
+        if self.proxy is not None:
+            await self.proxy.close()
+        if (self.coord_dir / "coordinator.sqlite3").exists():
+            with contextlib.suppress(Exception):
+                self.read_commit_log("final (stopped)")
+
+    # ------------------------------------------------------------------ checks and result
+
+    def history(self) -> inv.History:
+        local = local_hashes([(w.worker_id, w.data_dir) for w in self.workers], self.sc.spec, self.end_s)
+        self.n_local_checkpoints = len(local)
+        faults = tuple(
+            inv.FaultRecord(ff.fired_s, ff.fault.kind.value, ff.ended_s, ", ".join(ff.targets))
+            for ff in self.fired
+            if ff.fired_s is not None
+        )
+        return inv.History(
+            commit_logs=tuple(self.commit_logs),
+            acknowledged=tuple(self.obs.acknowledged),
+            hashes=tuple(self.obs.hashes) + tuple(local),
+            faults=faults,
+            end_s=self.end_s,
+            progress_bound_s=self.sc.progress_bound_s,
+            byzantine_workers=frozenset(w.worker_id for w in self.workers if w.byzantine and w.worker_id),
+            started_pids=tuple(sorted(self.sup.seen_pids)),
+            alive_pids_at_end=tuple(sorted(self.sup.alive_pids())),
+            bound_ports=tuple(sorted(self.sup.bound_ports())),
+            listening_ports_at_end=leaked_ports(self.sup),
+        )
+
+    def _result(self, error: str) -> dict[str, Any]:
+        from bagel.sim.chaos_report import build_summary
+
+        h = self.history()
+        unexpected = self.coordinator_unexpected + [m for w in self.workers for m in w.unexpected_exits]
+        results = {**inv.check_history(h), **runner_checks(self.fired, unexpected, error)}
+        return build_summary(self, h, results)
+
+
+__all__ = ["ChaosRun", "RUN_MARKER", "WorkerSlot"]
