@@ -164,6 +164,21 @@ def test_topk_round_trip_keeps_exact_values_at_sorted_indices() -> None:
     assert float(x.abs()[out == 0].max()) <= float(x[kept].abs().min())
 
 
+def test_topk_ties_go_to_the_lowest_indices() -> None:
+    x = torch.tensor([1.0, -1.0, 1.0, 1.0, 2.0, 1.0, -1.0])
+    out = decode(get_codec("topk:0.4").encode(x))  # k = ceil(2.8) = 3
+    assert out.tolist() == [1.0, -1.0, 0.0, 0.0, 2.0, 0.0, 0.0]
+    # The same on a large tensor whose threshold comes from the strided sample.
+    big = torch.zeros(1 << 20)
+    big[::3] = 1.0
+    big[7] = 5.0
+    dec = decode(get_codec("topk:0.01").encode(big))
+    k = get_codec("topk:0.01").kept(big.numel())
+    kept = dec.nonzero().view(-1)
+    assert kept.numel() == k and float(dec[7]) == 5.0
+    assert torch.equal(kept[kept != 7], torch.arange(0, 3 * (k - 1), 3)[: k - 1])
+
+
 def test_topk_counts_are_checked() -> None:
     buf, L = _topk_buf()
     with pytest.raises(CodecError, match="more kept values"):
