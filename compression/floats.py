@@ -15,8 +15,8 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, NonFiniteError, register, require_finite
-from .wire import CodecError, CodecId, Header
+from .base import Codec, NonFiniteError, flat_fp32, register, require_finite
+from .wire import MAX_NDIM, CodecError, CodecId, Header, join, pack_header
 
 _FORMATS: dict[CodecId, tuple[str, torch.dtype, int]] = {
     CodecId.FP32: ("fp32", torch.float32, 4),
@@ -99,6 +99,18 @@ def _extremes(v: torch.Tensor) -> tuple[float, float]:
 @dataclass(frozen=True)
 class Fp32Codec(_FloatCodec):
     codec_id: ClassVar[CodecId] = CodecId.FP32
+
+    def encode(self, t: torch.Tensor, *, generator: torch.Generator | None = None) -> bytes:
+        """Same bytes as the generic path, but the body is the input's own memory, so the
+        output is the only full-size allocation (one copy instead of two)."""
+        x = flat_fp32(t)
+        shape = tuple(t.shape)
+        if len(shape) > MAX_NDIM:
+            raise ValueError(f"tensors of at most {MAX_NDIM} dimensions can be encoded, got {len(shape)}")
+        require_finite(x)
+        n = x.numel()
+        header = pack_header(Header(self.codec_id, 0, t.dtype, shape, 0, n, n, 4 * n))
+        return join(header, memoryview(x.numpy()).cast("B"))
 
 
 @dataclass(frozen=True)

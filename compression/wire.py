@@ -184,3 +184,10 @@ def finish(out: torch.Tensor, header: bytes) -> bytes:
     crc = zlib.crc32(mv[: len(arr) - CRC_NBYTES])
     arr[len(arr) - CRC_NBYTES :] = np.frombuffer(struct.pack("<I", crc), dtype=np.uint8)
     return arr.tobytes()
+
+
+def join(header: bytes, body: memoryview) -> bytes:
+    """``header + body + crc32`` as one new ``bytes``, copying the body once (used where the
+    body already exists in memory, e.g. the fp32 codec's input itself)."""
+    crc = zlib.crc32(body, zlib.crc32(header))
+    return b"".join((header, body, struct.pack("<I", crc)))
