@@ -22,10 +22,20 @@ from typing import Any
 import torch
 
 from bagel.compression import ErrorFeedback
+from bagel.coordinator.spec import parse_spec
 from bagel.models.data import shard
 from bagel.worker import ddp
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
-from bagel.worker.trainer import CellRuntime, InnerPlan, RoundKey, StepProgress, TrainResult, round_indices
+from bagel.worker.trainer import (
+    CellRuntime,
+    InnerPlan,
+    RoundKey,
+    StepProgress,
+    TrainResult,
+    build_runtime,
+    pick_device,
+    round_indices,
+)
 
 BYZANTINE_MODES = ("sign-flip", "scale", "nan", "zero", "stale")
 BYZANTINE_SCALE = 100.0
@@ -74,7 +84,7 @@ class RoundWork:
         )
 
     @classmethod
-    def catch_up(cls, i: Any, committed: CellState) -> RoundWork:
+    def for_catch_up(cls, i: Any, committed: CellState) -> RoundWork:
         """Work for a catch-up contributor: a zero delta with zero samples (weight 0)."""
         w = cls(
             cell_id=i.cell_id, round=i.round, round_attempt=i.round_attempt, member_index=0, members=1,
@@ -205,3 +215,21 @@ def corrupt(delta: Mapping[str, torch.Tensor], mode: str, previous: Mapping[str,
             return {k: previous[k].clone() for k in delta}
         return {k: torch.zeros_like(v) for k, v in delta.items()}
     raise ValueError(f"unknown byzantine mode {mode!r}; known: {', '.join(BYZANTINE_MODES)}")
+
+
+def ddp_follower(ctx: ddp.DistContext, device_req: str, throttle: float) -> None:
+    """Ranks > 0 of a multi-GPU worker: train rank 0's rounds until it says exit."""
+    device = pick_device(ctx.device_for(device_req))
+    state: dict[str, Any] = {"spec": None, "rt": None}
+
+    def on_spec(cmd: dict[str, Any]) -> None:
+        state["spec"] = parse_spec(cmd["spec_toml"])
+
+    def on_train(cmd: dict[str, Any]) -> None:
+        rt = state["rt"]
+        if rt is None or rt.cell_id != cmd["cell_id"]:
+            rt = build_runtime(state["spec"], cmd["cell_id"], device, throttle=throttle, collective=ctx)
+            state["rt"] = rt
+        follow_round(ctx, rt, cmd)
+
+    ddp.follow(ctx, {"spec": on_spec, "train": on_train})
