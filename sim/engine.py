@@ -39,6 +39,7 @@ The heartbeat approximation (what makes 10,000 workers x 24 h affordable):
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -105,12 +106,25 @@ class Engine(WorkerBehaviour):
         self.n = workers or sc.workers
         self.hours = hours or sc.hours
         self.seed = sc.seed if seed is None else seed
-        self.policy = policy.resolved(scenario.engine.sync_dp_steps_per_round)
-        overrides = {k: dict(v) for k, v in self.policy.spec_overrides.items()}
+        self.work = scenario.workload
+        ss = np.random.SeedSequence(self.seed)
+        pop_seed, av_seed, fault_seed, byz_seed, est_seed = ss.spawn(5)
+        self.rng = np.random.default_rng(av_seed)
+        self.frng = np.random.default_rng(fault_seed)
+        self.brng = np.random.default_rng(byz_seed)
+        self.pop = popmod.sample_population(scenario.population, self.n, np.random.default_rng(pop_seed))
+        base: dict[str, dict] = {}
         if self.n != sc.workers and scenario.engine.scale_batch_with_workers:
             # keep each member's per-step batch (so the round's length) as the scenario intends
             gb = scenario.run_spec().diloco.group_batch
-            overrides.setdefault("diloco", {})["group_batch"] = max(1, round(gb * self.n / sc.workers))
+            base["diloco"] = {"group_batch": max(1, round(gb * self.n / sc.workers))}
+        k = scenario.engine.sync_dp_steps_per_round
+        if policy.comm_every_step and k == 0:
+            k = sync_steps_per_round(scenario, scenario.run_spec(base), self.pop, np.random.default_rng(est_seed))
+        self.policy = policy.resolved(max(1, k))
+        overrides = {s_: dict(v) for s_, v in base.items()}
+        for s_, v in self.policy.spec_overrides.items():
+            overrides.setdefault(s_, {}).update(v)
         self.declared = scenario.engine.lease_mode == "declared"
         self.lease_ms = int(scenario.run_spec(overrides).schedule.lease_s * 1000)
         if self.declared:
@@ -119,13 +133,6 @@ class Engine(WorkerBehaviour):
             # moment the daemon's lease would have run out (see actors._lost_contact)
             overrides.setdefault("schedule", {})["lease_s"] = DECLARED_CORE_LEASE_S
         self.spec: RunSpec = scenario.run_spec(overrides)
-        self.work = scenario.workload
-        ss = np.random.SeedSequence(self.seed)
-        pop_seed, av_seed, fault_seed, byz_seed = ss.spawn(4)
-        self.rng = np.random.default_rng(av_seed)
-        self.frng = np.random.default_rng(fault_seed)
-        self.brng = np.random.default_rng(byz_seed)
-        self.pop = popmod.sample_population(scenario.population, self.n, np.random.default_rng(pop_seed))
         self.av = scenario.population.availability
         self.cells = self.spec.cell_ids
         self.flops_per_sample = {c: cm.cell_flops_per_sample(self.work, c) for c in self.cells}
@@ -205,7 +212,9 @@ class Engine(WorkerBehaviour):
         av = self.av
         for w in self.ws:
             if self.rng.random() < av.initial_online_fraction:
-                self.push(int(self.rng.uniform(0, 60_000)), ARRIVE, w.i, w.gen)
+                # the volunteers online when the coordinator starts were already retrying to
+                # reach it: they all register at t=0, before anyone's first heartbeat opens a round
+                self.push(0, ARRIVE, w.i, w.gen)
             else:
                 self.push(int(popmod.draw_offline_s(av, 0.0, self.rng) * 1000), ARRIVE, w.i, w.gen)
         for j, f in enumerate(self.sc.faults):
@@ -472,6 +481,34 @@ class Engine(WorkerBehaviour):
             steps_per_round=int(self.policy.core.inner_steps or self.spec.diloco.inner_steps),
             throughput_spread=spread,
         )
+
+
+def sync_steps_per_round(scenario: Scenario, spec: RunSpec, pop: popmod.Population, rng: np.random.Generator) -> int:
+    """K for sync_dp: lock-step steps folded into one core round, so that even the fastest
+    cell's round lasts about `engine.sync_dp_min_round_s` (one core round per step of a
+    cell whose members all sit in datacenters would cost millions of events a day).
+
+    A step of a group is its slowest member's compute on an equal share of
+    `diloco.group_batch` plus one fp32 all-reduce of the expert. The fastest plausible
+    step is the minimum over 32 groups of the size a cell gets at t=0 drawn from the
+    population, and over the fastest worker alone (small populations leave cells with
+    one member, which exchanges nothing). K = ceil(min round / that step), at least 1: at
+    10,000 volunteers every group has a home uplink, a step takes an hour, and K = 1.
+    """
+    work = scenario.workload
+    n = len(pop)
+    cells = len(spec.cell_ids)
+    g = int(min(max(1, round(n * scenario.population.availability.initial_online_fraction / cells)), spec.schedule.max_replicas, n))
+    nbytes = cm.encoded_nbytes("fp32", int(work.expert_params))
+    rates = pop.tflops * 1e12 * work.mfu / cm.cell_flops_per_sample(work, spec.expert_cells[0])
+    gb = spec.diloco.group_batch
+    fastest = gb / float(rates.max())
+    for _ in range(32):
+        idx = rng.choice(n, size=g, replace=False)
+        compute = (gb / g) / float(rates[idx].min())
+        step = compute + cm.allreduce_s(nbytes, pop.bandwidth_bytes_per_s[idx].tolist(), pop.latency_s[idx].tolist())
+        fastest = min(fastest, step)
+    return int(min(1000, max(1, math.ceil(scenario.engine.sync_dp_min_round_s / fastest - 1e-9))))
 
 
 def _reason_kind(reason: str) -> str:

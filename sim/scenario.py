@@ -47,8 +47,10 @@ class ScenarioSection:
 class EngineSection:
     # coarse safety tick of the core (timers the engine does not predict still fire)
     tick_s: float = 60.0
-    # sync_dp: synchronous steps folded into one core round (see policies.py)
-    sync_dp_steps_per_round: int = 100
+    # sync_dp: synchronous steps folded into one core round (see policies.py); 0 = enough
+    # steps of a typical group to last sync_dp_min_round_s (engine.sync_steps_per_round)
+    sync_dp_steps_per_round: int = 0
+    sync_dp_min_round_s: float = 300.0
     # points on the committed-rounds-over-time curves
     timeline_points: int = 97
     # "declared": live workers send no lease-only heartbeats and the engine declares a
@@ -226,7 +228,8 @@ def _validate(s: Scenario) -> None:
     need(s.scenario.hours > 0, "scenario.hours: positive")
     need(len(s.scenario.policies) >= 1, "scenario.policies: at least one")
     need(s.engine.tick_s > 0, "engine.tick_s: positive")
-    need(s.engine.sync_dp_steps_per_round >= 1, "engine.sync_dp_steps_per_round: at least 1")
+    need(s.engine.sync_dp_steps_per_round >= 0, "engine.sync_dp_steps_per_round: 0 (auto) or more")
+    need(s.engine.sync_dp_min_round_s > 0, "engine.sync_dp_min_round_s: positive")
     need(s.engine.timeline_points >= 2, "engine.timeline_points: at least 2")
     need(s.engine.lease_mode in ("declared", "heartbeat"), "engine.lease_mode: 'declared' or 'heartbeat'")
     need(0.0 < s.workload.mfu <= 1.0, "workload.mfu: in (0, 1]")
