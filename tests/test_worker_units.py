@@ -1,0 +1,215 @@
+"""Unit tests of the worker's parts: local checkpoint, display, round work, CLI, profile."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from bagel.protocol import bagel_pb2 as pb
+from bagel.worker import cli
+from bagel.worker.diloco import CellState
+from bagel.worker.display import Display, human_bytes
+from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore
+from bagel.worker.profile import benchmark_cell, measure, memory_bytes
+from bagel.worker.rounds import BYZANTINE_MODES, RoundWork, corrupt, fresh_feedback
+from bagel.worker.session import _cached_profile
+
+
+def _state(seed: int = 0) -> CellState:
+    g = torch.Generator().manual_seed(seed)
+    return CellState({"a.weight": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g)})
+
+
+# ---------------------------------------------------------------------------- local checkpoint
+
+
+def test_local_checkpoint_round_trips_state_and_residuals(tmp_path: Path):
+    store = LocalStore(tmp_path, "run", "spechash")
+    assert store.load() is None
+    st = _state()
+    st.momentum["b"] += 1.5
+    cp = LocalCheckpoint("k0.r0", 7, st, st.state_hash(), {"b": torch.full((5,), 0.25)})
+    store.save(cp)
+    back = store.load()
+    assert back is not None
+    assert (back.cell_id, back.committed_round, back.state_hash) == ("k0.r0", 7, st.state_hash())
+    for k, v in st.to_flat().items():
+        assert torch.equal(back.state.to_flat()[k], v)
+    assert torch.equal(back.residuals["b"], torch.full((5,), 0.25))
+    assert [p.name for p in store.path.parent.iterdir()] == ["local.safetensors"]  # no temp files left
+
+
+def test_local_checkpoint_refuses_tampering_other_runs_and_garbage(tmp_path: Path):
+    store = LocalStore(tmp_path, "run", "spechash")
+    st = _state()
+    store.save(LocalCheckpoint("k0.r0", 3, st, st.state_hash(), {}))
+    with pytest.raises(LocalStateError, match="another run"):
+        LocalStore(tmp_path, "run", "otherspec").load()
+    raw = bytearray(store.path.read_bytes())
+    raw[-1] ^= 0xFF  # flip a bit of the last tensor: the recorded hash no longer matches
+    store.path.write_bytes(bytes(raw))
+    with pytest.raises(LocalStateError, match="hash"):
+        store.load()
+    store.path.write_bytes(b"\x05\x00")
+    with pytest.raises(LocalStateError):
+        store.load()
+    store.path.write_bytes(b"\xff" * 8 + b"{}")
+    with pytest.raises(LocalStateError):
+        store.load()
+
+
+# ---------------------------------------------------------------------------- display
+
+
+def test_json_display_writes_one_object_per_line():
+    out = io.StringIO()
+    d = Display("json", stream=out)
+    d.event("registered", worker_id="w1", cell="k0.r0")
+    d.update(cell="k0.r0", round=3, step=1, steps=5, loss=float("nan"))
+    d.event("exchange-failed", level="warning", message="x")
+    recs = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["event"] for r in recs] == ["registered", "step", "exchange-failed"]
+    assert recs[1]["loss"] is None and recs[1]["round"] == 3  # NaN is not JSON: null
+    assert recs[2]["level"] == "warning"
+
+
+def test_quiet_display_prints_only_warnings_and_errors():
+    out, err = io.StringIO(), io.StringIO()
+    d = Display("quiet", stream=out, err=err)
+    d.event("registered", worker_id="w1")
+    d.update(step=3, steps=5)
+    d.event("coordinator-unreachable", level="warning", message="UNAVAILABLE")
+    assert out.getvalue() == ""
+    assert "coordinator-unreachable" in err.getvalue() and "registered" not in err.getvalue()
+
+
+def test_plain_display_and_progress_line():
+    out = io.StringIO()
+    d = Display("auto", stream=out)  # not a TTY: plain lines
+    assert d.mode == "plain"
+    d.update(phase="training", cell="k0.r0", round=2, step=4, steps=10, loss=0.5, samples_per_s=120.0,
+             bytes_sent=2_500_000, bytes_received=0)
+    line = d.progress_line()
+    assert "cell k0.r0 round 2" in line and "step 4/10" in line and "2.5 MB" in line
+    assert human_bytes(999) == "999 B" and human_bytes(1_200_000_000) == "1.2 GB"
+    with pytest.raises(ValueError):
+        Display("fancy")
+
+
+# ---------------------------------------------------------------------------- round work
+
+
+def _instruction(**kw) -> pb.Instruction:
+    i = pb.Instruction(order=pb.ORDER_TRAIN, cell_id="k0.r0", round=4, round_attempt=2, committed_round=3)
+    i.plan.inner_steps, i.plan.micro_batch, i.plan.grad_accum, i.plan.deadline_unix_ms = 5, 8, 2, 123
+    for wid in ("wa", "wb", "wc"):
+        i.plan.members.add(worker_id=wid, max_samples=80)
+    for k, v in kw.items():
+        setattr(i, k, v)
+    return i
+
+
+def test_round_work_from_an_instruction_and_for_catch_up():
+    w = RoundWork.from_instruction(_instruction(), 1)
+    assert (w.cell_id, w.round, w.round_attempt, w.member_index, w.members) == ("k0.r0", 4, 2, 1, 3)
+    assert (w.plan.inner_steps, w.plan.batch, w.plan.samples) == (5, 16, 80)
+    assert w.catch_up is False and w.matches("k0.r0", 4, 2) and not w.matches("k0.r0", 4, 1)
+    st = _state()
+    c = RoundWork.for_catch_up(_instruction(), st)
+    assert c.catch_up is True and c.result is not None and c.result.samples == 0
+    assert c.delta is not None and all(torch.count_nonzero(t) == 0 for t in c.delta.values())
+    assert set(c.delta) == set(st.weights)
+
+
+def test_byzantine_corruptions():
+    d = {"x": torch.tensor([1.0, -2.0])}
+    prev = {"x": torch.tensor([5.0, 5.0])}
+    assert torch.equal(corrupt(d, "sign-flip", None)["x"], torch.tensor([-1.0, 2.0]))
+    assert torch.equal(corrupt(d, "scale", None)["x"], torch.tensor([100.0, -200.0]))
+    assert torch.isnan(corrupt(d, "nan", None)["x"]).all()
+    assert torch.equal(corrupt(d, "zero", None)["x"], torch.zeros(2))
+    assert torch.equal(corrupt(d, "stale", prev)["x"], prev["x"])
+    assert torch.equal(corrupt(d, "stale", None)["x"], torch.zeros(2))
+    assert set(BYZANTINE_MODES) == {"sign-flip", "scale", "nan", "zero", "stale"}
+    with pytest.raises(ValueError, match="unknown byzantine"):
+        corrupt(d, "evil", None)
+
+
+def test_fresh_feedback_holds_the_committed_residuals():
+    ef = fresh_feedback({"x": torch.tensor([0.5, -0.25])})
+    assert torch.equal(ef.compensate("x", torch.ones(2)), torch.tensor([1.5, 0.75]))
+    assert torch.equal(ef.compensate("y", torch.ones(2)), torch.ones(2))
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_cli_validates_flags_and_hides_byzantine(capsys, tmp_path: Path):
+    p = cli.build_parser()
+    args = p.parse_args(["join", "bagel1:x", "--throttle", "2.5", "--data-dir", str(tmp_path), "--byzantine", "sign-flip", "--log-json"])
+    cfg = cli.config_from_args(args)
+    assert cfg.throttle == 2.5 and cfg.byzantine == "sign-flip" and cfg.data_dir == tmp_path
+    assert cfg.dht_listen == ("/ip4/0.0.0.0/tcp/0",)
+    with pytest.raises(ValueError, match="--throttle"):
+        cli.config_from_args(p.parse_args(["join", "x", "--throttle", "0.5"]))
+    with pytest.raises(ValueError, match="--max-vram-gb"):
+        cli.config_from_args(p.parse_args(["join", "x", "--max-vram-gb", "0"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["join", "x", "--byzantine", "evil"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["join", "x", "--quiet", "--log-json"])
+    with pytest.raises(SystemExit):
+        p.parse_args(["join", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--throttle" in help_text and "--byzantine" not in help_text
+    assert cli.main(["join", "not-a-join-string", "--data-dir", str(tmp_path)]) == 2
+    assert "bagel1:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- profile
+
+
+class _Tiny:
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(4, 1)
+
+    def train_data(self):
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g)
+
+    def loss(self, model, x, y, generator):
+        return ((model(x) - y) ** 2).mean()
+
+
+def test_profile_measures_throughput_and_caps_memory(tmp_path: Path):
+    cpu = torch.device("cpu")
+    assert memory_bytes(cpu, 0.5) == 1 << 29
+    assert memory_bytes(cpu) > 0 and memory_bytes(cpu, 1e9) == memory_bytes(cpu)
+    with pytest.raises(ValueError):
+        memory_bytes(cpu, -1)
+    assert benchmark_cell(_Tiny(), cpu, micro_batch=8, steps=2) > 0
+    prof = measure("me", cpu, [("c1", _Tiny), ("c2", _Tiny)], max_vram_gb=1.0, num_devices=2, uplink_mbps=80)
+    assert set(prof.samples_per_s) == {"c1", "c2"} and all(v > 0 for v in prof.samples_per_s.values())
+    assert prof.vram_bytes == 1 << 30 and prof.link_bandwidth_bytes_per_s == 10e6 and prof.num_devices == 2
+    # the cache: same key -> the same profile back; another key or an old entry -> None
+    import dataclasses
+    import time
+
+    key = {"spec_hash": "s", "device": "cpu", "throttle": 1.0}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(prof)}))
+    back = _cached_profile(path, key, "renamed")
+    assert back is not None and back.samples_per_s == prof.samples_per_s and back.name == "renamed"
+    assert _cached_profile(path, {**key, "throttle": 2.0}, "x") is None
+    path.write_text(json.dumps({"key": key, "measured_unix_s": 0, "profile": dataclasses.asdict(prof)}))
+    assert _cached_profile(path, key, "x") is None
+    path.write_text("not json")
+    assert _cached_profile(path, key, "x") is None
+    assert os.path.exists(path)
