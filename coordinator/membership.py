@@ -249,12 +249,13 @@ class Membership(CoreBase):
     def _rebalance(self, now: int) -> None:
         """Bounded repair: place standby workers, then a few improving moves of idle ones."""
         b, m = self.balance, self.knobs.candidates
-        for wid in list(itertools.islice(self._standby, m)):
-            w = self._workers[wid]
-            self.ops += 1
-            cid = b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)
-            if cid:
-                self._assign(w, cid, now)
+        if self._standby and any(b.count[c] < self.knobs.max_replicas for c in b.active):
+            for wid in list(itertools.islice(self._standby, m)):
+                w = self._workers[wid]
+                self.ops += 1
+                cid = b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)
+                if cid:
+                    self._assign(w, cid, now)
         if not self.policy.rebalance:
             return
         tol = self.policy.balance_tolerance
@@ -263,7 +264,8 @@ class Membership(CoreBase):
             balanced = not ratios or max(abs(x - 1.0) for x in ratios.values()) <= tol
             if balanced and all(b.count[c] >= b.min_replicas_now() for c in b.active):
                 return
-            move = b.best_move(self._candidates(ratios))
+            short = any(b.count[c] < b.min_replicas_now() for c in b.active)
+            move = b.best_move(self._candidates(ratios, over_only=not short))
             if move is not None:
                 (wid, _, to), _ = move
                 self._move(self._workers[wid], to, now)
@@ -271,18 +273,24 @@ class Membership(CoreBase):
             if balanced:
                 return
             # no single move helps: try an exchange among a few candidates (O(k^2), k small)
-            swap = b.best_swap(list(self._candidates(ratios, self.policy.swap_candidates)))
+            # two downloads for one fix is rarely worth it: a swap needs a worker holding nothing
+            cands = list(self._candidates(ratios, self.policy.swap_candidates))
+            if all(v.sticky for v in cands):
+                return
+            swap = b.best_swap(cands, allow_two_downloads=False)
             if swap is None:
                 return
             for wid, _, to in swap[:2]:
                 self._move(self._workers[wid], to, now)
 
-    def _candidates(self, ratios: dict[str, float], limit: int = 0) -> Iterator[WorkerView]:
+    def _candidates(self, ratios: dict[str, float], limit: int = 0, *, over_only: bool = False) -> Iterator[WorkerView]:
         """Idle workers, from the most over-target cell down, at most `limit` (default:
-        the `candidates` knob)."""
+        the `candidates` knob); with over_only, only from cells over their target."""
         limit = limit or self.knobs.candidates
         n = 0
         for cid in sorted(ratios, key=lambda x: -ratios[x]):
+            if over_only and ratios[cid] <= 1.0:
+                return
             c = self._cells[cid]
             sole = len(c.synced) == 1 and c.committed_round > max(c.checkpoint_round, 0)
             for wid in c.idle:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from bagel.coordinator.domain import MemberPlan, PeerAddress
@@ -42,6 +42,7 @@ from bagel.coordinator.policy import Policy
 from bagel.coordinator.spec import RunSpec
 
 _EPS = 1e-12
+_DESTINATIONS = 4  # destination cells a candidate tries per repair step
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,8 @@ class Balance:
         self._ref_n = {c: 0 for c in self.cells}
         # eligible cells by VRAM, memoised: populations have few distinct VRAM sizes.
         self._eligible: dict[int, tuple[str, ...]] = {}
+        self._eligible_set: dict[int, frozenset[str]] = {}
+        self._refs: dict[str, float] = {}  # references as of the last _stats()
 
     # ---- bookkeeping
 
@@ -153,6 +156,20 @@ class Balance:
     def raw_power(self, throughput: Mapping[str, float], reputation: float, c: str) -> float:
         return throughput_for(throughput, c) * reputation_weight(reputation, self.knobs.ban_reputation)
 
+    def _power_fn(self, throughput: Mapping[str, float], reputation: float) -> Callable[[str], float]:
+        """c -> normalised compute of one worker in cell c (weight and fallback computed
+        once, so evaluating every cell for a candidate is O(cells), not O(cells^2))."""
+        rw = reputation_weight(reputation, self.knobs.ban_reputation)
+        refs = self._refs
+
+        def power(c: str) -> float:
+            v = throughput.get(c)
+            if v is None or v <= 0:
+                v = throughput_for(throughput, c)  # rare: a cell the worker did not measure
+            return v * rw / refs[c]
+
+        return power
+
     def add(self, c: str, raw: float) -> None:
         self.count[c] += 1
         self.raw[c] += raw
@@ -160,6 +177,12 @@ class Balance:
     def remove(self, c: str, raw: float) -> None:
         self.count[c] -= 1
         self.raw[c] = self.raw[c] - raw if self.count[c] > 0 else 0.0  # no float drift to 0
+
+    def eligible_set(self, vram_bytes: int) -> frozenset[str]:
+        got = self._eligible_set.get(vram_bytes)
+        if got is None:
+            got = self._eligible_set[vram_bytes] = frozenset(self.eligible(vram_bytes))
+        return got
 
     def eligible(self, vram_bytes: int) -> tuple[str, ...]:
         got = self._eligible.get(vram_bytes)
@@ -191,7 +214,8 @@ class Balance:
         return min(self.knobs.min_replicas, placed // max(1, len(self.active)))
 
     def _stats(self) -> tuple[dict[str, float], float, float, int]:
-        n = self.compute()
+        self._refs = {c: self.ref(c) for c in self.cells}
+        n = {c: self.raw[c] / self._refs[c] for c in self.cells}
         total = sum(n.values())
         s_sum = sum(n[c] * n[c] / self.target[c] for c in self.active)
         return n, total, s_sum, self.min_replicas_now()
@@ -217,14 +241,16 @@ class Balance:
     ) -> str:
         """The cell a newcomer should join ("" = none fits or all are full)."""
         n, total, s_sum, m = self._stats()
+        power = self._power_fn(throughput, reputation)
         best, best_key = "", (math.inf, math.inf)
         m_after = min(self.knobs.min_replicas, (sum(self.count.values()) + 1) // max(1, len(self.active)))
+        base = sum(self._deficit(x, self.count[x], m_after) for x in self.active)
         for c in self.eligible(vram_bytes):
             if self.count[c] >= self.knobs.max_replicas:
                 continue
-            p = self.raw_power(throughput, reputation, c) / self.ref(c)
+            p = power(c)
             s_new = s_sum + (2 * n[c] * p + p * p) / self.target[c]
-            deficit = sum(self._deficit(x, self.count[x] + (x == c), m_after) for x in self.active)
+            deficit = base - self._deficit(c, self.count[c], m_after) + self._deficit(c, self.count[c] + 1, m_after)
             key = (deficit, self._phi(s_new, total + p))
             if key < best_key:
                 best, best_key = c, key
@@ -253,6 +279,9 @@ class Balance:
         phi0 = self._phi(s_sum, total)
         def0 = sum(self._deficit(c, self.count[c], m) for c in self.active)
         ratio = {c: (n[c] / total) / self.target[c] for c in self.active}
+        # destinations: cells short of replicas first, then the most under target; a
+        # candidate tries the first few it fits, so a step is O(candidates), not x cells
+        order = sorted(self.active, key=lambda c: (self.count[c] >= m, ratio[c]))
         best: tuple[Move, float] | None = None
         best_key = (0, -_EPS)  # must strictly improve
         for w in candidates:
@@ -260,25 +289,39 @@ class Balance:
             if not a or not w.movable:
                 continue
             ta = self.target.get(a, 0.0)
-            pa = self.raw_power(w.throughput, w.reputation, a) / self.ref(a)
+            power = self._power_fn(w.throughput, w.reputation)
+            pa = power(a)
             na = max(0.0, n[a] - pa)
             s_wo = s_sum - ((n[a] * n[a] - na * na) / ta if ta > 0 else 0.0)
             def_wo = def0 - self._deficit(a, self.count[a], m) + self._deficit(a, self.count[a] - 1, m)
-            for b in self.eligible(w.vram_bytes):
-                if b == a or self.count[b] >= self.knobs.max_replicas:
+            ra = ratio.get(a, math.inf)
+            fits_w = self.eligible_set(w.vram_bytes)
+            tried = 0
+            for b in order:
+                if tried >= _DESTINATIONS:
+                    break
+                if b == a or b not in fits_w or self.count[b] >= self.knobs.max_replicas:
                     continue
-                pb = self.raw_power(w.throughput, w.reputation, b) / self.ref(b)
+                if ratio[b] >= ra and self.count[b] >= m:
+                    break  # compute moving "uphill" cannot lower Phi; only a deficit justifies it
+                tried += 1
+                pb = power(b)
                 d_new = def_wo - self._deficit(b, self.count[b], m) + self._deficit(b, self.count[b] + 1, m)
-                # redundancy comes first: a move that restores min_replicas is always worth it
-                if w.sticky and d_new >= def0 and not self._worth_it(a, b, na, n[b] + pb, total - pa + pb, ratio, 1):
-                    continue
+                if w.sticky:
+                    # redundancy comes first: restoring min_replicas is worth a download, by a
+                    # worker that does not push the cell past twice its target (an empty cell
+                    # takes anyone; otherwise a better-sized worker comes idle soon enough)
+                    total_b = total - pa + pb
+                    fills = d_new < def0 and (self.count[b] == 0 or (n[b] + pb) / total_b / self.target[b] <= 2.0)
+                    if not fills and not self._worth_it(a, b, na, n[b] + pb, total_b, ratio, 1):
+                        continue
                 s_new = s_wo + (2 * n[b] * pb + pb * pb) / self.target[b]
                 key = (d_new - def0, self._phi(s_new, total - pa + pb) - phi0)
                 if key < best_key:
                     best, best_key = ((w.worker_id, a, b), -key[1]), key
         return best
 
-    def best_swap(self, candidates: Iterable[WorkerView]) -> tuple[Move, Move, float] | None:
+    def best_swap(self, candidates: Iterable[WorkerView], *, allow_two_downloads: bool = True) -> tuple[Move, Move, float] | None:
         """The exchange of two candidates' cells that lowers Phi the most (counts, and so
         the replica deficit, do not change). Tried when no single move helps: with few,
         uneven workers a swap often fixes what no move can. Each sticky worker of the pair
@@ -291,20 +334,22 @@ class Balance:
         cands = [w for w in candidates if w.cell_id in ratio and w.movable]
         best: tuple[Move, Move, float] | None = None
         best_phi = phi0 - _EPS
+        powers = [self._power_fn(w.throughput, w.reputation) for w in cands]
+        fits = [self.eligible_set(w.vram_bytes) for w in cands]
         for i, w in enumerate(cands):
-            a, ew = w.cell_id, self.eligible(w.vram_bytes)
-            for v in cands[i + 1:]:
+            a = w.cell_id
+            for j, v in enumerate(cands[i + 1:]):
                 b = v.cell_id
-                if a == b or b not in ew or a not in self.eligible(v.vram_bytes):
+                if a == b or b not in fits[i] or a not in fits[i + 1 + j]:
                     continue
-                pwa = self.raw_power(w.throughput, w.reputation, a) / self.ref(a)
-                pwb = self.raw_power(w.throughput, w.reputation, b) / self.ref(b)
-                pva = self.raw_power(v.throughput, v.reputation, a) / self.ref(a)
-                pvb = self.raw_power(v.throughput, v.reputation, b) / self.ref(b)
+                pw, pv = powers[i], powers[i + 1 + j]
+                pwa, pwb, pva, pvb = pw(a), pw(b), pv(a), pv(b)
                 na, nb = n[a] - pwa + pva, n[b] - pvb + pwb
                 ta, tb = self.target[a], self.target[b]
                 total2 = total - pwa - pvb + pwb + pva
                 downloads = int(w.sticky) + int(v.sticky)
+                if downloads == 2 and not allow_two_downloads:
+                    continue
                 if downloads and not self._worth_it(a, b, na, nb, total2, ratio, downloads):
                     continue
                 s_new = s_sum + (na * na - n[a] * n[a]) / ta + (nb * nb - n[b] * n[b]) / tb
