@@ -472,3 +472,41 @@ def test_effects_of_a_commit_are_complete_records() -> None:
     assert {"CommitRecord", "RoundRecord", "CellRecord", "WorkerRecord"} <= kinds
     workers = {e.worker_id for e in out.effects if isinstance(e, WorkerRecord)}
     assert workers == {"a", "b"}
+
+
+def test_lease_expired_event_and_next_wakeup() -> None:
+    from bagel.coordinator.domain import LeaseExpired
+
+    hz = Harness()
+    r = start(hz)
+    # the earliest timer: the round deadline (6 s) before the leases (10 s)
+    assert hz.st.next_wakeup_ms() == r.deadline_ms < hz.now + 10_000
+    hz.ready("a")
+    hz.ready("b")
+    out = hz.apply(LeaseExpired("c"))  # the simulator's shortcut for "c's lease ran out now"
+    assert hz.store.workers["c"].state is WorkerState.LOST
+    assert hz.round().state is RoundState.REDUCING and hz.round().contributors == ("a", "b")
+    assert any(isinstance(e, WorkerRecord) and e.worker_id == "c" for e in out.effects)
+    assert hz.apply(LeaseExpired("c")).effects == ()  # already lost: no-op
+
+
+def test_standby_when_every_cell_is_full_then_placed_on_departure() -> None:
+    from bagel.coordinator.domain import Leave
+
+    hz = Harness(spec=make_spec(max_replicas=2))
+    for w in ("a", "b", "s"):
+        hz.reg(w)
+    assert hz.store.workers["s"].cell_id == ""
+    assert hz.st.instruction_for("s").order is Order.WAIT and "standby" in hz.st.instruction_for("s").reason
+    hz.apply(Leave("a"))
+    assert hz.store.workers["s"].cell_id == CELL
+
+
+def test_heartbeat_from_a_moved_or_idle_worker_is_harmless() -> None:
+    hz = Harness()
+    start(hz, "a", "b")
+    # a READY for a round/cell that is not the worker's current one changes nothing
+    out = hz.hb("a", Phase.READY, cell_id="router", round=7, samples=5)
+    assert out.effects == () and out.instruction.order is Order.TRAIN
+    out = hz.hb("a", Phase.READY, round=2, samples=5)
+    assert out.effects == () and "a" not in hz.st.cell_view(CELL)[1].ready  # type: ignore[union-attr]
