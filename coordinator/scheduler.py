@@ -157,8 +157,8 @@ class Balance:
         return throughput_for(throughput, c) * reputation_weight(reputation, self.knobs.ban_reputation)
 
     def _power_fn(self, throughput: Mapping[str, float], reputation: float) -> Callable[[str], float]:
-        """c -> normalised compute of one worker in cell c (weight and fallback computed
-        once, so evaluating every cell for a candidate is O(cells), not O(cells^2))."""
+        """c -> normalised compute of one worker in cell c, with the reputation weight and
+        the references looked up once per candidate rather than once per cell tried."""
         rw = reputation_weight(reputation, self.knobs.ban_reputation)
         refs = self._refs
 
