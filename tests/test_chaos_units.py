@@ -84,6 +84,7 @@ def test_parse_refuses_with_the_key_named(text, match):
 
 
 def test_shipped_scenarios_have_what_the_issue_asks():
+    assert len(load_scenario(ROOT / "sim" / "scenarios" / "chaos-network.toml").faults) == 5
     short = load_scenario(ROOT / "sim" / "scenarios" / "chaos-short.toml")
     assert [f.kind for f in short.faults] == [FaultKind.KILL, FaultKind.COORDINATOR_KILL]
     default = load_scenario(ROOT / "sim" / "scenarios" / "chaos-default.toml")
@@ -309,3 +310,22 @@ def test_worker_events_become_observations():
     assert obs.first_commit_s == 3.0 and obs.acknowledged[0].state_hash == h
     assert [(o.source, o.state_hash[0]) for o in obs.hashes] == [("report", "d"), ("applied", "c")]
     assert obs.ready_loss == [(1.0, 0, "k0.r0", 2, 1.5)] and obs.verdicts[0]["resync"] == 1
+
+
+def test_tensor_digest_ignores_residuals_but_not_weights():
+    import torch
+    from safetensors.torch import save
+
+    from bagel.sim.chaos_evidence import hashed_tensor_digest
+
+    meta = {"cell_id": "k0.r0", "committed_round": "3"}
+    w, m = torch.arange(6, dtype=torch.float32), torch.zeros(6)
+    a = save({"w.x": w, "m.x": m, "e.x": torch.ones(6)}, metadata=meta)
+    b = save({"w.x": w, "m.x": m, "e.x": torch.full((6,), 7.0)}, metadata=meta)  # another worker's residual
+    w2 = w.clone()
+    w2[5] = torch.nextafter(w2[5], torch.tensor(10.0))  # one weight, one ulp
+    c = save({"w.x": w2, "m.x": m, "e.x": torch.ones(6)}, metadata=meta)
+    d = save({"w.x": w, "m.x": m, "e.x": torch.ones(6)}, metadata={**meta, "committed_round": "4"})
+    assert hashed_tensor_digest(a) == hashed_tensor_digest(b)
+    assert len({hashed_tensor_digest(x) for x in (a, c, d)}) == 3
+    assert hashed_tensor_digest(b"\xff" * 16) is None and hashed_tensor_digest(b"") is None
