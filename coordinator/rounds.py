@@ -97,16 +97,22 @@ class RoundLifecycle(CoreBase):
         late = [wid for wid in live if wid not in r.ready]
         for wid in late:  # learn from the miss before a re-run is planned
             self._observe_progress(self._workers[wid], c, r, now)
+        frozen = False
         if not live:
             self._abort(c, r, now, "no members left")
         elif not late:
             self._freeze(c, r, tuple(sorted(r.ready)), now)
         elif not self.policy.wait_for_all and self._freeze_ok(len(r.ready), len(live)):
             self._freeze(c, r, tuple(sorted(r.ready)), now)
+            frozen = True
         else:
             self._abort(c, r, now, f"deadline: {len(r.ready)} of {len(live)} members ready")
-        for wid in late:
-            self._reputation(self._workers[wid], self.policy.rep_missed_deadline, now, "missed a round deadline")
+        # A straggler is only a straggler if a quorum made the same deadline: when too few
+        # members are ready, the deadline was mispredicted (e.g. added network latency),
+        # and charging reputation for it would ban honest workers (seen in chaos runs).
+        if frozen:
+            for wid in late:
+                self._reputation(self._workers[wid], self.policy.rep_missed_deadline, now, "missed a round deadline")
 
     def _evaluate(self, c: Cell, r: Round, now: int) -> RoundState | None:
         """Commit on a quorum of equal hashes, abort once a quorum is impossible."""

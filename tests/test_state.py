@@ -193,6 +193,8 @@ def test_deadline_without_quorum_aborts_and_reruns_with_survivors() -> None:
     out = hz.hb("a", Phase.READY, samples=640, round_attempt=1)
     assert out.effects == () and "a" not in hz.round().ready
     assert hz.cell().round_attempt == 2
+    # too few were ready: the deadline was wrong, not the workers, so nobody loses reputation
+    assert [hz.store.workers[w].reputation for w in ("a", "b", "c")] == [0.0, 0.0, 0.0]
 
 
 def test_lease_expiry_drops_member_and_round_commits_with_rest() -> None:
