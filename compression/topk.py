@@ -33,7 +33,7 @@ from .wire import CodecError, CodecId, Header, align4
 
 CHUNK_BITS = 16
 CHUNK = 1 << CHUNK_BITS
-_SCAN = 1 << 18  # values per pass of the candidate scan (1 MiB scratch)
+_SCAN = 1 << 20  # values per pass of the candidate scan (4 MiB scratch)
 
 
 @dataclass(frozen=True)
