@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 
 from bagel.coordinator.spec import ROUTER_CELL, load_spec, parse_cell
-from bagel.models import compose, experts, flow, train
+from bagel.models import checkpoint, compose, experts, flow, train
 from bagel.models import evaluate as ev
 from bagel.models.data import derive_seed, load_dataset
 
 BUCKETS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
+ROUTING_RULES = ("top1", "sample", "mixture")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sampler", choices=["euler", "heun"], default="euler")
     p.add_argument("--sampler-steps", type=int, default=32, help="ODE steps per sample")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1 = none)")
+    p.add_argument("--routing", choices=ROUTING_RULES, default="top1",
+                   help="routing rule of the reported experts figures (top1: Decentralized Diffusion Models)")
+    p.add_argument("--no-compare-routing", dest="compare_routing", action="store_false",
+                   help="evaluate only --routing, not the other rules as well")
+    p.add_argument("--save-dir", default="", help="also save every trained model here (safetensors + JSON)")
     p.add_argument("--per-class", type=int, default=100, help="conditional samples per class")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: these models are too small to gain from more, and on a "
@@ -55,8 +61,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 150 steps, 20 samples per class")
     args = p.parse_args(argv)
-    if args.quick:
-        args.steps, args.per_class, args.sampler_steps = 150, 20, 16
+    if args.quick:  # smaller defaults; values given explicitly on the command line win
+        for name, value in (("steps", 150), ("per_class", 20), ("sampler_steps", 16)):
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     return args
 
 
@@ -149,44 +157,63 @@ def main(argv: list[str] | None = None) -> dict:
                                     "heldout_ce": task.eval_loss(router_model, xh, yh, seed=1)}
     timings["experts_train_s"] = time.perf_counter() - t0
     log(f"experts + router: {expert_steps} sample-steps ({timings['experts_train_s']:.0f}s)")
+    if args.save_dir:
+        checkpoint.save(Path(args.save_dir) / "monolith", mono_model, {"sample_steps": mono_steps})
+        for (k, r), m in cells.items():
+            checkpoint.save(Path(args.save_dir) / f"k{k}.r{r}", m, cell_report[f"k{k}.r{r}"])
+        if router_model is not None:
+            checkpoint.save(Path(args.save_dir) / ROUTER_CELL, router_model, cell_report[ROUTER_CELL])
 
     trained = {f"k{k}.r{r}": m for (k, r), m in cells.items()}
     if router_model is not None:
         trained[ROUTER_CELL] = router_model
     composed = compose.from_cells(spec, trained)
-    composed.trace = []
     mono_composed = compose.single(mono_model, null_label=nc)
 
-    # evaluation: identical noise and labels for both.
+    # evaluation: identical noise and labels for every model and routing rule.
     t0 = time.perf_counter()
-    results: dict[str, dict] = {}
-    usage: dict[str, int] = {}
     labels = torch.arange(nc).repeat_interleave(args.per_class)
     noise = torch.randn(len(labels), spec.model.channels, spec.model.image_size, spec.model.image_size,
                         generator=torch.Generator().manual_seed(derive_seed("bench-noise", args.seed) % 2**31))
     grid_idx = torch.cat([torch.arange(k * args.per_class, k * args.per_class + min(10, args.per_class)) for k in range(nc)])
-    for name, model in (("monolith", mono_composed), ("experts", composed)):
+
+    def evaluate(model: compose.ComposedModel, grid_name: str) -> dict:
         s0 = time.perf_counter()
         samples = compose.sample(model, noise, labels, steps=args.sampler_steps, method=args.sampler,
                                  guidance=args.guidance)
         sample_s = time.perf_counter() - s0
-        if model is composed:  # which cells answered, during sampling only
-            for _, chosen in composed.trace or []:
-                for k, r in chosen.tolist():
-                    usage[f"k{k}.r{r}"] = usage.get(f"k{k}.r{r}", 0) + 1
-            composed.trace = None
+        usage: dict[str, int] = {}
+        for _, chosen in model.trace or []:  # which cells answered, during sampling only
+            for k, r in chosen.tolist():
+                usage[f"k{k}.r{r}"] = usage.get(f"k{k}.r{r}", 0) + 1
+        model.trace = None
         rep = ev.evaluate_samples(samples, labels, clf, ds.x_train, ds.x_heldout)
-        buckets = ev.loss_per_bucket(lambda x, t, y, m=model: m.velocity(x, t, y), ds.x_heldout, ds.y_heldout,
+        buckets = ev.loss_per_bucket(lambda x, t, y: model.velocity(x, t, y), ds.x_heldout, ds.y_heldout,
                                      BUCKETS, seed=2)
-        grid = ev.save_grid(samples[grid_idx], out_dir / f"{name}.png", nrow=min(10, args.per_class))
-        results[name] = {**rep.as_dict(), "heldout_loss_by_t": dict(zip(_bucket_names(), buckets)),
-                         "grid": str(grid), "sample_s": sample_s}
+        grid = ev.save_grid(samples[grid_idx], out_dir / f"{grid_name}.png", nrow=min(10, args.per_class))
+        return {**rep.as_dict(), "heldout_loss_by_t": dict(zip(_bucket_names(), buckets)),
+                "grid": str(grid), "sample_s": sample_s, "routing_counts": dict(sorted(usage.items()))}
+
+    results = {"monolith": evaluate(mono_composed, "monolith")}
+    by_rule: dict[str, dict] = {}
+    for rule in [args.routing] + [r for r in ROUTING_RULES if r != args.routing and args.compare_routing]:
+        composed.routing = rule
+        composed.generator = torch.Generator().manual_seed(derive_seed("bench-routing", args.seed) % 2**31)
+        composed.trace = []
+        by_rule[rule] = evaluate(composed, "experts" if rule == args.routing else f"experts-{rule}")
+        log(f"experts, {rule} routing: digits-FD {by_rule[rule]['digits_fd']:.3f}, "
+            f"class accuracy {by_rule[rule]['class_acc']:.3f}")
+    results["experts"] = by_rule[args.routing]
     timings["evaluation_s"] = time.perf_counter() - t0
 
-    usage = dict(sorted(usage.items()))
     doc = {
         "monolith": results["monolith"],
-        "experts": {**results["experts"], "cells": cell_report, "routing_counts": usage},
+        "experts": {**results["experts"], "routing": args.routing, "cells": cell_report},
+        "experts_by_routing": {rule: {"digits_fd": r["digits_fd"], "class_acc": r["class_acc"],
+                                      "fd_ratio": r["digits_fd"] / results["monolith"]["digits_fd"],
+                                      "nn_ratio": r["nn_ratio"], "grid": r["grid"],
+                                      "heldout_loss_by_t": r["heldout_loss_by_t"]}
+                               for rule, r in by_rule.items()},
         "sample_steps": mono_steps,
         "experts_sample_steps": expert_steps,
         "sampler": {"method": args.sampler, "steps": args.sampler_steps, "guidance": args.guidance},
@@ -228,7 +255,10 @@ def _print_table(doc: dict) -> None:
     for c, v in cells.items():
         lo, hi = v["t_range"]
         print(f"  {c} t in [{lo:.2f}, {hi:.2f}]: " + "  ".join(f"{x:.3f}" for x in v["heldout_loss_by_t"].values()))
-    print(f"routing (cell: sample-steps): {e['routing_counts']}")
+    print(f"routing (cell: sampler calls x samples), {e['routing']}: {e['routing_counts']}")
+    for rule, r in doc["experts_by_routing"].items():
+        print(f"  experts with {rule:<8} routing: digits-FD {r['digits_fd']:.4f} ({r['fd_ratio']:.3f}x monolith), "
+              f"class accuracy {r['class_acc']:.4f}, grid {r['grid']}")
     print(f"experts / monolith digits-FD: {doc['fd_ratio']:.3f}   (reference FD, real held-out vs train: "
           f"{m['reference_fd']:.2f})")
     print(f"grids: {m['grid']}  {e['grid']}   wall: {doc['wall_s']:.0f}s  cpu: {doc['cpu_s']:.0f}s  timings: "

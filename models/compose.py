@@ -8,6 +8,15 @@ runs one expert per sample instead of a full mixture). When the chosen cell is m
   2. the router renormalised over the clusters that have any cell, top-1 again, then that
      cluster's range for t or its nearest range.
 
+`routing` selects the rule: "top1" (the default, as above); "sample", which draws the
+cluster from the renormalised router distribution with an explicit generator (one expert
+per sample, like top-1, but unbiased: in expectation it is the mixture); and "mixture",
+the full mixture sum_k p(k | x_t, t) v_k(x_t, t), which is the exact velocity of a data
+distribution that is a mixture of the clusters (K expert passes per step). Near t = 1 the
+router is uncertain, and a deterministic top-1 sends every sample of a class to the same
+cluster, dropping the other clusters' modes of that class; bench/experts_vs_monolith.py
+compares the three rules.
+
 For class-conditional sampling the routing score also folds in the cluster's class
 histogram by Bayes' rule, log p(k | x_t, t) + log p(y | k), assuming y is independent of x_t
 given k. At t = 1, where x_t is pure noise, this is exactly the posterior over clusters;
@@ -34,6 +43,7 @@ if TYPE_CHECKING:
     from bagel.coordinator.spec import RunSpec
 
 Prediction = Literal["v", "eps", "x0"]
+Routing = Literal["top1", "sample", "mixture"]
 Cell = tuple[int, int]
 
 
@@ -51,6 +61,8 @@ class ComposedModel:
     class_given_cluster: torch.Tensor | None = None
     prediction: Mapping[Cell, Prediction] = field(default_factory=dict)
     null_label: int | None = None  # label meaning "unconditional" for CFG
+    routing: Routing = "top1"
+    generator: torch.Generator | None = None  # required by routing="sample"
     # set to a list to record (t, chosen cells [B, 2]) at every call, for inspection/tests.
     trace: list[tuple[float, torch.Tensor]] | None = None
 
@@ -63,6 +75,10 @@ class ComposedModel:
         for cell, kind in self.prediction.items():
             if kind not in ("v", "eps", "x0"):
                 raise ValueError(f"cell {cell}: unknown prediction type {kind!r}")
+        if self.routing not in ("top1", "sample", "mixture"):
+            raise ValueError(f"unknown routing rule {self.routing!r}; known: top1, sample, mixture")
+        if self.routing == "sample" and self.generator is None:
+            raise ValueError('routing="sample" needs a torch.Generator')
 
     # --- routing --------------------------------------------------------------------------
 
@@ -95,26 +111,40 @@ class ComposedModel:
 
         return min(have, key=lambda r: (gap(r), r))
 
-    def choose(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
-        """[B, 2] (cluster, range) of the cell that answers each sample, with the fallbacks."""
-        scores = self.route_scores(x, t, y)
+    def _available_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Scores with clusters that have no cell at all masked out (the renormalised router)."""
         have = torch.tensor([any(k == c for (k, _) in self.experts) for c in range(self.clusters)])
-        masked = scores.masked_fill(~have.to(scores.device)[None], float("-inf"))
-        top = scores.argmax(dim=1)
-        top_avail = masked.argmax(dim=1)  # the router renormalised over available clusters
+        return scores.masked_fill(~have.to(scores.device)[None], float("-inf"))
+
+    def _cell_for(self, k: int, r: int, t: float) -> Cell | None:
+        """(k, r) if present, else cluster k's nearest range, else None."""
+        if (k, r) in self.experts:
+            return k, r
+        near = self._nearest_range(k, t)
+        return None if near is None else (k, near)
+
+    def choose(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        """[B, 2] (cluster, range) of the cell that answers each sample, with the fallbacks.
+
+        top1 and mixture report the top-1 cell; sample reports the drawn one."""
+        scores = self.route_scores(x, t, y)
+        masked = self._available_scores(scores)
+        if self.routing == "sample":
+            assert self.generator is not None
+            probs = torch.softmax(masked.double().cpu(), dim=1)
+            top = torch.multinomial(probs, 1, generator=self.generator).flatten()
+        else:
+            top = scores.argmax(dim=1).cpu()
+        top_avail = masked.argmax(dim=1).cpu()
         out = torch.empty(x.shape[0], 2, dtype=torch.long)
         for i in range(x.shape[0]):
             ti = float(t[i])
             r = flow.range_index(ti, self.ranges)
-            k = int(top[i])
-            if (k, r) not in self.experts:
-                near = self._nearest_range(k, ti)  # fallback 1: same cluster, nearest range
-                if near is None:  # fallback 2: renormalised router over available clusters
-                    k = int(top_avail[i])
-                    near = r if (k, r) in self.experts else self._nearest_range(k, ti)
-                assert near is not None
-                r = near
-            out[i, 0], out[i, 1] = k, r
+            # fallback 1 inside _cell_for: the same cluster's nearest range;
+            # fallback 2: the router renormalised over clusters that have any cell.
+            cell = self._cell_for(int(top[i]), r, ti) or self._cell_for(int(top_avail[i]), r, ti)
+            assert cell is not None
+            out[i, 0], out[i, 1] = cell
         return out
 
     # --- velocity -------------------------------------------------------------------------
@@ -145,6 +175,8 @@ class ComposedModel:
     ) -> torch.Tensor:
         """v(x_t, t, y): each sample answered by its routed cell (t may differ per sample)."""
         t = t.reshape(x.shape[0]).to(x.device)
+        if self.routing == "mixture":
+            return self._mixture_velocity(x, t, y, guidance)
         chosen = self.choose(x, t, y)
         if self.trace is not None:
             self.trace.append((float(t[0]), chosen.clone()))
@@ -153,6 +185,28 @@ class ComposedModel:
             idx = torch.nonzero((chosen[:, 0] == cell[0]) & (chosen[:, 1] == cell[1])).flatten().to(x.device)
             yi = y[idx] if y is not None else None
             v[idx] = self._expert_velocity(cell, x[idx], t[idx], yi, guidance).to(v.dtype)
+        return v
+
+    def _mixture_velocity(
+        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None, guidance: float
+    ) -> torch.Tensor:
+        """sum_k p(k | x_t, t[, y]) v_k over clusters with a cell, each at its range for t
+        (or its nearest range)."""
+        weights = torch.softmax(self._available_scores(self.route_scores(x, t, y)), dim=1)
+        if self.trace is not None:
+            self.trace.append((float(t[0]), self.choose(x, t, y)))
+        v = torch.zeros_like(x)
+        for k in range(self.clusters):
+            for cell in {self._cell_for(k, flow.range_index(float(ti), self.ranges), float(ti)) for ti in t}:
+                if cell is None:
+                    continue
+                idx = torch.tensor(
+                    [i for i, ti in enumerate(t.tolist())
+                     if self._cell_for(k, flow.range_index(ti, self.ranges), ti) == cell], device=x.device
+                )
+                yi = y[idx] if y is not None else None
+                vk = self._expert_velocity(cell, x[idx], t[idx], yi, guidance).to(v.dtype)
+                v[idx] += weights[idx, k].view(-1, *([1] * (x.dim() - 1))).to(v.dtype) * vk
         return v
 
 

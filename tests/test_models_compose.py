@@ -170,3 +170,32 @@ def test_from_cells_composes_checkpointed_cells_with_one_missing(tmp_path):
     assert out.shape == x.shape and torch.isfinite(out).all()
     with pytest.raises(ValueError):
         compose.from_cells(spec, {"k5.r0": loaded["k0.r0"]})
+
+
+def test_mixture_routing_is_the_router_weighted_sum_of_experts():
+    rt = SignRouter([1.0, 0.0, -1.0])
+    # cluster 2 has no cell: the mixture is renormalised over clusters 0 and 1
+    cm = compose.ComposedModel(grid(3, 2, missing={(2, 0), (2, 1), (1, 0)}), RANGES, 3, router=rt, routing="mixture")
+    x = -torch.ones(2, 1, 4, 4)
+    v = cm.velocity(x, torch.tensor([0.8, 0.2]))
+    w = torch.softmax(torch.tensor([1.0, 0.0]), dim=0)
+    # t=0.8: cells (0,1) and (1,1) -> values 2 and 12; t=0.2: (0,0) and (1,1 nearest) -> 1 and 12
+    assert v[0].unique().item() == pytest.approx(float(w[0] * 2 + w[1] * 12))
+    assert v[1].unique().item() == pytest.approx(float(w[0] * 1 + w[1] * 12))
+
+
+def test_sampled_routing_follows_the_router_distribution_and_the_generator():
+    def make(seed):
+        return compose.ComposedModel(grid(2, 1), [(0.0, 1.0)], 2, router=SignRouter([0.0, 1.0]),
+                                     routing="sample", generator=torch.Generator().manual_seed(seed))
+
+    x = -torch.ones(4000, 1, 2, 2)
+    t = torch.full((4000,), 0.5)
+    a = make(0).choose(x, t, None)
+    assert torch.equal(a, make(0).choose(x, t, None))
+    frac1 = float((a[:, 0] == 1).float().mean())
+    assert frac1 == pytest.approx(float(torch.sigmoid(torch.tensor(1.0))), abs=0.03)
+    with pytest.raises(ValueError):
+        compose.ComposedModel(grid(2, 1), [(0.0, 1.0)], 2, routing="sample")
+    with pytest.raises(ValueError):
+        compose.ComposedModel(grid(2, 1), [(0.0, 1.0)], 2, routing="top2")
