@@ -134,6 +134,87 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path):
     assert not torch.equal(r0["0.weight"], task.build_model().state_dict()["0.weight"])
 
 
+
+DDP_SPEC = """
+[run]
+id = "ddp"
+[model]
+arch = "dit"
+preset = "tiny"
+image_size = 8
+channels = 1
+num_classes = 10
+[data]
+source = "digits"
+clusters = 1
+[cells]
+timestep_ranges = 1
+router = false
+[diloco]
+inner_steps = 6
+group_batch = 32
+codec = "int8"
+[schedule]
+min_replicas = 1
+lease_s = 4.0
+heartbeat_s = 0.5
+# two gloo ranks share this box's 2 cores with everything else: give rounds time
+min_round_s = 6.0
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path):
+    """`torchrun --nproc-per-node 2 -m bagel.worker join ...` next to a one-process worker:
+    rank 0 talks to the coordinator and the DHT, rank 1 follows it; each round both
+    workers end bit-identical (equal hashes in their commit events)."""
+    import time
+
+    from bagel.worker.procs import CoordinatorProc, Managed, WorkerProc, cleanup, free_port
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(DDP_SPEC)
+    procs: list[Managed] = []
+    with cleanup(procs):
+        coord = CoordinatorProc.make(spec, tmp_path / "coord", tmp_path / "coord.log")
+        procs.append(coord)
+        coord.start_and_wait(timeout_s=90)
+        single = WorkerProc.make(coord.join, tmp_path / "single", tmp_path / "single.log", name="single")
+        procs.append(single)
+        single.start()
+        ddp_w = WorkerProc.make(coord.join, tmp_path / "ddp", tmp_path / "ddp.log", name="ddp")
+        ddp_w.argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                      "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                      "-m", *ddp_w.argv[ddp_w.argv.index("bagel.worker"):]]
+        procs.append(ddp_w)
+        ddp_w.start()
+
+        def both_committed() -> list[int]:
+            a = {e["round"]: e for e in single.events("committed")}
+            b = {e["round"]: e for e in ddp_w.events("committed")}
+            return [r for r in sorted(set(a) & set(b)) if b[r]["samples"] > 0 and a[r]["samples"] > 0]
+
+        deadline = time.monotonic() + 200
+        while len(both_committed()) < 2 and time.monotonic() < deadline:
+            assert ddp_w.alive(), ddp_w.log_text()[-3000:]
+            time.sleep(0.5)
+        rounds = both_committed()
+        assert len(rounds) >= 2, ddp_w.log_text()[-3000:] + single.log_text()[-2000:]
+        a = {e["round"]: e for e in single.events("committed")}
+        b = {e["round"]: e for e in ddp_w.events("committed")}
+        for r in rounds:
+            assert a[r]["hash"] == b[r]["hash"] and a[r]["contributors"] == 2
+        prof = ddp_w.events("profile")[0]
+        assert prof  # rank 0 profiled and registered for the whole worker
+        # torchrun forwards SIGTERM to both ranks (rank 1 ignores it and waits for rank 0's
+        # exit command); torchrun itself then exits non-zero by design (SignalException),
+        # so what is checked is that rank 0 left gracefully and every rank is gone in time
+        ddp_w.stop(timeout_s=60)
+        assert ddp_w.events("left"), ddp_w.log_text()[-3000:]
+        assert "forcefully exiting" not in ddp_w.log_text(), ddp_w.log_text()[-3000:]
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     _rank_main(Path(os.environ["BAGEL_DDP_TEST_OUT"]))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,7 @@ class Agent(CoordinatorLink, OrderHandlers):
         self._down_since: float | None = None
         self._tasks: set[asyncio.Task] = set()
         self._hb_task: asyncio.Task | None = None
+        self._train_task: asyncio.Task | None = None
         self.dht: Any = None
         self.p2p: Any = None
         self.dataplane: Any = None
@@ -143,7 +145,8 @@ class Agent(CoordinatorLink, OrderHandlers):
             self._stop.set()
             self._wake.set()
 
-    async def run(self) -> int:
+    async def run(self, handle_signals: bool = False) -> int:
+        """The whole lifecycle; with handle_signals, SIGTERM/SIGINT leave gracefully (a second one aborts)."""
         import hivemind
 
         from bagel.worker.averaging import DataPlane
@@ -159,6 +162,8 @@ class Agent(CoordinatorLink, OrderHandlers):
                 record_validators=[CoordinatorRecordValidator(self.join.run_id, self.join.coordinator_public_key)],
                 start=True,
             )
+            if handle_signals:
+                self._install_signal_handlers()
             record = await self._until_stopped(
                 resolve_coordinator(self.join, dht=self.dht, timeout_s=self.cfg.resolve_timeout_s)
             )
@@ -191,6 +196,21 @@ class Agent(CoordinatorLink, OrderHandlers):
             await self._stop_heartbeats()
             await self._close()
 
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        seen = {"n": 0}
+
+        def on_signal(sig: signal.Signals) -> None:
+            seen["n"] += 1
+            if seen["n"] == 1:
+                self.request_stop(sig.name)
+            elif main is not None:
+                main.cancel()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+
     async def _until_stopped(self, coro: Any) -> Any:
         """Await `coro` unless a stop is requested first (then cancel it and return None)."""
         task = asyncio.ensure_future(coro)
@@ -204,11 +224,15 @@ class Agent(CoordinatorLink, OrderHandlers):
         return None
 
     async def _close(self) -> None:
+        if self.work is not None:
+            self.work.stop.set()
+        # the training thread stops at its next inner step; it must be out of its
+        # collectives before rank 0 tells the other ranks to exit
+        if self._train_task is not None and not self._train_task.done():
+            await asyncio.wait({self._train_task}, timeout=120)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.work is not None:
-            self.work.stop.set()
         if self.ctx.enabled:
             await asyncio.to_thread(ddp.send_command, self.ctx, {"op": "exit"})
         for closer in (self.stateserver, self.dataplane, self.client):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
@@ -81,27 +82,19 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
 
 
 async def _run_agent(agent) -> int:  # noqa: ANN001
-    loop = asyncio.get_running_loop()
-    main = asyncio.current_task()
-    signals = {"n": 0}
-
-    def on_signal(sig: signal.Signals) -> None:
-        signals["n"] += 1
-        if signals["n"] == 1:
-            agent.request_stop(sig.name)
-        elif main is not None:
-            main.cancel()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
     try:
-        return await agent.run()
+        # the agent installs the SIGTERM/SIGINT handlers itself, once its DHT child process
+        # exists: a child forked after them would inherit a handler that ignores SIGTERM,
+        # and hivemind could then not terminate it (the worker would hang at exit)
+        return await agent.run(handle_signals=True)
     except asyncio.CancelledError:
         return 130
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
     logging.basicConfig(level=os.environ.get("BAGEL_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from bagel.protocol.joinstring import JoinStringError
     from bagel.worker import ddp
@@ -117,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         if not ctx.is_leader:
             from bagel.worker.agent import ddp_follower
 
+            # torchrun forwards SIGTERM/SIGINT to every rank; only rank 0 decides how to
+            # stop (finish the round, Leave), then tells the others to exit
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             ddp_follower(ctx, args.device, args.throttle)
             return 0
         from bagel.worker.agent import Agent, ensure_dirs

@@ -154,6 +154,7 @@ class OrderHandlers:
             self.display.event("not-a-member", level="warning", cell=i.cell_id, round=i.round)
             return
         self._drop_work("a new round")
+        await self._trainer_idle()
         rt = await self._runtime_for(i.cell_id)
         if self._stop.is_set() or self.instr is not i:
             self._wake.set()  # things changed while the model was built: look again
@@ -164,8 +165,16 @@ class OrderHandlers:
         self.work = w
         self.display.update(cell=i.cell_id, round=i.round, step=0, steps=i.plan.inner_steps, deadline_unix_ms=i.plan.deadline_unix_ms)
         self.display.event("train", cell=i.cell_id, round=i.round, attempt=i.round_attempt, micro_batch=i.plan.micro_batch, grad_accum=i.plan.grad_accum, members=len(ids))
-        w.task = self._spawn(self._train(w, rt, reset), "train")
+        w.task = self._train_task = self._spawn(self._train(w, rt, reset), "train")
         self._hb_wake.set()
+
+    async def _trainer_idle(self) -> None:
+        """Wait for a dropped round's training thread to stop (it checks its stop flag every
+        inner step): two rounds must never train the same model at once, and in a DDP
+        worker their collectives would interleave."""
+        t = self._train_task
+        if t is not None and not t.done():
+            await asyncio.wait({t})
 
     async def _train(self, w: RoundWork, rt: CellRuntime, reset_optimizer: bool) -> None:
         assert self.held is not None and self.spec is not None
