@@ -5,7 +5,9 @@ For every codec and data set (Gaussian, Student-t with df=3) it reports bytes pe
 throughput in GB/s of float32 input (best of ``--reps`` timed runs after one warm-up;
 decode includes allocating the output tensor, as callers get it; ``dec->out`` is our decode
 into a reused buffer, ``decode(buf, out=...)``, which shows what page-faulting a fresh
-64 MiB output costs). It prints a table and,
+64 MiB output costs; ``enc/cpu`` and ``dec/cpu`` divide by the CPU seconds the process
+used instead of wall-clock time, which a machine shared with other work distorts less,
+especially with ``--threads 1``). It prints a table and,
 with ``--json FILE``, writes ``{"meta": {...}, "targets": {...}, "rows": [...]}``.
 
 hivemind's ``Uniform8BitQuantization`` and ``Quantile8BitQuantization`` break under
@@ -60,16 +62,31 @@ def make_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
 
 
 def best_time(fn: Callable[[], object], reps: int) -> tuple[float, object]:
+    """(best wall-clock seconds, result); the best CPU seconds go to ``best_time.cpu``."""
     out = fn()  # warm-up (and the result we check)
-    best = float("inf")
+    best, best_cpu = float("inf"), float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    best_time.cpu = best_cpu  # type: ignore[attr-defined]
     return best, out
 
 
-def row(codec: str, impl: str, data: str, n: int, nbytes: int, x: torch.Tensor, y: torch.Tensor, t_enc: float, t_dec: float, env: str) -> dict:
+def row(
+    codec: str,
+    impl: str,
+    data: str,
+    n: int,
+    nbytes: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    t_enc: tuple[float, float],
+    t_dec: tuple[float, float],
+    env: str,
+) -> dict:
+    """One result row; ``t_enc``/``t_dec`` are (wall, cpu) seconds."""
     y = y.to(torch.float32).reshape(x.shape)
     rel = float(torch.linalg.vector_norm((y - x).double()) / torch.linalg.vector_norm(x.double()))
     gb = 4.0 * n / 1e9
@@ -79,8 +96,11 @@ def row(codec: str, impl: str, data: str, n: int, nbytes: int, x: torch.Tensor, 
         "data": data,
         "bytes_per_value": nbytes / n,
         "rel_error": rel,
-        "encode_gbps": gb / t_enc,
-        "decode_gbps": gb / t_dec,
+        "encode_gbps": gb / t_enc[0],
+        "decode_gbps": gb / t_dec[0],
+        # Input bytes per CPU-second of this process (all threads): robust to a shared machine.
+        "encode_cpu_gbps": gb / max(t_enc[1], 1e-9),
+        "decode_cpu_gbps": gb / max(t_dec[1], 1e-9),
         "env": env,
     }
 
@@ -92,8 +112,10 @@ def measure_hivemind(name: str, x: torch.Tensor, data: str, reps: int, env: str)
     comp = getattr(hc, name)()
     info = CompressionInfo.from_tensor(x)
     t_enc, msg = best_time(lambda: comp.compress(x, info), reps)
+    c_enc = best_time.cpu  # type: ignore[attr-defined]
     t_dec, y = best_time(lambda: comp.extract(msg), reps)
-    return row(name, "hivemind", data, x.numel(), len(msg.buffer), x, y, t_enc, t_dec, env)
+    c_dec = best_time.cpu  # type: ignore[attr-defined]
+    return row(name, "hivemind", data, x.numel(), len(msg.buffer), x, y, (t_enc, c_enc), (t_dec, c_dec), env)
 
 
 def measure_ours(name: str, x: torch.Tensor, data: str, reps: int) -> dict:
@@ -102,10 +124,12 @@ def measure_ours(name: str, x: torch.Tensor, data: str, reps: int) -> dict:
     codec = get_codec(name)
     gen = torch.Generator().manual_seed(0)
     t_enc, buf = best_time(lambda: codec.encode(x, generator=gen), reps)
+    c_enc = best_time.cpu  # type: ignore[attr-defined]
     t_dec, y = best_time(lambda: decode(buf), reps)
+    c_dec = best_time.cpu  # type: ignore[attr-defined]
     out = torch.empty(x.numel(), dtype=torch.float32)
     t_reuse, _ = best_time(lambda: decode(buf, out=out), reps)
-    r = row(codec.name, "bagel", data, x.numel(), len(buf), x, y, t_enc, t_dec, "main")
+    r = row(codec.name, "bagel", data, x.numel(), len(buf), x, y, (t_enc, c_enc), (t_dec, c_dec), "main")
     r["decode_into_out_gbps"] = 4.0 * x.numel() / 1e9 / t_reuse  # decode(buf, out=reused buffer)
     return r
 
@@ -119,6 +143,8 @@ def unavailable(name: str, data: str, reason: str) -> dict:
         "rel_error": None,
         "encode_gbps": None,
         "decode_gbps": None,
+        "encode_cpu_gbps": None,
+        "decode_cpu_gbps": None,
         "env": "unavailable",
         "note": reason,
     }
@@ -190,16 +216,21 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'codec':26} {'impl':8} {'data':9} {'bytes/val':>9} {'rel L2 err':>10} {'enc GB/s':>8} {'dec GB/s':>8} {'dec->out':>8}  env"
+    head = (
+        f"{'codec':26} {'impl':8} {'data':9} {'bytes/val':>9} {'rel L2 err':>10} {'enc GB/s':>8} {'dec GB/s':>8}"
+        f" {'dec->out':>8} {'enc/cpu':>8} {'dec/cpu':>8}  env"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         if r["bytes_per_value"] is None:
-            lines.append(f"{r['codec']:26} {r['impl']:8} {r['data']:9} {'-':>9} {'-':>10} {'-':>8} {'-':>8} {'-':>8}  unavailable: {r['note']}")
+            dashes = " ".join(f"{'-':>8}" for _ in range(5))
+            lines.append(f"{r['codec']:26} {r['impl']:8} {r['data']:9} {'-':>9} {'-':>10} {dashes}  unavailable: {r['note']}")
             continue
         reuse = f"{r['decode_into_out_gbps']:.3f}" if "decode_into_out_gbps" in r else "-"
         lines.append(
             f"{r['codec']:26} {r['impl']:8} {r['data']:9} {r['bytes_per_value']:9.4f} {r['rel_error']:10.3e}"
-            f" {r['encode_gbps']:8.3f} {r['decode_gbps']:8.3f} {reuse:>8}  {r['env']}"
+            f" {r['encode_gbps']:8.3f} {r['decode_gbps']:8.3f} {reuse:>8}"
+            f" {r['encode_cpu_gbps']:8.3f} {r['decode_cpu_gbps']:8.3f}  {r['env']}"
         )
     return "\n".join(lines)
 

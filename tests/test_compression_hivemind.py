@@ -192,6 +192,7 @@ def spread_between_peers(results: list[list[torch.Tensor]]) -> float:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "codec_name", ["fp32", "fp16", "bf16", "int8", "int4", "int8:stochastic", "int4:block=32:stochastic", "topk:0.1"]
