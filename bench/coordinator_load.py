@@ -10,7 +10,11 @@ agree on, SYNC -> adopt the committed state.
 
 Reported per point: heartbeats/s sustained (answered heartbeats over the measurement
 window), p50/p99 heartbeat latency (client-side round trip, so it includes the
-generator's own queueing: an honest upper bound on the server's), target rate, errors.
+generator's own queueing: an honest upper bound on the server's), target rate, errors,
+the generator's worst lag behind its schedule, and CPU used by the coordinator process
+(per heartbeat and in cores) and by the generator. At most `--max-inflight` heartbeats
+are in flight: past that the generator waits (closed loop), so an overloaded coordinator
+shows a rate below target and a growing lag instead of an unbounded queue.
 Every request is freshly signed (a fresh nonce each time, as the protocol requires):
 signing runs in the generator and competes for the same CPU as the coordinator.
 
@@ -108,7 +112,7 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _generate(
-    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int
+    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, max_inflight: int
 ) -> dict[str, Any]:
     import grpc
 
@@ -186,28 +190,43 @@ async def _generate(
         tasks.add(t)
         t.add_done_callback(tasks.discard)
 
-    # registration, bounded concurrency
-    t0 = time.perf_counter()
+    # Registration runs concurrently with the heartbeat schedule: a worker starts beating
+    # (from a random phase) as soon as it is registered, so registering 10k workers,
+    # which takes longer than a lease, never lets the first ones expire.
+    loop = asyncio.get_running_loop()
+    heap: list[tuple[float, int]] = []
     sem = asyncio.Semaphore(64)
+    registered_at: dict[int, float] = {}
 
     async def reg(i: int) -> None:
         async with sem:
             for _ in range(5):
                 try:
                     await register(i)
+                    if i not in registered_at:
+                        registered_at[i] = loop.time()
+                        heapq.heappush(heap, (loop.time() + rng.random() * period_s, i))
                     return
                 except grpc.aio.AioRpcError as e:
                     errors[f"Register:{e.code().name}"] = errors.get(f"Register:{e.code().name}", 0) + 1
                     await asyncio.sleep(0.5)
 
-    await asyncio.gather(*(reg(i) for i in range(n)))
-    register_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    registering = asyncio.ensure_future(asyncio.gather(*(reg(i) for i in range(n))))
 
     latencies: list[float] = []
     measuring = {"on": False}
     sent = {"n": 0}
 
+    inflight = asyncio.Semaphore(max_inflight)
+
     async def beat(i: int) -> None:
+        try:
+            await beat_once(i)
+        finally:
+            inflight.release()
+
+    async def beat_once(i: int) -> None:
         s = sims[i]
         active = s.phase in (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING)
         req = pb.HeartbeatRequest(
@@ -234,17 +253,19 @@ async def _generate(
             latencies.append((time.perf_counter() - start) * 1000.0)
         act(i, resp.instruction)
 
-    # fixed-rate schedule: each worker beats every period_s from a random phase
-    loop = asyncio.get_running_loop()
-    base = loop.time()
-    heap = [(base + rng.random() * period_s, i) for i in range(n)]
-    heapq.heapify(heap)
-    end_warm = base + warmup_s
-    end = end_warm + measure_s
+    # fixed-rate schedule: each worker beats every period_s from a random phase; the
+    # warm-up starts once every worker is registered, then the measurement window
+    end_warm = end = float("inf")
+    register_s = float("nan")
     lag_max = 0.0
     measured_start = None
+    cpu0 = own0 = 0.0
     while True:
         now = loop.time()
+        if end_warm == float("inf") and registering.done():
+            register_s = time.perf_counter() - t0
+            end_warm = now + warmup_s
+            end = end_warm + measure_s
         if now >= end:
             break
         if not measuring["on"] and now >= end_warm:
@@ -254,18 +275,22 @@ async def _generate(
             errors.clear()
         while heap and heap[0][0] <= now:
             due, i = heapq.heappop(heap)
+            # closed loop beyond max_inflight: an overloaded coordinator shows up as a lower
+            # rate and a generator lag, not as an unbounded queue of doomed requests
+            await inflight.acquire()
+            now = loop.time()
             lag_max = max(lag_max, now - due) if measuring["on"] else lag_max
             spawn(beat(i))
             if measuring["on"]:
                 sent["n"] += 1
             heapq.heappush(heap, (due + period_s, i))
-        await asyncio.sleep(max(0.0, min(heap[0][0] - loop.time(), 0.01)))
+        await asyncio.sleep(max(0.0, min(heap[0][0] - loop.time(), 0.01)) if heap else 0.01)
     measured_s = time.perf_counter() - (measured_start or time.perf_counter())
     server_cpu, own_cpu = _cpu_s(server_pid) - cpu0, time.process_time() - own0
     answered = len(latencies)
-    for t in list(tasks):
+    for t in [*tasks, registering]:
         t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*tasks, registering, return_exceptions=True)
     for ch in channels:
         await ch.close()
     return {
@@ -287,25 +312,30 @@ async def _generate(
 
 
 def _generator_main(
-    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, out: Any
+    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, max_inflight: int,
+    out: Any,
 ) -> None:
     import uvloop
 
-    out.put(uvloop.run(_generate(target, n, period_s, warmup_s, measure_s, server_pid)))
+    out.put(uvloop.run(_generate(target, n, period_s, warmup_s, measure_s, server_pid, max_inflight)))
 
 
 # ---------------------------------------------------------------------------- driver
 
 
-def run_point(n: int, period_s: float, warmup_s: float, measure_s: float, workdir: Path) -> dict[str, Any]:
+def run_point(
+    n: int, period_s: float, warmup_s: float, measure_s: float, workdir: Path, max_inflight: int = 256
+) -> dict[str, Any]:
     spec = workdir / f"load-{n}.toml"
     spec.write_text(SPEC.format(lease_s=max(15.0, 3 * period_s), period_s=period_s))
     port = _free_port()
     target = f"127.0.0.1:{port}"
+    log_path = workdir / f"coordinator-{n}.log"
+    log = log_path.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec), "--data-dir", str(workdir / f"data-{n}"),
          "--listen", target, "--no-dht", "--tick-ms", "250", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
     )
     try:
         assert proc.stdout is not None
@@ -316,10 +346,13 @@ def run_point(n: int, period_s: float, warmup_s: float, measure_s: float, workdi
             raise RuntimeError(f"coordinator exited with {proc.wait()}")
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        gen = ctx.Process(target=_generator_main, args=(target, n, period_s, warmup_s, measure_s, proc.pid, q))
+        gen = ctx.Process(target=_generator_main, args=(target, n, period_s, warmup_s, measure_s, proc.pid, max_inflight, q))
         gen.start()
-        result = q.get(timeout=600 + warmup_s + measure_s)
+        result = q.get(timeout=1800 + warmup_s + measure_s)
         gen.join(30)
+        if proc.poll() is not None or result["errors"]:
+            tail = log_path.read_text().splitlines()[-15:]
+            print(f"coordinator exit={proc.poll()}; log tail:\n  " + "\n  ".join(tail), file=sys.stderr)
         return result
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -328,6 +361,7 @@ def run_point(n: int, period_s: float, warmup_s: float, measure_s: float, workdi
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        log.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-s", type=float, default=None, help="seconds of load before measuring (default: 1.5 periods)")
     p.add_argument("--measure-s", type=float, default=None, help="measurement window in seconds (default 30; --quick 8)")
     p.add_argument("--quick", action="store_true", help="short run: 200 and 1000 workers, 8 s windows")
+    p.add_argument("--max-inflight", type=int, default=256,
+                   help="most heartbeats in flight at once (closed loop beyond it); default %(default)s")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write {'points': [...]} to FILE")
     args = p.parse_args(argv)
     workers = args.workers or ([200, 1000] if args.quick else [1000, 5000, 10000])
@@ -349,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory(prefix="bagel-load-") as tmp:
         for n in workers:
-            r = run_point(n, args.period_s, warmup_s, measure_s, Path(tmp))
+            r = run_point(n, args.period_s, warmup_s, measure_s, Path(tmp), args.max_inflight)
             points.append(r)
             print(
                 f"{r['workers']:>8} {r['target_per_s']:>9.0f} {r['heartbeats_per_s']:>9.1f} {r['p50_ms']:>8.2f} "

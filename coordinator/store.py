@@ -13,10 +13,15 @@ commit syncs the WAL. The cost is one fsync per durable transaction, and the hot
 (heartbeats that change nothing durable) never writes.
 
 Schema notes: records are stored as JSON documents next to the columns queries need
-(ids, states, rounds). `commits` has PRIMARY KEY (cell_id, round): a committed round can
-be recorded once and only once, which is what the crash test checks. A second insert of
-the same (cell, round) with the same hash is a no-op (a retried write); with another hash
-it is an error (`StoreError`) because it would mean two different committed states.
+(ids, states, rounds). `commits` has PRIMARY KEY (cell_id, epoch, round): within one
+lineage of a cell a committed round is recorded once and only once, which is what the
+crash test checks. A second insert of the same key with the same hash is a no-op (a
+retried write); with another hash it is an error (`StoreError`): two different committed
+states of one round. The epoch is the cell's `rollbacks` count (`CellRecord.rollbacks`):
+an orphaned cell falls back to its last checkpoint by design (design section 6), and the
+rounds after it are then re-run and committed again in the next epoch; the rolled-back
+commits stay in the table as history, and `commits()`/`load()` return the current
+epoch's.
 
 Threads: the daemon writes from one dedicated thread (`bagel.coordinator.writer`), so
 fsyncs never block the event loop, in submission order, several batches per transaction
@@ -43,7 +48,7 @@ from bagel.coordinator import domain
 from bagel.coordinator.checkpoints import CheckpointMeta
 from bagel.coordinator.domain import CellRecord, CommitRecord, RoundRecord, RoundState, WorkerRecord
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: commits keyed by (cell_id, epoch, round)
 DB_NAME = "coordinator.sqlite3"
 
 _SCHEMA = """
@@ -71,6 +76,7 @@ CREATE TABLE IF NOT EXISTS assignments (
 );
 CREATE TABLE IF NOT EXISTS cells (
     cell_id TEXT PRIMARY KEY,
+    epoch INTEGER NOT NULL,
     record TEXT NOT NULL,
     updated_unix_ms INTEGER NOT NULL
 );
@@ -85,11 +91,12 @@ CREATE TABLE IF NOT EXISTS rounds (
 );
 CREATE TABLE IF NOT EXISTS commits (
     cell_id TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
     round INTEGER NOT NULL,
     state_hash TEXT NOT NULL,
     record TEXT NOT NULL,
     committed_unix_ms INTEGER NOT NULL,
-    PRIMARY KEY (cell_id, round)
+    PRIMARY KEY (cell_id, epoch, round)
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
     cell_id TEXT NOT NULL,
@@ -254,13 +261,11 @@ class Store:
         """Several batches, in order, in ONE transaction and one fsync (group commit)."""
         with self._tx() as c:
             for effects, now in batches:
+                # a commit belongs to its cell's lineage: the epoch in this batch's CellRecord
+                # (a commit always changes its cell), else the stored one
+                epochs = {e.cell_id: e.rollbacks for e in effects if isinstance(e, CellRecord)}
                 for effect in effects:
-                    _apply_effect(c, effect, now)
-
-    def put(self, table: str, key: dict[str, Any], record: dict[str, Any], now_ms: int) -> None:
-        """Upsert one record (used by tests and tools; the daemon goes through `write`)."""
-        with self._tx() as c:
-            _upsert(c, table, key, record, now_ms)
+                    _apply_effect(c, effect, now, epochs)
 
     def get_kv(self, key: str) -> Any:
         row = self._conn.execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
@@ -304,12 +309,29 @@ class Store:
 
     # ------------------------------------------------------------------ reading
 
+    _CURRENT = (
+        " FROM commits m LEFT JOIN cells c ON c.cell_id = m.cell_id WHERE m.epoch = COALESCE(c.epoch, 0)"
+    )
+
     def commits(self) -> list[tuple[str, int, str]]:
-        """(cell_id, round, state_hash) of every committed round, ordered."""
-        return [
-            (r[0], int(r[1]), r[2])
-            for r in self._conn.execute("SELECT cell_id, round, state_hash FROM commits ORDER BY cell_id, round")
-        ]
+        """(cell_id, round, state_hash) of the committed rounds of each cell's current epoch."""
+        q = "SELECT m.cell_id, m.round, m.state_hash" + self._CURRENT + " ORDER BY m.cell_id, m.round"
+        return [(r[0], int(r[1]), r[2]) for r in self._conn.execute(q)]
+
+    def commit_history(self) -> list[tuple[str, int, int, str]]:
+        """(cell_id, epoch, round, state_hash) of every commit ever recorded, rolled back or not."""
+        q = "SELECT cell_id, epoch, round, state_hash FROM commits ORDER BY cell_id, epoch, round"
+        return [(r[0], int(r[1]), int(r[2]), r[3]) for r in self._conn.execute(q)]
+
+    def commit_records(self) -> list[CommitRecord]:
+        """The CommitRecords of each cell's current epoch, by (cell, round)."""
+        q = "SELECT m.record" + self._CURRENT + " ORDER BY m.cell_id, m.round"
+        return [from_json(CommitRecord, json.loads(r[0])) for r in self._conn.execute(q)]
+
+    def round_records(self) -> list[RoundRecord]:
+        """Every round attempt ever recorded (open or ended), by key."""
+        q = "SELECT record FROM rounds ORDER BY cell_id, round, attempt"
+        return [from_json(RoundRecord, json.loads(r[0])) for r in self._conn.execute(q)]
 
     def load(self, *, recent_commits: int = 64) -> domain.Snapshot:
         """The records `CoordinatorState.restore` needs, read in one consistent transaction:
@@ -335,9 +357,10 @@ class Store:
             commits = tuple(
                 from_json(CommitRecord, json.loads(r[0]))
                 for r in c.execute(
-                    "SELECT record FROM (SELECT record, cell_id, round, ROW_NUMBER() OVER"
-                    " (PARTITION BY cell_id ORDER BY round DESC) AS k FROM commits) WHERE k <= ?"
-                    " ORDER BY cell_id, round",
+                    "SELECT record FROM (SELECT m.record AS record, m.cell_id AS cell_id, m.round AS round,"
+                    " ROW_NUMBER() OVER (PARTITION BY m.cell_id ORDER BY m.round DESC) AS k"
+                    + self._CURRENT
+                    + ") WHERE k <= ? ORDER BY cell_id, round",
                     (recent_commits,),
                 )
             )
@@ -369,7 +392,7 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "assignments": ("worker_id",),
     "cells": ("cell_id",),
     "rounds": ("cell_id", "round", "attempt"),
-    "commits": ("cell_id", "round"),
+    "commits": ("cell_id", "epoch", "round"),
     "kv": ("key",),
 }
 
@@ -394,9 +417,10 @@ def _upsert(c: sqlite3.Connection, table: str, key: dict[str, Any], record: dict
         )
     elif table == "cells":
         c.execute(
-            "INSERT INTO cells (cell_id, record, updated_unix_ms) VALUES (?, ?, ?)"
-            " ON CONFLICT (cell_id) DO UPDATE SET record = excluded.record, updated_unix_ms = excluded.updated_unix_ms",
-            (key["cell_id"], body, now_ms),
+            "INSERT INTO cells (cell_id, epoch, record, updated_unix_ms) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (cell_id) DO UPDATE SET epoch = excluded.epoch, record = excluded.record,"
+            " updated_unix_ms = excluded.updated_unix_ms",
+            (key["cell_id"], int(record.get("rollbacks", 0)), body, now_ms),
         )
     elif table == "rounds":
         c.execute(
@@ -406,15 +430,17 @@ def _upsert(c: sqlite3.Connection, table: str, key: dict[str, Any], record: dict
             (key["cell_id"], int(key["round"]), int(key["attempt"]), str(record.get("state", "")), body, now_ms),
         )
     elif table == "commits":
-        cell, rnd, h = key["cell_id"], int(key["round"]), str(record["state_hash"])
-        row = c.execute("SELECT state_hash FROM commits WHERE cell_id = ? AND round = ?", (cell, rnd)).fetchone()
+        cell, epoch, rnd, h = key["cell_id"], int(key["epoch"]), int(key["round"]), str(record["state_hash"])
+        row = c.execute(
+            "SELECT state_hash FROM commits WHERE cell_id = ? AND epoch = ? AND round = ?", (cell, epoch, rnd)
+        ).fetchone()
         if row is not None:
             if row[0] != h:
-                raise StoreError(f"round {rnd} of {cell} is already committed with another hash")
+                raise StoreError(f"round {rnd} of {cell} (epoch {epoch}) is already committed with another hash")
             return  # the same commit written twice (a retried batch): idempotent
         c.execute(
-            "INSERT INTO commits (cell_id, round, state_hash, record, committed_unix_ms) VALUES (?, ?, ?, ?, ?)",
-            (cell, rnd, h, body, int(record.get("committed_unix_ms", now_ms))),
+            "INSERT INTO commits (cell_id, epoch, round, state_hash, record, committed_unix_ms) VALUES (?, ?, ?, ?, ?, ?)",
+            (cell, epoch, rnd, h, body, int(record.get("committed_unix_ms", now_ms))),
         )
     elif table == "kv":
         c.execute(
@@ -431,7 +457,14 @@ def _delete(c: sqlite3.Connection, table: str, key: dict[str, Any]) -> None:
     c.execute(f"DELETE FROM {table} WHERE {where}", tuple(key[col] for col in cols))  # noqa: S608
 
 
-def _apply_effect(c: sqlite3.Connection, effect: Any, now_ms: int) -> None:
+def _epoch(c: sqlite3.Connection, cell_id: str, epochs: Mapping[str, int]) -> int:
+    if cell_id in epochs:
+        return epochs[cell_id]
+    row = c.execute("SELECT epoch FROM cells WHERE cell_id = ?", (cell_id,)).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def _apply_effect(c: sqlite3.Connection, effect: Any, now_ms: int, epochs: Mapping[str, int]) -> None:
     """Translate one core record (`Outcome.effects`) into rows."""
     if isinstance(effect, WorkerRecord):
         body = to_json(effect)
@@ -451,7 +484,8 @@ def _apply_effect(c: sqlite3.Connection, effect: Any, now_ms: int) -> None:
     elif isinstance(effect, CommitRecord):
         body = to_json(effect)
         body["committed_unix_ms"] = effect.committed_ms
-        _upsert(c, "commits", {"cell_id": effect.cell_id, "round": effect.round}, body, now_ms)
+        key = {"cell_id": effect.cell_id, "epoch": _epoch(c, effect.cell_id, epochs), "round": effect.round}
+        _upsert(c, "commits", key, body, now_ms)
     else:
         raise StoreError(f"unknown effect {type(effect).__name__}")
 

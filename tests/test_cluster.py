@@ -15,7 +15,6 @@ wall-clock durations (the machine is shared).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
 from bagel.coordinator.domain import CellConfig, CommitRecord, RoundRecord, RoundState, WorkerState
 from bagel.coordinator.spec import parse_spec
-from bagel.coordinator.store import Store, from_json
+from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
 
 from simworkers import SimWorker, cluster_spec_text, honest_hash, start_workers, stop_workers, uniform_cells
@@ -50,7 +49,7 @@ def commits(data_dir: Path) -> list[tuple[str, int, str]]:
 def all_rounds(data_dir: Path) -> list[RoundRecord]:
     store = Store.open_readonly(data_dir)
     try:
-        return [from_json(RoundRecord, json.loads(row[4])) for row in store.dump()["rounds"]]
+        return store.round_records()
     finally:
         store.close()
 
@@ -58,10 +57,9 @@ def all_rounds(data_dir: Path) -> list[RoundRecord]:
 def all_commits(data_dir: Path) -> list[CommitRecord]:
     store = Store.open_readonly(data_dir)
     try:
-        recs = [from_json(CommitRecord, json.loads(row[3])) for row in store.dump()["commits"]]
+        return store.commit_records()
     finally:
         store.close()
-    return sorted(recs, key=lambda c: (c.cell_id, c.round))
 
 
 def assert_commit_history_sane(rows: list[tuple[str, int, str]]) -> None:

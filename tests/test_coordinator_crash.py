@@ -24,10 +24,11 @@ from daemonproc import DaemonProcess, free_port
 from simworkers import cluster_spec_text, start_workers, stop_workers
 
 
-def read_commits(data_dir: Path) -> list[tuple[str, int, str]]:
+def read_commits(data_dir: Path) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, int, str]]]:
+    """(current-lineage commits, full commit history incl. any rolled-back lineage)."""
     store = Store.open_readonly(data_dir)
     try:
-        return store.commits()
+        return store.commits(), store.commit_history()
     finally:
         store.close()
 
@@ -78,7 +79,7 @@ async def test_sigkill_mid_round_loses_no_commit_and_rounds_continue(tmp_path: P
         told = {(c, r) for w in workers for c, r, v in list(w.stats.verdicts) if v == pb.VERDICT_COMMITTED}
         first.kill9()
         in_flight = {(c.cell_id, c.round) for c in st.cells if c.round_state in ("training", "reducing")}
-        before = read_commits(data)
+        before, history_before = read_commits(data)
         committed_before = {(c, r) for c, r, _h in before}
         assert told <= committed_before, f"acknowledged commits missing after the crash: {told - committed_before}"
         per_cell_before = {}
@@ -106,9 +107,12 @@ async def test_sigkill_mid_round_loses_no_commit_and_rounds_continue(tmp_path: P
         first.close()
         if second is not None:
             second.close()
-    after = read_commits(data)
+    after, history_after = read_commits(data)
     # nothing lost: every commit from before the crash is still there, with the same hash
+    # (and no rollback happened: the workers kept their state through the outage)
     assert set(before) <= set(after)
+    assert set(history_before) <= set(history_after)
+    assert {e for _c, e, _r, _h in history_after} == {0}
     # nothing counted twice: one row per (cell, round), rounds consecutive per cell
     keys = [(c, r) for c, r, _h in after]
     assert len(keys) == len(set(keys))

@@ -113,9 +113,27 @@ def test_commit_is_recorded_once(tmp_path) -> None:
     # the primary key itself refuses a second row even without the helper
     with pytest.raises(sqlite3.IntegrityError):
         store._conn.execute(
-            "INSERT INTO commits (cell_id, round, state_hash, record, committed_unix_ms) VALUES ('k0.r0', 4, ?, '{}', 0)",
+            "INSERT INTO commits (cell_id, epoch, round, state_hash, record, committed_unix_ms)"
+            " VALUES ('k0.r0', 0, 4, ?, '{}', 0)",
             (H2,),
         )
+
+
+def test_rollback_starts_a_new_epoch_of_commits(tmp_path) -> None:
+    """An orphaned cell falls back to its checkpoint (design section 6) and re-commits the
+    rounds after it: a new lineage, not a second commit of the same one."""
+    store = Store.open(tmp_path)
+    store.write([CellRecord("k0.r0", 1, H1), commit(1)], now_ms=1)
+    store.write([CellRecord("k0.r0", 2, H1), commit(2)], now_ms=2)
+    store.write([CellRecord("k0.r0", 0, "", rollbacks=1)], now_ms=3)  # orphaned: back to round 0
+    assert store.commits() == []  # the current lineage has no commit yet
+    store.write([CellRecord("k0.r0", 1, H2, rollbacks=1), commit(1, H2)], now_ms=4)
+    assert store.commits() == [("k0.r0", 1, H2)]
+    assert store.commit_history() == [("k0.r0", 0, 1, H1), ("k0.r0", 0, 2, H1), ("k0.r0", 1, 1, H2)]
+    assert [(c.round, c.state_hash) for c in store.load().commits] == [(1, H2)]
+    # within the new epoch, the same round with another hash is still refused
+    with pytest.raises(StoreError, match="another hash"):
+        store.write([commit(1, H1)], now_ms=5)
 
 
 def test_spec_binding_refuses_another_spec(tmp_path) -> None:
