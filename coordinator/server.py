@@ -307,7 +307,9 @@ class CoordinatorCore:
                 for rec in outcome.effects:
                     if isinstance(rec, d.CellRecord):
                         self._cell_writes[rec.cell_id] = fut
-                await fut
+                # shielded: a client that gives up cancels its handler, never the write
+                # (or the other handlers waiting for it)
+                await asyncio.shield(fut)
             elif isinstance(event, d.Heartbeat):
                 ins = outcome.instruction
                 pending = self._cell_writes.get(ins.cell_id) if ins is not None and ins.cell_id else None

@@ -220,3 +220,20 @@ async def test_async_writer_failure_fails_the_batch(tmp_path) -> None:
     assert [r for _c, r, _h in store.commits()] == [4, 5]
     await writer.close()
     store.close()
+
+
+async def test_cancelled_waiter_does_not_cancel_the_write(tmp_path) -> None:
+    store = Store.open(tmp_path)
+    writer = AsyncWriter(store)
+    gate = __import__("threading").Event()
+    blocker = asyncio.ensure_future(writer.run(gate.wait))
+    fut = writer.submit([CellRecord("k0.r0", 7, H1)], now_ms=1)
+    waiter = asyncio.ensure_future(asyncio.shield(fut))
+    await asyncio.sleep(0.01)
+    waiter.cancel()  # as a handler whose client hung up
+    gate.set()
+    await blocker
+    await writer.barrier()
+    assert not fut.cancelled() and store.load().cells[0].committed_round == 7
+    await writer.close()
+    store.close()
