@@ -96,7 +96,7 @@ class Exchange:
     def __init__(self, key: tuple, members: tuple[str, ...], dur_ms: int, h: str, nbytes: int) -> None:
         self.key = key
         self.members = members
-        self.joined: list[W] = []
+        self.joined: dict[W, None] = {}  # insertion-ordered set: O(1) leave
         self.broken = False
         self.dur_ms = dur_ms
         self.done_at = -1
@@ -185,8 +185,8 @@ class WorkerBehaviour:
             ex = w.ex
             if ex is not None and (ex.done_at < 0 or ex.done_at > self.now):
                 ex.broken = True
-        if w.ex is not None and w.ex.done_at < 0 and w in w.ex.joined:
-            w.ex.joined.remove(w)
+        if w.ex is not None and w.ex.done_at < 0:
+            w.ex.joined.pop(w, None)
         w.ex = None
         w.lock = None
         w.job += 1
@@ -324,8 +324,8 @@ class WorkerBehaviour:
                 ex.broken = True
             self.push(self.now + max(2 * ex.dur_ms, EXCHANGE_TIMEOUT_MS), XTIMEOUT, -1, len(self.ex_list))
             self.ex_list.append(ex)
-        if w.ex is not None and w.ex is not ex and w in w.ex.joined and w.ex.done_at < 0:
-            w.ex.joined.remove(w)
+        if w.ex is not None and w.ex is not ex and w.ex.done_at < 0:
+            w.ex.joined.pop(w, None)
         w.ex = ex
         w.rkey = rkey
         w.report = None
@@ -333,7 +333,7 @@ class WorkerBehaviour:
         if w.act == TRAIN:  # cannot happen for a contributor, but never lose its training time
             self._set_act(w, READY)
         self._set_act(w, REDUCE)
-        ex.joined.append(w)
+        ex.joined[w] = None
         if ex.done_at < 0 and len(ex.joined) == len(ex.members):
             ex.done_at = self.now + ex.dur_ms
             for m in ex.joined:

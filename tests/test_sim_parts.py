@@ -165,7 +165,7 @@ def test_shipped_scenarios_parse():
         sc = load_scenario(SCENARIOS / f"{want}.toml")
         assert sc.scenario.name == want
         assert set(sc.scenario.policies) == {"sync_dp", "diloco_wait_all", "bagel"}
-        assert len(sc.run_spec().cell_ids) == 33
+        assert len(sc.run_spec().cell_ids) == 257
     assert load_scenario(SCENARIOS / "spot-storm.toml").faults[0].fraction == 0.3
     assert load_scenario(SCENARIOS / "partition.toml").faults[0].kind is FaultKind.PARTITION
 
