@@ -297,6 +297,7 @@ def test_sigkilled_worker_round_commits_without_it_and_it_rejoins(swarm: Swarm):
 
     back = s.wait("c commits a round again", rejoined, timeout_s=90)
     assert back[0] <= at_restart + 2, f"c took part again only in round {back[0]}, restarted after {at_restart}"
+    s.wait(f"a, b and c all report round {back[0]}", lambda: back[0] in committed_by_all(s, names), timeout_s=30)
     assert_replicas_identical(s, ["a", "b", "c"], back[0])
     assert reg
 
@@ -319,15 +320,18 @@ def test_late_joiner_syncs_from_a_peer_and_contributes_next_round(swarm: Swarm):
     j = synced["round"]
     assert synced["source"].startswith("donor "), synced  # from a peer, not the checkpoint
     assert s.commits("a")[j]["hash"].startswith(synced["hash"])  # verified against the committed hash
-    nxt = s.wait(f"the joiner commits round {j + 1}", lambda: s.commits("late").get(j + 1), timeout_s=90)
+    # it takes part in the exchange of the next round (as a zero-weight catch-up contributor
+    # if it synced after that round started, else with its samples) and commits it
+    s.wait(f"the joiner commits round {j + 1}", lambda: s.commits("late").get(j + 1), timeout_s=90)
+    s.wait(f"all report round {j + 1}", lambda: j + 1 in committed_by_all(s, ["a", "b", "late"]), timeout_s=30)
     assert_replicas_identical(s, ["a", "b", "late"], j + 1)
-    # it contributes (trains and sends a weighted pseudo-gradient) at the latest one round later
+    # and then trains: a round it contributes samples to, bit-identical with the others
     weighted = s.wait(
         "the joiner contributes samples",
-        lambda: [r for r, c in s.commits("late").items() if c["samples"] > 0], timeout_s=90,
+        lambda: [r for r, c in s.commits("late").items() if c["samples"] > 0 and r in committed_by_all(s, ["a", "b", "late"])],
+        timeout_s=90,
     )
-    assert min(weighted) <= j + 2
-    assert nxt["hash"]
+    assert_replicas_identical(s, ["a", "b", "late"], weighted[0])
 
 
 # ---------------------------------------------------------------------------- must-show 5
