@@ -247,12 +247,17 @@ def targets(rows: list[dict]) -> dict:
         if ours and theirs and theirs["encode_gbps"]:
             out[f"int8_encode_speedup_vs_uniform8bit_{data}"] = ours["encode_gbps"] / theirs["encode_gbps"]
             out[f"int8_lower_error_than_uniform8bit_{data}"] = ours["rel_error"] < theirs["rel_error"]
+        if ours and theirs and theirs["encode_cpu_gbps"]:
+            out[f"int8_encode_cpu_speedup_vs_uniform8bit_{data}"] = ours["encode_cpu_gbps"] / theirs["encode_cpu_gbps"]
         if ours:
             e, d = ours["encode_gbps"], ours["decode_gbps"]
             out[f"int8_encode_plus_decode_gbps_{data}"] = 1.0 / (1.0 / e + 1.0 / d)
+            e, d = ours["encode_cpu_gbps"], ours["decode_cpu_gbps"]
+            out[f"int8_encode_plus_decode_cpu_gbps_{data}"] = 1.0 / (1.0 / e + 1.0 / d)
         int4 = get("int4:block=128", "bagel", data)
         if int4:
             out[f"int4_bytes_per_value_{data}"] = int4["bytes_per_value"]
+    # Goals judged on wall-clock time (the measure); the *_cpu_* entries are context.
     speedups = [v for k, v in out.items() if k.startswith("int8_encode_speedup")]
     out["goal_int8_encode_4x_uniform8bit"] = bool(speedups) and min(speedups) >= 4.0
     out["goal_int8_lower_error"] = all(v for k, v in out.items() if k.startswith("int8_lower_error")) and bool(speedups)
