@@ -49,7 +49,7 @@ class W:
         "online", "gen", "job", "act", "since", "key", "rkey", "samples", "own_s", "dur_s",
         "job_due", "job_kind", "local", "prev_local", "poll", "renew_due", "renew_armed",
         "cut", "stopped", "banned", "ever", "sent", "recv", "ex", "lock", "sync_target",
-        "uploaded", "report", "lease_until", "epoch", "waited",
+        "uploaded", "report", "lease_until", "epoch", "waited", "h",
     )
 
     def __init__(self, i: int) -> None:
@@ -86,6 +86,7 @@ class W:
         self.lease_until = 0  # lease expiry the core last granted (heartbeat lease mode)
         self.epoch = 0  # bumps whenever the worker (re)gains contact: invalidates LEASE events
         self.waited: tuple | None = None  # (cell, committed round) of the WAIT it last got
+        self.h = 0  # inner steps of the round it trains
 
 
 class Exchange:
@@ -282,6 +283,7 @@ class WorkerBehaviour:
         # the member trains from the committed state the instruction names
         w.local = d.LocalState(cell, ins.committed_round, ins.committed_hash)
         w.key = key
+        w.h = plan.inner_steps
         w.samples = samples
         w.own_s = own
         w.dur_s = dur

@@ -28,12 +28,29 @@ The heartbeat approximation (what makes 10,000 workers x 24 h affordable):
     worker would have learned it). The engine reads the change off `Outcome.effects`
     (round records whose state, attempt or contributor set changed; worker records that
     changed cell or status);
-  * a heartbeat that only renews the lease is sent when the lease would otherwise come
-    within one heartbeat period of expiring (a lazily re-armed timer per worker).
+  * leases (`engine.lease_mode`):
+    - "declared" (default): live workers send no lease-only heartbeats. When a worker
+      dies, is cut off or stopped, the engine sends `LeaseExpired` at exactly the moment
+      the daemon's lease would run out: its last periodic heartbeat before the loss plus
+      `schedule.lease_s`. Because the core's own lease timer would otherwise expire the
+      silent-but-alive workers, the core is built with `schedule.lease_s` = 10^7 s in this
+      mode; the one other place the core reads lease_s, the reduce deadline's grace, is
+      therefore unbounded (stuck exchanges still end: failed reports make the quorum
+      impossible, and lost contributors are declared). See the final report's request
+      for a core knob that removes this difference.
+    - "heartbeat": a heartbeat that only renews the lease is sent when the lease would
+      otherwise come within one heartbeat period of expiring (a lazily re-armed timer per
+      worker); the core's own timer expires the dead. Faithful on the wire, but one event
+      per live worker per (lease_s - heartbeat_s): affordable only with coarse leases.
   Phases the core does not act on (SYNCING, TRAINING, REDUCING) ride on those
-  heartbeats instead of being sent on their own.
-- The core's time-driven transitions (lease expiry, round and reduce deadlines) run on
-  `Tick` events at `CoordinatorState.next_wakeup_ms()`, plus a coarse periodic tick.
+  heartbeats instead of being sent on their own, so a round is OPEN until its first
+  READY (cosmetic: the core only distinguishes OPEN from TRAINING for status).
+- The core's time-driven transitions run on `Tick` events at the round and reduce
+  deadlines the engine reads off round records, at the lease expiries of silent
+  workers (heartbeat mode), and on a coarse periodic tick (`engine.tick_s`).
+- All contributors of an exchange finish it at the same instant (the all-gather ends
+  for everyone together), so their reports arrive in one burst, in the order they
+  joined.
 """
 
 from __future__ import annotations
@@ -335,7 +352,10 @@ class Engine(WorkerBehaviour):
         if a == READY and key is not None:
             ev = d.Heartbeat(w.wid, d.Phase.READY, key[0], key[1], samples=w.samples, local=w.local, round_attempt=key[2])
         elif a in (TRAIN, STALL) and key is not None:
-            ev = d.Heartbeat(w.wid, d.Phase.TRAINING, key[0], key[1], local=w.local, round_attempt=key[2])
+            # progress so far, as the real worker reports it (the core estimates a late
+            # member's speed from it)
+            done = w.h if a == STALL else min(w.h, int(w.h * (self.now - w.since) / (w.dur_s * 1000.0 + 1e-9)))
+            ev = d.Heartbeat(w.wid, d.Phase.TRAINING, key[0], key[1], inner_step=done, local=w.local, round_attempt=key[2])
         elif a in (REDUCE, WAITV) and w.rkey is not None:
             r = w.rkey
             ev = d.Heartbeat(w.wid, d.Phase.REDUCING, r[0], r[1], local=w.local, reduce_attempt=r[2])
@@ -367,35 +387,36 @@ class Engine(WorkerBehaviour):
         return w.local.cell_id
 
     def _on_round_record(self, r: d.RoundRecord, caller: str) -> None:
+        """A round record changed: arm its deadline, settle the ledger, and make everyone
+        whose instruction changed hear it at their next heartbeat."""
         sig = (r.round, r.attempt, r.state, r.reduce_attempt)
-        if self.seen_round.get(r.cell_id) == sig:
+        prev = self.seen_round.get(r.cell_id)
+        if prev == sig:
             return
         self.seen_round[r.cell_id] = sig
+        st = r.state
         key = (r.cell_id, r.round, r.attempt)
-        if r.state is d.RoundState.REDUCING:
+        if st is d.RoundState.TRAINING and prev is not None and prev[:2] == sig[:2]:
+            return  # OPEN -> TRAINING: every member's order is still TRAIN
+        if st is d.RoundState.REDUCING:
             self._tick_at(r.reduce_deadline_ms - T0_MS)
-        elif not r.state.terminal:
-            self._tick_at(r.deadline_ms - T0_MS)
-        if r.state is d.RoundState.ABORTED:
-            self.ledger.aborts += 1
-            self.ledger.abort_reasons[_reason_kind(r.reason)] += 1
-            self.ledger.resolve_abort(key)
-            self.locksteps.pop(key, None)
-        elif r.state is d.RoundState.OPEN:
-            self.member_ids[key] = tuple(m.worker_id for m in r.members)
-        if r.state is d.RoundState.OPEN:
-            who = tuple(m.worker_id for m in r.members)
-        elif r.state is d.RoundState.REDUCING:
             who = self.member_ids.get(key, ()) + r.contributors  # catch-up contributors too
-        else:
-            who = self.member_ids.get(key, ()) + r.contributors
+        elif st.terminal:
+            who = self.member_ids.pop(key, ()) + r.contributors
+            if st is d.RoundState.ABORTED:
+                self.ledger.aborts += 1
+                self.ledger.abort_reasons[_reason_kind(r.reason)] += 1
+                self.ledger.resolve_abort(key)
+                self.locksteps.pop(key, None)
+        else:  # a new attempt opened
+            self._tick_at(r.deadline_ms - T0_MS)
+            who = self.member_ids[key] = tuple(m.worker_id for m in r.members)
+        by = self.by_id
         for wid in who:
             if wid != caller:
-                w = self.by_id.get(wid)
+                w = by.get(wid)
                 if w is not None and w.online:
                     self._poll_later(w)
-        if r.state.terminal:
-            self.member_ids.pop(key, None)
 
     def _on_commit(self, c: d.CommitRecord) -> None:
         led = self.ledger
@@ -490,10 +511,10 @@ def sync_steps_per_round(scenario: Scenario, spec: RunSpec, pop: popmod.Populati
 
     A step of a group is its slowest member's compute on an equal share of
     `diloco.group_batch` plus one fp32 all-reduce of the expert. The fastest plausible
-    step is the minimum over 32 groups of the size a cell gets at t=0 drawn from the
-    population, and over the fastest worker alone (small populations leave cells with
-    one member, which exchanges nothing). K = ceil(min round / that step), at least 1: at
-    10,000 volunteers every group has a home uplink, a step takes an hour, and K = 1.
+    step is the minimum over 32 groups of the size a cell gets at t=0, drawn from the
+    population (a group of one exchanges nothing). K = ceil(min round / that step), at
+    least 1: at 10,000 volunteers every group has a home uplink, a step takes an hour,
+    and K = 1.
     """
     work = scenario.workload
     n = len(pop)
@@ -502,7 +523,7 @@ def sync_steps_per_round(scenario: Scenario, spec: RunSpec, pop: popmod.Populati
     nbytes = cm.encoded_nbytes("fp32", int(work.expert_params))
     rates = pop.tflops * 1e12 * work.mfu / cm.cell_flops_per_sample(work, spec.expert_cells[0])
     gb = spec.diloco.group_batch
-    fastest = gb / float(rates.max())
+    fastest = math.inf
     for _ in range(32):
         idx = rng.choice(n, size=g, replace=False)
         compute = (gb / g) / float(rates[idx].min())
