@@ -94,7 +94,10 @@ async def _run_agent(agent) -> int:  # noqa: ANN001
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+        try:
+            faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+        except (ValueError, OSError, AttributeError):  # stderr is not a real file (embedded, tests)
+            pass
     logging.basicConfig(level=os.environ.get("BAGEL_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from bagel.protocol.joinstring import JoinStringError
     from bagel.worker import ddp
