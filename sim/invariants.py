@@ -9,13 +9,21 @@ fail is worthless.
 
 Invariants (the names are the keys of the chaos `summary.json`):
 
-- `no_committed_round_lost`: a (cell, round) committed in an earlier read of the commit
-  log is present, with the same hash, in every later read (e.g. after a SIGKILL and
-  restart of the coordinator); and every commit acknowledged to a worker
+- `no_committed_round_lost`: a (cell, epoch, round) committed in an earlier read of the
+  commit log is present, with the same hash, in every later read (e.g. after a SIGKILL
+  and restart of the coordinator); and every commit acknowledged to a worker
   (VERDICT_COMMITTED) is in the final log with that hash.
-- `no_round_applied_twice`: within every read of the log, each (cell, round) appears at
-  most once and a cell's rounds are exactly 1..n with no gap (a gap means a round number
-  was skipped or its record lost, a repeat means it was applied twice).
+  Epochs: an orphaned cell falls back to its last checkpoint by design (design section
+  6) and re-commits the rounds after it in the next epoch (`CellRecord.rollbacks`; the
+  store keys commits by (cell, epoch, round) and reads back the current epoch). A later
+  read whose cell is in a newer epoch starting at round b + 1 drops the older epoch's
+  rounds above b: those are rolled back, which is allowed for at most
+  `max_rollback_rounds` rounds per rollback (the checkpoint interval; default 0: any
+  rollback is a lost commit). Without epochs (all 0) a rollback shows as lost rounds.
+- `no_round_applied_twice`: within every read of the log, each (cell, epoch, round)
+  appears at most once and a cell's rounds in an epoch are contiguous, from 1 in epoch
+  0 (a gap means a round number was skipped or its record lost, a repeat means it was
+  applied twice).
 - `replicas_bit_identical`: every hash an honest worker reported or held for a committed
   (cell, round) equals the committed hash. Workers declared Byzantine are exempt, and
   their disagreements are listed in `notes`.
@@ -39,6 +47,7 @@ class CommitEntry:
     round: int
     state_hash: str
     committed_s: float = 0.0  # time of the commit, if known
+    epoch: int = 0  # the cell's lineage (CellRecord.rollbacks when it was committed)
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,7 @@ class History:
     end_s: float = 0.0
     progress_bound_s: float = 60.0
     byzantine_workers: frozenset[str] = frozenset()
+    max_rollback_rounds: int = 0  # rounds an orphan rollback may drop (checkpoint interval)
     started_pids: tuple[int, ...] = ()
     alive_pids_at_end: tuple[int, ...] = ()
     bound_ports: tuple[int, ...] = ()
@@ -110,68 +120,109 @@ def _result(name: str, violations: Iterable[str], notes: Iterable[str] = ()) -> 
     return InvariantResult(name, not v, v, tuple(notes))
 
 
-def _log_map(read: CommitLogRead) -> dict[tuple[str, int], str]:
-    return {(c.cell_id, c.round): c.state_hash for c in read.commits}
+Key = tuple[str, int, int]  # (cell, epoch, round)
+
+
+def _log_map(read: CommitLogRead) -> dict[Key, str]:
+    return {(c.cell_id, c.epoch, c.round): c.state_hash for c in read.commits}
+
+
+def _epoch_bases(read: CommitLogRead) -> dict[tuple[str, int], int]:
+    """(cell, epoch) -> the last round before the epoch's first (its rollback point)."""
+    first: dict[tuple[str, int], int] = {}
+    for c in read.commits:
+        k = (c.cell_id, c.epoch)
+        first[k] = min(first.get(k, c.round), c.round)
+    return {k: r - 1 for k, r in first.items()}
 
 
 def check_no_committed_round_lost(h: History) -> InvariantResult:
     out: list[str] = []
+    notes: list[str] = []
     logs = sorted(h.commit_logs, key=lambda r: r.t_s)
     for i, earlier in enumerate(logs):
         before = _log_map(earlier)
         for later in logs[i + 1 :]:
             after = _log_map(later)
+            newest: dict[str, int] = {}
+            for cell, ep, _r in after:
+                newest[cell] = max(newest.get(cell, ep), ep)
+            bases = _epoch_bases(later)
+            rolled: dict[tuple[str, int], list[int]] = {}
             for key, hsh in sorted(before.items()):
-                if key not in after:
-                    out.append(f"{key[0]} round {key[1]}: in the log at '{earlier.label}' but missing at '{later.label}'")
-                elif after[key] != hsh:
-                    out.append(
-                        f"{key[0]} round {key[1]}: hash {hsh[:12]} at '{earlier.label}' became "
-                        f"{after[key][:12]} at '{later.label}'"
-                    )
+                cell, ep, rnd = key
+                if key in after:
+                    if after[key] != hsh:
+                        out.append(
+                            f"{cell} round {rnd}: hash {hsh[:12]} at '{earlier.label}' became "
+                            f"{after[key][:12]} at '{later.label}'"
+                        )
+                    continue
+                cur = newest.get(cell, -1)
+                if cur > ep:
+                    base = bases[(cell, cur)]
+                    if rnd <= base:
+                        continue  # below the rollback point: kept in the older epoch's rows
+                    rolled.setdefault((cell, cur), []).append(rnd)
+                    continue
+                out.append(f"{cell} round {rnd}: in the log at '{earlier.label}' but missing at '{later.label}'")
+            for (cell, ep), rounds in sorted(rolled.items()):
+                msg = f"{cell}: rounds {rounds[0]}..{rounds[-1]} rolled back to the checkpoint (epoch {ep}) by '{later.label}'"
+                if len(rounds) > h.max_rollback_rounds:
+                    out.append(f"{msg}: {len(rounds)} > {h.max_rollback_rounds} allowed")
+                else:
+                    notes.append(msg)
     final = _log_map(logs[-1]) if logs else {}
+    by_round: dict[tuple[str, int], set[str]] = {}
+    for (cell, _ep, rnd), hsh in final.items():
+        by_round.setdefault((cell, rnd), set()).add(hsh)
     for ack in h.acknowledged:
-        key = (ack.cell_id, ack.round)
-        if key not in final:
-            out.append(f"{key[0]} round {key[1]}: acknowledged as committed but not in the final log")
-        elif final[key] != ack.state_hash:
-            out.append(f"{key[0]} round {key[1]}: acknowledged with hash {ack.state_hash[:12]}, final log has {final[key][:12]}")
-    return _result("no_committed_round_lost", dict.fromkeys(out))
+        key = (ack.cell_id, ack.epoch, ack.round)
+        if key in final:
+            if final[key] != ack.state_hash:
+                out.append(f"{ack.cell_id} round {ack.round}: acknowledged with hash {ack.state_hash[:12]}, final log has {final[key][:12]}")
+        elif ack.state_hash not in by_round.get((ack.cell_id, ack.round), set()):
+            out.append(f"{ack.cell_id} round {ack.round}: acknowledged as committed but not in the final log")
+    return _result("no_committed_round_lost", dict.fromkeys(out), dict.fromkeys(notes))
 
 
 def check_no_round_applied_twice(h: History) -> InvariantResult:
     out: list[str] = []
     for read in h.commit_logs:
-        by_cell: dict[str, list[int]] = defaultdict(list)
+        by_lineage: dict[tuple[str, int], list[int]] = defaultdict(list)
         for c in read.commits:
-            by_cell[c.cell_id].append(c.round)
-        for cell, rounds in sorted(by_cell.items()):
+            by_lineage[(c.cell_id, c.epoch)].append(c.round)
+        for (cell, ep), rounds in sorted(by_lineage.items()):
             seen: set[int] = set()
             for r in rounds:
                 if r in seen:
                     out.append(f"{cell} round {r}: appears twice in the log at '{read.label}'")
                 seen.add(r)
-            expected = set(range(1, max(seen) + 1)) if seen else set()
-            missing = sorted(expected - seen)
-            if missing:
-                out.append(f"{cell}: rounds {missing} missing below round {max(seen)} in the log at '{read.label}'")
             bad = sorted(r for r in seen if r < 1)
             if bad:
                 out.append(f"{cell}: invalid round numbers {bad} in the log at '{read.label}'")
+                continue
+            lo = 1 if ep == 0 else min(seen)
+            missing = sorted(set(range(lo, max(seen) + 1)) - seen)
+            if missing:
+                out.append(f"{cell}: rounds {missing} missing below round {max(seen)} in the log at '{read.label}'")
     return _result("no_round_applied_twice", out)
 
 
 def check_replicas_bit_identical(h: History) -> InvariantResult:
     out: list[str] = []
     notes: list[str] = []
-    final = _log_map(max(h.commit_logs, key=lambda r: r.t_s)) if h.commit_logs else {}
+    final = max(h.commit_logs, key=lambda r: r.t_s) if h.commit_logs else CommitLogRead(0.0, "", ())
+    committed: dict[tuple[str, int], set[str]] = defaultdict(set)
+    for c in final.commits:
+        committed[(c.cell_id, c.round)].add(c.state_hash)
     for ob in h.hashes:
-        want = final.get((ob.cell_id, ob.round))
-        if want is None or ob.state_hash == want:
+        want = committed.get((ob.cell_id, ob.round))
+        if not want or ob.state_hash in want:
             continue
         msg = (
             f"{ob.cell_id} round {ob.round}: {ob.worker_id} {ob.source} hash {ob.state_hash[:12]} "
-            f"!= committed {want[:12]} (t={ob.t_s:.1f}s)"
+            f"!= committed {sorted(want)[0][:12]} (t={ob.t_s:.1f}s)"
         )
         (notes if ob.worker_id in h.byzantine_workers else out).append(msg)
     return _result("replicas_bit_identical", out, notes)

@@ -149,3 +149,30 @@ def test_every_invariant_has_a_failing_history(name):
         "no_port_leaked": replace(h, listening_ports_at_end=(40001,)),
     }[name]
     assert name in failing(doctored)
+
+
+def _rollback_history(max_rollback: int) -> History:
+    """k0.r0 commits 1..4 in epoch 0, is orphaned, falls back to its round-2 checkpoint and
+    re-commits 3..5 in epoch 1 (the store reads back the current epoch only)."""
+    h = clean()
+    before = CommitLogRead(30.0, "before orphan", tuple(CommitEntry("k0.r0", r, _h("k0.r0", r), 5.0 * r) for r in range(1, 5)))
+    after = CommitLogRead(
+        60.0, "after rollback", tuple(CommitEntry("k0.r0", r, f"e1-{r}".ljust(64, "0"), 40.0 + r, epoch=1) for r in range(3, 6))
+    )
+    return replace(
+        h, commit_logs=(before, after), acknowledged=(), hashes=(), faults=(), max_rollback_rounds=max_rollback
+    )
+
+
+def test_rollback_within_the_checkpoint_interval_is_allowed_and_noted():
+    res = check_history(_rollback_history(max_rollback=2))
+    assert res["no_committed_round_lost"].ok and res["no_round_applied_twice"].ok
+    assert any("rounds 3..4 rolled back" in n for n in res["no_committed_round_lost"].notes)
+
+
+def test_rollback_beyond_the_bound_or_without_epochs_is_a_lost_commit():
+    assert failing(_rollback_history(max_rollback=1)) == {"no_committed_round_lost"}
+    h = _rollback_history(max_rollback=2)
+    # the same history read without epochs: rounds rewritten and rounds 1-2 missing
+    flat = tuple(replace(r, commits=tuple(replace(c, epoch=0) for c in r.commits)) for r in h.commit_logs)
+    assert failing(replace(h, commit_logs=flat)) == {"no_committed_round_lost", "no_round_applied_twice"}
