@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import time
 
 import hivemind
 import pytest
@@ -121,10 +122,13 @@ def test_other_slot_and_uninstall(restore_slot) -> None:
 
 PEERS = 3
 PART = 20_000  # values per averaged tensor; each tensor is one part, reduced by one peer
+DEADLINE_S = 150.0  # start, matchmaking and all-reduce of one group, on a busy 2-core machine
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dhts():
+    """Three fresh DHT nodes per test: a DHT reused across many averagers' start/shutdown
+    cycles was seen to stop serving new averagers on a loaded machine."""
     nodes: list[hivemind.DHT] = []
     try:
         nodes.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
@@ -155,23 +159,27 @@ def average_with_hivemind(dhts: list[hivemind.DHT], codec_name: str, seed: int =
     adapter = install(BagelCompression(codec_name, seed=seed))  # before the averagers fork
     inputs = peer_inputs(seed)
     averagers = []
+    deadline = time.monotonic() + DEADLINE_S  # every wait below is bounded by one deadline
     try:
         for tensors, dht in zip(inputs, dhts):
-            averagers.append(
-                hivemind.averaging.DecentralizedAverager(
-                    [t.clone() for t in tensors],
-                    dht=dht,
-                    prefix="bagel-codec-" + hashlib.sha256(codec_name.encode()).hexdigest()[:12],  # no '.'s
-                    target_group_size=PEERS,
-                    min_matchmaking_time=2.0,
-                    request_timeout=1.0,
-                    compression=adapter,
-                    part_size_bytes=2**30,  # one part per tensor: each tensor has one reducer
-                    start=True,
-                )
+            averager = hivemind.averaging.DecentralizedAverager(
+                [t.clone() for t in tensors],
+                dht=dht,
+                prefix="bagel-codec-" + hashlib.sha256(codec_name.encode()).hexdigest()[:12],  # no '.'s
+                target_group_size=PEERS,
+                min_group_size=PEERS,
+                min_matchmaking_time=2.0,
+                request_timeout=1.0,
+                allreduce_timeout=60.0,
+                next_chunk_timeout=30.0,
+                compression=adapter,
+                part_size_bytes=2**30,  # one part per tensor: each tensor has one reducer
+                start=False,
             )
+            averagers.append(averager)
+            averager.run_in_background(await_ready=True, timeout=max(1.0, deadline - time.monotonic()))
         futures = [a.step(wait=False, timeout=60) for a in averagers]
-        groups = [f.result(timeout=90) for f in futures]
+        groups = [f.result(timeout=max(1.0, deadline - time.monotonic())) for f in futures]
         assert all(g is not None and len(g) == PEERS for g in groups), "the three peers did not form one group"
         results = []
         for a in averagers:
@@ -180,7 +188,8 @@ def average_with_hivemind(dhts: list[hivemind.DHT], codec_name: str, seed: int =
         return inputs, results
     finally:
         for a in averagers:
-            a.shutdown()
+            if a.is_alive():
+                a.shutdown()
 
 
 def spread_between_peers(results: list[list[torch.Tensor]]) -> float:
@@ -193,7 +202,7 @@ def spread_between_peers(results: list[list[torch.Tensor]]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "codec_name", ["fp32", "fp16", "bf16", "int8", "int4", "int8:stochastic", "int4:block=32:stochastic", "topk:0.1"]
 )
