@@ -26,8 +26,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# 10 workers, not 4: the example grid has 5 cells (2x2 experts + router), and a cell needs
+# two members before anything is averaged; with 4 workers one cell never trains.
+DEMO_WORKERS ?= 10
+DEMO_DURATION_S ?= 300
+
 demo: setup
-	$(PY) -m bagel.worker.demo --run examples/digits-2x2.toml --out demo-out
+	$(PY) -m bagel.worker.demo --run examples/digits-2x2.toml --out demo-out \
+		--workers $(DEMO_WORKERS) --duration-s $(DEMO_DURATION_S)
 
 proto: setup
 	$(PY) -m bagel.protocol.gen
