@@ -241,7 +241,7 @@ async def _generate(
         start = time.perf_counter()
         try:
             resp = await stubs[i % CHANNELS].Heartbeat(
-                sign_request(s.identity, req, run_id="loadrun", method="Heartbeat"), timeout=30
+                sign_request(s.identity, req, run_id="loadrun", method="Heartbeat"), timeout=10
             )
         except grpc.aio.AioRpcError as e:
             key = f"Heartbeat:{e.code().name}"
@@ -273,7 +273,7 @@ async def _generate(
             measured_start = time.perf_counter()
             cpu0, own0 = _cpu_s(server_pid), time.process_time()
             errors.clear()
-        while heap and heap[0][0] <= now:
+        while heap and heap[0][0] <= now and now < end:
             due, i = heapq.heappop(heap)
             # closed loop beyond max_inflight: an overloaded coordinator shows up as a lower
             # rate and a generator lag, not as an unbounded queue of doomed requests
