@@ -21,7 +21,8 @@ cannot know about:
   all-reduces (`comm_rounds = K`; the core is told payload_bytes = K x the fp32 gradient,
   so its reduce deadline covers them). A member that dies mid-round stalls the lock-step
   collective, exactly as NCCL/gloo do, until the core's round timeout aborts the round.
-  K comes from the scenario (`engine.sync_dp_steps_per_round`, 0 = automatic: see
+  K comes from the scenario (`engine.sync_dp_steps_per_round`, 0 = automatic: a typical
+  cell's round lasts `engine.sync_dp_min_round_s`, see
   `engine.sync_steps_per_round`). What this folding does
   not model: a failure between two steps of the same block loses the block's earlier
   steps too (in a real job only the current step is lost, if it checkpoints every step).

@@ -179,3 +179,20 @@ def test_policy_registry():
     k = policies.get("sync_dp").resolved(7)
     assert k.core.inner_steps == 7 and k.lockstep
     assert policies.get("bagel").resolved(7) is policies.get("bagel")
+
+
+def test_sync_dp_folds_steps_only_where_steps_are_short():
+    from dataclasses import replace
+
+    from bagel.sim.engine import sync_steps_per_round
+
+    sc = load_scenario(SCENARIOS / "heterogeneity-10x.toml")
+    spec = sc.run_spec()
+    home = sample_population(sc.population, 10_000, np.random.default_rng(0))
+    # groups of ~27 always include a 10-100 Mbit/s uplink: one fp32 all-reduce of a 675M
+    # model takes about an hour, so every core round is a single synchronous step
+    assert sync_steps_per_round(sc, spec, home, np.random.default_rng(1)) == 1
+    dc = replace(sc.population, gpu_mix=(("a100-80gb", 1.0),))
+    fast = sample_population(dc, 10_000, np.random.default_rng(0))
+    k = sync_steps_per_round(sc, spec, fast, np.random.default_rng(1))
+    assert k > 1  # datacenter links: many steps per five-minute round
