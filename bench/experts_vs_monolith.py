@@ -33,7 +33,7 @@ from bagel.models import evaluate as ev
 from bagel.models.data import derive_seed, load_dataset
 
 BUCKETS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
-ROUTING_RULES = ("top1", "sample", "mixture")
+ROUTING_RULES = compose.ROUTING_RULES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

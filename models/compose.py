@@ -15,7 +15,13 @@ the full mixture sum_k p(k | x_t, t) v_k(x_t, t), which is the exact velocity of
 distribution that is a mixture of the clusters (K expert passes per step). Near t = 1 the
 router is uncertain, and a deterministic top-1 sends every sample of a class to the same
 cluster, dropping the other clusters' modes of that class; bench/experts_vs_monolith.py
-compares the three rules.
+compares the rules.
+
+"prior" needs no router: each trajectory draws its cluster once, k ~ p(k | y) (or p(k)
+when unconditional) from the cluster manifest, and follows that cluster's experts from t = 1
+to t = 0, switching only the timestep range. That is ancestral sampling of the mixture
+p(x | y) = sum_k p(k | y) p(x | k, y), exact when each expert has learned its cluster; it
+avoids routing mistakes at high noise, where the router can barely see the image.
 
 For class-conditional sampling the routing score also folds in the cluster's class
 histogram by Bayes' rule, log p(k | x_t, t) + log p(y | k), assuming y is independent of x_t
@@ -43,7 +49,8 @@ if TYPE_CHECKING:
     from bagel.coordinator.spec import RunSpec
 
 Prediction = Literal["v", "eps", "x0"]
-Routing = Literal["top1", "sample", "mixture"]
+Routing = Literal["top1", "sample", "mixture", "prior"]
+ROUTING_RULES: tuple[str, ...] = ("top1", "sample", "mixture", "prior")
 Cell = tuple[int, int]
 
 
@@ -62,7 +69,7 @@ class ComposedModel:
     prediction: Mapping[Cell, Prediction] = field(default_factory=dict)
     null_label: int | None = None  # label meaning "unconditional" for CFG
     routing: Routing = "top1"
-    generator: torch.Generator | None = None  # required by routing="sample"
+    generator: torch.Generator | None = None  # required by routing="sample" and "prior"
     # set to a list to record (t, chosen cells [B, 2]) at every call, for inspection/tests.
     trace: list[tuple[float, torch.Tensor]] | None = None
 
@@ -75,17 +82,19 @@ class ComposedModel:
         for cell, kind in self.prediction.items():
             if kind not in ("v", "eps", "x0"):
                 raise ValueError(f"cell {cell}: unknown prediction type {kind!r}")
-        if self.routing not in ("top1", "sample", "mixture"):
-            raise ValueError(f"unknown routing rule {self.routing!r}; known: top1, sample, mixture")
-        if self.routing == "sample" and self.generator is None:
-            raise ValueError('routing="sample" needs a torch.Generator')
+        if self.routing not in ROUTING_RULES:
+            raise ValueError(f"unknown routing rule {self.routing!r}; known: {', '.join(ROUTING_RULES)}")
+        if self.routing in ("sample", "prior") and self.generator is None:
+            raise ValueError(f'routing="{self.routing}" needs a torch.Generator')
 
     # --- routing --------------------------------------------------------------------------
 
-    def route_scores(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+    def route_scores(
+        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None, use_router: bool = True
+    ) -> torch.Tensor:
         """[B, clusters] log-scores: router log-probs (or the prior), plus log p(y | k)."""
         b = x.shape[0]
-        if self.router is not None:
+        if self.router is not None and use_router:
             scores = torch.log_softmax(self.router(x, t).float(), dim=1)
         elif self.cluster_prior is not None:
             scores = self.cluster_prior.float().clamp_min(1e-12).log().expand(b, -1).to(x.device)
@@ -123,18 +132,32 @@ class ComposedModel:
         near = self._nearest_range(k, t)
         return None if near is None else (k, near)
 
-    def choose(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+    def draw_clusters(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        """[B] clusters drawn from p(k | y) (the manifest's prior, no router), over clusters
+        that have a cell: the once-per-trajectory choice of routing="prior"."""
+        assert self.generator is not None
+        t = torch.ones(x.shape[0], device=x.device)
+        masked = self._available_scores(self.route_scores(x, t, y, use_router=False))
+        return torch.multinomial(torch.softmax(masked.double().cpu(), dim=1), 1, generator=self.generator).flatten()
+
+    def choose(
+        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None, clusters: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[B, 2] (cluster, range) of the cell that answers each sample, with the fallbacks.
 
-        top1 and mixture report the top-1 cell; sample reports the drawn one."""
-        scores = self.route_scores(x, t, y)
+        top1 and mixture report the top-1 cell; sample reports the drawn one; prior uses
+        `clusters` (drawn once per trajectory by `sample`), or draws them if not given."""
+        if self.routing == "prior":
+            scores = self.route_scores(x, t, y, use_router=False)
+            top = clusters.cpu() if clusters is not None else self.draw_clusters(x, y)
+        else:
+            scores = self.route_scores(x, t, y)
+            top = scores.argmax(dim=1).cpu()
         masked = self._available_scores(scores)
         if self.routing == "sample":
             assert self.generator is not None
             probs = torch.softmax(masked.double().cpu(), dim=1)
             top = torch.multinomial(probs, 1, generator=self.generator).flatten()
-        else:
-            top = scores.argmax(dim=1).cpu()
         top_avail = masked.argmax(dim=1).cpu()
         out = torch.empty(x.shape[0], 2, dtype=torch.long)
         for i in range(x.shape[0]):
@@ -171,13 +194,20 @@ class ComposedModel:
 
     @torch.no_grad()
     def velocity(
-        self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None, guidance: float = 1.0
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        y: torch.Tensor | None = None,
+        guidance: float = 1.0,
+        clusters: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """v(x_t, t, y): each sample answered by its routed cell (t may differ per sample)."""
+        """v(x_t, t, y): each sample answered by its routed cell (t may differ per sample).
+
+        `clusters` fixes each sample's cluster for routing="prior" (see `sample`)."""
         t = t.reshape(x.shape[0]).to(x.device)
         if self.routing == "mixture":
             return self._mixture_velocity(x, t, y, guidance)
-        chosen = self.choose(x, t, y)
+        chosen = self.choose(x, t, y, clusters)
         if self.trace is not None:
             self.trace.append((float(t[0]), chosen.clone()))
         v = torch.empty_like(x)
@@ -226,9 +256,13 @@ def sample(
     guidance: float = 1.0,
     shift: float = 1.0,
 ) -> torch.Tensor:
-    """Integrate the composed field from noise (t = 1) to data (t = 0)."""
+    """Integrate the composed field from noise (t = 1) to data (t = 0).
+
+    With routing="prior" each sample's cluster is drawn once here and kept to the end."""
+    clusters = composed.draw_clusters(noise, y) if composed.routing == "prior" else None
+
     def field_fn(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return composed.velocity(x, t, y, guidance)
+        return composed.velocity(x, t, y, guidance, clusters)
 
     if method == "euler":
         return flow.euler_sample(field_fn, noise, steps, shift)

@@ -199,3 +199,22 @@ def test_sampled_routing_follows_the_router_distribution_and_the_generator():
         compose.ComposedModel(grid(2, 1), [(0.0, 1.0)], 2, routing="sample")
     with pytest.raises(ValueError):
         compose.ComposedModel(grid(2, 1), [(0.0, 1.0)], 2, routing="top2")
+
+
+def test_prior_routing_draws_each_trajectorys_cluster_once_from_p_k_given_y():
+    table = torch.tensor([[0.8, 0.2], [0.2, 0.8]])  # p(y | k)
+    trace: list = []
+    cm = compose.ComposedModel(grid(2, 2, scale=0.0), RANGES, 2, router=SignRouter([5.0, 0.0]),
+                               cluster_prior=torch.tensor([1.0, 1.0]), class_given_cluster=table, null_label=2,
+                               routing="prior", generator=torch.Generator().manual_seed(0), trace=trace)
+    y = torch.tensor([0, 1]).repeat(2000)
+    compose.sample(cm, torch.zeros(4000, 1, 2, 2), y, steps=6)
+    first = trace[0][1][:, 0]
+    for t, chosen in trace:  # the cluster sticks to the trajectory; the range follows t
+        assert torch.equal(chosen[:, 0], first)
+        assert set(chosen[:, 1].tolist()) == {1 if t >= 0.5 else 0}
+    # the router (which prefers cluster 0 for everyone) is ignored; p(k | y) = p(y | k) here
+    assert float((first[y == 0] == 0).float().mean()) == pytest.approx(0.8, abs=0.03)
+    assert float((first[y == 1] == 1).float().mean()) == pytest.approx(0.8, abs=0.03)
+    with pytest.raises(ValueError):
+        compose.ComposedModel(grid(2, 1), [(0.0, 1.0)], 2, routing="prior")
