@@ -4,8 +4,9 @@
                   [--policies a,b,c] [--lease-mode declared|heartbeat] [--no-progress]
                   [--profile FILE]
 
-writes DIR/summary.json, DIR/summary.md and PNG plots (committed rounds per cell over
-time, wasted work by cause, utilisation). This shell does the I/O and reads the wall
+writes DIR/summary.json, DIR/run.json (what was simulated), DIR/summary.md and PNG plots
+(committed rounds per cell over time, committed compute over time, wasted work by cause,
+utilisation). This shell does the I/O and reads the wall
 clock; the engine itself is pure. `python -m bagel.sim run ...` is the same command.
 
     bagel-sim chaos SCENARIO.toml --out DIR ...
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from . import policies as registry
 from .engine import Engine, EngineResult
-from .report import markdown, plot, summarize, write_json
+from .report import markdown, plot, run_meta, summarize, write_json
 from .scenario import Scenario, ScenarioError, load_scenario
 
 
@@ -114,12 +115,15 @@ def _cmd_run(a: argparse.Namespace) -> int:
         prof.disable()
         prof.dump_stats(str(a.profile))
     seed = sc.scenario.seed if a.seed is None else a.seed
-    summary = summarize(results, scenario=sc.scenario.name, seed=seed, target_samples=sc.scenario.target_samples_per_cell)
+    summary = summarize(results, target_samples=sc.scenario.target_samples_per_cell)
     summary["wall_s"] = wall
+    meta = run_meta(results, scenario=sc.scenario.name, seed=seed, lease_mode=sc.engine.lease_mode)
     write_json(summary, a.out / "summary.json")
-    (a.out / "summary.md").write_text(markdown(summary))
+    write_json(meta, a.out / "run.json")
+    md = markdown(summary, meta)
+    (a.out / "summary.md").write_text(md)
     plot(results, a.out)
-    print(markdown(summary))
+    print(md)
     print(f"wrote {a.out / 'summary.json'}, {a.out / 'summary.md'} and plots in {wall:.1f} s")
     return 0
 

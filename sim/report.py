@@ -88,16 +88,27 @@ def policy_summary(r: EngineResult, target_samples: float) -> dict[str, Any]:
     }
 
 
-def summarize(results: Sequence[EngineResult], *, scenario: str, seed: int, target_samples: float) -> dict[str, Any]:
-    """The summary without wall time (deterministic for a seed)."""
+def summarize(results: Sequence[EngineResult], *, target_samples: float) -> dict[str, Any]:
+    """summary.json without `wall_s` (which the CLI adds): deterministic for a seed.
+    Top-level keys are exactly policies, workers, virtual_hours (+ wall_s)."""
+    first = results[0]
+    return {
+        "policies": {r.policy: policy_summary(r, target_samples) for r in results},
+        "workers": first.workers,
+        "virtual_hours": first.hours,
+    }
+
+
+def run_meta(results: Sequence[EngineResult], *, scenario: str, seed: int, lease_mode: str) -> dict[str, Any]:
+    """run.json: what was simulated, next to summary.json."""
     first = results[0]
     return {
         "scenario": scenario,
         "seed": seed,
-        "workers": first.workers,
-        "virtual_hours": first.hours,
+        "lease_mode": lease_mode,
+        "cells": len(first.cells),
         "throughput_spread_p95_p5": first.throughput_spread,
-        "policies": {r.policy: policy_summary(r, target_samples) for r in results},
+        "steps_per_round": {r.policy: r.steps_per_round for r in results},
     }
 
 
@@ -117,14 +128,14 @@ def _fmt_bytes(x: float) -> str:
     return f"{x:.1f} PB"
 
 
-def markdown(summary: dict[str, Any]) -> str:
+def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     pols = summary["policies"]
     lines = [
-        f"# bagel-sim: {summary['scenario']}",
+        f"# bagel-sim: {meta['scenario']}",
         "",
-        f"{summary['workers']} workers, {summary['virtual_hours']:g} virtual hours, seed {summary['seed']}"
+        f"{summary['workers']} workers, {summary['virtual_hours']:g} virtual hours, {meta['cells']} cells, seed {meta['seed']}"
         + (f", {summary['wall_s']:.1f} s wall" if "wall_s" in summary else "")
-        + f"; achieved-throughput spread (p95/p5) {summary['throughput_spread_p95_p5']:.1f}x.",
+        + f"; achieved-throughput spread (p95/p5) {meta['throughput_spread_p95_p5']:.1f}x; leases: {meta['lease_mode']}.",
         "",
         "| policy | goodput | utilisation | committed rounds | aborted | rounds/cell (min–max) | cells at target | time to target (median) | fairness (Jain) | bytes sent / worker |",
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
@@ -162,19 +173,46 @@ def plot(results: Sequence[EngineResult], out: Path) -> list[Path]:
 
     paths = []
     n = len(results)
-    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), sharey=True, squeeze=False)
+    # committed rounds per cell: a sync_dp "round" is a block of lock-step steps and a
+    # DiLoCo round is H inner steps, so each policy gets its own y axis
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
     for ax, r in zip(axes[0], results):
         rt = r.rounds_timeline
-        for j, c in enumerate(r.cells):
-            ax.plot(r.timeline_h, rt[:, j], lw=0.8, alpha=0.5, color="tab:orange" if c == "router" else "tab:blue")
-        if rt.size:
-            ax.plot(r.timeline_h, rt.mean(axis=1), lw=2.0, color="black", label="mean over cells")
-        ax.set_title(r.policy)
+        experts = [j for j, c in enumerate(r.cells) if c != "router"]
+        if rt.size and experts:
+            ex = rt[:, experts]
+            for j in range(ex.shape[1]):
+                ax.plot(r.timeline_h, ex[:, j], lw=0.5, alpha=0.25, color="tab:blue")
+            ax.fill_between(r.timeline_h, np.percentile(ex, 10, axis=1), np.percentile(ex, 90, axis=1),
+                            color="tab:blue", alpha=0.2, label="experts p10-p90")
+            ax.plot(r.timeline_h, np.median(ex, axis=1), lw=2.0, color="black", label="experts median")
+            ax.set_ylim(0, max(1.0, float(ex.max()) * 1.05))
+        if "router" in r.cells:
+            ax2 = ax.twinx()
+            ax2.plot(r.timeline_h, rt[:, r.cells.index("router")], color="tab:orange", ls="--", label="router (right axis)")
+            ax2.tick_params(axis="y", colors="tab:orange")
+            ax2.legend(loc="lower right", fontsize=8)
+        ax.set_title(f"{r.policy} (H = {r.steps_per_round})")
         ax.set_xlabel("virtual hours")
+        ax.set_ylabel("committed rounds per expert cell")
         ax.legend(loc="upper left", fontsize=8)
-    axes[0][0].set_ylabel("committed rounds per cell")
     fig.tight_layout()
     p = out / "committed_rounds.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+
+    # committed samples over time, comparable across policies
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for r in results:
+        ts = [0.0] + [t / 3600.0 for t, _c, _s in r.ledger.commits]
+        acc = np.cumsum([0.0] + [smp * r.cell_flops_per_sample[c] for _t, c, smp in r.ledger.commits]) / 1e21
+        ax.step(ts, acc, where="post", label=r.policy)
+    ax.set_xlabel("virtual hours")
+    ax.set_ylabel("committed training compute (ZFLOP)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    p = out / "committed_compute.png"
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
