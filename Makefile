@@ -38,5 +38,14 @@ demo: setup
 proto: setup
 	$(PY) -m bagel.protocol.gen
 
+# Benchmarks print a table and write JSON under bench-out/; never part of `make test`.
+bench: setup
+	mkdir -p bench-out
+	$(PY) bench/compression.py --json bench-out/compression.json
+	$(PY) bench/coordinator_load.py --json bench-out/coordinator_load.json
+	$(PY) bench/experts_vs_monolith.py --json bench-out/experts_vs_monolith.json
+	$(PY) bench/diloco_vs_ddp.py --json bench-out/diloco_vs_ddp.json
+	$(PY) -m bagel.sim run sim/scenarios/heterogeneity-10x.toml --out bench-out/sim-het10x
+
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache
