@@ -316,6 +316,8 @@ class Engine(WorkerBehaviour):
         return out
 
     def _register(self, w: W) -> d.Outcome | None:
+        if w.cut or w.stopped:
+            return None  # lost on the way; it registers when it can reach the coordinator
         ev = d.Register(w.wid, w.profile, d.PeerAddress(peer_id=w.wid), w.local)
         try:
             out = self._apply(ev)

@@ -144,3 +144,16 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
     assert "unknown policy 'nope'" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "missing.toml"), "--out", str(tmp_path)]) == 2
     assert main(["run", sc, "--out", str(tmp_path), "--workers", "0"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_partitioned_workers_lose_their_lease_and_reattach_after_the_heal():
+    sc = load_scenario(SCENARIOS / "partition.toml")
+    cut = replace(sc, faults=(replace(sc.faults[0], at_s=900.0, duration_s=900.0, fraction=0.5),))
+    res = Engine(cut, policies.get("bagel"), workers=150, hours=1.0).run()
+    (t, kind, hit), = res.ledger.faults
+    assert kind == "partition" and hit > 20
+    # the coordinator expired them (60 s lease), so after the heal they are unknown and
+    # re-register; and cells keep committing after the heal
+    assert res.ledger.core_errors.get("UnknownWorker", 0) >= hit // 2
+    assert any(ts > 1800.0 for ts, _c, _s in res.ledger.commits)
