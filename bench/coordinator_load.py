@@ -273,7 +273,11 @@ async def _generate(
             measured_start = time.perf_counter()
             cpu0, own0 = _cpu_s(server_pid), time.process_time()
             errors.clear()
-        while heap and heap[0][0] <= now and now < end:
+        burst = 0
+        # bounded bursts: when behind schedule, the outer checks (registration done, end of
+        # the window) still run between bursts
+        while heap and heap[0][0] <= now and now < end and burst < max_inflight:
+            burst += 1
             due, i = heapq.heappop(heap)
             # closed loop beyond max_inflight: an overloaded coordinator shows up as a lower
             # rate and a generator lag, not as an unbounded queue of doomed requests
