@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-compare-routing", dest="compare_routing", action="store_false",
                    help="evaluate only --routing, not the other rules as well")
     p.add_argument("--save-dir", default="", help="also save every trained model here (safetensors + JSON)")
+    p.add_argument("--load-dir", default="", help="skip training: evaluate the models a --save-dir run saved")
     p.add_argument("--per-class", type=int, default=100, help="conditional samples per class")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1: these models are too small to gain from more, and on a "
@@ -79,29 +80,9 @@ def _cell_shares(spec, ds) -> dict[str, float]:
     return shares
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    spec = load_spec(args.spec)
-    if spec.data.source != "digits" or spec.model.num_classes != 10:
-        raise SystemExit("this benchmark needs the digits source with 10 classes")
-    nc = spec.model.num_classes
-    ds = load_dataset(spec)
-    out_dir = Path(args.out_dir)
-    timings: dict[str, float] = {}
-    log = lambda msg: print(msg, flush=True)  # noqa: E731
-    budget = args.steps * args.batch
-
-    t0 = time.perf_counter()
-    clf = ev.train_classifier(ds.x_train, ds.y_train, epochs=20, seed=args.seed)
-    held_pred, _ = ev.classify(clf, ds.x_heldout)
-    clf_acc = float((held_pred == ds.y_heldout).float().mean())
-    timings["classifier_s"] = time.perf_counter() - t0
-    log(f"digits classifier: held-out accuracy {clf_acc:.3f} ({timings['classifier_s']:.0f}s)")
-
-    # (a) the monolith: the expert architecture, all data, all t.
-    t0 = time.perf_counter()
-    c = spec.cells
+def _train_monolith(args: argparse.Namespace, spec, ds, log) -> tuple[torch.nn.Module, int]:
+    """(a): the expert architecture on all training images and all t."""
+    nc, c = spec.model.num_classes, spec.cells
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed("init", spec.run.seed, "monolith"))
         mono = experts.build(experts.expert_config(spec.model.arch, spec.model.preset, spec.model.image_size,
@@ -114,19 +95,17 @@ def main(argv: list[str] | None = None) -> dict:
     res = train.train(mono, mono_loss, ds.x_train, ds.y_train, steps=args.steps, batch_size=args.batch,
                       lr=args.lr, ema=args.ema, warmup=100, seed=args.seed, log_every=max(1, args.steps // 5),
                       log=lambda m: log(f"  monolith {m}"))
-    mono_model, mono_steps = res.model, res.sample_steps
-    timings["monolith_train_s"] = time.perf_counter() - t0
-    log(f"monolith: {mono_steps} sample-steps ({timings['monolith_train_s']:.0f}s)")
+    return res.model, res.sample_steps
 
-    # (b) the grid of cells and the router, each trained on its own.
-    t0 = time.perf_counter()
+
+def _train_cells(args: argparse.Namespace, spec, ds, log) -> tuple[dict[str, torch.nn.Module], dict[str, dict]]:
+    """(b): every expert cell on its cluster and widened range, then the router."""
+    budget = args.steps * args.batch
     shares = _cell_shares(spec, ds)
     expert_budget = budget * (1.0 - args.router_share) if spec.cells.router else budget
     expert_batch = max(1, args.batch // len(spec.expert_cells))
-    cells: dict[tuple[int, int], torch.nn.Module] = {}
-    cell_buckets: dict[str, list[float]] = {}
-    cell_report: dict[str, dict] = {}
-    expert_steps = 0
+    models: dict[str, torch.nn.Module] = {}
+    report: dict[str, dict] = {}
     for cell in spec.expert_cells:
         task = experts.cell_task(spec, cell)
         x, y = task.train_data()
@@ -134,39 +113,76 @@ def main(argv: list[str] | None = None) -> dict:
         r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch, lr=args.lr,
                         ema=args.ema, warmup=100, seed=derive_seed(args.seed, cell) % 2**31,
                         log_every=max(1, steps // 2), log=lambda m, cell=cell: log(f"  {cell} {m}"))
-        expert_steps += r.sample_steps
-        cells[(task.cluster, task.trange)] = r.model
-        xh, yh = task.heldout_data()
-        # over all t, so the table shows each expert is good inside its range only
-        by_t = ev.loss_per_bucket(lambda xt, t, y, m=r.model: m(xt, t, y), xh, yh, BUCKETS, seed=2)
-        cell_report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,
-                             "sample_steps": r.sample_steps, "t_range": task.train_range,
-                             "heldout_loss": task.eval_loss(r.model, xh, yh, seed=1),
-                             "heldout_loss_by_t": dict(zip(_bucket_names(), by_t))}
-    router_model = None
+        models[cell] = r.model
+        report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,
+                        "sample_steps": r.sample_steps, "t_range": list(task.train_range)}
     if spec.cells.router:
         task = experts.cell_task(spec, ROUTER_CELL)
         x, y = task.train_data()
         steps = max(1, round(budget * args.router_share / args.batch))
         r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=args.batch, lr=args.lr,
                         seed=args.seed, log_every=max(1, steps // 2), log=lambda m: log(f"  router {m}"))
-        expert_steps += r.sample_steps
-        router_model = r.model
-        xh, yh = task.heldout_data()
-        cell_report[ROUTER_CELL] = {"steps": steps, "batch": args.batch, "sample_steps": r.sample_steps,
-                                    "heldout_ce": task.eval_loss(router_model, xh, yh, seed=1)}
-    timings["experts_train_s"] = time.perf_counter() - t0
-    log(f"experts + router: {expert_steps} sample-steps ({timings['experts_train_s']:.0f}s)")
-    if args.save_dir:
-        checkpoint.save(Path(args.save_dir) / "monolith", mono_model, {"sample_steps": mono_steps})
-        for (k, r), m in cells.items():
-            checkpoint.save(Path(args.save_dir) / f"k{k}.r{r}", m, cell_report[f"k{k}.r{r}"])
-        if router_model is not None:
-            checkpoint.save(Path(args.save_dir) / ROUTER_CELL, router_model, cell_report[ROUTER_CELL])
+        models[ROUTER_CELL] = r.model
+        report[ROUTER_CELL] = {"steps": steps, "batch": args.batch, "sample_steps": r.sample_steps}
+    return models, report
 
-    trained = {f"k{k}.r{r}": m for (k, r), m in cells.items()}
-    if router_model is not None:
-        trained[ROUTER_CELL] = router_model
+
+def _load(load_dir: Path, spec) -> tuple[torch.nn.Module, int, dict[str, torch.nn.Module], dict[str, dict]]:
+    mono, meta = checkpoint.load(load_dir / "monolith")
+    models, report = {}, {}
+    for cell in spec.cell_ids:
+        models[cell], m = checkpoint.load(load_dir / cell)
+        report[cell] = m["metadata"]
+    return mono, int(meta["metadata"]["sample_steps"]), models, report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    spec = load_spec(args.spec)
+    if spec.data.source != "digits" or spec.model.num_classes != 10:
+        raise SystemExit("this benchmark needs the digits source with 10 classes")
+    nc = spec.model.num_classes
+    ds = load_dataset(spec)
+    out_dir = Path(args.out_dir)
+    timings: dict[str, float] = {}
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+
+    t0 = time.perf_counter()
+    clf = ev.train_classifier(ds.x_train, ds.y_train, epochs=20, seed=args.seed)
+    held_pred, _ = ev.classify(clf, ds.x_heldout)
+    clf_acc = float((held_pred == ds.y_heldout).float().mean())
+    timings["classifier_s"] = time.perf_counter() - t0
+    log(f"digits classifier: held-out accuracy {clf_acc:.3f} ({timings['classifier_s']:.0f}s)")
+
+    if args.load_dir:
+        mono_model, mono_steps, trained, cell_report = _load(Path(args.load_dir), spec)
+        log(f"loaded the monolith and {len(trained)} cells from {args.load_dir}")
+    else:
+        t0 = time.perf_counter()
+        mono_model, mono_steps = _train_monolith(args, spec, ds, log)
+        timings["monolith_train_s"] = time.perf_counter() - t0
+        log(f"monolith: {mono_steps} sample-steps ({timings['monolith_train_s']:.0f}s)")
+        t0 = time.perf_counter()
+        trained, cell_report = _train_cells(args, spec, ds, log)
+        timings["experts_train_s"] = time.perf_counter() - t0
+        if args.save_dir:
+            checkpoint.save(Path(args.save_dir) / "monolith", mono_model, {"sample_steps": mono_steps})
+            for cell, m in trained.items():
+                checkpoint.save(Path(args.save_dir) / cell, m, cell_report[cell])
+    expert_steps = sum(int(r["sample_steps"]) for r in cell_report.values())
+    log(f"experts + router: {expert_steps} sample-steps ({timings.get('experts_train_s', 0):.0f}s)")
+    for cell in spec.expert_cells:  # over all t, so the table shows each expert is good inside its range only
+        task = experts.cell_task(spec, cell)
+        xh, yh = task.heldout_data()
+        by_t = ev.loss_per_bucket(lambda xt, t, y, m=trained[cell]: m(xt, t, y), xh, yh, BUCKETS, seed=2)
+        cell_report[cell].update(heldout_loss=task.eval_loss(trained[cell], xh, yh, seed=1),
+                                 heldout_loss_by_t=dict(zip(_bucket_names(), by_t)))
+    if ROUTER_CELL in trained:
+        task = experts.cell_task(spec, ROUTER_CELL)
+        xh, yh = task.heldout_data()
+        cell_report[ROUTER_CELL]["heldout_ce"] = task.eval_loss(trained[ROUTER_CELL], xh, yh, seed=1)
+
     composed = compose.from_cells(spec, trained)
     mono_composed = compose.single(mono_model, null_label=nc)
 
