@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 ARRIVE, DEPART, SYNC_DONE, TRAIN_DONE, REDUCE_DONE, POLL, RENEW, TICK, FAULT, SAMPLE, HEAL, XTIMEOUT, UPLOAD, PTICK, CONT, LEASE = range(16)
 # worker activities (what its time is spent on)
 OFF, IDLE, SYNC, TRAIN, READY, REDUCE, WAITV, STALL = range(8)
-ACT_BUCKET = {IDLE: "idle", SYNC: "resync", READY: "idle", REDUCE: "comm", WAITV: "idle", STALL: "idle"}
+ACT_BUCKET = {IDLE: "idle", SYNC: "resync", READY: "barrier", REDUCE: "comm", WAITV: "barrier", STALL: "barrier"}
 # bandwidth of the coordinator's checkpoint store when it is the donor (datacenter, 1 Gbit/s)
 COORDINATOR_BW = 125e6
 # an exchange whose contributors do not all show up fails after this long (or 2x its time)

@@ -461,7 +461,7 @@ class Engine(WorkerBehaviour):
                 useful = fl * (w.own_s / w.dur_s if w.dur_s > w.own_s > 0 else 1.0)
                 if w.key is not None:
                     self.ledger.train(w.key, w.i, useful)
-                self.ledger.add("idle", fl - useful)
+                self.ledger.add("barrier", fl - useful)  # lock-step: waiting for the slowest
             else:
                 self.ledger.add(ACT_BUCKET[old], fl)
             self.ledger.offered += fl

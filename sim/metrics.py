@@ -12,8 +12,10 @@ add up to the offered compute (a test checks the identity):
 - `rejected`: training whose reported hash disagreed with the committed one (Byzantine);
 - `resync`: state downloads (joins, moves, resyncs after a bad hash);
 - `comm`: the pseudo-gradient exchange (the GPU idles while the link works);
-- `idle`: waiting for an assignment, for other members, for a verdict, or at a lock-step
-  barrier;
+- `barrier`: trained and waiting: for slower members to be ready, for the verdict, at a
+  lock-step barrier, or hung in a broken lock-step collective;
+- `idle`: no work: standby, waiting for the next round (e.g. holding the committed state
+  while a round runs without it), or for an instruction;
 - `unresolved`: training in rounds still open when the simulation ended.
 
 Training time is held per (cell, round, attempt) until the round's fate is known. Goodput
@@ -27,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-BUCKETS = ("committed", "aborted", "straggler", "preempted", "rejected", "resync", "comm", "idle", "unresolved")
-WASTE = ("aborted", "straggler", "preempted", "rejected", "resync", "comm", "idle")
+BUCKETS = ("committed", "aborted", "straggler", "preempted", "rejected", "resync", "comm", "barrier", "idle", "unresolved")
+WASTE = ("aborted", "straggler", "preempted", "rejected", "resync", "comm", "barrier", "idle")
 TRAINING = ("committed", "aborted", "straggler", "preempted", "rejected", "unresolved")
 
 RoundKey = tuple[str, int, int]  # (cell, round, attempt)

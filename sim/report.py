@@ -38,11 +38,14 @@ def _time_to_target(r: EngineResult, target_samples: float) -> dict[str, Any]:
         if acc[cell] >= target[cell]:
             reached[cell] = t_s / 3600.0
     times = sorted(reached.values())
+    # unreached cells count as never: the median exists once more than half got there
+    full = times + [float("inf")] * (len(r.cells) - len(times))
+    med = float(np.median(full)) if full else float("inf")
     return {
         "target_samples_per_cell": target_samples,
         "cells": len(r.cells),
         "cells_reached": len(times),
-        "median_h": float(np.median(times)) if len(times) == len(r.cells) else None,
+        "median_h": med if np.isfinite(med) else None,
         "max_h": float(max(times)) if len(times) == len(r.cells) else None,
         "first_h": float(times[0]) if times else None,
     }
