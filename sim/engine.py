@@ -72,7 +72,7 @@ from bagel.coordinator.state import CoordinatorState
 from . import costmodel as cm
 from . import population as popmod
 from .actors import (
-    ACT_BUCKET, ARRIVE, CONT, DEPART, FAULT, HEAL, IDLE, LEASE, OFF, POLL, PTICK, READY, REDUCE, RENEW, SAMPLE,
+    ACT_BUCKET, ARRIVE, CONT, DEPART, FAULT, HEAL, LEASE, OFF, POLL, PTICK, READY, REDUCE, RENEW, SAMPLE,
     STALL, SYNC, SYNC_DONE, TICK, TRAIN, TRAIN_DONE, REDUCE_DONE, UPLOAD, WAITV, XTIMEOUT,
     Exchange, Lockstep, W, WorkerBehaviour,
 )

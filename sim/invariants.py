@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable
+from collections.abc import Iterable
 
 
 @dataclass(frozen=True)

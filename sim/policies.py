@@ -33,7 +33,8 @@ Register a new policy with `register(SimPolicy(...))`; `get(name)` looks one up.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from bagel.coordinator import policy as core_policy
 from bagel.coordinator.policy import Policy
@@ -51,7 +52,7 @@ class SimPolicy:
     comm_every_step: bool = False
     description: str = ""
 
-    def resolved(self, steps_per_round: int) -> "SimPolicy":
+    def resolved(self, steps_per_round: int) -> SimPolicy:
         """sync_dp-style policies get their K; others are returned unchanged."""
         if self.comm_every_step:
             return replace(self, core=replace(self.core, inner_steps=steps_per_round))

@@ -17,7 +17,8 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from bagel.coordinator.spec import RunSpec, SpecError, parse_spec
 
