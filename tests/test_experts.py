@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from bagel.coordinator.spec import load_spec, parse_spec
 from bagel.models import experts
 from bagel.protocol.statehash import state_hash
 
-EXAMPLE = "examples/digits-2x2.toml"
+EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.toml")
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ router training."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -11,6 +13,8 @@ from bagel.coordinator.spec import load_spec
 from bagel.models import compose, experts, flow, train
 
 RANGES = flow.timestep_ranges(2)  # [(0, 0.5), (0.5, 1)]
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.toml"
 
 
 class Const(nn.Module):
@@ -131,7 +135,7 @@ def test_bad_grids_are_rejected():
 
 @pytest.mark.timeout(240)
 def test_training_the_router_lowers_its_cross_entropy():
-    spec = load_spec("examples/digits-2x2.toml")
+    spec = load_spec(EXAMPLE)
     task = experts.cell_task(spec, "router")
     model = task.build_model()
     x, y = task.train_data()
@@ -151,7 +155,7 @@ def test_training_the_router_lowers_its_cross_entropy():
 def test_from_cells_composes_checkpointed_cells_with_one_missing(tmp_path):
     from bagel.models import checkpoint
 
-    spec = load_spec("examples/digits-2x2.toml")
+    spec = load_spec(EXAMPLE)
     loaded = {}
     for cell in ("k0.r0", "k0.r1", "k1.r1", "router"):  # k1.r0 is missing
         checkpoint.save(tmp_path / cell, experts.cell_task(spec, cell).build_model())

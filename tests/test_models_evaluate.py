@@ -4,6 +4,8 @@ classifier, PNG grids."""
 from __future__ import annotations
 
 import numpy as np
+from pathlib import Path
+
 import pytest
 import torch
 from PIL import Image
@@ -11,6 +13,8 @@ from PIL import Image
 from bagel.coordinator.spec import load_spec
 from bagel.models import evaluate as ev
 from bagel.models.data import load_dataset
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.toml"
 
 
 def test_frechet_distance_matches_the_closed_form_for_gaussians():
@@ -54,7 +58,7 @@ def test_nearest_distances_flags_copies():
 
 @pytest.mark.timeout(300)
 def test_classifier_and_sample_report_on_real_and_copied_digits():
-    ds = load_dataset(load_spec("examples/digits-2x2.toml"))
+    ds = load_dataset(load_spec(EXAMPLE))
     clf = ev.train_classifier(ds.x_train, ds.y_train, epochs=4, seed=0)
     pred, feats = ev.classify(clf, ds.x_heldout)
     assert float((pred == ds.y_heldout).float().mean()) > 0.85
