@@ -30,6 +30,8 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from bagel.protocol.atomicfile import atomic_write
 from typing import Any, Protocol
 
 from safetensors import SafetensorError, safe_open
@@ -92,19 +94,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically: temp file in the same dir, fsync, replace, fsync dir."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink_quiet(Path(tmp))
-        raise
-    fsync_dir(path.parent)
+atomic_write_bytes = atomic_write
 
 
 def _unlink_quiet(path: Path) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
+
+from bagel.protocol.atomicfile import atomic_write
 from typing import Any
 
 import torch.nn as nn
@@ -40,23 +40,7 @@ def _arch_of(model: nn.Module) -> tuple[str, Any]:
     raise CheckpointError(f"cannot checkpoint a {type(model).__name__}: not a DiT, UNet or Router")
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+_atomic_write = atomic_write
 
 
 def paths(path: str | Path) -> tuple[Path, Path]:

@@ -14,10 +14,10 @@ safetensors, never pickle (house rule).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from bagel.protocol.atomicfile import atomic_write  # re-exported for agent/session
 
 import torch
 from safetensors import SafetensorError
@@ -43,26 +43,6 @@ class LocalCheckpoint:
     state: CellState  # weights + outer momentum
     state_hash: str  # of `state` (also for round 0, whose committed hash is "" on the wire)
     residuals: dict[str, torch.Tensor]  # by tensor name; local to this worker, not hashed
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically: temp file, fsync, replace, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 class LocalStore:
