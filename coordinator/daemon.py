@@ -182,10 +182,10 @@ async def start_coordinator(
     try:
         if dht is True:
             # before any gRPC server thread exists: hivemind forks its DHT process
-            import hivemind
+            from bagel.protocol.discovery import start_dht
 
             own_dht = dht = await asyncio.to_thread(
-                hivemind.DHT, start=True, host_maddrs=[dht_listen], initial_peers=list(initial_peers)
+                start_dht, host_maddrs=[dht_listen], initial_peers=list(initial_peers)
             )
         store = Store.open(data_dir)
         now = clock()

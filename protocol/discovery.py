@@ -48,6 +48,7 @@ DEFAULT_TTL_S = 60.0
 MAX_TTL_S = 24 * 3600.0  # a record may claim at most a day of validity
 MAX_RECORD_BYTES = 4096
 DEFAULT_MAX_CLOCK_SKEW_S = 30.0
+DHT_START_TIMEOUT_S = 60.0
 _ENDPOINT_RE = re.compile(r"[\x21-\x7e]{1,256}")
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -194,6 +195,33 @@ class CoordinatorRecordValidator(RecordValidatorBase):
         return record.expiration_time <= signed.expires_at + 1.0
 
 
+# ---------------------------------------------------------------------------- DHT nodes
+
+
+def start_dht(*, timeout_s: float = DHT_START_TIMEOUT_S, **kwargs: Any) -> Any:
+    """Start a `hivemind.DHT(**kwargs)` node and wait at most `timeout_s` for it.
+
+    `hivemind.DHT(start=True)` waits for its child without a bound, so a child that never
+    comes up (its p2p daemon failing to start, a fork that deadlocks on a lock some other
+    thread held) would block the caller forever, and with it any executor joining the
+    thread it ran in. Here the child is terminated and DiscoveryError raised instead.
+    Blocking: call it through `asyncio.to_thread` from a coroutine.
+    """
+    import hivemind
+
+    dht = hivemind.DHT(start=False, **kwargs)
+    try:
+        dht.run_in_background(await_ready=True, timeout=timeout_s)
+    except BaseException as e:
+        if dht.is_alive():
+            dht.terminate()
+            dht.join(5)
+        if isinstance(e, Exception) and not isinstance(e, DiscoveryError):
+            raise DiscoveryError(f"the DHT node did not start within {timeout_s:g}s: {e!r}") from e
+        raise
+    return dht
+
+
 # ---------------------------------------------------------------------------- publishing
 
 
@@ -335,21 +363,25 @@ async def resolve_coordinator(
     info = parse_join_string(join) if isinstance(join, str) else join
     own = None
     if dht is None:
-        import hivemind
-
         own = await asyncio.to_thread(
-            hivemind.DHT,
+            start_dht,
+            timeout_s=max(timeout_s, DHT_START_TIMEOUT_S),
             initial_peers=list(info.initial_peers),
             host_maddrs=list(host_maddrs),
             record_validators=[CoordinatorRecordValidator(info.run_id, info.coordinator_public_key)],
-            start=True,
         )
         dht = own
     try:
         deadline = time.monotonic() + timeout_s
         refused: list[str] = []
         while True:
-            record, refused_now = await lookup_coordinator(dht, info, max_clock_skew_s=max_clock_skew_s)
+            left = max(1.0, deadline - time.monotonic())
+            try:  # a DHT child that died never answers; bound every lookup by the deadline
+                record, refused_now = await asyncio.wait_for(
+                    lookup_coordinator(dht, info, max_clock_skew_s=max_clock_skew_s), left
+                )
+            except asyncio.TimeoutError:
+                record, refused_now = None, []
             if record is not None:
                 if refused_now:
                     logger.warning("skipped %d invalid coordinator records: %s", len(refused_now), refused_now)

@@ -1,18 +1,34 @@
-"""Suite-wide fixtures: fail a test that leaks child processes, and reap any at the end.
+"""Suite-wide fixtures: fail a test that leaks child processes, reap any at the end, and
+never let one stuck test hang the whole run.
 
 hivemind runs its DHT and averager in child processes, and our end-to-end tests start
 coordinators and workers; a test that forgets one must fail instead of leaking it
 (hivemind's own tests/conftest.py reaps leftovers the same way).
+
+Why a watchdog on top of pytest-timeout. pytest-timeout's signal method bounds only the
+test function: once it fires, the teardown (closing the asyncio runner, which in Python
+3.11 joins the default executor's threads without a timeout) is unbounded, so one thread
+stuck in a blocking call can hang CI for hours with nothing printed. The watchdog bounds
+setup + call + teardown of every item: past its timeout plus a grace it prints every
+thread's stack, kills the item's child processes (which unblocks threads waiting on
+their pipes), and if that does not free it, interrupts the session so pytest still
+prints its report.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+
+_WATCHDOG_GRACE_S = float(os.environ.get("BAGEL_TEST_WATCHDOG_GRACE_S", "60"))  # after the item's own timeout
+_WATCHDOG_STEP_S = 30.0  # between escalations
 
 
 # torch starts one `torch_shm_manager` per process the first time a tensor is shared
@@ -79,3 +95,52 @@ def no_leaked_processes():
 def pytest_sessionfinish(session, exitstatus):
     # torch_shm_manager is left alone: it exits by itself once this process is gone.
     _kill(_children(os.getpid()))
+
+
+def _item_timeout_s(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getini("timeout") or 120)
+
+
+class _Watchdog:
+    """Escalates when one item (setup + call + teardown) outlives its budget."""
+
+    def __init__(self, name: str, budget_s: float, before: set[int]) -> None:
+        self.name, self.budget_s, self.before = name, budget_s, before
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bagel-test-watchdog", daemon=True)
+
+    def _say(self, text: str) -> None:
+        sys.stderr.write(f"\n[watchdog] {self.name}: {text}\n")
+        sys.stderr.flush()
+
+    def _run(self) -> None:
+        if self.done.wait(self.budget_s):
+            return
+        self._say(f"still running {self.budget_s:.0f}s after it started; stacks of every thread:")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        stray = _children(os.getpid()) - self.before
+        self._say(f"killing its child processes {sorted(stray)}")
+        _kill(stray)
+        if self.done.wait(_WATCHDOG_STEP_S):
+            return
+        self._say("still stuck; interrupting the session so the report is printed")
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        if self.done.wait(_WATCHDOG_STEP_S):
+            return
+        self._say("the interrupt did not end it either; exiting")
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        _kill(_children(os.getpid()))
+        os._exit(3)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    dog = _Watchdog(item.nodeid, _item_timeout_s(item) + _WATCHDOG_GRACE_S, _children(os.getpid()))
+    dog.thread.start()
+    try:
+        yield
+    finally:
+        dog.done.set()

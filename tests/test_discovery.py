@@ -14,12 +14,14 @@ from bagel.protocol.discovery import (
     CoordinatorPublisher,
     CoordinatorRecord,
     CoordinatorRecordValidator,
+    DiscoveryError,
     RecordError,
     coordinator_key,
     lookup_coordinator,
     publish_coordinator,
     resolve_coordinator,
     sign_record,
+    start_dht,
     verify_record,
 )
 from bagel.protocol.identity import Identity
@@ -304,3 +306,10 @@ async def test_publisher_refreshes_before_expiry():
         assert publisher._task is None
     finally:
         dht.shutdown()
+
+
+def test_dht_that_does_not_come_up_in_time_is_terminated_not_waited_for() -> None:
+    # hivemind.DHT(start=True) would wait for its child without a bound; start_dht gives up,
+    # kills the child (the suite's leak check would fail otherwise) and says why
+    with pytest.raises(DiscoveryError, match="did not start within"):
+        start_dht(timeout_s=0.001, host_maddrs=["/ip4/127.0.0.1/tcp/0"])

@@ -49,7 +49,7 @@ import torch
 from bagel.coordinator.spec import RunSpec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient, SpecMismatch
-from bagel.protocol.discovery import CoordinatorRecordValidator, resolve_coordinator
+from bagel.protocol.discovery import CoordinatorRecordValidator, resolve_coordinator, start_dht
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
 from bagel.worker import ddp
@@ -77,6 +77,9 @@ class AgentConfig:
     byzantine: str = ""  # "" | sign-flip | scale | nan | zero | stale (fault injection, issue 6)
     dht_listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     reduce_timeout_s: float = 60.0  # safety net; the coordinator re-freezes or aborts sooner
+    # a graceful leave waits at most this long for a running exchange: below the 30 s that
+    # torchrun, systemd and Kubernetes give a SIGTERMed process before they SIGKILL it
+    leave_grace_s: float = 15.0
     resolve_timeout_s: float = 120.0
     sync_timeout_s: float = 120.0
     keep_round_history: bool = False  # also keep a checkpoint per committed round (tests)
@@ -147,7 +150,6 @@ class Agent(CoordinatorLink, OrderHandlers):
 
     async def run(self, handle_signals: bool = False) -> int:
         """The whole lifecycle; with handle_signals, SIGTERM/SIGINT leave gracefully (a second one aborts)."""
-        import hivemind
 
         from bagel.worker.averaging import DataPlane
         from bagel.worker.statesync import StateServer
@@ -156,11 +158,10 @@ class Agent(CoordinatorLink, OrderHandlers):
         self.display.event("identity", worker_id=self.worker_id, device=str(self.device))
         try:
             self.dht = await asyncio.to_thread(
-                hivemind.DHT,
+                start_dht,
                 initial_peers=list(self.join.initial_peers),
                 host_maddrs=list(self.cfg.dht_listen),
                 record_validators=[CoordinatorRecordValidator(self.join.run_id, self.join.coordinator_public_key)],
-                start=True,
             )
             if handle_signals:
                 self._install_signal_handlers()
@@ -256,7 +257,8 @@ class Agent(CoordinatorLink, OrderHandlers):
         if w is not None and w.reduce_task is not None and not w.reduce_task.done():
             self.display.event("leaving", message="finishing the running exchange first")
             try:
-                await asyncio.wait_for(asyncio.shield(w.reduce_task), self.cfg.reduce_timeout_s)
+                grace = min(self.cfg.reduce_timeout_s, self.cfg.leave_grace_s)
+                await asyncio.wait_for(asyncio.shield(w.reduce_task), grace)
             except (TimeoutError, asyncio.CancelledError, Exception):
                 pass
         self._drop_work("leaving")

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--quiet", action="store_true", help="print only warnings and errors")
     out.add_argument("--log-json", action="store_true", help="print one JSON object per event line (for scripts)")
     j.add_argument("--reduce-timeout-s", type=float, default=60.0, help="give up an exchange after this many seconds (default: 60)")
+    j.add_argument("--leave-grace-s", type=float, default=15.0,
+                   help="on SIGTERM, wait at most this long for a running exchange before leaving (default: 15)")
     # fault injection and test hooks: documented in the module docstring, hidden from --help
     j.add_argument("--byzantine", choices=BYZANTINE_MODES, default="", help=argparse.SUPPRESS)
     j.add_argument("--keep-round-history", action="store_true", help=argparse.SUPPRESS)
@@ -66,6 +68,8 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         raise ValueError(f"--uplink-mbps must be positive, got {args.uplink_mbps}")
     if args.reduce_timeout_s <= 0:
         raise ValueError(f"--reduce-timeout-s must be positive, got {args.reduce_timeout_s}")
+    if args.leave_grace_s < 0:
+        raise ValueError(f"--leave-grace-s must be >= 0, got {args.leave_grace_s}")
     return AgentConfig(
         join=args.join_string,
         data_dir=args.data_dir or default_data_dir(),
@@ -77,6 +81,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         byzantine=args.byzantine,
         dht_listen=tuple(args.dht_listen or ("/ip4/0.0.0.0/tcp/0",)),
         reduce_timeout_s=args.reduce_timeout_s,
+        leave_grace_s=args.leave_grace_s,
         keep_round_history=args.keep_round_history,
     )
 
