@@ -417,6 +417,29 @@ class CoordinatorCore:
 # ---------------------------------------------------------------------------- servicer
 
 
+# Refusing an upload before the client has finished sending: grpc.aio clients (grpcio
+# <= 1.85) then report INTERNAL "Failed execute_batch" instead of our status whenever one
+# of their writes fails after the status arrived (grpc/grpc#36066; fix proposed in
+# grpc/grpc#43486). So a refused upload first reads and drops what the client is still
+# sending, bounded in bytes and time so that a hostile stream cannot hold the handler.
+_DRAIN_MAX_BYTES = 8 << 20
+_DRAIN_MAX_S = 2.0
+
+
+async def _drain(chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> None:
+    async def read() -> None:
+        seen = 0
+        async for chunk in chunks:
+            seen += chunk.ByteSize()
+            if seen > _DRAIN_MAX_BYTES:
+                return
+
+    try:
+        await asyncio.wait_for(read(), _DRAIN_MAX_S)
+    except Exception:  # the stream broke or timed out: refuse anyway
+        pass
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Translates protobuf <-> core events; no decisions are made here."""
 
@@ -465,8 +488,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def UploadCheckpoint(
         self, request_iterator: AsyncIterator[pb.CheckpointUploadChunk], context: grpc.aio.ServicerContext
     ) -> pb.UploadCheckpointResponse:
-        core = self.core
         chunks = request_iterator.__aiter__()
+        try:
+            return await self._upload(chunks)
+        except Exception:
+            await _drain(chunks)
+            raise
+
+    async def _upload(self, chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> pb.UploadCheckpointResponse:
+        core = self.core
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
