@@ -18,8 +18,14 @@ shows a rate below target and a growing lag instead of an unbounded queue.
 Every request is freshly signed (a fresh nonce each time, as the protocol requires):
 signing runs in the generator and competes for the same CPU as the coordinator.
 
+Peer in the same run (`--baseline`, on by default): the same generator against a bare
+grpc.aio server on uvloop that answers every RPC of the service with a constant reply
+(no signature check, no core, no store). It is the ceiling this harness and grpc.aio
+reach on this machine; the coordinator's figures are read against it, because absolute
+rates on a shared 2-core machine drift from run to run.
+
     python bench/coordinator_load.py [--quick] [--workers 1000 5000 10000]
-        [--period-s 5] [--measure-s 30] [--json FILE]
+        [--period-s 5] [--measure-s 30] [--no-baseline] [--json FILE]
 
 Target (issue 2): 10k workers (2,000 heartbeats/s) at p99 <= 50 ms on 2 cores.
 """
@@ -324,23 +330,55 @@ def _generator_main(
     out.put(uvloop.run(_generate(target, n, period_s, warmup_s, measure_s, server_pid, max_inflight)))
 
 
+# ---------------------------------------------------------------------------- baseline peer
+
+
+async def _serve_baseline(target: str) -> None:
+    """A bare grpc.aio Coordinator: constant replies, nothing verified, parsed or stored."""
+    import grpc
+
+    from bagel.protocol import bagel_pb2 as pb
+    from bagel.protocol import bagel_pb2_grpc as pb_grpc
+    from bagel.protocol.grpc_options import server_options
+
+    wait = pb.Instruction(order=pb.ORDER_WAIT)
+    register = pb.RegisterResponse(worker_id="w" + "0" * 40, heartbeat_interval_ms=5000, instruction=wait)
+    heartbeat = pb.HeartbeatResponse(lease_expires_unix_ms=1, instruction=wait)
+
+    class Bare(pb_grpc.CoordinatorServicer):
+        async def Register(self, request: Any, context: Any) -> Any:
+            return register
+
+        async def Heartbeat(self, request: Any, context: Any) -> Any:
+            return heartbeat
+
+    server = grpc.aio.server(options=server_options())
+    pb_grpc.add_CoordinatorServicer_to_server(Bare(), server)
+    server.add_insecure_port(target)
+    await server.start()
+    print("listening:", target, flush=True)
+    await server.wait_for_termination()
+
+
 # ---------------------------------------------------------------------------- driver
 
 
 def run_point(
-    n: int, period_s: float, warmup_s: float, measure_s: float, workdir: Path, max_inflight: int = 256
+    n: int, period_s: float, warmup_s: float, measure_s: float, workdir: Path, max_inflight: int = 256,
+    server: str = "coordinator",
 ) -> dict[str, Any]:
     spec = workdir / f"load-{n}.toml"
     spec.write_text(SPEC.format(lease_s=max(15.0, 3 * period_s), period_s=period_s))
     port = _free_port()
     target = f"127.0.0.1:{port}"
-    log_path = workdir / f"coordinator-{n}.log"
+    log_path = workdir / f"{server}-{n}.log"
     log = log_path.open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec), "--data-dir", str(workdir / f"data-{n}"),
-         "--listen", target, "--no-dht", "--tick-ms", "250", "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-    )
+    if server == "baseline":
+        argv = [sys.executable, str(Path(__file__).resolve()), "--serve-baseline", target]
+    else:
+        argv = [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec), "--data-dir",
+                str(workdir / f"data-{n}"), "--listen", target, "--no-dht", "--tick-ms", "250", "--log-level", "WARNING"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -353,6 +391,7 @@ def run_point(
         gen = ctx.Process(target=_generator_main, args=(target, n, period_s, warmup_s, measure_s, proc.pid, max_inflight, q))
         gen.start()
         result = q.get(timeout=1800 + warmup_s + measure_s)
+        result["server"] = server
         gen.join(30)
         if proc.poll() is not None or result["errors"]:
             tail = log_path.read_text().splitlines()[-15:]
@@ -377,22 +416,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short run: 200 and 1000 workers, 8 s windows")
     p.add_argument("--max-inflight", type=int, default=256,
                    help="most heartbeats in flight at once (closed loop beyond it); default %(default)s")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write {'points': [...]} to FILE")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the bare grpc.aio peer measured at each point")
+    p.add_argument("--serve-baseline", metavar="HOST:PORT", help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="write {'points': [...], 'baseline': [...]} to FILE")
     args = p.parse_args(argv)
+    if args.serve_baseline:
+        import uvloop
+
+        uvloop.run(_serve_baseline(args.serve_baseline))
+        return 0
     workers = args.workers or ([200, 1000] if args.quick else [1000, 5000, 10000])
     measure_s = args.measure_s or (8.0 if args.quick else 30.0)
     warmup_s = args.warmup_s if args.warmup_s is not None else 1.5 * args.period_s
-    points = []
+    points: list[dict[str, Any]] = []
+    baseline: list[dict[str, Any]] = []
     print(
-        f"{'workers':>8} {'target/s':>9} {'hb/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'gen lag ms':>10} "
+        f"{'server':>11} {'workers':>8} {'target/s':>9} {'hb/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'gen lag ms':>10} "
         f"{'srv us/hb':>9} {'srv cores':>9} {'gen cores':>9} {'reg s':>6}  errors"
     )
     with tempfile.TemporaryDirectory(prefix="bagel-load-") as tmp:
-        for n in workers:
-            r = run_point(n, args.period_s, warmup_s, measure_s, Path(tmp), args.max_inflight)
-            points.append(r)
+        for n, server in [(n, srv) for n in workers for srv in ["baseline", "coordinator"][0 if args.baseline else 1 :]]:
+            r = run_point(n, args.period_s, warmup_s, measure_s, Path(tmp), args.max_inflight, server)
+            (points if server == "coordinator" else baseline).append(r)
             print(
-                f"{r['workers']:>8} {r['target_per_s']:>9.0f} {r['heartbeats_per_s']:>9.1f} {r['p50_ms']:>8.2f} "
+                f"{server:>11} {r['workers']:>8} {r['target_per_s']:>9.0f} {r['heartbeats_per_s']:>9.1f} {r['p50_ms']:>8.2f} "
                 f"{r['p99_ms']:>8.2f} {r['max_ms']:>8.1f} {r['generator_max_lag_ms']:>10.1f} "
                 f"{r['server_cpu_us_per_hb']:>9.0f} {r['server_cpu_cores']:>9.2f} {r['generator_cpu_cores']:>9.2f} "
                 f"{r['register_s']:>6.1f}  "
@@ -401,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     meta = {"cpus": os.cpu_count(), "period_s": args.period_s, "measure_s": measure_s, "loadavg": os.getloadavg()}
     if args.json:
-        args.json.write_text(json.dumps({"points": points, "meta": meta}, indent=1))
+        args.json.write_text(json.dumps({"points": points, "baseline": baseline, "meta": meta}, indent=1))
     return 0
 
 

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 import grpc
-from cryptography.exceptions import InvalidSignature
 from google.protobuf.message import DecodeError, Message
 
 from bagel.protocol import bagel_pb2 as pb
@@ -44,6 +43,7 @@ from bagel.protocol.identity import (
     PUBLIC_KEY_BYTES,
     SIGNATURE_BYTES,
     Identity,
+    InvalidSignature,
     load_public_key,
     worker_id_of,
 )

@@ -7,6 +7,11 @@ sent as data. The private key lives in a file created atomically with mode 0600
 (`O_CREAT | O_EXCL`, so two processes racing to create it cannot both win and no other
 user ever sees a readable file), and a key file readable by group or others is refused,
 as OpenSSH refuses an unprotected private key.
+
+Signing and verifying use libsodium (PyNaCl): on this project's machines it verifies in
+about half the time of OpenSSL (58 vs 114 us), and the coordinator verifies every
+request. `cryptography` still checks that a public key is a valid curve point, once per
+key (cached), so a malformed key is told apart from a bad signature.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import stat
 from functools import lru_cache
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey, VerifyKey
 
 PUBLIC_KEY_BYTES = 32
 SIGNATURE_BYTES = 64
@@ -43,18 +48,38 @@ def worker_id_of(public_key: bytes) -> str:
     return WORKER_ID_PREFIX + hashlib.sha256(public_key).hexdigest()[:WORKER_ID_HEX]
 
 
+class InvalidSignature(Exception):
+    """The signature does not verify over the data with the public key."""
+
+
 @lru_cache(maxsize=65536)
-def _public_key_object(public_key: bytes) -> Ed25519PublicKey:
-    # Parsing a key costs about as much as hashing it; the coordinator sees the same
-    # few thousand keys over and over, so keep the parsed objects (bounded LRU).
-    return Ed25519PublicKey.from_public_bytes(public_key)
+def _verify_key(public_key: bytes) -> VerifyKey:
+    # Checking the point costs about as much as hashing it; the coordinator sees the same
+    # few thousand keys over and over, so keep the checked keys (bounded LRU).
+    Ed25519PublicKey.from_public_bytes(public_key)  # ValueError: not a valid point
+    return VerifyKey(public_key)
 
 
-def load_public_key(public_key: bytes) -> Ed25519PublicKey:
-    """Parsed (cached) Ed25519 public key; ValueError if not 32 bytes or not a valid point."""
+class PublicKey:
+    """A checked Ed25519 public key; `verify` raises InvalidSignature."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, key: VerifyKey) -> None:
+        self._key = key
+
+    def verify(self, signature: bytes, data: bytes) -> None:
+        try:
+            self._key.verify(data, signature)
+        except BadSignatureError:
+            raise InvalidSignature("signature does not verify") from None
+
+
+def load_public_key(public_key: bytes) -> PublicKey:
+    """Checked (cached) Ed25519 public key; ValueError if not 32 bytes or not a valid point."""
     if len(public_key) != PUBLIC_KEY_BYTES:
         raise ValueError(f"public key must be {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
-    return _public_key_object(bytes(public_key))
+    return PublicKey(_verify_key(bytes(public_key)))
 
 
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
@@ -73,34 +98,30 @@ class Identity:
 
     __slots__ = ("_private", "public_key", "worker_id")
 
-    def __init__(self, private_key: Ed25519PrivateKey) -> None:
+    def __init__(self, private_key: SigningKey) -> None:
         self._private = private_key
-        self.public_key: bytes = private_key.public_key().public_bytes(
-            serialization.Encoding.Raw, serialization.PublicFormat.Raw
-        )
+        self.public_key: bytes = bytes(private_key.verify_key)
         self.worker_id: str = worker_id_of(self.public_key)
 
     @classmethod
     def generate(cls) -> Identity:
         """A fresh random identity (kept in memory only)."""
-        return cls(Ed25519PrivateKey.generate())
+        return cls(SigningKey.generate())
 
     @classmethod
     def from_private_bytes(cls, raw: bytes) -> Identity:
         """Identity from a raw 32-byte Ed25519 private key (seed)."""
         if len(raw) != 32:
             raise IdentityError(f"an Ed25519 private key is 32 bytes, got {len(raw)}")
-        return cls(Ed25519PrivateKey.from_private_bytes(raw))
+        return cls(SigningKey(bytes(raw)))
 
     def private_bytes(self) -> bytes:
-        """The raw 32-byte private key. Handle with care: this is the secret."""
-        return self._private.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-        )
+        """The raw 32-byte private key (seed). Handle with care: this is the secret."""
+        return bytes(self._private)
 
     def sign(self, data: bytes) -> bytes:
         """64-byte Ed25519 signature of exactly `data`."""
-        return self._private.sign(data)
+        return self._private.sign(data).signature
 
     def verify(self, signature: bytes, data: bytes) -> bool:
         return verify_signature(self.public_key, signature, data)
