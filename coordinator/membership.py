@@ -261,10 +261,10 @@ class Membership(CoreBase):
         tol = self.policy.balance_tolerance
         for _ in range(self.knobs.max_moves):
             ratios = b.ratios()
-            balanced = not ratios or max(abs(x - 1.0) for x in ratios.values()) <= tol
-            if balanced and all(b.count[c] >= b.min_replicas_now() for c in b.active):
+            balanced = not ratios or b.max_deviation() <= tol
+            short = b.short_of_replicas()
+            if balanced and not short:
                 return
-            short = any(b.count[c] < b.min_replicas_now() for c in b.active)
             move = b.best_move(self._candidates(ratios, over_only=not short))
             if move is not None:
                 (wid, _, to), _ = move

@@ -116,6 +116,11 @@ class Balance:
     raw throughput (samples/s x reputation weight), plus the running mean of the known
     workers' throughput per cell (the reference that turns samples/s into compute).
     Callers keep it in step with their assignment via `add_reference`/`add`/`remove`.
+
+    Derived figures (references, normalised compute, shares, the chi-square sum, the
+    replica floor, the destination order) are computed once per change of those sums and
+    cached until the next `add`/`remove`/`add_reference`: a repair asks for them several
+    times per transition, and recomputing them each time made a repair O(cells^2).
     """
 
     def __init__(self, cell_memory: Mapping[str, int], cell_targets: Mapping[str, float], knobs: Knobs) -> None:
@@ -138,6 +143,8 @@ class Balance:
         self._eligible: dict[int, tuple[str, ...]] = {}
         self._eligible_set: dict[int, frozenset[str]] = {}
         self._refs: dict[str, float] = {}  # references as of the last _stats()
+        self.placed = 0  # sum of count (kept, not summed: min_replicas_now is on hot paths)
+        self._cache: _Derived | None = None  # derived figures; None = stale
 
     # ---- bookkeeping
 
@@ -148,6 +155,7 @@ class Balance:
             if v is not None and v > 0:
                 self._ref_sum[c] += sign * v
                 self._ref_n[c] += sign
+        self._cache = None
 
     def ref(self, c: str) -> float:
         n = self._ref_n[c]
@@ -173,10 +181,14 @@ class Balance:
     def add(self, c: str, raw: float) -> None:
         self.count[c] += 1
         self.raw[c] += raw
+        self.placed += 1
+        self._cache = None
 
     def remove(self, c: str, raw: float) -> None:
         self.count[c] -= 1
         self.raw[c] = self.raw[c] - raw if self.count[c] > 0 else 0.0  # no float drift to 0
+        self.placed -= 1
+        self._cache = None
 
     def eligible_set(self, vram_bytes: int) -> frozenset[str]:
         got = self._eligible_set.get(vram_bytes)
@@ -194,31 +206,41 @@ class Balance:
 
     # ---- measures
 
+    def _derived(self) -> _Derived:
+        d = self._cache
+        if d is None:
+            d = self._cache = _Derived(self)
+        self._refs = d.refs
+        return d
+
     def compute(self) -> dict[str, float]:
         """Normalised compute per cell (raw / reference)."""
-        return {c: self.raw[c] / self.ref(c) for c in self.cells}
+        return dict(self._derived().n)
 
     def shares(self) -> dict[str, float]:
-        n = self.compute()
-        total = sum(n.values())
-        return {c: (v / total if total > 0 else 0.0) for c, v in n.items()}
+        d = self._derived()
+        total = d.total
+        return {c: (v / total if total > 0 else 0.0) for c, v in d.n.items()}
 
     def ratios(self) -> dict[str, float]:
         """share / target of each active cell (1.0 = on target)."""
-        s = self.shares()
-        return {c: s[c] / self.target[c] for c in self.active}
+        return dict(self._derived().ratio)
+
+    def max_deviation(self) -> float:
+        """max |share/target - 1| over the active cells (0.0 with none)."""
+        return self._derived().max_dev
+
+    def short_of_replicas(self) -> bool:
+        """Is some active cell below `min_replicas_now()`?"""
+        return self._derived().short
 
     def min_replicas_now(self) -> int:
         """min_replicas, lowered while there are too few workers for every active cell."""
-        placed = sum(self.count.values())
-        return min(self.knobs.min_replicas, placed // max(1, len(self.active)))
+        return min(self.knobs.min_replicas, self.placed // max(1, len(self.active)))
 
     def _stats(self) -> tuple[dict[str, float], float, float, int]:
-        self._refs = {c: self.ref(c) for c in self.cells}
-        n = {c: self.raw[c] / self._refs[c] for c in self.cells}
-        total = sum(n.values())
-        s_sum = sum(n[c] * n[c] / self.target[c] for c in self.active)
-        return n, total, s_sum, self.min_replicas_now()
+        d = self._derived()
+        return d.n, d.total, d.s_sum, d.m
 
     @staticmethod
     def _phi(s_sum: float, total: float) -> float:
@@ -243,8 +265,8 @@ class Balance:
         n, total, s_sum, m = self._stats()
         power = self._power_fn(throughput, reputation)
         best, best_key = "", (math.inf, math.inf)
-        m_after = min(self.knobs.min_replicas, (sum(self.count.values()) + 1) // max(1, len(self.active)))
-        base = sum(self._deficit(x, self.count[x], m_after) for x in self.active)
+        m_after = min(self.knobs.min_replicas, (self.placed + 1) // max(1, len(self.active)))
+        base = self._derived().deficit_sum(m_after)
         for c in self.eligible(vram_bytes):
             if self.count[c] >= self.knobs.max_replicas:
                 continue
@@ -273,15 +295,16 @@ class Balance:
         A sticky candidate (one whose move costs a download) only moves when that is worth
         it (`_worth_it`). Returns ((worker, from, to), gain in Phi) or None.
         """
-        n, total, s_sum, m = self._stats()
+        dv = self._derived()
+        n, total, s_sum, m = dv.n, dv.total, dv.s_sum, dv.m
         if total <= 0:
             return None
         phi0 = self._phi(s_sum, total)
-        def0 = sum(self._deficit(c, self.count[c], m) for c in self.active)
-        ratio = {c: (n[c] / total) / self.target[c] for c in self.active}
+        def0 = dv.def0
+        ratio = dv.ratio
         # destinations: cells short of replicas first, then the most under target; a
         # candidate tries the first few it fits, so a step is O(candidates), not x cells
-        order = sorted(self.active, key=lambda c: (self.count[c] >= m, ratio[c]))
+        order = dv.order()
         best: tuple[Move, float] | None = None
         best_key = (0, -_EPS)  # must strictly improve
         for w in candidates:
@@ -330,7 +353,7 @@ class Balance:
         if total <= 0:
             return None
         phi0 = self._phi(s_sum, total)
-        ratio = {c: (n[c] / total) / self.target[c] for c in self.active}
+        ratio = self._derived().ratio
         cands = [w for w in candidates if w.cell_id in ratio and w.movable]
         best: tuple[Move, Move, float] | None = None
         best_phi = phi0 - _EPS
@@ -342,14 +365,14 @@ class Balance:
                 b = v.cell_id
                 if a == b or b not in fits[i] or a not in fits[i + 1 + j]:
                     continue
+                downloads = int(w.sticky) + int(v.sticky)
+                if downloads == 2 and not allow_two_downloads:
+                    continue  # (checked before the powers: most pairs end here)
                 pw, pv = powers[i], powers[i + 1 + j]
                 pwa, pwb, pva, pvb = pw(a), pw(b), pv(a), pv(b)
                 na, nb = n[a] - pwa + pva, n[b] - pvb + pwb
                 ta, tb = self.target[a], self.target[b]
                 total2 = total - pwa - pvb + pwb + pva
-                downloads = int(w.sticky) + int(v.sticky)
-                if downloads == 2 and not allow_two_downloads:
-                    continue
                 if downloads and not self._worth_it(a, b, na, nb, total2, ratio, downloads):
                     continue
                 s_new = s_sum + (na * na - n[a] * n[a]) / ta + (nb * nb - n[b] * n[b]) / tb
@@ -357,6 +380,50 @@ class Balance:
                 if phi < best_phi:
                     best, best_phi = ((w.worker_id, a, b), (v.worker_id, b, a), phi0 - phi), phi
         return best
+
+
+class _Derived:
+    """Figures derived from a `Balance`'s sums, valid until its next change (see there).
+
+    Each is computed exactly as the uncached expression did, in the same order, so the
+    cache changes no decision, only how often the O(cells) sums run.
+    """
+
+    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_base")
+
+    def __init__(self, bal: Balance) -> None:
+        self.bal = bal
+        cells, active, target, count = bal.cells, bal.active, bal.target, bal.count
+        self.refs = refs = {c: bal.ref(c) for c in cells}
+        raw = bal.raw
+        self.n = n = {c: raw[c] / refs[c] for c in cells}
+        self.total = total = sum(n.values())
+        self.s_sum = sum(n[c] * n[c] / target[c] for c in active)
+        self.m = m = bal.min_replicas_now()
+        if total > 0:
+            self.ratio = {c: (n[c] / total) / target[c] for c in active}
+        else:
+            self.ratio = {c: 0.0 for c in active}
+        self.max_dev = max((abs(x - 1.0) for x in self.ratio.values()), default=0.0)
+        self.short = any(count[c] < m for c in active)
+        self.def0 = sum(bal._deficit(c, count[c], m) for c in active)
+        self._order: tuple[str, ...] | None = None
+        self._base: dict[int, int] = {}
+
+    def order(self) -> tuple[str, ...]:
+        """Active cells, those short of replicas first, then by share/target ascending."""
+        if self._order is None:
+            count, m, ratio = self.bal.count, self.m, self.ratio
+            self._order = tuple(sorted(self.bal.active, key=lambda c: (count[c] >= m, ratio[c])))
+        return self._order
+
+    def deficit_sum(self, m: int) -> int:
+        """Sum of the active cells' replica deficits under floor m."""
+        got = self._base.get(m)
+        if got is None:
+            bal = self.bal
+            got = self._base[m] = sum(bal._deficit(x, bal.count[x], m) for x in bal.active)
+        return got
 
 
 def assign(
