@@ -277,9 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hivemind", action="store_true", help="skip all hivemind rows")
     p.add_argument("--side-venv", type=Path, default=ROOT / "bench-out" / "hivemind-np-venv", help="side environment for hivemind's 8-bit codecs (created once)")
     p.add_argument("--no-side-env", action="store_true", help="do not create or use the side environment")
+    p.add_argument("--no-thp", action="store_true",
+                   help="do not back large tensors with transparent huge pages (THP_MEM_ALLOC_ENABLE; the worker sets it)")
     p.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not args.no_thp:
+        # as `bagel-worker` does: torch reads it at its first large allocation. Decoding into a
+        # fresh 64 MB tensor is otherwise dominated by 4 KiB page faults. Inherited by the
+        # hivemind side process, so both sides are measured alike.
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if args.hivemind_worker:
         return worker_main(args)
     if args.quick:
@@ -335,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     order = {d: i for i, d in enumerate(DATA)}
     rows.sort(key=lambda r: (order[r["data"]], r["impl"] != "bagel"))
     result_targets = targets(rows)
-    print(f"\n{n} values per tensor, {args.threads} torch threads, best of {args.reps}; torch {torch.__version__}, numpy {np.__version__}, {platform.machine()}")
+    print(f"\n{n} values per tensor, {args.threads} torch threads, THP {'off' if args.no_thp else 'on'}, best of {args.reps}; torch {torch.__version__}, numpy {np.__version__}, {platform.machine()}")
     print(format_table(rows))
     if side_note:
         print(f"\nnote: {side_note}")
