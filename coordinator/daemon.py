@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -303,6 +304,12 @@ async def _serve(
     handle: CoordinatorHandle | None = None
     try:
         handle = await start_coordinator(spec, data_dir, **kwargs)
+        # Everything alive after start-up (modules, torch, the restored state) moves out of
+        # the collector's reach for good (CPython's gc.freeze, made for this by Instagram):
+        # full collections over it paused the event loop for up to 135 ms with 10k workers
+        # (bench/coordinator_load.py), which alone put the heartbeat p99 past its target.
+        gc.collect()
+        gc.freeze()
         out(f"listening: {handle.endpoint}")
         if handle.metrics_port is not None:
             out(f"metrics: http://{kwargs.get('metrics_listen', '').rpartition(':')[0] or '127.0.0.1'}:{handle.metrics_port}/metrics")
