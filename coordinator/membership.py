@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from bagel.coordinator.core_base import CoreBase
 from bagel.coordinator.domain import Donor, PeerAddress, RoundState, WorkerState
@@ -260,7 +260,7 @@ class Membership(CoreBase):
             return
         tol = self.policy.balance_tolerance
         for _ in range(self.knobs.max_moves):
-            ratios = b.ratios()
+            ratios = b.ratio_view()
             balanced = not ratios or b.max_deviation() <= tol
             short = b.short_of_replicas()
             if balanced and not short:
@@ -283,12 +283,13 @@ class Membership(CoreBase):
             for wid, _, to in swap[:2]:
                 self._move(self._workers[wid], to, now)
 
-    def _candidates(self, ratios: dict[str, float], limit: int = 0, *, over_only: bool = False) -> Iterator[WorkerView]:
+    def _candidates(self, ratios: Mapping[str, float], limit: int = 0, *, over_only: bool = False) -> Iterator[WorkerView]:
         """Idle workers, from the most over-target cell down, at most `limit` (default:
-        the `candidates` knob); with over_only, only from cells over their target."""
+        the `candidates` knob); with over_only, only from cells over their target.
+        `ratios` is the balance's current `ratio_view()`."""
         limit = limit or self.knobs.candidates
         n = 0
-        for cid in sorted(ratios, key=lambda x: -ratios[x]):
+        for cid in self.balance.cells_by_ratio_desc():
             if over_only and ratios[cid] <= 1.0:
                 return
             c = self._cells[cid]

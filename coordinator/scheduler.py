@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from operator import truediv
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -145,6 +146,7 @@ class Balance:
         self._refs: dict[str, float] = {}  # references as of the last _stats()
         self.placed = 0  # sum of count (kept, not summed: min_replicas_now is on hot paths)
         self._cache: _Derived | None = None  # derived figures; None = stale
+        self._refs_now: dict[str, float] | None = None  # ref(c) of every cell; None = stale
 
     # ---- bookkeeping
 
@@ -156,6 +158,7 @@ class Balance:
                 self._ref_sum[c] += sign * v
                 self._ref_n[c] += sign
         self._cache = None
+        self._refs_now = None
 
     def ref(self, c: str) -> float:
         n = self._ref_n[c]
@@ -226,6 +229,14 @@ class Balance:
         """share / target of each active cell (1.0 = on target)."""
         return dict(self._derived().ratio)
 
+    def ratio_view(self) -> Mapping[str, float]:
+        """`ratios()` without the copy: read-only, valid until the next change."""
+        return self._derived().ratio
+
+    def cells_by_ratio_desc(self) -> tuple[str, ...]:
+        """Active cells from the most over target down (ties in cell order)."""
+        return self._derived().by_ratio_desc()
+
     def max_deviation(self) -> float:
         """max |share/target - 1| over the active cells (0.0 with none)."""
         return self._derived().max_dev
@@ -261,21 +272,31 @@ class Balance:
     def best_cell(
         self, vram_bytes: int, throughput: Mapping[str, float], reputation: float
     ) -> str:
-        """The cell a newcomer should join ("" = none fits or all are full)."""
-        n, total, s_sum, m = self._stats()
-        power = self._power_fn(throughput, reputation)
-        best, best_key = "", (math.inf, math.inf)
+        """The cell a newcomer should join ("" = none fits or all are full): the least
+        (replica deficit, Phi) after it joins. O(eligible cells), so the loop body is
+        written out (the same arithmetic as `_power_fn`, `_deficit` and `_phi`)."""
+        n, total, s_sum, _ = self._stats()
+        refs, count, target = self._refs, self.count, self.target
+        rw = reputation_weight(reputation, self.knobs.ban_reputation)
+        max_r = self.knobs.max_replicas
+        best, best_d, best_phi = "", math.inf, math.inf
         m_after = min(self.knobs.min_replicas, (self.placed + 1) // max(1, len(self.active)))
         base = self._derived().deficit_sum(m_after)
-        for c in self.eligible(vram_bytes):
-            if self.count[c] >= self.knobs.max_replicas:
+        for c in self.eligible(vram_bytes):  # eligible cells are active: target > 0
+            k = count[c]
+            if k >= max_r:
                 continue
-            p = power(c)
-            s_new = s_sum + (2 * n[c] * p + p * p) / self.target[c]
-            deficit = base - self._deficit(c, self.count[c], m_after) + self._deficit(c, self.count[c] + 1, m_after)
-            key = (deficit, self._phi(s_new, total + p))
-            if key < best_key:
-                best, best_key = c, key
+            v = throughput.get(c)
+            if v is None or v <= 0:
+                v = throughput_for(throughput, c)
+            p = v * rw / refs[c]
+            s_new = s_sum + (2 * n[c] * p + p * p) / target[c]
+            d = m_after - k
+            deficit = base - (d * d if d > 0 else 0) + ((d - 1) * (d - 1) if d > 1 else 0)
+            t = total + p
+            phi = s_new / (t * t) - 1.0 if t > 0 else 0.0
+            if deficit < best_d or (deficit == best_d and phi < best_phi):
+                best, best_d, best_phi = c, deficit, phi
         return best
 
     def _worth_it(self, a: str, b: str, na: float, nb: float, total: float, ratio: Mapping[str, float],
@@ -293,7 +314,7 @@ class Balance:
         """The single move of a candidate that lowers (replica deficit, Phi) the most.
 
         A sticky candidate (one whose move costs a download) only moves when that is worth
-        it (`_worth_it`). Returns ((worker, from, to), gain in Phi) or None.
+        it (`_worth_it`, written out below). Returns ((worker, from, to), gain in Phi) or None.
         """
         dv = self._derived()
         n, total, s_sum, m = dv.n, dv.total, dv.s_sum, dv.m
@@ -302,46 +323,61 @@ class Balance:
         phi0 = self._phi(s_sum, total)
         def0 = dv.def0
         ratio = dv.ratio
-        # destinations: cells short of replicas first, then the most under target; a
-        # candidate tries the first few it fits, so a step is O(candidates), not x cells
-        order = dv.order()
+        target, count = self.target, self.count
+        stick = self.knobs.stickiness
         best: tuple[Move, float] | None = None
-        best_key = (0, -_EPS)  # must strictly improve
+        best_d, best_p = 0, -_EPS  # must strictly improve (deficit, then Phi)
         for w in candidates:
             a = w.cell_id
             if not a or not w.movable:
                 continue
-            ta = self.target.get(a, 0.0)
+            ta = target.get(a, 0.0)
             power = self._power_fn(w.throughput, w.reputation)
             pa = power(a)
             na = max(0.0, n[a] - pa)
             s_wo = s_sum - ((n[a] * n[a] - na * na) / ta if ta > 0 else 0.0)
-            def_wo = def0 - self._deficit(a, self.count[a], m) + self._deficit(a, self.count[a] - 1, m)
+            if ta > 0:  # _deficit(a, count[a], m) -> _deficit(a, count[a] - 1, m)
+                d = m - count[a]
+                def_wo = def0 - (d * d if d > 0 else 0) + ((d + 1) * (d + 1) if d > -1 else 0)
+            else:
+                def_wo = def0
             ra = ratio.get(a, math.inf)
-            fits_w = self.eligible_set(w.vram_bytes)
+            sticky = w.sticky
+            if sticky:
+                dev_a = abs(ratio[a] - 1.0)
             tried = 0
-            for b in order:
+            # destinations: cells short of replicas first, then the most under target, that
+            # fit the worker and have room; it tries the first few, so a step is O(candidates)
+            for b in dv.destinations(w.vram_bytes):
+                if b == a:
+                    continue
                 if tried >= _DESTINATIONS:
                     break
-                if b == a or b not in fits_w or self.count[b] >= self.knobs.max_replicas:
-                    continue
-                if ratio[b] >= ra and self.count[b] >= m:
+                if ratio[b] >= ra and count[b] >= m:
                     break  # compute moving "uphill" cannot lower Phi; only a deficit justifies it
                 tried += 1
                 pb = power(b)
-                d_new = def_wo - self._deficit(b, self.count[b], m) + self._deficit(b, self.count[b] + 1, m)
-                if w.sticky:
+                d = m - count[b]  # b is active: _deficit(b, count[b], m) -> count[b] + 1
+                d_new = def_wo - (d * d if d > 0 else 0) + ((d - 1) * (d - 1) if d > 1 else 0)
+                nb = n[b] + pb
+                total_b = total - pa + pb
+                if sticky:
                     # redundancy comes first: restoring min_replicas is worth a download, by a
                     # worker that does not push the cell past twice its target (an empty cell
                     # takes anyone; otherwise a better-sized worker comes idle soon enough)
-                    total_b = total - pa + pb
-                    fills = d_new < def0 and (self.count[b] == 0 or (n[b] + pb) / total_b / self.target[b] <= 2.0)
-                    if not fills and not self._worth_it(a, b, na, n[b] + pb, total_b, ratio, 1):
-                        continue
-                s_new = s_wo + (2 * n[b] * pb + pb * pb) / self.target[b]
-                key = (d_new - def0, self._phi(s_new, total - pa + pb) - phi0)
-                if key < best_key:
-                    best, best_key = ((w.worker_id, a, b), -key[1]), key
+                    tb = target[b]
+                    fills = d_new < def0 and (count[b] == 0 or nb / total_b / tb <= 2.0)
+                    if not fills:
+                        # _worth_it(a, b, na, nb, total_b, ratio, 1)
+                        before = max(dev_a, abs(ratio[b] - 1.0))
+                        after = max(abs(na / total_b / ta - 1.0), abs(nb / total_b / tb - 1.0))
+                        if not before - after > stick:
+                            continue
+                s_new = s_wo + (2 * n[b] * pb + pb * pb) / target[b]
+                dd = d_new - def0
+                pd = self._phi(s_new, total_b) - phi0
+                if dd < best_d or (dd == best_d and pd < best_p):
+                    best, best_d, best_p = ((w.worker_id, a, b), -pd), dd, pd
         return best
 
     def best_swap(self, candidates: Iterable[WorkerView], *, allow_two_downloads: bool = True) -> tuple[Move, Move, float] | None:
@@ -389,26 +425,48 @@ class _Derived:
     cache changes no decision, only how often the O(cells) sums run.
     """
 
-    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_base")
+    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_base",
+                 "_dests", "_desc")
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal
         cells, active, target, count = bal.cells, bal.active, bal.target, bal.count
-        self.refs = refs = {c: bal.ref(c) for c in cells}
-        raw = bal.raw
-        self.n = n = {c: raw[c] / refs[c] for c in cells}
+        refs = bal._refs_now
+        if refs is None:  # references change only with add_reference
+            refs = bal._refs_now = {c: bal.ref(c) for c in cells}
+        self.refs = refs
+        self.n = n = dict(zip(cells, map(truediv, bal.raw.values(), refs.values())))  # both in cell order
         self.total = total = sum(n.values())
-        self.s_sum = sum(n[c] * n[c] / target[c] for c in active)
+        self.s_sum = sum([n[c] * n[c] / target[c] for c in active])
         self.m = m = bal.min_replicas_now()
         if total > 0:
             self.ratio = {c: (n[c] / total) / target[c] for c in active}
         else:
             self.ratio = {c: 0.0 for c in active}
-        self.max_dev = max((abs(x - 1.0) for x in self.ratio.values()), default=0.0)
-        self.short = any(count[c] < m for c in active)
-        self.def0 = sum(bal._deficit(c, count[c], m) for c in active)
+        self.max_dev = max([abs(x - 1.0) for x in self.ratio.values()], default=0.0)
+        # _deficit of every active cell, summed; some cell is short iff the sum is positive
+        self.def0 = sum([(m - k) * (m - k) for k in [count[c] for c in active] if k < m])
+        self.short = self.def0 > 0
         self._order: tuple[str, ...] | None = None
         self._base: dict[int, int] = {}
+        self._dests: dict[int, tuple[str, ...]] = {}
+        self._desc: tuple[str, ...] | None = None
+
+    def destinations(self, vram_bytes: int) -> tuple[str, ...]:
+        """`order()` less the cells that do not fit `vram_bytes` or are full."""
+        got = self._dests.get(vram_bytes)
+        if got is None:
+            bal = self.bal
+            fits_w, count, max_r = bal.eligible_set(vram_bytes), bal.count, bal.knobs.max_replicas
+            got = self._dests[vram_bytes] = tuple(b for b in self.order() if b in fits_w and count[b] < max_r)
+        return got
+
+    def by_ratio_desc(self) -> tuple[str, ...]:
+        """Active cells from the most over target down (stable for ties)."""
+        if self._desc is None:
+            ratio = self.ratio
+            self._desc = tuple(sorted(ratio, key=lambda x: -ratio[x]))
+        return self._desc
 
     def order(self) -> tuple[str, ...]:
         """Active cells, those short of replicas first, then by share/target ascending."""
