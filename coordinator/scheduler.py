@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from operator import truediv
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from bagel.coordinator.domain import MemberPlan, PeerAddress
@@ -449,17 +449,32 @@ class _Derived:
         self.short = self.def0 > 0
         self._order: tuple[str, ...] | None = None
         self._base: dict[int, int] = {}
-        self._dests: dict[int, tuple[str, ...]] = {}
+        self._dests: dict[int, tuple[list[str], list[int]]] = {}  # vram -> (filtered prefix, next index)
         self._desc: tuple[str, ...] | None = None
 
-    def destinations(self, vram_bytes: int) -> tuple[str, ...]:
-        """`order()` less the cells that do not fit `vram_bytes` or are full."""
-        got = self._dests.get(vram_bytes)
-        if got is None:
+    def destinations(self, vram_bytes: int) -> Iterator[str]:
+        """`order()` less the cells that do not fit `vram_bytes` or are full, filtered
+        lazily and memoised per VRAM size: a candidate reads only the first few."""
+        st = self._dests.get(vram_bytes)
+        if st is None:
+            st = self._dests[vram_bytes] = ([], [0])
+        got, pos = st
+        i = 0
+        while True:
+            if i < len(got):
+                yield got[i]
+                i += 1
+                continue
             bal = self.bal
-            fits_w, count, max_r = bal.eligible_set(vram_bytes), bal.count, bal.knobs.max_replicas
-            got = self._dests[vram_bytes] = tuple(b for b in self.order() if b in fits_w and count[b] < max_r)
-        return got
+            order, fits_w, count, max_r = self.order(), bal.eligible_set(vram_bytes), bal.count, bal.knobs.max_replicas
+            j = pos[0]
+            while j < len(order) and not (order[j] in fits_w and count[order[j]] < max_r):
+                j += 1
+            if j >= len(order):
+                pos[0] = j
+                return
+            got.append(order[j])
+            pos[0] = j + 1
 
     def by_ratio_desc(self) -> tuple[str, ...]:
         """Active cells from the most over target down (stable for ties)."""

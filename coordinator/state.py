@@ -53,7 +53,7 @@ import itertools
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from bagel.coordinator.core_base import REDUCE_DEADLINE, TRAIN_DEADLINE
@@ -101,6 +101,20 @@ from bagel.coordinator.spec import RunSpec
 
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+_PLAIN = frozenset((int, float))
+
+
+def _plain_rates(rates: Mapping[str, float]) -> bool:
+    """True if every rate is a plain int or float, finite and non-negative (what `_finite`
+    and `>= 0` accept, checked without a Python-level loop: a profile has one rate per cell)."""
+    vals = rates.values()
+    if not vals:
+        return True
+    if not set(map(type, vals)) <= _PLAIN:
+        return False
+    return min(vals) >= 0 and not any(map(math.isinf, vals)) and not any(map(math.isnan, vals))
 
 
 class CoordinatorState(RoundLifecycle, Membership):
@@ -326,9 +340,10 @@ class CoordinatorState(RoundLifecycle, Membership):
             raise InvalidEvent("worker_id: required")
         if p.vram_bytes < 0 or p.num_devices < 0 or not _finite(p.link_bandwidth_bytes_per_s) or p.link_bandwidth_bytes_per_s < 0:
             raise InvalidEvent("profile: vram_bytes, num_devices and link bandwidth must be non-negative")
-        for cid, v in p.samples_per_s.items():
-            if not _finite(v) or v < 0:
-                raise InvalidEvent(f"profile.samples_per_s[{cid!r}]: must be a finite non-negative number")
+        if not _plain_rates(p.samples_per_s):  # the common case is checked in C, the rest here
+            for cid, v in p.samples_per_s.items():
+                if not _finite(v) or v < 0:
+                    raise InvalidEvent(f"profile.samples_per_s[{cid!r}]: must be a finite non-negative number")
         if ev.local.committed_round < 0:
             raise InvalidEvent("local.committed_round: must be >= 0")
         w = self._workers.get(ev.worker_id)

@@ -189,6 +189,7 @@ class Engine(WorkerBehaviour):
         self.cell_index = {c: j for j, c in enumerate(self.cells)}
         self.rounds_now = [0] * len(self.cells)
         self.by_id: dict[str, W] = {}
+        self._expert0 = self.spec.expert_cells[0]  # (a property that builds every cell id)
         self.ws = [self._make_worker(i) for i in range(self.n)]
 
     # ------------------------------------------------------------ setup
@@ -197,7 +198,7 @@ class Engine(WorkerBehaviour):
         p = self.pop
         w = W(i)
         w.flops = float(p.tflops[i]) * 1e12 * self.work.mfu
-        rate_e = w.rate_e = cm.samples_per_s(self.work, float(p.tflops[i]), self.spec.expert_cells[0])
+        rate_e = w.rate_e = cm.samples_per_s(self.work, float(p.tflops[i]), self._expert0)
         rate_r = w.rate_r = cm.samples_per_s(self.work, float(p.tflops[i]), ROUTER_CELL)
         w.bw = float(p.bandwidth_bytes_per_s[i])
         w.lat = float(p.latency_s[i])
