@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from operator import truediv
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from bagel.coordinator.domain import MemberPlan, PeerAddress
@@ -152,11 +152,11 @@ class Balance:
 
     def add_reference(self, throughput: Mapping[str, float], sign: int = 1) -> None:
         """Count (sign=+1) or forget (-1) a known worker's profile in the references."""
-        for c in self.cells:
-            v = throughput.get(c)
-            if v is not None and v > 0:
-                self._ref_sum[c] += sign * v
-                self._ref_n[c] += sign
+        rs, rn = self._ref_sum, self._ref_n
+        for c, v in throughput.items():  # each cell's sum on its own: the order is free
+            if c in rs and v is not None and v > 0:
+                rs[c] += sign * v
+                rn[c] += sign
         self._cache = None
         self._refs_now = None
 
@@ -426,7 +426,7 @@ class _Derived:
     """
 
     __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_base",
-                 "_dests", "_desc")
+                 "_dests", "_desc", "_open")
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal
@@ -449,45 +449,36 @@ class _Derived:
         self.short = self.def0 > 0
         self._order: tuple[str, ...] | None = None
         self._base: dict[int, int] = {}
-        self._dests: dict[int, tuple[list[str], list[int]]] = {}  # vram -> (filtered prefix, next index)
+        self._dests: dict[int, tuple[str, ...]] = {}
+        self._open: list[str] | None = None  # order() less the full cells
         self._desc: tuple[str, ...] | None = None
 
-    def destinations(self, vram_bytes: int) -> Iterator[str]:
-        """`order()` less the cells that do not fit `vram_bytes` or are full, filtered
-        lazily and memoised per VRAM size: a candidate reads only the first few."""
-        st = self._dests.get(vram_bytes)
-        if st is None:
-            st = self._dests[vram_bytes] = ([], [0])
-        got, pos = st
-        i = 0
-        while True:
-            if i < len(got):
-                yield got[i]
-                i += 1
-                continue
-            bal = self.bal
-            order, fits_w, count, max_r = self.order(), bal.eligible_set(vram_bytes), bal.count, bal.knobs.max_replicas
-            j = pos[0]
-            while j < len(order) and not (order[j] in fits_w and count[order[j]] < max_r):
-                j += 1
-            if j >= len(order):
-                pos[0] = j
-                return
-            got.append(order[j])
-            pos[0] = j + 1
+    def destinations(self, vram_bytes: int) -> tuple[str, ...]:
+        """`order()` less the cells that are full or do not fit `vram_bytes` (memoised
+        per VRAM size; populations have few)."""
+        got = self._dests.get(vram_bytes)
+        if got is None:
+            if self._open is None:
+                count, max_r = self.bal.count, self.bal.knobs.max_replicas
+                self._open = [b for b in self.order() if count[b] < max_r]
+            got = self._dests[vram_bytes] = tuple(filter(self.bal.eligible_set(vram_bytes).__contains__, self._open))
+        return got
 
     def by_ratio_desc(self) -> tuple[str, ...]:
         """Active cells from the most over target down (stable for ties)."""
         if self._desc is None:
-            ratio = self.ratio
-            self._desc = tuple(sorted(ratio, key=lambda x: -ratio[x]))
+            # a stable sort in reverse keeps ties in cell order, as key=-ratio did
+            self._desc = tuple(sorted(self.ratio, key=self.ratio.__getitem__, reverse=True))
         return self._desc
 
     def order(self) -> tuple[str, ...]:
         """Active cells, those short of replicas first, then by share/target ascending."""
         if self._order is None:
-            count, m, ratio = self.bal.count, self.m, self.ratio
-            self._order = tuple(sorted(self.bal.active, key=lambda c: (count[c] >= m, ratio[c])))
+            # = sorted(active, key=(count >= m, ratio)), stable: the two groups sorted apart
+            count, m, key = self.bal.count, self.m, self.ratio.__getitem__
+            short = [c for c in self.bal.active if count[c] < m]
+            rest = [c for c in self.bal.active if count[c] >= m] if short else self.bal.active
+            self._order = tuple(sorted(short, key=key)) + tuple(sorted(rest, key=key))
         return self._order
 
     def deficit_sum(self, m: int) -> int:
