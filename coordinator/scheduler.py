@@ -345,6 +345,14 @@ class Balance:
             sticky = w.sticky
             if sticky:
                 dev_a = abs(ratio[a] - 1.0)
+                if def0 == 0:
+                    # nothing to fill, so it moves only if worth it, and `before` is at most
+                    # max(dev_a, |lowest destination ratio - 1|): a destination above 1 is
+                    # below ra (uphill ends the scan). With that bound <= stickiness no
+                    # destination qualifies (after >= 0): skip the candidate unevaluated.
+                    dests = dv.destinations(w.vram_bytes)
+                    if not dests or max(dev_a, abs(ratio[dests[0]] - 1.0)) <= stick:
+                        continue
             tried = 0
             # destinations: cells short of replicas first, then the most under target, that
             # fit the worker and have room; it tries the first few, so a step is O(candidates)
