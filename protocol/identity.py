@@ -45,6 +45,11 @@ def worker_id_of(public_key: bytes) -> str:
     """Worker id of a raw 32-byte Ed25519 public key: "w" + 20 hex of sha256(key)."""
     if len(public_key) != PUBLIC_KEY_BYTES:
         raise ValueError(f"public key must be {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
+    return _worker_id(bytes(public_key))
+
+
+@lru_cache(maxsize=65536)  # every request recomputes its sender's id: the same few thousand keys
+def _worker_id(public_key: bytes) -> str:
     return WORKER_ID_PREFIX + hashlib.sha256(public_key).hexdigest()[:WORKER_ID_HEX]
 
 
@@ -53,11 +58,11 @@ class InvalidSignature(Exception):
 
 
 @lru_cache(maxsize=65536)
-def _verify_key(public_key: bytes) -> VerifyKey:
+def _checked_key(public_key: bytes) -> PublicKey:
     # Checking the point costs about as much as hashing it; the coordinator sees the same
     # few thousand keys over and over, so keep the checked keys (bounded LRU).
     Ed25519PublicKey.from_public_bytes(public_key)  # ValueError: not a valid point
-    return VerifyKey(public_key)
+    return PublicKey(VerifyKey(public_key))
 
 
 class PublicKey:
@@ -79,7 +84,7 @@ def load_public_key(public_key: bytes) -> PublicKey:
     """Checked (cached) Ed25519 public key; ValueError if not 32 bytes or not a valid point."""
     if len(public_key) != PUBLIC_KEY_BYTES:
         raise ValueError(f"public key must be {PUBLIC_KEY_BYTES} bytes, got {len(public_key)}")
-    return PublicKey(_verify_key(bytes(public_key)))
+    return _checked_key(bytes(public_key))
 
 
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
