@@ -38,6 +38,8 @@ from operator import truediv
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from bagel.coordinator.domain import MemberPlan, PeerAddress
 from bagel.coordinator.policy import Policy
 from bagel.coordinator.spec import RunSpec
@@ -143,8 +145,16 @@ class Balance:
         # eligible cells by VRAM, memoised: populations have few distinct VRAM sizes.
         self._eligible: dict[int, tuple[str, ...]] = {}
         self._eligible_set: dict[int, frozenset[str]] = {}
+        self._eligible_idx: dict[int, np.ndarray] = {}  # positions of eligible(vram) in self.cells
+        self._index = {c: i for i, c in enumerate(self.cells)}
+        self._target_arr = np.array([self.target[c] for c in self.cells], dtype=np.float64)
         self._refs: dict[str, float] = {}  # references as of the last _stats()
         self.placed = 0  # sum of count (kept, not summed: min_replicas_now is on hot paths)
+        # thin[k]: active cells with exactly k < min_replicas members, so short_of_replicas
+        # is O(min_replicas) without the derived figures (a join or leave asks it first)
+        self._thin = [0] * max(0, knobs.min_replicas)
+        if self._thin:
+            self._thin[0] = len(self.active)
         self._cache: _Derived | None = None  # derived figures; None = stale
         self._refs_now: dict[str, float] | None = None  # ref(c) of every cell; None = stale
 
@@ -182,13 +192,23 @@ class Balance:
         return power
 
     def add(self, c: str, raw: float) -> None:
-        self.count[c] += 1
+        k = self.count[c]
+        if k < len(self._thin) and self.target[c] > 0:
+            self._thin[k] -= 1
+            if k + 1 < len(self._thin):
+                self._thin[k + 1] += 1
+        self.count[c] = k + 1
         self.raw[c] += raw
         self.placed += 1
         self._cache = None
 
     def remove(self, c: str, raw: float) -> None:
-        self.count[c] -= 1
+        k = self.count[c] - 1
+        if 0 <= k < len(self._thin) and self.target[c] > 0:
+            self._thin[k] += 1
+            if k + 1 < len(self._thin):
+                self._thin[k + 1] -= 1
+        self.count[c] = k
         self.raw[c] = self.raw[c] - raw if self.count[c] > 0 else 0.0  # no float drift to 0
         self.placed -= 1
         self._cache = None
@@ -205,6 +225,7 @@ class Balance:
             h = self.knobs.vram_headroom
             got = tuple(c for c in self.active if fits(vram_bytes, self.memory[c], h))
             self._eligible[vram_bytes] = got
+            self._eligible_idx[vram_bytes] = np.array([self._index[c] for c in got], dtype=np.intp)
         return got
 
     # ---- measures
@@ -242,8 +263,9 @@ class Balance:
         return self._derived().max_dev
 
     def short_of_replicas(self) -> bool:
-        """Is some active cell below `min_replicas_now()`?"""
-        return self._derived().short
+        """Is some active cell below `min_replicas_now()`? (The same answer as the derived
+        deficit sum being positive, read off the per-count tally.)"""
+        return any(self._thin[: self.min_replicas_now()])
 
     def min_replicas_now(self) -> int:
         """min_replicas, lowered while there are too few workers for every active cell."""
@@ -273,16 +295,56 @@ class Balance:
         self, vram_bytes: int, throughput: Mapping[str, float], reputation: float
     ) -> str:
         """The cell a newcomer should join ("" = none fits or all are full): the least
-        (replica deficit, Phi) after it joins. O(eligible cells), so the loop body is
-        written out (the same arithmetic as `_power_fn`, `_deficit` and `_phi`)."""
+        (replica deficit, Phi) after it joins, ties to the first eligible cell.
+
+        O(eligible cells), and called on every join, so the per-cell arithmetic runs as
+        numpy element-wise operations: the same IEEE operations in the same order as the
+        scalar expressions (`_power_fn`, `_deficit`, `_phi`), so the same choice.
+        """
         n, total, s_sum, _ = self._stats()
-        refs, count, target = self._refs, self.count, self.target
+        d = self._derived()
+        el = self.eligible(vram_bytes)
+        if not el:
+            return ""
+        idx = self._eligible_idx[vram_bytes]
         rw = reputation_weight(reputation, self.knobs.ban_reputation)
         max_r = self.knobs.max_replicas
-        best, best_d, best_phi = "", math.inf, math.inf
         m_after = min(self.knobs.min_replicas, (self.placed + 1) // max(1, len(self.active)))
-        base = self._derived().deficit_sum(m_after)
-        for c in self.eligible(vram_bytes):  # eligible cells are active: target > 0
+        base = d.deficit_sum(m_after)
+        v = np.fromiter(map(throughput.get, el, itertools.repeat(-1.0)), np.float64, len(el))
+        bad = ~(v > 0)  # missing, zero or not a number: the worker's mean rate (rare)
+        if bad.any():
+            v[bad] = [throughput_for(throughput, el[i]) for i in np.flatnonzero(bad)]
+        refs, na, count = d.arrays()
+        k = count[idx]
+        p = v * rw / refs[idx]
+        s_new = s_sum + (2 * na[idx] * p + p * p) / self._target_arr[idx]
+        dd = m_after - k
+        deficit = base - np.where(dd > 0, dd * dd, 0) + np.where(dd > 1, (dd - 1) * (dd - 1), 0)
+        t = total + p
+        with np.errstate(divide="ignore", invalid="ignore"):
+            phi = np.where(t > 0, s_new / (t * t) - 1.0, 0.0)
+        ok = k < max_r
+        if not ok.any():
+            return ""
+        if np.isnan(phi[ok]).any():  # the scalar loop's order-dependent answer to a NaN
+            return self._best_cell_loop(el, throughput, rw, m_after, base)
+        dmin = deficit[ok].min()
+        cand = ok & (deficit == dmin)
+        ph = np.where(cand, phi, np.inf)
+        i = int(np.argmin(ph))
+        if not cand[i]:  # every candidate's Phi is inf: the first candidate, as the loop
+            i = int(np.flatnonzero(cand)[0])
+        return el[i]
+
+    def _best_cell_loop(self, el: tuple[str, ...], throughput: Mapping[str, float], rw: float, m_after: int,
+                        base: int) -> str:
+        """`best_cell`'s scalar loop (kept for the NaN corner, where order decides)."""
+        n, total, s_sum, _ = self._stats()
+        refs, count, target = self._refs, self.count, self.target
+        max_r = self.knobs.max_replicas
+        best, best_d, best_phi = "", math.inf, math.inf
+        for c in el:  # eligible cells are active: target > 0
             k = count[c]
             if k >= max_r:
                 continue
@@ -434,7 +496,7 @@ class _Derived:
     """
 
     __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_base",
-                 "_dests", "_desc", "_open")
+                 "_dests", "_desc", "_open", "_arrays")
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal
@@ -460,6 +522,15 @@ class _Derived:
         self._dests: dict[int, tuple[str, ...]] = {}
         self._open: list[str] | None = None  # order() less the full cells
         self._desc: tuple[str, ...] | None = None
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(references, normalised compute, counts) as arrays in cell order, for `best_cell`."""
+        if self._arrays is None:
+            k = len(self.bal.cells)
+            self._arrays = (np.fromiter(self.refs.values(), np.float64, k), np.fromiter(self.n.values(), np.float64, k),
+                            np.fromiter(self.bal.count.values(), np.int64, k))
+        return self._arrays
 
     def destinations(self, vram_bytes: int) -> tuple[str, ...]:
         """`order()` less the cells that are full or do not fit `vram_bytes` (memoised
@@ -493,8 +564,9 @@ class _Derived:
         """Sum of the active cells' replica deficits under floor m."""
         got = self._base.get(m)
         if got is None:
-            bal = self.bal
-            got = self._base[m] = sum(bal._deficit(x, bal.count[x], m) for x in bal.active)
+            # = sum(bal._deficit(x, count[x], m) for x in active): active cells have a target
+            count = self.bal.count
+            got = self._base[m] = sum([(m - k) * (m - k) for k in [count[c] for c in self.bal.active] if k < m])
         return got
 
 
