@@ -62,7 +62,7 @@ class CoreBase:
         raise NotImplementedError
 
     # ---- implemented by Membership (membership.py)
-    def _rebalance(self, now: int) -> None:
+    def _rebalance(self, now: int, *, balance: bool = True) -> None:
         raise NotImplementedError
 
     def _reputation(self, w: Worker, delta: float, now: int, why: str) -> None:

@@ -221,7 +221,7 @@ class Membership(CoreBase):
         if w.state is WorkerState.ACTIVE and w.reputation <= self.spec.schedule.ban_reputation:
             self._detach(w, now, fail_fast=True)
             w.state, w.reason = WorkerState.BANNED, f"reputation {w.reputation:.2f}: {why}"
-            self._rebalance(now)
+            self._rebalance(now, balance=False)
 
     # ---------------------------------------------------------------- orphaned cells
 
@@ -246,8 +246,22 @@ class Membership(CoreBase):
 
     # ---------------------------------------------------------------- scheduling
 
-    def _rebalance(self, now: int) -> None:
-        """Bounded repair: place standby workers, then a few improving moves of idle ones."""
+    def _rebalance(self, now: int, *, balance: bool = True) -> None:
+        """Bounded repair: place standby workers, then a few improving moves of idle ones.
+
+        Redundancy moves (some cell below min_replicas) are made on every call. Balance
+        moves only with `balance=True`, which the callers pass where a move is worth its
+        cost (design section 5, stickiness):
+        - at a round boundary, when the cell's members have just become movable;
+        - on a join while the newcomer's cell has not committed a round yet: nobody there
+          holds or downloads state, so moves are free (the cold start, small fleets).
+        A departure, a lost lease or a ban only restores redundancy: the hole it leaves
+        is where `best_cell` puts the next joiner, and the next boundary moves idle
+        members. A join into a trained cell is placed by `best_cell` (the largest
+        shortfall) and moves nobody else: the idle workers such a repair would shuffle
+        are mostly joiners still downloading, whose move throws that download away.
+        With 10,000 workers this also keeps a join or leave O(cells), not O(candidates x
+        destinations x moves)."""
         b, m = self.balance, self.knobs.candidates
         if self._standby and any(b.count[c] < self.knobs.max_replicas for c in b.active):
             for wid in list(itertools.islice(self._standby, m)):
@@ -260,9 +274,11 @@ class Membership(CoreBase):
             return
         tol = self.policy.balance_tolerance
         for _ in range(self.knobs.max_moves):
+            short = b.short_of_replicas()
+            if not (short or balance):
+                return
             ratios = b.ratio_view()
             balanced = not ratios or b.max_deviation() <= tol
-            short = b.short_of_replicas()
             if balanced and not short:
                 return
             move = b.best_move(self._candidates(ratios, over_only=not short))

@@ -20,9 +20,11 @@ Pure code (no I/O, no clock, no randomness), used unchanged by the daemon, throu
   than `schedule.stickiness` (and lowers Phi). Workers that hold nothing yet move
   freely (fresh joiners, and everyone while the run is at round 0).
 - **Bounded work.** `Balance` keeps per-cell sums, so placing a joiner is O(cells) and one
-  repair step is O(candidates x cells); the state calls them on join/leave and at a cell's
-  round boundary with at most `Policy.max_moves_per_event` moves, which keeps a transition
-  cheap with 10,000 workers. `assign` runs the same steps over a whole population.
+  repair step is O(candidates x cells); the state repairs with at most
+  `Policy.max_moves_per_event` moves at a cell's round boundary (balance and redundancy)
+  and on join/leave (redundancy; balance only while the joiner's cell is untrained, see
+  `Membership._rebalance`), which keeps a transition cheap with 10,000 workers. `assign`
+  runs the same steps over a whole population.
 
 `plan_round` splits `diloco.group_batch` across a round's members in proportion to their
 throughput, so H inner steps take about the same wall time on a fast card and a slow one

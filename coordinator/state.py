@@ -370,7 +370,8 @@ class CoordinatorState(RoundLifecycle, Membership):
         else:
             self._standby[w.id] = None
         self._dw[w.id] = None
-        self._rebalance(now)
+        # balance moves only while the newcomer's cell is untrained (free moves; see _rebalance)
+        self._rebalance(now, balance=bool(cid) and self._cells[cid].committed_round == 0)
         return self._instruction(w), None, w.lease_ms
 
     def _on_heartbeat(self, now: int, ev: Heartbeat) -> tuple[Instruction, None, int]:
@@ -490,7 +491,7 @@ class CoordinatorState(RoundLifecycle, Membership):
             return None, None, None  # a duplicate Leave, or of a lost/banned worker: no-op
         self._detach(w, now, fail_fast=True)
         w.state, w.reason = WorkerState.LEFT, ev.reason
-        self._rebalance(now)
+        self._rebalance(now, balance=False)  # redundancy only: the next joiner fills the hole
         return None, None, None
 
     def _on_lease_expired(self, now: int, ev: LeaseExpired) -> tuple[None, None, None]:
@@ -499,7 +500,7 @@ class CoordinatorState(RoundLifecycle, Membership):
             raise UnknownWorker(f"unknown worker {ev.worker_id!r}")
         if w.state is WorkerState.ACTIVE:
             self._expire(w, now)
-            self._rebalance(now)
+            self._rebalance(now, balance=False)
         return None, None, None
 
     def _on_tick(self, now: int, ev: Tick) -> tuple[None, None, None]:
@@ -515,7 +516,7 @@ class CoordinatorState(RoundLifecycle, Membership):
             elif kind == REDUCE_DEADLINE and r.state is RoundState.REDUCING and r.reduce_attempt == ra:
                 self._abort(c, r, now, f"reduce deadline of attempt {ra} passed")
         if lost:
-            self._rebalance(now)
+            self._rebalance(now, balance=False)
         return None, None, None
 
     def _on_checkpoint_stored(self, now: int, ev: CheckpointStored) -> tuple[None, None, None]:
