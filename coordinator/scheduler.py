@@ -505,7 +505,9 @@ class _Derived:
         cells, active, target, count = bal.cells, bal.active, bal.target, bal.count
         refs = bal._refs_now
         if refs is None:  # references change only with add_reference
-            refs = bal._refs_now = {c: bal.ref(c) for c in cells}
+            # = {c: bal.ref(c) for c in cells}: both sums are dicts in cell order
+            refs = bal._refs_now = dict(zip(cells, [s / k if k > 0 and s > 0 else 1.0
+                                                    for s, k in zip(bal._ref_sum.values(), bal._ref_n.values())]))
         self.refs = refs
         self.n = n = dict(zip(cells, map(truediv, bal.raw.values(), refs.values())))  # both in cell order
         self.total = total = sum(n.values())
