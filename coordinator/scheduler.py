@@ -389,6 +389,7 @@ class Balance:
         ratio = dv.ratio
         target, count = self.target, self.count
         stick = self.knobs.stickiness
+        ban, refs = self.knobs.ban_reputation, dv.refs
         best: tuple[Move, float] | None = None
         best_d, best_p = 0, -_EPS  # must strictly improve (deficit, then Phi)
         for w in candidates:
@@ -396,8 +397,13 @@ class Balance:
             if not a or not w.movable:
                 continue
             ta = target.get(a, 0.0)
-            power = self._power_fn(w.throughput, w.reputation)
-            pa = power(a)
+            # power(c) of `_power_fn`, written out: this loop runs candidates x destinations times
+            thr = w.throughput
+            rw = reputation_weight(w.reputation, ban)
+            v = thr.get(a)
+            if v is None or v <= 0:
+                v = throughput_for(thr, a)
+            pa = v * rw / refs[a]
             na = max(0.0, n[a] - pa)
             s_wo = s_sum - ((n[a] * n[a] - na * na) / ta if ta > 0 else 0.0)
             if ta > 0:  # _deficit(a, count[a], m) -> _deficit(a, count[a] - 1, m)
@@ -428,7 +434,10 @@ class Balance:
                 if ratio[b] >= ra and count[b] >= m:
                     break  # compute moving "uphill" cannot lower Phi; only a deficit justifies it
                 tried += 1
-                pb = power(b)
+                v = thr.get(b)
+                if v is None or v <= 0:
+                    v = throughput_for(thr, b)
+                pb = v * rw / refs[b]
                 d = m - count[b]  # b is active: _deficit(b, count[b], m) -> count[b] + 1
                 d_new = def_wo - (d * d if d > 0 else 0) + ((d - 1) * (d - 1) if d > 1 else 0)
                 nb = n[b] + pb
