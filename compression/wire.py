@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import struct
 import sys
+import threading
 import zlib
 from dataclasses import dataclass
 
@@ -167,10 +168,63 @@ def parse_header(buf: memoryview, max_elements: int) -> Header:
     return Header(codec_id, flags, CODE_DTYPES[dtype_code], tuple(shape), block, numel, count, body)
 
 
+# ---------------------------------------------------------------------------- crc32
+# zlib.crc32 runs at ~4 GB/s here, a fifth of an int8 encode's time on a 16M-value tensor.
+# It releases the GIL, so a large buffer's two halves are summed on two threads and the
+# two CRCs combined. The combination is zlib's crc32_combine (crc32.c: multmodp and
+# x2nmodp, multiplication by x^(8 * len2) modulo the CRC polynomial, reflected), written
+# out in Python: about 13 us, against ~1.8 ms saved on a 17 MB buffer.
+
+_POLY = 0xEDB88320
+_PARALLEL_CRC_BYTES = 4 << 20
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial, bit-reflected (zlib's multmodp)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+_X2N = [1 << 30]  # x^(2^n) modulo the polynomial, n = 0..31
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """crc32(a + b) from crc32(a), crc32(b) and len(b)."""
+    p, n, k = 1 << 31, len2, 3  # x^(8 * len2): 2^3 bits per byte
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2
+
+
+def crc32(buf: memoryview) -> int:
+    """zlib.crc32 of `buf`; a large buffer's halves are summed on two threads."""
+    n = len(buf)
+    if n < _PARALLEL_CRC_BYTES:
+        return zlib.crc32(buf)
+    half = n // 2
+    tail: list[int] = []
+    worker = threading.Thread(target=lambda: tail.append(zlib.crc32(buf[half:])), name="bagel-crc32")
+    worker.start()
+    head = zlib.crc32(buf[:half])
+    worker.join()
+    return crc32_combine(head, tail[0], n - half)
+
+
 def check_crc(buf: memoryview) -> None:
     """Compare the trailing CRC32 with one computed over everything before it."""
     (stored,) = struct.unpack_from("<I", buf, len(buf) - CRC_NBYTES)
-    actual = zlib.crc32(buf[: len(buf) - CRC_NBYTES])
+    actual = crc32(buf[: len(buf) - CRC_NBYTES])
     if stored != actual:
         raise CodecError(f"checksum mismatch (stored {stored:#010x}, computed {actual:#010x}): corrupted buffer")
 
@@ -181,7 +235,7 @@ def finish(out: torch.Tensor, header: bytes) -> bytes:
     arr = out.numpy()
     arr[: len(header)] = np.frombuffer(header, dtype=np.uint8)
     mv = memoryview(arr)
-    crc = zlib.crc32(mv[: len(arr) - CRC_NBYTES])
+    crc = crc32(mv[: len(arr) - CRC_NBYTES])
     arr[len(arr) - CRC_NBYTES :] = np.frombuffer(struct.pack("<I", crc), dtype=np.uint8)
     return arr.tobytes()
 

@@ -268,3 +268,19 @@ def test_same_bytes_in_another_process_with_other_thread_counts() -> None:
         ).stdout
         there = {line.split()[0]: tuple(line.split()[1:]) for line in out.strip().splitlines()}
         assert there == here
+
+
+def test_crc32_combine_and_the_two_thread_crc_equal_zlib() -> None:
+    import os
+    import random
+    import zlib
+
+    from bagel.compression.wire import crc32, crc32_combine
+
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = os.urandom(rng.randint(0, 300)), os.urandom(rng.randint(0, 300))
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    for n in (100, (4 << 20) - 1, 4 << 20, (4 << 20) + 7):  # below and above the two-thread size
+        data = os.urandom(n)
+        assert crc32(memoryview(data)) == zlib.crc32(data)
