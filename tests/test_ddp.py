@@ -99,6 +99,13 @@ def _rank_main(out: Path) -> None:
         ddp.follow(ctx, {"train": on_train_and_save, "stop_round": on_stop_round})
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(results | {"backend": ctx.backend, "world": ctx.world_size}))
     ctx.shutdown()
+    # The group is left (barrier, destroy) above, so a crash there still fails the test. Skip
+    # the interpreter's own teardown: once in five full runs a rank aborted in it with
+    # "terminate called without an active exception" (a C++ thread still joinable when
+    # torch's static objects are destroyed), after both ranks had written their results.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.timeout(120)
