@@ -412,7 +412,8 @@ class DataPlane:
                 reply.part = header.part
             try:
                 await write_message(writer, reply)
-                await _drain(reader)
+                if not e.retry:  # a final refusal; a "not ready yet" is retried at once by design
+                    await _drain(reader)
             except _RETRYABLE:
                 pass
         except (*_RETRYABLE, TimeoutError) as e:
