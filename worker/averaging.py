@@ -412,8 +412,6 @@ class DataPlane:
                 reply.part = header.part
             try:
                 await write_message(writer, reply)
-                if not e.retry:  # a final refusal; a "not ready yet" is retried at once by design
-                    await _drain(reader)
             except _RETRYABLE:
                 pass
         except (*_RETRYABLE, TimeoutError) as e:
@@ -488,27 +486,3 @@ async def _dial_all(p2p: P2P, members: Sequence[Contributor], me: str) -> None:
             log.debug("dialing %s failed: %s", c.worker_id, e)
 
     await asyncio.gather(*(dial(c) for c in members if c.worker_id != me and c.maddrs))
-
-
-# A refusal is answered while the sender may still be sending its payload. Closing a stream
-# with unread bytes can reset it, and the reset can cut our reply short on the sender's side
-# (seen in the suite as "stream closed after 0 of 147 frame bytes"), the way TCP answers a
-# close with unread data by RST. So read and drop what is still coming, bounded in bytes
-# and time, until the sender closes its side, before closing ours.
-_DRAIN_MAX_BYTES = 64 << 20
-_DRAIN_MAX_S = 2.0
-
-
-async def _drain(reader: asyncio.StreamReader) -> None:
-    async def read() -> None:
-        seen = 0
-        while seen <= _DRAIN_MAX_BYTES:
-            chunk = await reader.read(1 << 16)
-            if not chunk:
-                return
-            seen += len(chunk)
-
-    try:
-        await asyncio.wait_for(read(), _DRAIN_MAX_S)
-    except (TimeoutError, *_RETRYABLE):
-        pass
