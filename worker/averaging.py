@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.worker.framing import LEN_NBYTES, FrameError, read_frame, read_message, write_frame, write_message
+from bagel.worker.framing import LEN_NBYTES, FrameError, discard_frame, read_frame, read_message, write_frame, write_message
 from bagel.worker.parts import (
     Codec,
     Contributor,
@@ -61,6 +61,8 @@ from bagel.worker.reduction import (
     ContributionRejected,
     ExchangeError,
     ExchangeFailed,
+    DISCARD_MAX_NBYTES,
+    DISCARD_TIMEOUT_S,
     ExchangeTimeout,
     Reduction,
     Refused,
@@ -412,6 +414,8 @@ class DataPlane:
                 reply.part = header.part
             try:
                 await write_message(writer, reply)
+                if header is not None and header.payload_nbytes and not e.payload_read:
+                    await discard_frame(reader, min(header.payload_nbytes, DISCARD_MAX_NBYTES), DISCARD_TIMEOUT_S)
             except _RETRYABLE:
                 pass
         except (*_RETRYABLE, TimeoutError) as e:

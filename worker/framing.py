@@ -22,6 +22,7 @@ MAX_FRAME_NBYTES = (1 << 32) - 1
 # protobuf headers are small; a larger one is an attack or a bug.
 MAX_HEADER_NBYTES = 64 * 1024
 _WRITE_CHUNK = 1 << 20
+_SMALL_FRAME = 64 << 10
 
 M = TypeVar("M", bound=Message)
 
@@ -35,6 +36,10 @@ async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview) ->
     n = len(data)
     if n > MAX_FRAME_NBYTES:
         raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME_NBYTES}-byte limit")
+    if n <= _SMALL_FRAME:  # one write: the length and a small body never travel apart
+        writer.write(_LEN.pack(n) + bytes(data))
+        await writer.drain()
+        return LEN_NBYTES + n
     writer.write(_LEN.pack(n))
     view = memoryview(data)
     for start in range(0, n, _WRITE_CHUNK):
@@ -56,6 +61,34 @@ async def read_frame(reader: asyncio.StreamReader, max_nbytes: int) -> bytes:
         return await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:
         raise FrameError(f"stream closed after {len(e.partial)} of {n} frame bytes") from e
+
+
+async def discard_frame(reader: asyncio.StreamReader, max_nbytes: int, timeout_s: float) -> bool:
+    """Read and drop one frame of at most max_nbytes, within timeout_s; True if all of it came.
+
+    A peer that answers before reading what the other side is still sending must read it
+    anyway before closing: closing a libp2p stream with unread bytes can reset it, and the
+    reset can cut the answer short on the other side (as TCP answers such a close with RST).
+    """
+
+    async def read() -> bool:
+        try:
+            (n,) = _LEN.unpack(await reader.readexactly(LEN_NBYTES))
+        except asyncio.IncompleteReadError:
+            return False
+        if n > max_nbytes:
+            return False
+        while n > 0:
+            chunk = await reader.read(min(n, _WRITE_CHUNK))
+            if not chunk:
+                return False
+            n -= len(chunk)
+        return True
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except (TimeoutError, ConnectionError, OSError):
+        return False
 
 
 async def write_message(writer: asyncio.StreamWriter, msg: Message) -> int:

@@ -23,12 +23,18 @@ from dataclasses import dataclass, field
 
 import torch
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.worker.framing import LEN_NBYTES, read_frame, write_frame, write_message
+from bagel.worker.framing import LEN_NBYTES, discard_frame, read_frame, write_frame, write_message
 from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
 from bagel.worker.reducers import PartRejected, Reducer
 from hivemind.p2p import PeerID
 
 log = logging.getLogger(__name__)
+
+# A payload we answer without reading (a refusal, an excluded contribution) is still read
+# and dropped before the stream closes (`framing.discard_frame`), within these bounds; past
+# them the sender may see a cut reply and retries.
+DISCARD_MAX_NBYTES = 256 << 20
+DISCARD_TIMEOUT_S = 5.0
 
 # ---------------------------------------------------------------- errors
 
@@ -60,9 +66,9 @@ class ExchangeFailed(ExchangeError):
 class Refused(Exception):
     """Refuse an incoming stream; `retry`: the sender may try again (we are not ready yet)."""
 
-    def __init__(self, reason: str, *, retry: bool = False):
+    def __init__(self, reason: str, *, retry: bool = False, payload_read: bool = False):
         super().__init__(reason)
-        self.reason, self.retry = reason, retry
+        self.reason, self.retry, self.payload_read = reason, retry, payload_read
 
 
 @dataclass
@@ -220,6 +226,7 @@ class Reduction:
         self.streams[h.sender] = self.streams.get(h.sender, 0) + 1
         self.replies_pending += 1
         self.replies_done.clear()
+        unread = 0
         try:
             self.bytes_received += nbytes
             # a little past the deadline, so a FAILED verdict still reaches the sender
@@ -229,13 +236,14 @@ class Reduction:
                     if h.weight == 0 and h.payload_nbytes == 0:
                         problem = "abstained (non-finite delta or no samples)"
                     self.exclude(h.sender, problem)
+                    unread = h.payload_nbytes
                 else:
                     buf = await read_frame(reader, h.payload_nbytes)
                     self.bytes_received += LEN_NBYTES + len(buf)
                     digest = hashlib.sha256(repr(h.weight).encode() + buf).digest()
                     if h.sender in self.digests:
                         if self.digests[h.sender] != digest:
-                            raise Refused("a different contribution from this sender was already received")
+                            raise Refused("a different contribution from this sender was already received", payload_read=True)
                     elif h.sender not in self.excluded and h.sender not in self.accepted and not self.result.done():
                         self.digests[h.sender] = digest
                         try:
@@ -251,6 +259,8 @@ class Reduction:
             await write_message(writer, reply)
             if payload:
                 await write_frame(writer, payload)
+            if unread:  # the payload we did not read; read it before the stream closes
+                await discard_frame(reader, min(unread, DISCARD_MAX_NBYTES), DISCARD_TIMEOUT_S)
         finally:
             self.streams[h.sender] -= 1
             self.replies_pending -= 1
