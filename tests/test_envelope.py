@@ -196,6 +196,16 @@ def test_replay_cache_prunes_only_expired():
     assert not cache.seen(b"a") and cache.seen(b"b")
 
 
+def test_replay_cache_prunes_as_it_goes():
+    # A steady stream (one message per ms, each valid for 10 ms) stays near the live
+    # window without any explicit prune: each insert drops a few expired entries.
+    cache = ReplayCache(capacity=1000)
+    for t in range(5000):
+        cache.add(t.to_bytes(4, "big"), t + 10, t)
+        assert len(cache) <= 12
+    assert cache.seen((4999).to_bytes(4, "big")) and not cache.seen((4980).to_bytes(4, "big"))
+
+
 def test_error_statuses():
     assert BadSignature.status == grpc.StatusCode.UNAUTHENTICATED
     assert BadPublicKey.status == grpc.StatusCode.UNAUTHENTICATED
