@@ -288,6 +288,48 @@ async def _publish(handle: CoordinatorHandle) -> None:
 
 # ---------------------------------------------------------------------------- process
 
+# Full (generation-2) collections, at most this often: see `_tame_gc`.
+FULL_GC_PERIOD_S = 600.0
+# Automatic full collections effectively off: CPython 3.11 runs one after this many
+# generation-1 passes (and only once the old generation grew by a quarter).
+_NO_AUTOMATIC_FULL_GC = 1 << 30
+
+
+def _tame_gc() -> None:
+    """Keep the cyclic collector from pausing the event loop for long (the daemon only).
+
+    A full collection walks every tracked object outside the frozen set, holding the GIL:
+    nothing else runs meanwhile. Two steps keep that off the request path:
+
+    1. Everything alive after start-up (modules, torch, the restored state) moves out of
+       the collector's reach for good (CPython's gc.freeze, made for this by Instagram):
+       full collections over it paused the loop for up to 135 ms.
+    2. The fleet registers after start-up, so its state (about 4 tracked objects per
+       worker) is not frozen, and CPython runs a full collection whenever the old
+       generation grew by a quarter: at 2,000 heartbeats/s that was every ~40 s, each
+       pass 45-50 ms of CPU over ~60k objects at 10k workers (measured with gc.callbacks
+       under bench/coordinator_load.py), and the queue it leaves behind takes several times
+       as long to drain at ~0.9 core busy: about half of the 10k-worker runs missed the
+       p99 target because of one such pass. So automatic full collections are off, and
+       `_full_gc_every` runs one every FULL_GC_PERIOD_S instead.
+
+    Young collections (generations 0 and 1) still run as usual: they reclaim the
+    per-request reference cycles (gRPC calls, tasks) within milliseconds. What escapes to
+    the old generation and dies there waits for the next periodic pass (a few MB at most
+    at 10k workers), rather than being frozen forever; gc.freeze is not repeated for the
+    same reason (it would keep in-flight requests' cycles alive for good).
+    """
+    gc.collect()
+    gc.freeze()
+    threshold0, threshold1, _ = gc.get_threshold()
+    gc.set_threshold(threshold0, threshold1, _NO_AUTOMATIC_FULL_GC)
+
+
+async def _full_gc_every(period_s: float) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        gc.collect()
+
 
 async def _serve(
     spec: RunSpec,
@@ -302,14 +344,13 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     handle: CoordinatorHandle | None = None
+    full_gc: asyncio.Task[None] | None = None
+    stop_gc_watch: Callable[[], None] | None = None
     try:
         handle = await start_coordinator(spec, data_dir, **kwargs)
-        # Everything alive after start-up (modules, torch, the restored state) moves out of
-        # the collector's reach for good (CPython's gc.freeze, made for this by Instagram):
-        # full collections over it paused the event loop for up to 135 ms with 10k workers
-        # (bench/coordinator_load.py), which alone put the heartbeat p99 past its target.
-        gc.collect()
-        gc.freeze()
+        _tame_gc()
+        stop_gc_watch = handle.metrics.watch_gc()
+        full_gc = asyncio.create_task(_full_gc_every(FULL_GC_PERIOD_S), name="bagel-coordinator-full-gc")
         out(f"listening: {handle.endpoint}")
         if handle.metrics_port is not None:
             out(f"metrics: http://{kwargs.get('metrics_listen', '').rpartition(':')[0] or '127.0.0.1'}:{handle.metrics_port}/metrics")
@@ -325,6 +366,10 @@ async def _serve(
         log.info("signal received: draining and shutting down")
         return 0
     finally:
+        if full_gc is not None:
+            full_gc.cancel()
+        if stop_gc_watch is not None:
+            stop_gc_watch()
         if handle is not None:
             await handle.stop(grace_s)
         for sig in (signal.SIGTERM, signal.SIGINT):

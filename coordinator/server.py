@@ -359,8 +359,15 @@ class CoordinatorCore:
 
     async def tick_loop(self, period_ms: int) -> None:
         last_counts = 0.0
+        loop = asyncio.get_running_loop()
+        period_s = period_ms / 1000.0
         while True:
-            await asyncio.sleep(period_ms / 1000.0)
+            slept = loop.time()
+            await asyncio.sleep(period_s)
+            # the timer fires late by as long as the loop was busy or stalled: every request
+            # queued behind it waited as long (the operator's view of tail latency)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - slept - period_s))
+            self.metrics.flush_gc()
             try:
                 if self._counts_dirty and time.monotonic() - last_counts >= 1.0:
                     last_counts = time.monotonic()

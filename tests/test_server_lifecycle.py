@@ -142,3 +142,38 @@ async def test_reflection_lists_the_services(tmp_path: Path) -> None:
         assert {"bagel.v1.Coordinator", "grpc.health.v1.Health"} <= names
     finally:
         await h.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_loop_lag_is_measured_by_the_tick_loop(tmp_path: Path) -> None:
+    h = await start(tmp_path)  # tick every 50 ms
+    try:
+        while "bagel_event_loop_lag_seconds_count 0.0" in h.metrics.text():
+            await asyncio.sleep(0.05)
+    finally:
+        await h.stop()
+
+
+def test_daemon_gc_policy_and_pause_metric() -> None:
+    """The daemon freezes its start-up heap, turns automatic full collections off (young
+    ones stay on) and reports every pass; restored afterwards (process-wide settings)."""
+    import gc
+
+    from bagel.coordinator.daemon import _tame_gc
+    from bagel.coordinator.metrics import Metrics
+
+    metrics = Metrics()
+    before = gc.get_threshold()
+    stop_watch = metrics.watch_gc()
+    try:
+        _tame_gc()
+        assert gc.get_freeze_count() > 0
+        t0, t1, t2 = gc.get_threshold()
+        assert (t0, t1) == before[:2] and t0 > 0 and t2 >= 1 << 30
+        gc.collect()  # what the daemon's periodic pass does
+        metrics.flush_gc()
+        assert 'bagel_gc_pause_seconds_count{generation="2"}' in metrics.text()
+    finally:
+        stop_watch()
+        gc.unfreeze()
+        gc.set_threshold(*before)
