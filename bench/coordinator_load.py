@@ -12,7 +12,11 @@ Reported per point: heartbeats/s sustained (answered heartbeats over the measure
 window), p50/p99 heartbeat latency (client-side round trip, so it includes the
 generator's own queueing: an honest upper bound on the server's), target rate, errors,
 the generator's worst lag behind its schedule, and CPU used by the coordinator process
-(per heartbeat and in cores) and by the generator. At most `--max-inflight` heartbeats
+(per heartbeat and in cores) and by the generator. Stall attribution over the window:
+`srv>25ms`, how many of the server's tick-timer samples (4 a second, from its /metrics)
+fired more than 25 ms late, i.e. the event loop was stalled; `srv gc2 ms`, its full GC
+passes; `gen stall`, the generator's own worst stall (a 10 ms timer's lateness, ms); and
+`gen gc ms`, the generator's GC passes (the JSON has more). At most `--max-inflight` heartbeats
 are in flight: past that the generator waits (closed loop), so an overloaded coordinator
 shows a rate below target and a growing lag instead of an unbounded queue.
 Every request is freshly signed (a fresh nonce each time, as the protocol requires):
@@ -88,6 +92,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _scrape(url: str) -> dict[str, float]:
+    """Prometheus text exposition -> {'name{labels}': value}."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def _server_stalls(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    if not after:
+        return {}
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    lag = "bagel_event_loop_lag_seconds"
+    gc2 = 'bagel_gc_pause_seconds_{}{{generation="2"}}'
+    return {
+        "server_lag_samples": delta(f"{lag}_count"),
+        "server_lag_over_25ms": delta(f"{lag}_count") - delta(f'{lag}_bucket{{le="0.025"}}'),
+        "server_lag_over_100ms": delta(f"{lag}_count") - delta(f'{lag}_bucket{{le="0.1"}}'),
+        "server_full_gc_passes": delta(gc2.format("count")),
+        "server_full_gc_ms": 1000.0 * delta(gc2.format("sum")),
+        "server_gc_ms": 1000.0 * sum(delta(k) for k in after if k.startswith("bagel_gc_pause_seconds_sum")),
+    }
+
+
 # ---------------------------------------------------------------------------- generator
 
 
@@ -118,7 +155,8 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _generate(
-    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, max_inflight: int
+    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, max_inflight: int,
+    metrics_url: str | None = None,
 ) -> dict[str, Any]:
     import grpc
 
@@ -133,13 +171,28 @@ async def _generate(
     for ch in channels:
         await asyncio.wait_for(ch.channel_ready(), 60)
     rng = random.Random(0)
+    measuring = {"on": False}
     sims = [SimState(Identity.generate()) for _ in range(n)]
     # the generator's own full collections (over 10k keys and states) would show up as
     # heartbeat latency; keep what exists now out of the collector's reach, as the daemon does
+    # and, as the daemon does, no automatic full collections while it runs (young ones stay)
     import gc
 
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*gc.get_threshold()[:2], 1 << 30)
+    own_gc = {"started": 0.0, "passes": 0, "s": 0.0, "max_s": 0.0}
+
+    def gc_callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            own_gc["started"] = time.perf_counter()
+        elif measuring["on"]:
+            d = time.perf_counter() - own_gc["started"]
+            own_gc["passes"] += 1
+            own_gc["s"] += d
+            own_gc["max_s"] = max(own_gc["max_s"], d)
+
+    gc.callbacks.append(gc_callback)
     errors: dict[str, int] = {}
 
     def peer(i: int) -> pb.PeerAddress:
@@ -223,11 +276,24 @@ async def _generate(
                     errors[f"Register:{e.code().name}"] = errors.get(f"Register:{e.code().name}", 0) + 1
                     await asyncio.sleep(0.5)
 
+    own_lag = {"max_s": 0.0, "over_10ms": 0}
+
+    async def lag_sampler() -> None:
+        # how late a 10 ms timer fires in the generator: its own stalls (CPU, GC, signing
+        # bursts) end up in the latencies it reports, so they are reported next to them
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.01)
+            late = loop.time() - t - 0.01
+            if measuring["on"]:
+                own_lag["max_s"] = max(own_lag["max_s"], late)
+                own_lag["over_10ms"] += late > 0.01
+
+    sampler = asyncio.ensure_future(lag_sampler())
     t0 = time.perf_counter()
     registering = asyncio.ensure_future(asyncio.gather(*(reg(i) for i in range(n))))
 
     latencies: list[float] = []
-    measuring = {"on": False}
     sent = {"n": 0}
 
     inflight = asyncio.Semaphore(max_inflight)
@@ -285,6 +351,7 @@ async def _generate(
             measured_start = time.perf_counter()
             cpu0, own0 = _cpu_s(server_pid), time.process_time()
             errors.clear()
+            scrape0 = await asyncio.to_thread(_scrape, metrics_url) if metrics_url else {}
         burst = 0
         # bounded bursts: when behind schedule, the outer checks (registration done, end of
         # the window) still run between bursts
@@ -303,10 +370,12 @@ async def _generate(
         await asyncio.sleep(max(0.0, min(heap[0][0] - loop.time(), 0.01)) if heap else 0.01)
     measured_s = time.perf_counter() - (measured_start or time.perf_counter())
     server_cpu, own_cpu = _cpu_s(server_pid) - cpu0, time.process_time() - own0
+    scrape1 = await asyncio.to_thread(_scrape, metrics_url) if metrics_url else {}
     answered = len(latencies)
-    for t in [*tasks, registering]:
+    for t in [*tasks, registering, sampler]:
         t.cancel()
-    await asyncio.gather(*tasks, registering, return_exceptions=True)
+    await asyncio.gather(*tasks, registering, sampler, return_exceptions=True)
+    gc.callbacks.remove(gc_callback)
     for ch in channels:
         await ch.close()
     return {
@@ -324,16 +393,25 @@ async def _generate(
         "generator_cpu_cores": own_cpu / measured_s if measured_s > 0 else float("nan"),
         "register_s": register_s,
         "errors": dict(errors),
+        # stall attribution over the window: the server's (from its /metrics, when it has
+        # one: the tick timer's lateness, sampled 4 times a second, and its full GC passes)
+        # and the generator's own (a 10 ms timer's lateness, its GC passes)
+        **_server_stalls(scrape0, scrape1),
+        "generator_lag_max_ms": own_lag["max_s"] * 1000.0,
+        "generator_lag_over_10ms": own_lag["over_10ms"],
+        "generator_gc_passes": own_gc["passes"],
+        "generator_gc_ms": own_gc["s"] * 1000.0,
+        "generator_gc_max_ms": own_gc["max_s"] * 1000.0,
     }
 
 
 def _generator_main(
     target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, max_inflight: int,
-    out: Any,
+    metrics_url: str | None, out: Any,
 ) -> None:
     import uvloop
 
-    out.put(uvloop.run(_generate(target, n, period_s, warmup_s, measure_s, server_pid, max_inflight)))
+    out.put(uvloop.run(_generate(target, n, period_s, warmup_s, measure_s, server_pid, max_inflight, metrics_url)))
 
 
 # ---------------------------------------------------------------------------- baseline peer
@@ -379,11 +457,15 @@ def run_point(
     target = f"127.0.0.1:{port}"
     log_path = workdir / f"{server}-{n}.log"
     log = log_path.open("w")
+    metrics_url = None
     if server == "baseline":
         argv = [sys.executable, str(Path(__file__).resolve()), "--serve-baseline", target]
     else:
+        metrics_port = _free_port()
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         argv = [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec), "--data-dir",
-                str(workdir / f"data-{n}"), "--listen", target, "--no-dht", "--tick-ms", "250", "--log-level", "WARNING"]
+                str(workdir / f"data-{n}"), "--listen", target, "--no-dht", "--tick-ms", "250", "--log-level", "WARNING",
+                "--metrics-listen", f"127.0.0.1:{metrics_port}"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
         assert proc.stdout is not None
@@ -394,7 +476,7 @@ def run_point(
             raise RuntimeError(f"coordinator exited with {proc.wait()}")
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        gen = ctx.Process(target=_generator_main, args=(target, n, period_s, warmup_s, measure_s, proc.pid, max_inflight, q))
+        gen = ctx.Process(target=_generator_main, args=(target, n, period_s, warmup_s, measure_s, proc.pid, max_inflight, metrics_url, q))
         gen.start()
         result = q.get(timeout=1800 + warmup_s + measure_s)
         result["server"] = server
@@ -440,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline: list[dict[str, Any]] = []
     print(
         f"{'server':>11} {'workers':>8} {'target/s':>9} {'hb/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'gen lag ms':>10} "
-        f"{'srv us/hb':>9} {'srv cores':>9} {'gen cores':>9} {'reg s':>6}  errors"
+        f"{'srv us/hb':>9} {'srv cores':>9} {'gen cores':>9} {'reg s':>6} {'srv>25ms':>8} {'srv gc2 ms':>10} "
+        f"{'gen stall':>9} {'gen gc ms':>9}  errors"
     )
     with tempfile.TemporaryDirectory(prefix="bagel-load-") as tmp:
         for n, server in [(n, srv) for n in workers for srv in ["baseline", "coordinator"][0 if args.baseline else 1 :]]:
@@ -450,7 +533,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{server:>11} {r['workers']:>8} {r['target_per_s']:>9.0f} {r['heartbeats_per_s']:>9.1f} {r['p50_ms']:>8.2f} "
                 f"{r['p99_ms']:>8.2f} {r['max_ms']:>8.1f} {r['generator_max_lag_ms']:>10.1f} "
                 f"{r['server_cpu_us_per_hb']:>9.0f} {r['server_cpu_cores']:>9.2f} {r['generator_cpu_cores']:>9.2f} "
-                f"{r['register_s']:>6.1f}  "
+                f"{r['register_s']:>6.1f} {r.get('server_lag_over_25ms', float('nan')):>8.0f} "
+                f"{r.get('server_full_gc_ms', float('nan')):>10.1f} {r['generator_lag_max_ms']:>9.1f} "
+                f"{r['generator_gc_ms']:>9.1f}  "
                 f"{r['errors'] or '-'}",
                 flush=True,
             )
