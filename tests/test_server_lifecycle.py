@@ -177,3 +177,31 @@ def test_daemon_gc_policy_and_pause_metric() -> None:
         stop_watch()
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def _nonzero(counts: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in counts.items() if v}
+
+
+@pytest.mark.timeout(60)
+async def test_worker_gauge_tally_matches_the_core(tmp_path: Path) -> None:
+    """The shell's running tally (from effects) equals the core's full count, through
+    registrations, leaves and a restart."""
+    h = await start(tmp_path, cluster_spec_text("lcrun", lease_s=30.0, min_replicas=1, max_replicas=1))
+    target = f"127.0.0.1:{h.port}"
+    ids = [Identity.generate() for _ in range(12)]
+    for i, ident in enumerate(ids):
+        async with CoordinatorClient(target, ident, "lcrun") as c:
+            await c.register(PROFILE, peer(str(i)))
+    for ident in ids[:3]:
+        async with CoordinatorClient(target, ident, "lcrun") as c:
+            await c.leave("done")
+    counts = _nonzero(h.state.counts())
+    assert counts.get("left") == 3 and counts.get("standby", 0) > 0  # some had no cell left
+    assert _nonzero(h.core.tally.counts()) == counts
+    await h.stop()
+    h2 = await start(tmp_path, cluster_spec_text("lcrun", lease_s=30.0, min_replicas=1, max_replicas=1))
+    try:
+        assert _nonzero(h2.core.tally.counts()) == _nonzero(h2.state.counts())
+    finally:
+        await h2.stop()
