@@ -226,6 +226,10 @@ class ReportRound:
 class Leave:
     worker_id: str
     reason: str = ""
+    # the worker can upload its committed state first: if it is the last live holder of a
+    # round the coordinator has no checkpoint of, the Leave answers with an upload order
+    # instead of leaving (a graceful leave then loses no committed round)
+    offer_checkpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)

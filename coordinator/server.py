@@ -522,7 +522,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Leave(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
         v = self.core.verify(request, "Leave")
-        await self.core.apply(wire.leave_event(v.worker_id, v.message))
+        out = await self.core.apply(wire.leave_event(v.worker_id, v.message))
+        if out.instruction is not None:  # the last holder: upload first
+            return pb.LeaveResponse(upload_first=True, instruction=wire.instruction_to_pb(out.instruction))
         return pb.LeaveResponse()
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:

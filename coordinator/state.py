@@ -483,12 +483,29 @@ class CoordinatorState(RoundLifecycle, Membership):
             self._refresh_synced(w, c)
         return self._instruction(w), Verdict.COMMITTED, w.lease_ms
 
-    def _on_leave(self, now: int, ev: Leave) -> tuple[None, None, None]:
+    def _on_leave(self, now: int, ev: Leave) -> tuple[Instruction | None, None, None]:
+        """Leave; or, when the worker offers and is the last live holder of a committed round
+        newer than the cell's checkpoint, an upload order first (it stays active meanwhile;
+        if it never comes back, its lease runs out as for any lost worker)."""
         w = self._workers.get(ev.worker_id)
         if w is None:
             raise UnknownWorker(f"unknown worker {ev.worker_id!r}")
         if w.state is not WorkerState.ACTIVE:
             return None, None, None  # a duplicate Leave, or of a lost/banned worker: no-op
+        c = self._cells[w.cell] if w.cell else None
+        if (
+            ev.offer_checkpoint
+            and c is not None
+            and c.committed_round > 0
+            and c.checkpoint_round < c.committed_round
+            and list(c.synced) == [w.id]
+        ):
+            if c.uploader != w.id or c.upload_round != c.committed_round:
+                c.uploader, c.upload_round = w.id, c.committed_round
+                self._dc[c.id] = None
+            why = "the last holder of the committed state: upload it, then leave"
+            return Instruction(Order.WAIT, c.id, c.committed_round + 1, c.committed_round, c.committed_hash,
+                               upload_checkpoint=True, reason=why), None, None
         self._detach(w, now, fail_fast=True)
         w.state, w.reason = WorkerState.LEFT, ev.reason
         self._rebalance(now, balance=False)  # redundancy only: the next joiner fills the hole

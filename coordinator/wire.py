@@ -79,7 +79,7 @@ def report_event(worker_id: str, req: pb.ReportRoundRequest) -> d.ReportRound:
 
 
 def leave_event(worker_id: str, req: pb.LeaveRequest) -> d.Leave:
-    return d.Leave(worker_id=worker_id, reason=req.reason)
+    return d.Leave(worker_id=worker_id, reason=req.reason, offer_checkpoint=req.offer_checkpoint)
 
 
 # ---------------------------------------------------------------- domain -> proto

@@ -280,16 +280,22 @@ class ReportRoundResponse(_message.Message):
     def __init__(self, verdict: _Optional[_Union[Verdict, str]] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("header", "reason")
+    __slots__ = ("header", "reason", "offer_checkpoint")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    OFFER_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     reason: str
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    offer_checkpoint: bool
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., reason: _Optional[str] = ..., offer_checkpoint: _Optional[bool] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("upload_first", "instruction")
+    UPLOAD_FIRST_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    upload_first: bool
+    instruction: Instruction
+    def __init__(self, upload_first: _Optional[bool] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
     __slots__ = ()

@@ -196,8 +196,12 @@ class CoordinatorClient:
         )
         return await self.call("ReportRound", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
-    async def leave(self, reason: str = "", *, timeout_s: float | None = None) -> pb.LeaveResponse:
-        return await self.call("Leave", pb.LeaveRequest(reason=reason), timeout_s=timeout_s)  # type: ignore[return-value]
+    async def leave(
+        self, reason: str = "", *, offer_checkpoint: bool = False, timeout_s: float | None = None
+    ) -> pb.LeaveResponse:
+        """Leave; with offer_checkpoint the answer may be `upload_first` instead (see the proto)."""
+        req = pb.LeaveRequest(reason=reason, offer_checkpoint=offer_checkpoint)
+        return await self.call("Leave", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
     async def status(self, *, timeout_s: float | None = None) -> pb.StatusResponse:
         """Unsigned, read-only operator view."""

@@ -374,6 +374,53 @@ def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:
     assert ins.donor is not None and ins.donor.worker_id == "" and ins.donor.checkpoint_round == 2
 
 
+def test_last_holder_that_offers_uploads_before_leaving_so_nothing_rolls_back() -> None:
+    from bagel.coordinator.domain import CheckpointStored, Leave
+
+    hz = Harness(spec=make_spec(every_rounds=10))
+    start(hz, "a", "b")
+    for n in (1, 2):
+        freeze_all(hz, "a", "b")
+        hz.report("a", h(n))
+        hz.report("b", h(n))
+    assert (hz.cell().committed_round, hz.cell().checkpoint_round) == (2, -1)
+    # not the last holder: it just leaves, offer or not
+    assert hz.apply(Leave("a", "sigterm", offer_checkpoint=True)).instruction is None
+    assert hz.store.workers["a"].state is WorkerState.LEFT
+    # the last holder is asked for the state first, and stays active meanwhile
+    out = hz.apply(Leave("b", "sigterm", offer_checkpoint=True))
+    ins = out.instruction
+    assert ins is not None and ins.upload_checkpoint and (ins.cell_id, ins.committed_round, ins.committed_hash) == (CELL, 2, h(2))
+    assert hz.store.workers["b"].state is WorkerState.ACTIVE
+    assert (hz.store.cells[CELL].uploader, hz.store.cells[CELL].upload_round) == ("b", 2)  # durable
+    hz.st.check_upload("b", CELL, 2, h(2))  # the server takes its upload
+    assert hz.apply(Leave("b", "sigterm", offer_checkpoint=True)).instruction is not None  # asked again: idempotent
+    hz.apply(CheckpointStored(CELL, 2, h(2)))
+    # now it leaves, and a newcomer that needs the state gets round 2 from the checkpoint
+    assert hz.apply(Leave("b", "sigterm", offer_checkpoint=True)).instruction is None
+    assert hz.store.workers["b"].state is WorkerState.LEFT
+    hz.reg("z")
+    cell = hz.cell()
+    assert (cell.committed_round, cell.rollbacks) == (2, 0)
+    z = hz.st.instruction_for("z")
+    assert z.order is Order.SYNC and z.committed_round == 2 and z.donor is not None and z.donor.checkpoint_round == 2
+
+
+def test_last_holder_that_does_not_offer_leaves_and_the_cell_falls_back() -> None:
+    from bagel.coordinator.domain import Leave
+
+    hz = Harness(spec=make_spec(every_rounds=10))
+    start(hz, "a", "b")
+    freeze_all(hz, "a", "b")
+    hz.report("a", h(1))
+    hz.report("b", h(1))
+    hz.apply(Leave("a"))
+    assert hz.apply(Leave("b")).instruction is None  # no offer (an old worker, or out of time)
+    hz.reg("z")
+    cell = hz.cell()
+    assert (cell.committed_round, cell.rollbacks) == (0, 1)  # no checkpoint: back to the initial state
+
+
 def test_leave_during_round_and_duplicate_leave() -> None:
     from bagel.coordinator.domain import Leave
 

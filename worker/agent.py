@@ -254,6 +254,9 @@ class Agent(CoordinatorLink, OrderHandlers):
     async def _leave(self) -> None:
         """Finish a running exchange (bounded) or abandon training, then Leave."""
         w = self.work
+        loop = asyncio.get_running_loop()
+        # one grace for all of it (torchrun, systemd and Kubernetes SIGKILL after theirs)
+        deadline = loop.time() + self.cfg.leave_grace_s
         if w is not None and w.reduce_task is not None and not w.reduce_task.done():
             self.display.event("leaving", message="finishing the running exchange first")
             try:
@@ -264,13 +267,39 @@ class Agent(CoordinatorLink, OrderHandlers):
         self._drop_work("leaving")
         await self._stop_heartbeats()  # else a heartbeat after Leave would re-register us
         if self.client is not None:
+            reason = self.exit_reason or "leaving"
             try:
                 async with self._rpc_lock:
-                    await self.client.leave(self.exit_reason or "leaving", timeout_s=5.0)
+                    resp = await self.client.leave(reason, offer_checkpoint=self.held is not None, timeout_s=5.0)
+                if resp.upload_first:  # we are the last holder of a round with no checkpoint yet
+                    await self._upload_before_leaving(resp.instruction, deadline - loop.time())
+                    async with self._rpc_lock:
+                        await self.client.leave(reason, timeout_s=5.0)
                 self.display.event("left", message=self.exit_reason)
             except grpc.aio.AioRpcError as e:
                 self.display.event("leave-failed", level="warning", message=e.details() or str(e.code()))
         await self._save_local()
+
+    async def _upload_before_leaving(self, i: pb.Instruction, budget_s: float) -> None:
+        """Upload the committed state the coordinator has no checkpoint of, within what is
+        left of the leave grace; on failure or timeout we leave anyway (the cell then falls
+        back to its checkpoint when someone needs the state)."""
+        if not self._holds(i.cell_id, i.committed_round, i.committed_hash):
+            return
+        if budget_s < 1.0:
+            self.display.event("checkpoint-upload-failed", level="warning", message="no leave grace left to upload")
+            return
+        state = self.held.state  # type: ignore[union-attr]
+        self.display.event("leaving", message=f"uploading {i.cell_id} round {i.committed_round} first: no one else holds it")
+        try:
+            async with asyncio.timeout(budget_s):
+                data = await asyncio.to_thread(state.to_safetensors)
+                resp = await self.client.upload_checkpoint(i.cell_id, i.committed_round, i.committed_hash, data)  # type: ignore[union-attr]
+            self.counters.bytes_sent += len(data)
+            self.display.event("checkpoint-uploaded", cell=i.cell_id, round=i.committed_round, stored=resp.stored, nbytes=len(data))
+        except (TimeoutError, grpc.aio.AioRpcError) as e:
+            msg = "timed out" if isinstance(e, TimeoutError) else f"{e.code().name}: {e.details()}"
+            self.display.event("checkpoint-upload-failed", level="warning", message=msg)
 
     # ================================================================== control
 
