@@ -35,7 +35,10 @@ log = logging.getLogger("bagel.sim.chaos")
 
 SAMPLE_EVERY_S = 2.0
 STARTUP_LINE_TIMEOUT_S = 120.0
-WORKER_GRACE_S = 15.0
+# a worker may take its --leave-grace-s (15 s by default) to finish an exchange or upload
+# the state it alone holds, plus its Leave calls: SIGKILL only after that (as Kubernetes'
+# default 30 s termination grace)
+WORKER_GRACE_S = 30.0
 COORDINATOR_GRACE_S = 10.0
 _BOOT_RE = re.compile(r"--initial_peers (/\S+/p2p/\S+)")
 RUN_MARKER = "chaos-run.json"
