@@ -550,7 +550,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise UploadProtocolError("the first chunk must carry the signed header")
         v = core.verify(first.header, "UploadCheckpoint")
         h: pb.UploadCheckpointHeader = v.message
-        core.state.check_upload(v.worker_id, h.cell_id, h.round, h.state_hash)
+        if not core.state.check_upload(v.worker_id, h.cell_id, h.round, h.state_hash):
+            await _drain(chunks)  # a checkpoint of this round is stored already
+            return pb.UploadCheckpointResponse(stored=False, round=h.round)
         upload = core.checkpoints.begin_upload(h.cell_id, h.round, h.state_hash, h.total_bytes, h.sha256, v.worker_id)
         try:
             async for chunk in chunks:

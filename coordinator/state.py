@@ -224,14 +224,19 @@ class CoordinatorState(RoundLifecycle, Membership):
         c = self._cells.get(cell_id)
         return None if c is None else c.hash_of(round)
 
-    def check_upload(self, worker_id: str, cell_id: str, round: int, state_hash: str) -> None:
-        """Raise unless `worker_id` was asked to upload the checkpoint of (cell, round, hash)."""
+    def check_upload(self, worker_id: str, cell_id: str, round: int, state_hash: str) -> bool:
+        """True if `worker_id` was asked to upload the checkpoint of (cell, round, hash); False
+        if a checkpoint of that round or a newer one is stored already (another holder's
+        upload won a race: nothing to do); else raise."""
         w = self._worker(worker_id)
         c = self._cell(cell_id)
+        if (c.uploader != w.id or c.upload_round != round) and 0 < round <= c.checkpoint_round:
+            return False
         if c.uploader != w.id or c.upload_round != round:
             raise InvalidRunState(f"no checkpoint upload of {cell_id} round {round} was requested from {worker_id}")
         if c.hash_of(round) != state_hash:
             raise InvalidRunState(f"{cell_id} round {round} was not committed with hash {state_hash[:12]}")
+        return True
 
     def counts(self) -> dict[str, int]:
         """Active, standby and per-state worker counts (for metrics)."""

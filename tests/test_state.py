@@ -346,6 +346,7 @@ def test_checkpoint_upload_every_n_rounds() -> None:
     cell = hz.cell()
     assert (cell.checkpoint_round, cell.checkpoint_hash, cell.upload_round) == (2, h(2), -1)
     assert not hz.st.instruction_for(up).upload_checkpoint
+    assert hz.st.check_upload(other, CELL, 2, h(2)) is False  # stored already: nothing to do, no error
     # a worker joining later can fall back to the checkpoint round
     hz.reg("z")
     assert hz.st.instruction_for("z").donor.checkpoint_round == 2  # type: ignore[union-attr]
