@@ -20,6 +20,7 @@ from bagel.sim.cli import main
 from bagel.sim.engine import Engine
 from bagel.sim.metrics import BUCKETS
 from bagel.sim.report import summarize
+from bagel.sim.runner import run_policies
 from bagel.sim.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
@@ -30,8 +31,8 @@ def _het():
     return load_scenario(SCENARIOS / "heterogeneity-10x.toml")
 
 
-def _summary(sc, names, seed, **kw):
-    res = [Engine(sc, policies.get(n), seed=seed, **kw).run() for n in names]
+def _summary(sc, names, seed, *, jobs=1, **kw):
+    res = run_policies(sc, [policies.get(n) for n in names], seed=seed, jobs=jobs, **kw)
     return summarize(res, target_samples=sc.scenario.target_samples_per_cell)
 
 
@@ -39,11 +40,24 @@ def _summary(sc, names, seed, **kw):
 def test_same_seed_same_summary_other_seed_differs():
     sc = _het()
     a = _summary(sc, ["bagel", "diloco_wait_all"], 11, **SMALL)
-    b = _summary(sc, ["bagel", "diloco_wait_all"], 11, **SMALL)
+    # the policies in parallel processes give exactly what one process gives
+    b = _summary(sc, ["bagel", "diloco_wait_all"], 11, jobs=2, **SMALL)
     assert a == b
     assert a["policies"]["bagel"]["committed_rounds"] > 0
     c = _summary(sc, ["bagel", "diloco_wait_all"], 12, **SMALL)
     assert c != a
+
+
+def test_a_policy_that_fails_in_its_process_fails_the_run(monkeypatch):
+    import bagel.sim.runner as runner
+
+    class Broken(Engine):
+        def run(self, progress=None):
+            raise ValueError("boom")
+
+    monkeypatch.setattr(runner, "Engine", Broken)  # (fork: the child sees the patch)
+    with pytest.raises(RuntimeError, match="ValueError: boom"):
+        run_policies(_het(), [policies.get("bagel"), policies.get("sync_dp")], workers=20, hours=0.1, jobs=2)
 
 
 def test_the_simulator_drives_the_daemons_core_and_scheduler(monkeypatch):
