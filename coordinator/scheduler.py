@@ -142,15 +142,23 @@ class Balance:
         self.active = tuple(c for c in self.cells if self.target[c] > 0)
         self.count = {c: 0 for c in self.cells}
         self.raw = {c: 0.0 for c in self.cells}
-        self._ref_sum = {c: 0.0 for c in self.cells}
-        self._ref_n = {c: 0 for c in self.cells}
+        # per cell, in cell order: the sum and count of the known workers' rates (references)
+        self._ref_sum = np.zeros(len(self.cells), dtype=np.float64)
+        self._ref_n = np.zeros(len(self.cells), dtype=np.int64)
         # eligible cells by VRAM, memoised: populations have few distinct VRAM sizes.
         self._eligible: dict[int, tuple[str, ...]] = {}
         self._eligible_set: dict[int, frozenset[str]] = {}
         self._eligible_idx: dict[int, np.ndarray] = {}  # positions of eligible(vram) in self.cells
+        self._fit_mask: dict[int, np.ndarray] = {}  # eligible(vram) as a mask over self.active
         self._index = {c: i for i, c in enumerate(self.cells)}
         self._target_arr = np.array([self.target[c] for c in self.cells], dtype=np.float64)
+        # the same over the active cells (a view when every cell is active), and their ids
+        self._active_idx = np.array([self._index[c] for c in self.active], dtype=np.intp)
+        self._all_active = len(self.active) == len(self.cells)
+        self._target_active = self._target_arr if self._all_active else self._target_arr[self._active_idx]
+        self._active_ids = np.array(self.active, dtype=object)
         self._refs: dict[str, float] = {}  # references as of the last _stats()
+        self._refs_arr: np.ndarray | None = None  # _refs_now as an array in cell order
         self.placed = 0  # sum of count (kept, not summed: min_replicas_now is on hot paths)
         # thin[k]: active cells with exactly k < min_replicas members, so short_of_replicas
         # is O(min_replicas) without the derived figures (a join or leave asks it first)
@@ -163,18 +171,31 @@ class Balance:
     # ---- bookkeeping
 
     def add_reference(self, throughput: Mapping[str, float], sign: int = 1) -> None:
-        """Count (sign=+1) or forget (-1) a known worker's profile in the references."""
+        """Count (sign=+1) or forget (-1) a known worker's profile in the references.
+
+        Each cell's sum on its own, so the order is free: as arrays, one element-wise add
+        of the positive rates (the same IEEE additions as the loop per cell). A rate that
+        is not a plain number takes the loop."""
         rs, rn = self._ref_sum, self._ref_n
-        for c, v in throughput.items():  # each cell's sum on its own: the order is free
-            if c in rs and v is not None and v > 0:
-                rs[c] += sign * v
-                rn[c] += sign
+        try:
+            v = np.fromiter(map(throughput.get, self.cells, itertools.repeat(0.0)), np.float64, len(self.cells))
+        except (TypeError, ValueError):
+            for c, x in throughput.items():
+                i = self._index.get(c)
+                if i is not None and x is not None and x > 0:
+                    rs[i] += sign * x
+                    rn[i] += sign
+        else:
+            ok = v > 0  # missing (0.0), zero, negative or NaN: not counted
+            np.add(rs, v if sign == 1 else sign * v, out=rs, where=ok)
+            np.add(rn, sign, out=rn, where=ok)
         self._cache = None
         self._refs_now = None
 
     def ref(self, c: str) -> float:
-        n = self._ref_n[c]
-        return self._ref_sum[c] / n if n > 0 and self._ref_sum[c] > 0 else 1.0
+        i = self._index[c]
+        n, s = int(self._ref_n[i]), float(self._ref_sum[i])
+        return s / n if n > 0 and s > 0 else 1.0
 
     def raw_power(self, throughput: Mapping[str, float], reputation: float, c: str) -> float:
         return throughput_for(throughput, c) * reputation_weight(reputation, self.knobs.ban_reputation)
@@ -219,6 +240,14 @@ class Balance:
         got = self._eligible_set.get(vram_bytes)
         if got is None:
             got = self._eligible_set[vram_bytes] = frozenset(self.eligible(vram_bytes))
+        return got
+
+    def _fit_active(self, vram_bytes: int) -> np.ndarray:
+        """Boolean mask over `active`: does the cell fit `vram_bytes`? (memoised)"""
+        got = self._fit_mask.get(vram_bytes)
+        if got is None:
+            fit = self.eligible_set(vram_bytes)
+            got = self._fit_mask[vram_bytes] = np.array([c in fit for c in self.active], dtype=bool)
         return got
 
     def eligible(self, vram_bytes: int) -> tuple[str, ...]:
@@ -268,6 +297,12 @@ class Balance:
         """Is some active cell below `min_replicas_now()`? (The same answer as the derived
         deficit sum being positive, read off the per-count tally.)"""
         return any(self._thin[: self.min_replicas_now()])
+
+    def _deficit_sum(self, m: int) -> int:
+        """Sum of the active cells' replica deficits (m - count)^2 under a floor m <=
+        min_replicas, from the per-count tally: O(m), exact (integers)."""
+        thin = self._thin
+        return sum([thin[k] * (m - k) * (m - k) for k in range(m)])
 
     def min_replicas_now(self) -> int:
         """min_replicas, lowered while there are too few workers for every active cell."""
@@ -502,85 +537,129 @@ class Balance:
 class _Derived:
     """Figures derived from a `Balance`'s sums, valid until its next change (see there).
 
-    Each is computed exactly as the uncached expression did, in the same order, so the
-    cache changes no decision, only how often the O(cells) sums run.
+    Each is computed exactly as the scalar expression it replaces (kept in the comments):
+    numpy element-wise operations are the same IEEE operations in the same order, every
+    sum over cells is still Python's left-to-right `sum` of the same terms, and the
+    orders are stable sorts by the same keys. So the cache and the arrays change no
+    decision, only the cost of a rebuild, which the cold start pays on every join and
+    move. A NaN ratio (never seen: rates are validated finite) takes the scalar path,
+    whose answers with NaN depend on order.
     """
 
-    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_base",
-                 "_dests", "_desc", "_open", "_arrays")
+    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_dests",
+                 "_desc", "_open", "_arrays", "_n_arr", "_r_arr", "_count_arr", "_order_idx", "_nan")
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal
-        cells, active, target, count = bal.cells, bal.active, bal.target, bal.count
+        cells, active = bal.cells, bal.active
+        k = len(cells)
         refs = bal._refs_now
         if refs is None:  # references change only with add_reference
-            # = {c: bal.ref(c) for c in cells}: both sums are dicts in cell order
-            refs = bal._refs_now = dict(zip(cells, [s / k if k > 0 and s > 0 else 1.0
-                                                    for s, k in zip(bal._ref_sum.values(), bal._ref_n.values())]))
+            # = {c: bal.ref(c) for c in cells}
+            rs, rn = bal._ref_sum, bal._ref_n.astype(np.float64)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                bal._refs_arr = np.where((rn > 0) & (rs > 0), rs / rn, 1.0)
+            refs = bal._refs_now = dict(zip(cells, bal._refs_arr.tolist()))
         self.refs = refs
-        self.n = n = dict(zip(cells, map(truediv, bal.raw.values(), refs.values())))  # both in cell order
-        self.total = total = sum(n.values())
-        self.s_sum = sum([n[c] * n[c] / target[c] for c in active])
+        # n = {c: raw[c] / refs[c]}; total = sum(n.values()) (in cell order)
+        n_arr = self._n_arr = np.fromiter(bal.raw.values(), np.float64, k) / bal._refs_arr
+        n_list = n_arr.tolist()
+        self.n = dict(zip(cells, n_list))
+        self.total = total = sum(n_list)
+        n_act = n_arr if bal._all_active else n_arr[bal._active_idx]
+        t_act = bal._target_active
+        # s_sum = sum([n[c] * n[c] / target[c] for c in active])
+        self.s_sum = sum((n_act * n_act / t_act).tolist())
         self.m = m = bal.min_replicas_now()
-        if total > 0:
-            self.ratio = {c: (n[c] / total) / target[c] for c in active}
-        else:
-            self.ratio = {c: 0.0 for c in active}
-        self.max_dev = max([abs(x - 1.0) for x in self.ratio.values()], default=0.0)
-        # _deficit of every active cell, summed; some cell is short iff the sum is positive
-        self.def0 = sum([(m - k) * (m - k) for k in [count[c] for c in active] if k < m])
+        # ratio = {c: (n[c] / total) / target[c] for c in active}, or 0.0 with no compute
+        r_arr = self._r_arr = n_act / total / t_act if total > 0 else np.zeros(len(active))
+        self.ratio = dict(zip(active, r_arr.tolist()))
+        self._nan = bool(np.isnan(r_arr).any())
+        if self._nan:
+            self.max_dev = max([abs(x - 1.0) for x in self.ratio.values()], default=0.0)
+        else:  # = max(|ratio - 1|), 0.0 with no active cell
+            self.max_dev = float(np.abs(r_arr - 1.0).max()) if len(active) else 0.0
+        # the sum of the active cells' deficits; some cell is short iff it is positive
+        self.def0 = bal._deficit_sum(m)
         self.short = self.def0 > 0
         self._order: tuple[str, ...] | None = None
-        self._base: dict[int, int] = {}
+        self._order_idx: np.ndarray | None = None  # positions of order() in bal.active
         self._dests: dict[int, tuple[str, ...]] = {}
-        self._open: list[str] | None = None  # order() less the full cells
+        self._open: np.ndarray | None = None  # _order_idx less the full cells
         self._desc: tuple[str, ...] | None = None
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._count_arr: np.ndarray | None = None
+
+    def _counts(self) -> np.ndarray:
+        if self._count_arr is None:
+            self._count_arr = np.fromiter(self.bal.count.values(), np.int64, len(self.bal.cells))
+        return self._count_arr
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(references, normalised compute, counts) as arrays in cell order, for `best_cell`."""
         if self._arrays is None:
-            k = len(self.bal.cells)
-            self._arrays = (np.fromiter(self.refs.values(), np.float64, k), np.fromiter(self.n.values(), np.float64, k),
-                            np.fromiter(self.bal.count.values(), np.int64, k))
-        return self._arrays
+            self._arrays = (self.bal._refs_arr, self._n_arr, self._counts())  # type: ignore[assignment]
+        return self._arrays  # type: ignore[return-value]
 
     def destinations(self, vram_bytes: int) -> tuple[str, ...]:
         """`order()` less the cells that are full or do not fit `vram_bytes` (memoised
         per VRAM size; populations have few)."""
         got = self._dests.get(vram_bytes)
         if got is None:
-            if self._open is None:
-                count, max_r = self.bal.count, self.bal.knobs.max_replicas
-                self._open = [b for b in self.order() if count[b] < max_r]
-            got = self._dests[vram_bytes] = tuple(filter(self.bal.eligible_set(vram_bytes).__contains__, self._open))
+            bal = self.bal
+            if self._nan:
+                count, max_r = bal.count, bal.knobs.max_replicas
+                fit = bal.eligible_set(vram_bytes)
+                got = tuple(b for b in self.order() if count[b] < max_r and b in fit)
+            else:
+                if self._open is None:
+                    self.order()
+                    counts = self._counts()
+                    oi = self._order_idx
+                    cells_i = oi if bal._all_active else bal._active_idx[oi]
+                    self._open = oi[counts[cells_i] < bal.knobs.max_replicas]
+                fit = bal._fit_active(vram_bytes)
+                o = self._open
+                got = tuple(bal._active_ids[o[fit[o]]].tolist())
+            self._dests[vram_bytes] = got
         return got
 
     def by_ratio_desc(self) -> tuple[str, ...]:
         """Active cells from the most over target down (stable for ties)."""
         if self._desc is None:
-            # a stable sort in reverse keeps ties in cell order, as key=-ratio did
-            self._desc = tuple(sorted(self.ratio, key=self.ratio.__getitem__, reverse=True))
+            if self._nan:
+                self._desc = tuple(sorted(self.ratio, key=self.ratio.__getitem__, reverse=True))
+            else:
+                # = sorted(ratio, key=ratio.get, reverse=True): a stable sort in reverse keeps
+                # ties in cell order, as the stable ascending sort of -ratio does
+                self._desc = tuple(self.bal._active_ids[np.argsort(-self._r_arr, kind="stable")].tolist())
         return self._desc
 
     def order(self) -> tuple[str, ...]:
         """Active cells, those short of replicas first, then by share/target ascending."""
         if self._order is None:
-            # = sorted(active, key=(count >= m, ratio)), stable: the two groups sorted apart
-            count, m, key = self.bal.count, self.m, self.ratio.__getitem__
-            short = [c for c in self.bal.active if count[c] < m]
-            rest = [c for c in self.bal.active if count[c] >= m] if short else self.bal.active
-            self._order = tuple(sorted(short, key=key)) + tuple(sorted(rest, key=key))
+            bal = self.bal
+            count, m = bal.count, self.m
+            if self._nan:
+                key = self.ratio.__getitem__
+                short = [c for c in bal.active if count[c] < m]
+                rest = [c for c in bal.active if count[c] >= m] if short else bal.active
+                self._order = tuple(sorted(short, key=key)) + tuple(sorted(rest, key=key))
+            else:
+                # = sorted(active, key=(count >= m, ratio)), stable: the stable sort by ratio,
+                # the short cells taken out first (a stable sort of a subsequence is the
+                # subsequence of the stable sort)
+                by_r = np.argsort(self._r_arr, kind="stable")
+                counts = self._counts()
+                c_act = counts if bal._all_active else counts[bal._active_idx]
+                thin = c_act[by_r] < m
+                oi = self._order_idx = np.concatenate((by_r[thin], by_r[~thin])) if thin.any() else by_r
+                self._order = tuple(bal._active_ids[oi].tolist())
         return self._order
 
     def deficit_sum(self, m: int) -> int:
-        """Sum of the active cells' replica deficits under floor m."""
-        got = self._base.get(m)
-        if got is None:
-            # = sum(bal._deficit(x, count[x], m) for x in active): active cells have a target
-            count = self.bal.count
-            got = self._base[m] = sum([(m - k) * (m - k) for k in [count[c] for c in self.bal.active] if k < m])
-        return got
+        """Sum of the active cells' replica deficits under floor m (<= min_replicas)."""
+        return self.bal._deficit_sum(m)
 
 
 def assign(
