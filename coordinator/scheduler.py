@@ -414,6 +414,11 @@ class Balance:
 
         A sticky candidate (one whose move costs a download) only moves when that is worth
         it (`_worth_it`, written out below). Returns ((worker, from, to), gain in Phi) or None.
+
+        This loop runs candidates x destinations times on every repair step, so what does
+        not depend on the candidate comes precomputed per destination (`_Derived.dest_info`)
+        and what does not depend on the destination is hoisted out of the inner loop; every
+        float expression keeps its operations and their order (noted where rewritten).
         """
         dv = self._derived()
         n, total, s_sum, m = dv.n, dv.total, dv.s_sum, dv.m
@@ -434,13 +439,15 @@ class Balance:
             ta = target.get(a, 0.0)
             # power(c) of `_power_fn`, written out: this loop runs candidates x destinations times
             thr = w.throughput
-            rw = reputation_weight(w.reputation, ban)
+            rep = w.reputation
+            rw = 1.0 if rep >= 0 or ban >= 0 else reputation_weight(rep, ban)
             v = thr.get(a)
             if v is None or v <= 0:
                 v = throughput_for(thr, a)
             pa = v * rw / refs[a]
-            na = max(0.0, n[a] - pa)
-            s_wo = s_sum - ((n[a] * n[a] - na * na) / ta if ta > 0 else 0.0)
+            n_a = n[a]
+            na = max(0.0, n_a - pa)
+            s_wo = s_sum - ((n_a * n_a - na * na) / ta if ta > 0 else 0.0)
             if ta > 0:  # _deficit(a, count[a], m) -> _deficit(a, count[a] - 1, m)
                 d = m - count[a]
                 def_wo = def0 - (d * d if d > 0 else 0) + ((d + 1) * (d + 1) if d > -1 else 0)
@@ -459,39 +466,38 @@ class Balance:
                     if not dests or max(dev_a, abs(ratio[dests[0]] - 1.0)) <= stick:
                         continue
             tried = 0
+            tp = total - pa  # total_b = total - pa + pb, evaluated left to right
             # destinations: cells short of replicas first, then the most under target, that
             # fit the worker and have room; it tries the first few, so a step is O(candidates)
-            for b in dv.destinations(w.vram_bytes):
+            for b, rb, full_b, ref_b, delta_b, n_b, two_n_b, tb, empty_b in dv.dest_info(w.vram_bytes):
                 if b == a:
                     continue
                 if tried >= _DESTINATIONS:
                     break
-                if ratio[b] >= ra and count[b] >= m:
+                if rb >= ra and full_b:
                     break  # compute moving "uphill" cannot lower Phi; only a deficit justifies it
                 tried += 1
                 v = thr.get(b)
                 if v is None or v <= 0:
                     v = throughput_for(thr, b)
-                pb = v * rw / refs[b]
-                d = m - count[b]  # b is active: _deficit(b, count[b], m) -> count[b] + 1
-                d_new = def_wo - (d * d if d > 0 else 0) + ((d - 1) * (d - 1) if d > 1 else 0)
-                nb = n[b] + pb
-                total_b = total - pa + pb
+                pb = v * rw / ref_b
+                d_new = def_wo + delta_b  # b is active: _deficit(b, count[b], m) -> count[b] + 1
+                total_b = tp + pb
                 if sticky:
                     # redundancy comes first: restoring min_replicas is worth a download, by a
                     # worker that does not push the cell past twice its target (an empty cell
                     # takes anyone; otherwise a better-sized worker comes idle soon enough)
-                    tb = target[b]
-                    fills = d_new < def0 and (count[b] == 0 or nb / total_b / tb <= 2.0)
+                    nb = n_b + pb
+                    fills = d_new < def0 and (empty_b or nb / total_b / tb <= 2.0)
                     if not fills:
                         # _worth_it(a, b, na, nb, total_b, ratio, 1)
-                        before = max(dev_a, abs(ratio[b] - 1.0))
+                        before = max(dev_a, abs(rb - 1.0))
                         after = max(abs(na / total_b / ta - 1.0), abs(nb / total_b / tb - 1.0))
                         if not before - after > stick:
                             continue
-                s_new = s_wo + (2 * n[b] * pb + pb * pb) / target[b]
+                s_new = s_wo + (two_n_b * pb + pb * pb) / tb  # (2 * n[b] * pb + pb * pb) / target[b]
                 dd = d_new - def0
-                pd = self._phi(s_new, total_b) - phi0
+                pd = (s_new / (total_b * total_b) - 1.0 if total_b > 0 else 0.0) - phi0  # _phi(s_new, total_b)
                 if dd < best_d or (dd == best_d and pd < best_p):
                     best, best_d, best_p = ((w.worker_id, a, b), -pd), dd, pd
         return best
@@ -547,7 +553,7 @@ class _Derived:
     """
 
     __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_dests",
-                 "_desc", "_open", "_arrays", "_n_arr", "_r_arr", "_count_arr", "_order_idx", "_nan")
+                 "_desc", "_open", "_arrays", "_n_arr", "_r_arr", "_count_arr", "_order_idx", "_nan", "_info")
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal
@@ -589,6 +595,7 @@ class _Derived:
         self._desc: tuple[str, ...] | None = None
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._count_arr: np.ndarray | None = None
+        self._info: dict[int, tuple[tuple, ...]] = {}
 
     def _counts(self) -> np.ndarray:
         if self._count_arr is None:
@@ -622,6 +629,25 @@ class _Derived:
                 o = self._open
                 got = tuple(bal._active_ids[o[fit[o]]].tolist())
             self._dests[vram_bytes] = got
+        return got
+
+    def dest_info(self, vram_bytes: int) -> tuple[tuple, ...]:
+        """What `best_move` reads of each destination it may try (the first
+        _DESTINATIONS + 1 of `destinations`: one may be the candidate's own cell):
+        (cell, ratio, count >= m, reference, deficit change of one more member, n,
+        2 * n, target, count == 0). Memoised per VRAM size."""
+        got = self._info.get(vram_bytes)
+        if got is None:
+            bal, m = self.bal, self.m
+            count, target, n, ratio, refs = bal.count, bal.target, self.n, self.ratio, self.refs
+            rows = []
+            for b in self.destinations(vram_bytes)[: _DESTINATIONS + 1]:
+                k = count[b]
+                d = m - k
+                # def_wo - (d * d if d > 0 else 0) + ((d - 1) * (d - 1) if d > 1 else 0): integers
+                delta = ((d - 1) * (d - 1) if d > 1 else 0) - (d * d if d > 0 else 0)
+                rows.append((b, ratio[b], k >= m, refs[b], delta, n[b], 2 * n[b], target[b], k == 0))
+            got = self._info[vram_bytes] = tuple(rows)
         return got
 
     def by_ratio_desc(self) -> tuple[str, ...]:
