@@ -515,7 +515,13 @@ class Balance:
         cands = [w for w in candidates if w.cell_id in ratio and w.movable]
         best: tuple[Move, Move, float] | None = None
         best_phi = phi0 - _EPS
-        powers = [self._power_fn(w.throughput, w.reputation) for w in cands]
+        # a pair reads each candidate's power in the candidates' own cells only: computed
+        # once per (candidate, cell), not four times per pair (power is a pure function)
+        cells = dict.fromkeys(w.cell_id for w in cands)
+        powers = []
+        for w in cands:
+            pf = self._power_fn(w.throughput, w.reputation)
+            powers.append({c: pf(c) for c in cells})
         fits = [self.eligible_set(w.vram_bytes) for w in cands]
         for i, w in enumerate(cands):
             a = w.cell_id
@@ -527,7 +533,7 @@ class Balance:
                 if downloads == 2 and not allow_two_downloads:
                     continue  # (checked before the powers: most pairs end here)
                 pw, pv = powers[i], powers[i + 1 + j]
-                pwa, pwb, pva, pvb = pw(a), pw(b), pv(a), pv(b)
+                pwa, pwb, pva, pvb = pw[a], pw[b], pv[a], pv[b]
                 na, nb = n[a] - pwa + pva, n[b] - pvb + pwb
                 ta, tb = self.target[a], self.target[b]
                 total2 = total - pwa - pvb + pwb + pva
