@@ -16,6 +16,7 @@ whole policies onto cores.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -103,6 +104,11 @@ def _handle(kind: str, k: int, payload: object, pols: Sequence[SimPolicy], resul
 
 
 def _child(q: mp.queues.Queue, k: int, scenario: Scenario, policy: SimPolicy, kw: dict, report: bool) -> None:
+    # No cyclic garbage collector in a policy's process: the engine makes no reference
+    # cycles (a full collection after a 10,000-worker day finds 0 objects, peak memory is
+    # the same), and its full collections over ~10^6 live objects cost ~3% of the run.
+    # The process ends with the run, so nothing accumulates beyond it.
+    gc.disable()
     try:
         cb = (lambda f: q.put(("progress", k, f))) if report else None
         q.put(("result", k, Engine(scenario, policy, **kw).run(cb)))
