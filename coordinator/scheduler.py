@@ -356,18 +356,24 @@ class Balance:
         k = count[idx]
         p = v * rw / refs[idx]
         s_new = s_sum + (2 * na[idx] * p + p * p) / self._target_arr[idx]
-        dd = m_after - k
-        deficit = base - np.where(dd > 0, dd * dd, 0) + np.where(dd > 1, (dd - 1) * (dd - 1), 0)
         t = total + p
-        with np.errstate(divide="ignore", invalid="ignore"):
-            phi = np.where(t > 0, s_new / (t * t) - 1.0, 0.0)
+        if (t > 0).all():  # (always, with any compute placed) the same values as below
+            phi = s_new / (t * t) - 1.0
+        else:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                phi = np.where(t > 0, s_new / (t * t) - 1.0, 0.0)
         ok = k < max_r
         if not ok.any():
             return ""
         if np.isnan(phi[ok]).any():  # the scalar loop's order-dependent answer to a NaN
             return self._best_cell_loop(el, throughput, rw, m_after, base)
-        dmin = deficit[ok].min()
-        cand = ok & (deficit == dmin)
+        if m_after <= 0 or k.min() >= m_after:
+            cand = ok  # no cell below the floor: every deficit is `base`
+        else:
+            dd = m_after - k
+            deficit = base - np.where(dd > 0, dd * dd, 0) + np.where(dd > 1, (dd - 1) * (dd - 1), 0)
+            dmin = deficit[ok].min()
+            cand = ok & (deficit == dmin)
         ph = np.where(cand, phi, np.inf)
         i = int(np.argmin(ph))
         if not cand[i]:  # every candidate's Phi is inf: the first candidate, as the loop
