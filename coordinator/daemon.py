@@ -308,10 +308,12 @@ def _tame_gc() -> None:
        worker) is not frozen, and CPython runs a full collection whenever the old
        generation grew by a quarter: at 2,000 heartbeats/s that was every ~40 s, each
        pass 45-50 ms of CPU over ~60k objects at 10k workers (measured with gc.callbacks
-       under bench/coordinator_load.py), and the queue it leaves behind takes several times
-       as long to drain at ~0.9 core busy: about half of the 10k-worker runs missed the
-       p99 target because of one such pass. So automatic full collections are off, and
-       `_full_gc_every` runs one every FULL_GC_PERIOD_S instead.
+       under bench/coordinator_load.py), the largest stall on the loop by far. Every
+       request in flight waits it out, and with the loop ~2/3 busy the queue it leaves
+       takes about as long again to drain: one pass in a 30 s window is enough to push
+       a few hundred heartbeats past tens of ms. So automatic full collections are off,
+       and `_full_gc_every` runs one every FULL_GC_PERIOD_S instead (~40 ms at 10k
+       workers, ~41k objects).
 
     Young collections (generations 0 and 1) still run as usual: they reclaim the
     per-request reference cycles (gRPC calls, tasks) within milliseconds. What escapes to
