@@ -24,6 +24,7 @@ those nodes neither store such an entry nor accept a peer's answer that carries 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
 import time
@@ -210,6 +211,14 @@ def start_dht(*, timeout_s: float = DHT_START_TIMEOUT_S, **kwargs: Any) -> Any:
     import hivemind
 
     dht = hivemind.DHT(start=False, **kwargs)
+    # The node is a forked child. Objects it inherits from us (gRPC channels and servers
+    # among them) must never be collected there: their finalizers call into gRPC's core,
+    # which does not survive a fork, and a child crashing in a collection was seen under
+    # load. So freeze the heap across the fork, as CPython's gc.freeze() docs advise for
+    # fork, and give our objects back to the collector after it (unless someone had frozen
+    # before: gc.unfreeze would undo theirs too).
+    frozen_before = gc.get_freeze_count() > 0
+    gc.freeze()
     try:
         dht.run_in_background(await_ready=True, timeout=timeout_s)
     except BaseException as e:
@@ -219,6 +228,9 @@ def start_dht(*, timeout_s: float = DHT_START_TIMEOUT_S, **kwargs: Any) -> Any:
         if isinstance(e, Exception) and not isinstance(e, DiscoveryError):
             raise DiscoveryError(f"the DHT node did not start within {timeout_s:g}s: {e!r}") from e
         raise
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
     return dht
 
 
