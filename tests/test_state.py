@@ -52,6 +52,14 @@ def freeze_all(hz: Harness, *ids: str) -> RoundRecord:
     return r
 
 
+def commit(hz: Harness, n: int, *ids: str) -> None:
+    """Round n of the open round's members `ids` (default a, b): all ready, all report h(n)."""
+    ids = ids or ("a", "b")
+    freeze_all(hz, *ids)
+    for w in ids:
+        hz.report(w, h(n))
+
+
 def test_full_round_lifecycle() -> None:
     hz = Harness()
     r = start(hz)
@@ -320,9 +328,7 @@ def test_checkpoint_upload_every_n_rounds() -> None:
     hz = Harness(spec=make_spec(every_rounds=2))
     start(hz, "a", "b")
     for n in (1, 2):
-        freeze_all(hz, "a", "b")
-        hz.report("a", h(n))
-        hz.report("b", h(n))
+        commit(hz, n)
         cell = hz.cell()
         if n == 1:
             assert cell.upload_round == -1
@@ -356,9 +362,7 @@ def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:
     hz = Harness(spec=make_spec(every_rounds=2))
     start(hz, "a", "b")
     for n in (1, 2, 3):
-        freeze_all(hz, "a", "b")
-        hz.report("a", h(n))
-        hz.report("b", h(n))
+        commit(hz, n)
         if n == 2:
             from bagel.coordinator.domain import CheckpointStored
 
@@ -380,10 +384,8 @@ def test_last_holder_that_offers_uploads_before_leaving_so_nothing_rolls_back() 
 
     hz = Harness(spec=make_spec(every_rounds=10))
     start(hz, "a", "b")
-    for n in (1, 2):
-        freeze_all(hz, "a", "b")
-        hz.report("a", h(n))
-        hz.report("b", h(n))
+    commit(hz, 1)
+    commit(hz, 2)
     assert (hz.cell().committed_round, hz.cell().checkpoint_round) == (2, -1)
     # not the last holder: it just leaves, offer or not
     assert hz.apply(Leave("a", "sigterm", offer_checkpoint=True)).instruction is None
@@ -412,9 +414,7 @@ def test_last_holder_that_does_not_offer_leaves_and_the_cell_falls_back() -> Non
 
     hz = Harness(spec=make_spec(every_rounds=10))
     start(hz, "a", "b")
-    freeze_all(hz, "a", "b")
-    hz.report("a", h(1))
-    hz.report("b", h(1))
+    commit(hz, 1)
     hz.apply(Leave("a"))
     assert hz.apply(Leave("b")).instruction is None  # no offer (an old worker, or out of time)
     hz.reg("z")
@@ -439,9 +439,7 @@ def test_leave_during_round_and_duplicate_leave() -> None:
 def test_reregister_rejoins_with_its_state() -> None:
     hz = Harness()
     start(hz, "a", "b")
-    freeze_all(hz, "a", "b")
-    hz.report("a", h(1))
-    hz.report("b", h(1))
+    commit(hz, 1)
     hz.advance(20_000)
     hz.tick()
     assert hz.store.workers["a"].state is WorkerState.LOST

@@ -289,17 +289,11 @@ class Agent(CoordinatorLink, OrderHandlers):
         if budget_s < 1.0:
             self.display.event("checkpoint-upload-failed", level="warning", message="no leave grace left to upload")
             return
-        state = self.held.state  # type: ignore[union-attr]
         self.display.event("leaving", message=f"uploading {i.cell_id} round {i.committed_round} first: no one else holds it")
         try:
-            async with asyncio.timeout(budget_s):
-                data = await asyncio.to_thread(state.to_safetensors)
-                resp = await self.client.upload_checkpoint(i.cell_id, i.committed_round, i.committed_hash, data)  # type: ignore[union-attr]
-            self.counters.bytes_sent += len(data)
-            self.display.event("checkpoint-uploaded", cell=i.cell_id, round=i.committed_round, stored=resp.stored, nbytes=len(data))
-        except (TimeoutError, grpc.aio.AioRpcError) as e:
-            msg = "timed out" if isinstance(e, TimeoutError) else f"{e.code().name}: {e.details()}"
-            self.display.event("checkpoint-upload-failed", level="warning", message=msg)
+            await asyncio.wait_for(self._upload(i, self.held.state), budget_s)  # type: ignore[union-attr]
+        except TimeoutError:
+            self.display.event("checkpoint-upload-failed", level="warning", message="timed out")
 
     # ================================================================== control
 
@@ -368,19 +362,26 @@ class Agent(CoordinatorLink, OrderHandlers):
         if key in self._uploads or not i.committed_hash or not self._holds(i.cell_id, i.committed_round, i.committed_hash):
             return
         self._uploads.add(key)
-        state = self.held.state  # type: ignore[union-attr]
+        state = self.held.state  # type: ignore[union-attr]  # now: held moves on with the next commit
 
         async def upload() -> None:
-            data = await asyncio.to_thread(state.to_safetensors)
-            try:
-                resp = await self.client.upload_checkpoint(i.cell_id, i.committed_round, i.committed_hash, data)  # type: ignore[union-attr]
-                self.counters.bytes_sent += len(data)
-                self.display.event("checkpoint-uploaded", cell=i.cell_id, round=i.committed_round, stored=resp.stored, nbytes=len(data))
-            except grpc.aio.AioRpcError as e:
+            if not await self._upload(i, state):
                 self._uploads.discard(key)
-                self.display.event("checkpoint-upload-failed", level="warning", message=f"{e.code().name}: {e.details()}")
 
         self._spawn(upload(), "upload")
+
+    async def _upload(self, i: pb.Instruction, state: Any) -> bool:
+        """Stream `state` as the checkpoint of (cell, committed round) `i` names; True if
+        the coordinator took it (or had it already), False after an RPC error."""
+        data = await asyncio.to_thread(state.to_safetensors)
+        try:
+            resp = await self.client.upload_checkpoint(i.cell_id, i.committed_round, i.committed_hash, data)  # type: ignore[union-attr]
+        except grpc.aio.AioRpcError as e:
+            self.display.event("checkpoint-upload-failed", level="warning", message=f"{e.code().name}: {e.details()}")
+            return False
+        self.counters.bytes_sent += len(data)
+        self.display.event("checkpoint-uploaded", cell=i.cell_id, round=i.committed_round, stored=resp.stored, nbytes=len(data))
+        return True
 
     def _load_local(self) -> None:
         assert self.store is not None
