@@ -66,6 +66,7 @@ from bagel.coordinator.domain import (
     Heartbeat,
     Instruction,
     Leave,
+    LocalState,
     LeaseExpired,
     Order,
     Outcome,
@@ -393,7 +394,7 @@ class CoordinatorState(RoundLifecycle, Membership):
         w.lease_ms = now + self._lease_ms
         w.phase, w.round, w.inner_step, w.loss = phase, ev.round, ev.inner_step, ev.loss
         c = self._cells.get(w.cell) if w.cell else None
-        if ev.local != w.local:
+        if ev.local != w.local and not self._stale_local(w, c, ev.local):
             w.local = ev.local
             self._dw[w.id] = None
             if c is not None:
@@ -419,6 +420,20 @@ class CoordinatorState(RoundLifecycle, Membership):
             if c.round is None and c.synced:
                 self._open_round(c, now)
         return self._instruction(w), None, w.lease_ms
+
+    @staticmethod
+    def _stale_local(w: Worker, c: Cell | None, local: LocalState) -> bool:
+        """A heartbeat sent before the worker heard its round commit still names the round
+        before. The commit already recorded it as a holder of the new state; taking the old
+        report would unseat it, and an orphan check in between would roll the cell back
+        under a live holder. (A real loss of state lowers the round too, but then `w.local`
+        no longer matches the committed state, or the worker re-registers.)"""
+        return (
+            c is not None
+            and local.cell_id == w.local.cell_id == c.id
+            and local.committed_round < w.local.committed_round
+            and c.holds_committed(w.local)
+        )
 
     def _on_report(self, now: int, ev: ReportRound) -> tuple[Instruction, Verdict, int]:
         w = self._worker(ev.worker_id)

@@ -379,6 +379,29 @@ def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:
     assert ins.donor is not None and ins.donor.worker_id == "" and ins.donor.checkpoint_round == 2
 
 
+def test_a_heartbeat_sent_before_the_verdict_does_not_unseat_the_holder() -> None:
+    """The commit makes `a` a holder of round 2; a heartbeat it sent just before it heard
+    the verdict still says round 1. That must not drop it from the holders, else the
+    next orphan check rolls the cell back under a live holder (seen in chaos-default)."""
+    from bagel.coordinator.domain import Leave, LocalState
+
+    hz = Harness(spec=make_spec(every_rounds=10))
+    start(hz, "a", "b")
+    commit(hz, 1)
+    commit(hz, 2)
+    hz.hb("a", local=LocalState(CELL, 1, h(1)))  # in flight when round 2 committed
+    assert hz.local("a") == LocalState(CELL, 2, h(2))
+    hz.apply(Leave("b"))  # a is the last holder now
+    hz.reg("z")  # needs the state: a is its donor, no fall back
+    cell = hz.cell()
+    assert (cell.committed_round, cell.rollbacks) == (2, 0)
+    z = hz.st.instruction_for("z")
+    assert z.order is Order.SYNC and z.donor is not None and z.donor.worker_id == "a"
+    # a real regression (a lost its state) still counts once a later commit is not involved
+    hz.hb("a", local=LocalState())
+    assert hz.local("a") == LocalState()
+
+
 def test_last_holder_that_offers_uploads_before_leaving_so_nothing_rolls_back() -> None:
     from bagel.coordinator.domain import CheckpointStored, Leave
 
