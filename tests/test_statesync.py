@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -73,6 +74,59 @@ async def test_round_trip_in_chunks_with_hash_verification() -> None:
                 await fetch(joiner, donor, 7, committed_state(2).state_hash())
             with pytest.raises(ValueError, match="hash is required"):
                 await fetch(joiner, donor, 7, "")
+        finally:
+            await server.close()
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
+
+
+async def test_a_round_newer_than_any_held_is_waited_for_briefly() -> None:
+    """The coordinator names a donor of round N once N commits, maybe before the donor publishes N."""
+    async with peers(2) as (donor, joiner):
+        # a wait far longer than the fetches' 20 s timeout: only a publish or a refusal ends one
+        server = StateServer(donor.p2p, RUN_ID, keep=2, round_wait_s=600.0)
+        await server.start()
+        try:
+            server.publish(CELL, 5, committed_state(0))
+            six = committed_state(1)
+            fetching = asyncio.create_task(fetch(joiner, donor, 6, six.state_hash()))
+            await asyncio.wait_for(until(lambda: server.waiting == 1), 30)  # asked before round 6 is held
+            server.publish(CELL, 6, six)
+            got = await fetching
+            assert (got.committed_round, got.state_hash) == (6, six.state_hash())
+            assert server.waiting == 0
+
+            # refused at once, not after the wait: an older round not held (5 was evicted by
+            # keep=2 once 7 is published), a cell not held, another run
+            server.publish(CELL, 7, committed_state(2))
+            with pytest.raises(StateNotAvailable, match=f"{CELL} round 5 is not held here"):
+                await fetch(joiner, donor, 5, committed_state(0).state_hash())
+            with pytest.raises(StateNotAvailable, match="k9.r0 round 8 is not held here"):
+                await fetch(joiner, donor, 8, six.state_hash(), cell_id="k9.r0")
+            with pytest.raises(StateNotAvailable, match="wrong run"):
+                await fetch(joiner, donor, 8, six.state_hash(), run_id="other")
+
+            # a waiting request is refused as soon as its cell is withdrawn
+            fetching = asyncio.create_task(fetch(joiner, donor, 8, six.state_hash()))
+            await asyncio.wait_for(until(lambda: server.waiting == 1), 30)
+            server.withdraw(CELL)
+            with pytest.raises(StateNotAvailable, match=f"{CELL} round 8 is not held here"):
+                await fetching
+            assert server.waiting == 0
+        finally:
+            await server.close()
+
+        # a round that never comes is refused once the wait is over
+        server = StateServer(donor.p2p, RUN_ID, round_wait_s=0.2)
+        await server.start()
+        try:
+            server.publish(CELL, 5, committed_state(0))
+            with pytest.raises(StateNotAvailable, match=f"{CELL} round 6 is not held here"):
+                await fetch(joiner, donor, 6, committed_state(1).state_hash())
+            assert server.waiting == 0
         finally:
             await server.close()
 

@@ -12,7 +12,9 @@ streaming and compared at the end, the file is parsed by safetensors (never pick
 state hash (`protocol/statehash.py`) must equal the committed hash the coordinator gave.
 A donor that lies about its state therefore fails the sync instead of corrupting the joiner.
 The donor keeps its last few committed states per cell, so a joiner one round behind can
-still be served.
+still be served. A joiner can also be a moment ahead: the coordinator names a donor as soon
+as a round commits, but the donor adopts that round only when it hears the verdict, so a
+request for a round newer than any the donor holds waits briefly for it (`ROUND_WAIT_S`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ log = logging.getLogger(__name__)
 STATE_PROTOCOL = "/bagel/dataplane/v1/state"
 DEFAULT_CHUNK_NBYTES = 1 << 20
 MAX_CHUNK_NBYTES = 16 << 20
+ROUND_WAIT_S = 3.0
+"""How long a request for a round newer than any the donor holds waits for `publish` to deliver it.
+
+The coordinator names the donor of round N once N commits there, but the donor publishes N
+only when it hears the verdict (its ReportRound answer, or the instruction on its next
+heartbeat, every 250 ms while it waits): a joiner can ask in between. Refused then, a joiner
+with no checkpoint to fall back to (`test_e2e`'s SIGKILLed worker) missed its sync and rejoined
+rounds late. A few heartbeats cover the gap; a donor that never gets there is refused after it.
+"""
 
 
 class StateSyncError(Exception):
@@ -81,19 +92,36 @@ def verify_state_bytes(data: bytes, expected_hash: str) -> CellState:
 
 
 class StateServer:
-    """Serves this worker's committed cell states to joiners. One per worker process."""
+    """Serves this worker's committed cell states to joiners. One per worker process.
+
+    round_wait_s: how long a request for a round newer than any held for its cell waits for
+    `publish` to deliver it (`ROUND_WAIT_S` says why); 0 refuses it at once. `publish` and
+    `withdraw` must be called on the event loop's thread (the agent calls them from its
+    coroutines): they change what the waiting requests look up, and wake them, unlocked.
+    """
 
     def __init__(
-        self, p2p: P2P, run_id: str, *, chunk_nbytes: int = DEFAULT_CHUNK_NBYTES, keep: int = 2, max_concurrent: int = 4
+        self,
+        p2p: P2P,
+        run_id: str,
+        *,
+        chunk_nbytes: int = DEFAULT_CHUNK_NBYTES,
+        keep: int = 2,
+        max_concurrent: int = 4,
+        round_wait_s: float = ROUND_WAIT_S,
     ):
         if not 0 < chunk_nbytes <= MAX_CHUNK_NBYTES:
             raise ValueError(f"chunk_nbytes must be in (0, {MAX_CHUNK_NBYTES}]")
+        if round_wait_s < 0:
+            raise ValueError("round_wait_s must be >= 0")
         self.p2p, self.run_id = p2p, run_id
-        self.chunk_nbytes, self.keep = chunk_nbytes, keep
+        self.chunk_nbytes, self.keep, self.round_wait_s = chunk_nbytes, keep, round_wait_s
         self._states: dict[str, OrderedDict[int, _Entry]] = {}
+        self._changed = asyncio.Event()  # set (and replaced) whenever _states changes
         self._slots = asyncio.Semaphore(max_concurrent)
         self._started = False
         self.bytes_served = 0
+        self.waiting = 0  # requests now waiting for a round to be published
 
     async def start(self) -> None:
         if not self._started:
@@ -103,6 +131,7 @@ class StateServer:
     async def close(self) -> None:
         if self._started:
             self._started = False
+            self._wake_waiters()  # they are refused: nothing will be published for them now
             try:
                 await self.p2p.remove_binary_stream_handler(STATE_PROTOCOL)
             except Exception as e:  # the daemon may be gone already at shutdown
@@ -116,6 +145,7 @@ class StateServer:
         per_cell[committed_round] = entry
         while len(per_cell) > self.keep:
             per_cell.popitem(last=False)
+        self._wake_waiters()
         return entry.state_hash
 
     def withdraw(self, cell_id: str | None = None) -> None:
@@ -124,11 +154,48 @@ class StateServer:
             self._states.clear()
         else:
             self._states.pop(cell_id, None)
+        self._wake_waiters()  # a withdrawn cell's waiting requests are refused now
+
+    def _wake_waiters(self) -> None:
+        """Wake every request waiting in `_lookup`; each looks again at what is held now."""
+        # replaced before it is set, so a woken request that must wait on waits for the next change
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _awaited(self, cell_id: str, committed_round: int) -> bool:
+        """Whether (cell, round) is worth waiting for: the cell is held, and the round newer than any held.
+
+        Such a round is probably about to be published (see `ROUND_WAIT_S`). An older round
+        that is not held was evicted or skipped, and a cell not held is not ours: both are
+        refused at once. So is everything once the server is closed: it publishes no more.
+        """
+        per_cell = self._states.get(cell_id)
+        if not self._started or not per_cell:
+            return False
+        return committed_round > max(per_cell)
+
+    async def _lookup(self, cell_id: str, committed_round: int) -> _Entry | None:
+        """The held state of (cell, round), after waiting up to `round_wait_s` if `_awaited`; else None."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.round_wait_s
+        while (entry := self._states.get(cell_id, {}).get(committed_round)) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not self._awaited(cell_id, committed_round):
+                return None
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return None
+            finally:
+                self.waiting -= 1
+        return entry
 
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             req, _ = await asyncio.wait_for(read_message(reader, dp.StateRequest), 10.0)
-            entry = self._states.get(req.cell_id, {}).get(req.committed_round)
+            # the run first: another run's request must not wait for one of our rounds
+            entry = await self._lookup(req.cell_id, req.committed_round) if req.run_id == self.run_id else None
             if req.run_id != self.run_id:
                 reason = f"wrong run {req.run_id!r}"
             elif entry is None:
