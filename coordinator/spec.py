@@ -53,6 +53,8 @@ class DataSection:
     holdout_fraction: float = 0.1
     features: Literal["pca", "file"] = "pca"
     features_path: str = ""
+    # move every class whole to the cluster holding most of it (models/data.py explains why)
+    whole_classes: bool = False
 
 
 @dataclass(frozen=True)
@@ -223,6 +225,8 @@ def _validate(spec: RunSpec) -> None:
     need(spec.model.num_classes >= 0, "model.num_classes: 0 (unconditional) or more")
     need(1 <= spec.data.clusters <= 64, "data.clusters: between 1 and 64")
     need(0.0 < spec.data.holdout_fraction < 0.5, "data.holdout_fraction: in (0, 0.5)")
+    need(not spec.data.whole_classes or spec.model.num_classes >= spec.data.clusters,
+         "data.whole_classes: needs model.num_classes >= data.clusters")
     need(spec.data.source == "digits" or bool(spec.data.path), "data.path: required for folder and npy sources")
     need(1 <= spec.cells.timestep_ranges <= 16, "cells.timestep_ranges: between 1 and 16")
     need(0.0 <= spec.cells.overlap < 0.5, "cells.overlap: in [0, 0.5)")

@@ -12,6 +12,12 @@
   its core count, must derive the same manifest. Features are rounded before clustering so
   ulp-level BLAS differences between machines cannot flip an assignment in practice; the
   manifest's sha256 lets a worker check it derived the coordinator's partition.
+  With `whole_classes` (class-conditional runs), every class then moves, whole, to the
+  cluster that holds most of its samples: p(k | y) becomes one-hot, so the composed
+  sampler's top-1 routing, which at t = 1 sees only noise and therefore the prior p(k | y),
+  can no longer send every sample of a class that k-means split (digits' 5 and 8 split
+  47/53 and 43/57 on PCA features) to one cluster and drop the other cluster's modes of it
+  (bench/experts_vs_monolith.py measures both partitions).
 - Shards: `shard(...)` gives the members of a round disjoint sample indices, a pure
   function of (run, cell, round, member, members), so a re-run round sees the same data.
 """
@@ -231,6 +237,27 @@ def kmeans(features: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndar
     return remap[labels], c[order]
 
 
+def whole_class_clusters(labels: np.ndarray, classes: np.ndarray, k: int) -> np.ndarray:
+    """[num_classes] cluster of each class: the cluster holding most of its samples (ties:
+    the lower index). A cluster left with no class takes the class with the largest share
+    of its samples in it, from a cluster that keeps another class; classes absent from
+    `classes` get -1. Pure and deterministic."""
+    n_classes = int(classes.max()) + 1 if len(classes) else 0
+    counts = np.zeros((n_classes, k), dtype=np.int64)
+    np.add.at(counts, (classes, labels), 1)
+    present = counts.sum(axis=1) > 0
+    if int(present.sum()) < k:
+        raise DataError(f"cannot make {k} whole-class clusters of {int(present.sum())} classes")
+    assign = np.where(present, counts.argmax(axis=1), -1)
+    for j in range(k):
+        if (assign == j).any():
+            continue
+        donors = [c for c in range(n_classes) if present[c] and (assign == assign[c]).sum() > 1]
+        share = lambda c: counts[c, j] / counts[c].sum()  # noqa: E731
+        assign[max(donors, key=lambda c: (share(c), -c))] = j
+    return assign
+
+
 @dataclass(frozen=True)
 class ClusterManifest:
     """The partition of the training split: which samples belong to which cluster."""
@@ -238,6 +265,7 @@ class ClusterManifest:
     seed: int
     k: int
     features: str  # "pca" or "file"
+    whole_classes: bool  # every class lies in one cluster (see `whole_class_clusters`)
     train_labels: np.ndarray  # [N_train] cluster of each training sample
     heldout_labels: np.ndarray  # [N_held] nearest centroid of each held-out sample
     centroids: np.ndarray  # [k, F] in feature space
@@ -251,6 +279,7 @@ class ClusterManifest:
             "seed": self.seed,
             "k": self.k,
             "features": self.features,
+            "whole_classes": self.whole_classes,
             "members": [self.members(j).tolist() for j in range(self.k)],
             "heldout_labels": self.heldout_labels.tolist(),
             "centroids": np.round(self.centroids, 6).tolist(),
@@ -285,10 +314,13 @@ def build_dataset(
     seed: int,
     image_size: int | None = None,
     features: np.ndarray | None = None,
+    whole_classes: bool = False,
 ) -> Dataset:
     """Split, cluster and package arrays already in [-1, 1] ([N, C, H, W]).
 
-    `features` (one row per sample of x) replaces the PCA features for k-means."""
+    `features` (one row per sample of x) replaces the PCA features for k-means;
+    `whole_classes` then moves every class whole to one cluster (`whole_class_clusters`), and
+    held-out samples follow their class (nearest centroid for a class unseen in training)."""
     if x.ndim != 4 or len(x) != len(y):
         raise DataError(f"expected images [N,C,H,W] and N labels, got {x.shape} and {y.shape}")
     train, held = split_indices(len(x), holdout_fraction, seed)
@@ -304,7 +336,14 @@ def build_dataset(
         f_train, f_held, kind = feats[train], feats[held], "file"
     labels, centroids = kmeans(f_train, clusters, seed)
     held_labels = _sq_dists(np.round(f_held, 6), centroids).argmin(axis=1)
-    manifest = ClusterManifest(seed, clusters, kind, labels, held_labels, centroids)
+    if whole_classes:
+        y_train, y_held = np.asarray(y)[train], np.asarray(y)[held]
+        of_class = whole_class_clusters(labels, y_train, clusters)
+        labels = of_class[y_train]
+        centroids = np.stack([np.round(f_train, 6)[labels == j].mean(axis=0) for j in range(clusters)])
+        known = (y_held < len(of_class)) & (of_class[np.minimum(y_held, len(of_class) - 1)] >= 0)
+        held_labels = np.where(known, of_class[np.minimum(y_held, len(of_class) - 1)], held_labels)
+    manifest = ClusterManifest(seed, clusters, kind, whole_classes, labels, held_labels, centroids)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     if image_size is not None:
         xt = resize(xt, image_size)
@@ -316,7 +355,7 @@ def build_dataset(
 @functools.lru_cache(maxsize=8)
 def _load_cached(
     source: str, path: str, channels: int, image_size: int, clusters: int,
-    holdout_fraction: float, seed: int, features: str, features_path: str,
+    holdout_fraction: float, seed: int, features: str, features_path: str, whole_classes: bool = False,
 ) -> Dataset:
     if source == "digits":
         x, y = load_digits_source()
@@ -335,7 +374,7 @@ def _load_cached(
         feats = np.load(fp, allow_pickle=False)
     return build_dataset(
         x, y, clusters=clusters, holdout_fraction=holdout_fraction, seed=seed,
-        image_size=image_size, features=feats,
+        image_size=image_size, features=feats, whole_classes=whole_classes,
     )
 
 
@@ -344,7 +383,7 @@ def load_dataset(spec: RunSpec) -> Dataset:
     d, m = spec.data, spec.model
     return _load_cached(
         d.source, d.path, m.channels, m.image_size, d.clusters,
-        d.holdout_fraction, spec.run.seed, d.features, d.features_path,
+        d.holdout_fraction, spec.run.seed, d.features, d.features_path, d.whole_classes,
     )
 
 

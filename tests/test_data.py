@@ -63,6 +63,48 @@ def test_manifest_is_deterministic_and_seed_dependent():
     assert js["seed"] == 0 and js["k"] == 2 and len(js["centroids"]) == 2
 
 
+def test_whole_class_clusters_majority_and_no_empty_cluster():
+    # class 0: 9 in cluster 0, 1 in cluster 1; class 1: 2 / 8; class 2: 5 / 5 (tie -> 0)
+    labels = np.array([0] * 9 + [1] + [0] * 2 + [1] * 8 + [0] * 5 + [1] * 5)
+    classes = np.array([0] * 10 + [1] * 10 + [2] * 10)
+    assert data.whole_class_clusters(labels, classes, 2).tolist() == [0, 1, 0]
+    # every class's majority is cluster 0: cluster 1 takes the class with the largest share
+    # of its samples there (class 1: 4/10), not the first class
+    labels = np.array([0] * 8 + [1] * 2 + [0] * 6 + [1] * 4 + [0] * 7 + [1] * 3)
+    assert data.whole_class_clusters(labels, classes, 2).tolist() == [0, 1, 0]
+    # a class with no samples gets -1 and is not given a cluster
+    assert data.whole_class_clusters(np.array([0, 1]), np.array([0, 2]), 2).tolist() == [0, -1, 1]
+    with pytest.raises(data.DataError, match="whole-class clusters"):
+        data.whole_class_clusters(np.array([0, 1, 1]), np.array([0, 0, 0]), 2)
+
+
+def test_whole_classes_put_every_class_in_one_cluster():
+    x, y = data.load_digits_source()
+    plain = data.build_dataset(x, y, clusters=2, holdout_fraction=0.1, seed=0)
+    whole = data.build_dataset(x, y, clusters=2, holdout_fraction=0.1, seed=0, whole_classes=True)
+    again = data.build_dataset(x, y, clusters=2, holdout_fraction=0.1, seed=0, whole_classes=True)
+    assert whole.manifest.sha256 == again.manifest.sha256 != plain.manifest.sha256
+    assert whole.manifest.to_json()["whole_classes"] is True
+
+    def classes_of(ds, k, heldout=False):
+        lab = ds.manifest.heldout_labels if heldout else ds.manifest.train_labels
+        return set((ds.y_heldout if heldout else ds.y_train).numpy()[lab == k].tolist())
+
+    # k-means on pixels splits some digits between the clusters; whole_classes does not
+    assert classes_of(plain, 0) & classes_of(plain, 1)
+    assert not classes_of(whole, 0) & classes_of(whole, 1)
+    assert classes_of(whole, 0) | classes_of(whole, 1) == set(range(10))
+    for k in range(2):  # held-out samples follow their class
+        assert classes_of(whole, k, heldout=True) <= classes_of(whole, k)
+    # each class went to the cluster that held most of it before
+    for c in range(10):
+        in_c = plain.y_train.numpy() == c
+        majority = np.bincount(plain.manifest.train_labels[in_c], minlength=2).argmax()
+        assert set(whole.manifest.train_labels[in_c].tolist()) == {majority}
+    with pytest.raises(Exception, match="whole_classes"):
+        parse_spec(SPEC.format(seed=0, k=3) + "whole_classes = true\n[model]\nnum_classes = 2\n")
+
+
 def test_user_features_drive_the_clusters():
     x = np.zeros((40, 1, 4, 4), dtype=np.float32)
     y = np.zeros(40, dtype=np.int64)
