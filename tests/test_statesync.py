@@ -130,6 +130,16 @@ async def test_a_round_newer_than_any_held_is_waited_for_briefly() -> None:
         finally:
             await server.close()
 
+        # no room to wait (max_waiting reached; 0 here): refused at once, not after 600 s
+        server = StateServer(donor.p2p, RUN_ID, round_wait_s=600.0, max_waiting=0)
+        await server.start()
+        try:
+            server.publish(CELL, 5, committed_state(0))
+            with pytest.raises(StateNotAvailable, match=f"{CELL} round 6 is not held here"):
+                await fetch(joiner, donor, 6, committed_state(1).state_hash())
+        finally:
+            await server.close()
+
 
 async def hostile_donor(donor: Peer, info: dp.StateInfo, chunks: list[bytes]) -> None:
     """A donor that answers every request with the given StateInfo and chunks, whatever they are."""

@@ -40,6 +40,7 @@ STATE_PROTOCOL = "/bagel/dataplane/v1/state"
 DEFAULT_CHUNK_NBYTES = 1 << 20
 MAX_CHUNK_NBYTES = 16 << 20
 ROUND_WAIT_S = 3.0
+MAX_WAITING = 16  # requests waiting at once; more are refused at once (a peer cannot pile them up)
 """How long a request for a round newer than any the donor holds waits for `publish` to deliver it.
 
 The coordinator names the donor of round N once N commits there, but the donor publishes N
@@ -109,6 +110,7 @@ class StateServer:
         keep: int = 2,
         max_concurrent: int = 4,
         round_wait_s: float = ROUND_WAIT_S,
+        max_waiting: int = MAX_WAITING,
     ):
         if not 0 < chunk_nbytes <= MAX_CHUNK_NBYTES:
             raise ValueError(f"chunk_nbytes must be in (0, {MAX_CHUNK_NBYTES}]")
@@ -116,6 +118,7 @@ class StateServer:
             raise ValueError("round_wait_s must be >= 0")
         self.p2p, self.run_id = p2p, run_id
         self.chunk_nbytes, self.keep, self.round_wait_s = chunk_nbytes, keep, round_wait_s
+        self.max_waiting = max_waiting
         self._states: dict[str, OrderedDict[int, _Entry]] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever _states changes
         self._slots = asyncio.Semaphore(max_concurrent)
@@ -167,10 +170,11 @@ class StateServer:
 
         Such a round is probably about to be published (see `ROUND_WAIT_S`). An older round
         that is not held was evicted or skipped, and a cell not held is not ours: both are
-        refused at once. So is everything once the server is closed: it publishes no more.
+        refused at once. So is everything once the server is closed (it publishes no
+        more), and any request while `max_waiting` others already wait.
         """
         per_cell = self._states.get(cell_id)
-        if not self._started or not per_cell:
+        if not self._started or not per_cell or self.waiting >= self.max_waiting:
             return False
         return committed_round > max(per_cell)
 
