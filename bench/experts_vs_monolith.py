@@ -16,6 +16,22 @@ The experts are sampled with each routing rule of `compose` (top1, the default a
 rule of the issue; sample; mixture; prior); `--routing` picks the one reported as
 "experts", the others land under "experts_by_routing".
 
+Control (`--no-control` skips it): the monolith once more, with all its sample-steps, on a
+random 1/K of the training images, as many as one cluster's expert sees. On digits (1,617
+training images) the FD is data-limited: halving the data costs the monolith about as much
+as splitting it into experts does (see the closing note of issue 4 for the figures).
+
+Partition: the spec's; examples/digits-2x2.toml sets data.whole_classes, and
+`--pixel-clusters` measures plain PCA k-means, which splits digits 5 and 8 between the
+clusters; top-1 routing then sends each of those classes to one cluster (t = 1 carries no
+information) and drops the other cluster's modes of it.
+
+Learning rates: each side runs at the best of a small grid measured on this benchmark
+(seed 0, whole-class clusters, one run per point): monolith {2, 4, 8}e-3 -> 4e-3 (digits-FD
+0.867, 0.693, 0.769); experts {1, 2, 4, 6, 8}e-3 -> 6e-3 (1.478, 1.050, 0.979, 0.957,
+1.003). The experts take a quarter of the batch and want a higher rate; one shared rate
+would favour whichever side it happens to suit.
+
 Prints a table, writes `--json FILE` and the sample grids as PNG (monolith.png and
 experts.png, plus experts-<rule>.png). Not a test. About 450 CPU-seconds with the defaults
 (one thread), so well under 15 minutes on 2 cores.
@@ -26,6 +42,7 @@ experts.png, plus experts-<rule>.png). Not a test. About 450 CPU-seconds with th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import time
@@ -50,8 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3000, help="monolith optimizer steps")
     p.add_argument("--batch", type=int, default=128, help="monolith batch; sample-steps = steps x batch")
     p.add_argument("--router-share", type=float, default=0.1, help="share of the sample-steps for the router")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate")
+    p.add_argument("--lr", type=float, default=4e-3, help="AdamW peak learning rate of the monolith and router")
+    p.add_argument("--expert-lr", type=float, default=6e-3,
+                   help="AdamW peak learning rate of the expert cells (0 = --lr)")
     p.add_argument("--ema", type=float, default=0.995, help="EMA decay of the sampled weights (0 = none)")
+    p.add_argument("--expert-ema", type=float, default=-1.0, help="EMA decay of the expert cells (-1 = --ema)")
     p.add_argument("--sampler", choices=["euler", "heun"], default="euler")
     p.add_argument("--sampler-steps", type=int, default=32, help="ODE steps per sample")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1 = none)")
@@ -59,6 +79,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="routing rule of the reported experts figures (top1: Decentralized Diffusion Models)")
     p.add_argument("--no-compare-routing", dest="compare_routing", action="store_false",
                    help="evaluate only --routing, not the other rules as well")
+    p.add_argument("--pixel-clusters", action="store_true",
+                   help="cluster on PCA features alone (data.whole_classes = false): k-means then splits some "
+                   "digit classes between clusters, which top-1 routing handles badly")
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help="skip the control: the monolith on a random 1/K of the training images")
     p.add_argument("--save-dir", default="", help="also save every trained model here (safetensors + JSON)")
     p.add_argument("--load-dir", default="", help="skip training: evaluate the models a --save-dir run saved")
     p.add_argument("--per-class", type=int, default=200, help="conditional samples per class (FD noise falls with more)")
@@ -86,8 +111,9 @@ def _cell_shares(spec, ds) -> dict[str, float]:
     return shares
 
 
-def _train_monolith(args: argparse.Namespace, spec, ds, log) -> tuple[torch.nn.Module, int]:
-    """(a): the expert architecture on all training images and all t."""
+def _train_monolith(args: argparse.Namespace, spec, x: torch.Tensor, y: torch.Tensor, log,
+                    name: str = "monolith") -> tuple[torch.nn.Module, int]:
+    """(a): the expert architecture on all training images (x, y) and all t."""
     nc, c = spec.model.num_classes, spec.cells
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed("init", spec.run.seed, "monolith"))
@@ -98,10 +124,18 @@ def _train_monolith(args: argparse.Namespace, spec, ds, log) -> tuple[torch.nn.M
         return flow.rf_loss(model, x, y, gen, t_mean=c.t_mean, t_std=c.t_std,
                             label_dropout=experts.LABEL_DROPOUT, null_label=nc)
 
-    res = train.train(mono, mono_loss, ds.x_train, ds.y_train, steps=args.steps, batch_size=args.batch,
+    res = train.train(mono, mono_loss, x, y, steps=args.steps, batch_size=args.batch,
                       lr=args.lr, ema=args.ema, warmup=100, seed=args.seed, log_every=max(1, args.steps // 5),
-                      log=lambda m: log(f"  monolith {m}"))
+                      log=lambda m: log(f"  {name} {m}"))
     return res.model, res.sample_steps
+
+
+def _control_subset(spec, ds) -> torch.Tensor:
+    """Indices of a random 1/K of the training images (K = clusters): the control monolith
+    sees as many images as one cluster's expert, with all of the monolith's sample-steps."""
+    n = len(ds.x_train)
+    gen = torch.Generator().manual_seed(derive_seed("control-subset", spec.run.seed) % 2**31)
+    return torch.randperm(n, generator=gen)[: round(n / spec.data.clusters)].sort().values
 
 
 def _train_cells(args: argparse.Namespace, spec, ds, log) -> tuple[dict[str, torch.nn.Module], dict[str, dict]]:
@@ -116,8 +150,9 @@ def _train_cells(args: argparse.Namespace, spec, ds, log) -> tuple[dict[str, tor
         task = experts.cell_task(spec, cell)
         x, y = task.train_data()
         steps = max(1, round(expert_budget * shares[cell] / expert_batch))
-        r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch, lr=args.lr,
-                        ema=args.ema, warmup=100, seed=derive_seed(args.seed, cell) % 2**31,
+        r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch, lr=args.expert_lr or args.lr,
+                        ema=args.ema if args.expert_ema < 0 else args.expert_ema, warmup=100,
+                        seed=derive_seed(args.seed, cell) % 2**31,
                         log_every=max(1, steps // 2), log=lambda m, cell=cell: log(f"  {cell} {m}"))
         models[cell] = r.model
         report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,
@@ -146,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     spec = load_spec(args.spec)
+    if args.pixel_clusters:
+        spec = dataclasses.replace(spec, data=dataclasses.replace(spec.data, whole_classes=False))
     if spec.data.source != "digits" or spec.model.num_classes != 10:
         raise SystemExit("this benchmark needs the digits source with 10 classes")
     nc = spec.model.num_classes
@@ -166,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"loaded the monolith and {len(trained)} cells from {args.load_dir}")
     else:
         t0 = time.perf_counter()
-        mono_model, mono_steps = _train_monolith(args, spec, ds, log)
+        mono_model, mono_steps = _train_monolith(args, spec, ds.x_train, ds.y_train, log)
         timings["monolith_train_s"] = time.perf_counter() - t0
         log(f"monolith: {mono_steps} sample-steps ({timings['monolith_train_s']:.0f}s)")
         t0 = time.perf_counter()
@@ -217,6 +254,15 @@ def main(argv: list[str] | None = None) -> dict:
                 "grid": str(grid), "sample_s": sample_s, "routing_counts": dict(sorted(usage.items()))}
 
     results = {"monolith": evaluate(mono_composed, "monolith")}
+    control: dict | None = None
+    if args.control and not args.load_dir:
+        t1 = time.perf_counter()
+        sub = _control_subset(spec, ds)
+        ctl_model, ctl_steps = _train_monolith(args, spec, ds.x_train[sub], ds.y_train[sub], log, "control")
+        timings["control_train_s"] = time.perf_counter() - t1
+        control = {"train_images": len(sub), "sample_steps": ctl_steps,
+                   **evaluate(compose.single(ctl_model, null_label=nc), "monolith-subset")}
+        log(f"control monolith on {len(sub)} of {len(ds.x_train)} images: digits-FD {control['digits_fd']:.3f}")
     by_rule: dict[str, dict] = {}
     for rule in [args.routing] + [r for r in ROUTING_RULES if r != args.routing and args.compare_routing]:
         composed.routing = rule
@@ -226,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
         log(f"experts, {rule} routing: digits-FD {by_rule[rule]['digits_fd']:.3f}, "
             f"class accuracy {by_rule[rule]['class_acc']:.3f}")
     results["experts"] = by_rule[args.routing]
-    timings["evaluation_s"] = time.perf_counter() - t0
+    timings["evaluation_s"] = time.perf_counter() - t0 - timings.get("control_train_s", 0.0)
 
     doc = {
         "monolith": results["monolith"],
@@ -238,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
                                for rule, r in by_rule.items()},
         "sample_steps": mono_steps,
         "experts_sample_steps": expert_steps,
+        "monolith_subset": control,
+        "partition": "pca" if not spec.data.whole_classes else "pca, whole classes",
         "sampler": {"method": args.sampler, "steps": args.sampler_steps, "guidance": args.guidance},
         "classifier_heldout_acc": clf_acc,
         "fd_ratio": results["experts"]["digits_fd"] / results["monolith"]["digits_fd"],
@@ -281,6 +329,12 @@ def _print_table(doc: dict) -> None:
     for rule, r in doc["experts_by_routing"].items():
         print(f"  experts with {rule:<8} routing: digits-FD {r['digits_fd']:.4f} ({r['fd_ratio']:.3f}x monolith), "
               f"class accuracy {r['class_acc']:.4f}, grid {r['grid']}")
+    if doc["monolith_subset"]:
+        c = doc["monolith_subset"]
+        print(f"control, the monolith on {c['train_images']} random training images (1/K) with the same sample-steps: "
+              f"digits-FD {c['digits_fd']:.4f} ({c['digits_fd'] / m['digits_fd']:.3f}x monolith), "
+              f"class accuracy {c['class_acc']:.4f}, grid {c['grid']}")
+    print(f"partition: {doc['partition']}")
     print(f"experts / monolith digits-FD: {doc['fd_ratio']:.3f}   (reference FD, real held-out vs train: "
           f"{m['reference_fd']:.2f})")
     print(f"grids: {m['grid']}  {e['grid']}   wall: {doc['wall_s']:.0f}s  cpu: {doc['cpu_s']:.0f}s  timings: "
