@@ -181,18 +181,26 @@ class StateServer:
     async def _lookup(self, cell_id: str, committed_round: int) -> _Entry | None:
         """The held state of (cell, round), after waiting up to `round_wait_s` if `_awaited`; else None."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.round_wait_s
+        start = loop.time()
+        waited = False
         while (entry := self._states.get(cell_id, {}).get(committed_round)) is None:
-            remaining = deadline - loop.time()
+            remaining = start + self.round_wait_s - loop.time()
             if remaining <= 0 or not self._awaited(cell_id, committed_round):
+                if waited:
+                    log.info("%s round %d: not published within %.1fs of the request; refused", cell_id,
+                             committed_round, loop.time() - start)
                 return None
+            waited = True
             self.waiting += 1
             try:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
-                return None
+                pass  # the loop looks once more, then refuses: the wait is over
             finally:
                 self.waiting -= 1
+        if waited:
+            log.info("%s round %d: asked for before it was published here; served after %.2fs", cell_id,
+                     committed_round, loop.time() - start)
         return entry
 
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
