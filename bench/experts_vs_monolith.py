@@ -150,9 +150,9 @@ def _train_cells(args: argparse.Namespace, spec, ds, log) -> tuple[dict[str, tor
         task = experts.cell_task(spec, cell)
         x, y = task.train_data()
         steps = max(1, round(expert_budget * shares[cell] / expert_batch))
-        r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch, lr=args.expert_lr or args.lr,
-                        ema=args.ema if args.expert_ema < 0 else args.expert_ema, warmup=100,
-                        seed=derive_seed(args.seed, cell) % 2**31,
+        ema = args.ema if args.expert_ema < 0 else args.expert_ema
+        r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch,
+                        lr=args.expert_lr or args.lr, ema=ema, warmup=100, seed=derive_seed(args.seed, cell) % 2**31,
                         log_every=max(1, steps // 2), log=lambda m, cell=cell: log(f"  {cell} {m}"))
         models[cell] = r.model
         report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,

@@ -267,7 +267,8 @@ class ClusterManifest:
     features: str  # "pca" or "file"
     whole_classes: bool  # every class lies in one cluster (see `whole_class_clusters`)
     train_labels: np.ndarray  # [N_train] cluster of each training sample
-    heldout_labels: np.ndarray  # [N_held] nearest centroid of each held-out sample
+    # [N_held] nearest centroid of each held-out sample (with whole_classes: its class's cluster)
+    heldout_labels: np.ndarray
     centroids: np.ndarray  # [k, F] in feature space
 
     def members(self, cluster: int) -> np.ndarray:
@@ -341,8 +342,10 @@ def build_dataset(
         of_class = whole_class_clusters(labels, y_train, clusters)
         labels = of_class[y_train]
         centroids = np.stack([np.round(f_train, 6)[labels == j].mean(axis=0) for j in range(clusters)])
-        known = (y_held < len(of_class)) & (of_class[np.minimum(y_held, len(of_class) - 1)] >= 0)
-        held_labels = np.where(known, of_class[np.minimum(y_held, len(of_class) - 1)], held_labels)
+        held_of_class = np.full(len(y_held), -1)
+        seen = y_held < len(of_class)
+        held_of_class[seen] = of_class[y_held[seen]]
+        held_labels = np.where(held_of_class >= 0, held_of_class, held_labels)  # else nearest centroid
     manifest = ClusterManifest(seed, clusters, kind, whole_classes, labels, held_labels, centroids)
     xt = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
     if image_size is not None:
@@ -355,7 +358,7 @@ def build_dataset(
 @functools.lru_cache(maxsize=8)
 def _load_cached(
     source: str, path: str, channels: int, image_size: int, clusters: int,
-    holdout_fraction: float, seed: int, features: str, features_path: str, whole_classes: bool = False,
+    holdout_fraction: float, seed: int, features: str, features_path: str, whole_classes: bool,
 ) -> Dataset:
     if source == "digits":
         x, y = load_digits_source()

@@ -40,7 +40,6 @@ STATE_PROTOCOL = "/bagel/dataplane/v1/state"
 DEFAULT_CHUNK_NBYTES = 1 << 20
 MAX_CHUNK_NBYTES = 16 << 20
 ROUND_WAIT_S = 3.0
-MAX_WAITING = 16  # requests waiting at once; more are refused at once (a peer cannot pile them up)
 """How long a request for a round newer than any the donor holds waits for `publish` to deliver it.
 
 The coordinator names the donor of round N once N commits there, but the donor publishes N
@@ -49,6 +48,7 @@ heartbeat, every 250 ms while it waits): a joiner can ask in between. Refused th
 with no checkpoint to fall back to (`test_e2e`'s SIGKILLed worker) missed its sync and rejoined
 rounds late. A few heartbeats cover the gap; a donor that never gets there is refused after it.
 """
+MAX_WAITING = 16  # requests waiting at once; more are refused at once (a peer cannot pile them up)
 
 
 class StateSyncError(Exception):
@@ -114,8 +114,8 @@ class StateServer:
     ):
         if not 0 < chunk_nbytes <= MAX_CHUNK_NBYTES:
             raise ValueError(f"chunk_nbytes must be in (0, {MAX_CHUNK_NBYTES}]")
-        if round_wait_s < 0:
-            raise ValueError("round_wait_s must be >= 0")
+        if round_wait_s < 0 or max_waiting < 0:
+            raise ValueError("round_wait_s and max_waiting must be >= 0")
         self.p2p, self.run_id = p2p, run_id
         self.chunk_nbytes, self.keep, self.round_wait_s = chunk_nbytes, keep, round_wait_s
         self.max_waiting = max_waiting
