@@ -58,12 +58,12 @@ import hivemind
 import torch
 
 from bagel.compression import ErrorFeedback
-from bagel.coordinator.spec import RunSpec, parse_spec
+from bagel.protocol.runspec import RunSpec, parse_spec
 from bagel.models.data import shard
 from bagel.models.experts import CellTask, cell_task
 from bagel.worker.averaging import Contributor, DataPlane
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
-from bagel.worker.rounds import trainable
+from bagel.worker.roundwork import trainable
 from bagel.worker.trainer import InnerPlan, InnerTrainer, RoundKey, round_indices
 
 CELL = "k0.r0"

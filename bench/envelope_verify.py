@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from bagel.coordinator.spec import load_spec
+from bagel.protocol.runspec import load_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import Verifier, sign_request
 from bagel.protocol.identity import Identity, load_public_key

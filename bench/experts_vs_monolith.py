@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from bagel.coordinator.spec import ROUTER_CELL, load_spec, parse_cell
+from bagel.protocol.runspec import ROUTER_CELL, load_spec, parse_cell
 from bagel.models import checkpoint, compose, experts, flow, train
 from bagel.models import evaluate as ev
 from bagel.models.data import derive_seed, load_dataset

@@ -76,7 +76,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from bagel.coordinator.daemon import serve
-    from bagel.coordinator.spec import SpecError, load_spec
+    from bagel.protocol.runspec import SpecError, load_spec
     from bagel.coordinator.store import StoreError
 
     if args.tick_ms < 10:

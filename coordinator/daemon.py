@@ -39,11 +39,11 @@ from grpc_reflection.v1alpha import reflection
 
 from bagel.coordinator import sizing
 from bagel.coordinator.checkpoints import CheckpointStore
-from bagel.coordinator.domain import CellConfig
+from bagel.coordinator.core.records import CellConfig
 from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.server import SERVICE_NAME, CoordinatorCore, CoordinatorServicer, ErrorInterceptor
-from bagel.coordinator.spec import RunSpec
-from bagel.coordinator.state import CoordinatorState
+from bagel.protocol.runspec import RunSpec
+from bagel.coordinator.core.state import CoordinatorState
 from bagel.coordinator.store import Store, StoreError
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb

@@ -6,7 +6,7 @@ Every worker request takes the same path (design sections 3, 8, 10):
    raw request bytes itself, so even an unparseable message gets INVALID_ARGUMENT;
 2. `CoordinatorCore.verify`: the signed envelope (`bagel.protocol.envelope.Verifier`,
    time from the shell's clock), then every field (`bagel.protocol.validation`);
-3. the servicer translates the payload into a core event (`bagel.coordinator.wire`);
+3. the servicer translates the payload into a core event (`bagel.coordinator.translate`);
 4. `CoordinatorCore.apply`: `CoordinatorState.apply(now_ms, event)` on the event loop
    (the pure core is not thread-safe and needs no lock there), then `outcome.effects`
    go to SQLite in one transaction on the writer thread (`bagel.coordinator.writer`,
@@ -38,8 +38,16 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from bagel.coordinator import domain as d
-from bagel.coordinator import wire
+from bagel.coordinator.core.events import CheckpointStored, Event, Heartbeat, Outcome, Tick
+from bagel.coordinator.core.records import (
+    CellRecord,
+    CommitRecord,
+    Record,
+    RoundRecord,
+    WorkerRecord,
+    WorkerState,
+)
+from bagel.coordinator import translate as wire
 from bagel.coordinator.checkpoints import (
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -47,10 +55,10 @@ from bagel.coordinator.checkpoints import (
     CheckpointStore,
     CheckpointTooLarge,
 )
-from bagel.coordinator.errors import CoordinatorError, grpc_status_name
+from bagel.coordinator.core.errors import CoordinatorError, grpc_status_name
 from bagel.coordinator.metrics import Metrics
-from bagel.coordinator.spec import RunSpec, parse_cell
-from bagel.coordinator.state import CoordinatorState
+from bagel.protocol.runspec import RunSpec, parse_cell
+from bagel.coordinator.core.state import CoordinatorState
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
@@ -253,16 +261,16 @@ class WorkerTally:
     workers, and it ran every second while rounds kept changing worker records.
     """
 
-    def __init__(self, records: Iterable[d.WorkerRecord] = ()) -> None:
+    def __init__(self, records: Iterable[WorkerRecord] = ()) -> None:
         self._of: dict[str, tuple[str, bool]] = {}  # worker id -> (state, standby)
         self._n: dict[str, int] = {}
         self._standby = 0
         for rec in records:
             self.update(rec)
 
-    def update(self, rec: d.WorkerRecord) -> None:
+    def update(self, rec: WorkerRecord) -> None:
         state = rec.state.value
-        standby = rec.state is d.WorkerState.ACTIVE and not rec.cell_id
+        standby = rec.state is WorkerState.ACTIVE and not rec.cell_id
         old = self._of.get(rec.worker_id)
         if old == (state, standby):
             return
@@ -319,7 +327,7 @@ class CoordinatorCore:
         validate(method, verified.message, self.spec)
         return verified
 
-    async def apply(self, event: d.Event) -> d.Outcome:
+    async def apply(self, event: Event) -> Outcome:
         """Apply one event; return once its effects, and whatever its answer reveals, are durable.
 
         - With effects: await its own batch (FIFO: every earlier batch is durable too).
@@ -340,12 +348,12 @@ class CoordinatorCore:
                 self.metrics.store_writes.inc()
                 self._observe(outcome.effects)
                 for rec in outcome.effects:
-                    if isinstance(rec, d.CellRecord):
+                    if isinstance(rec, CellRecord):
                         self._cell_writes[rec.cell_id] = fut
                 # shielded: a client that gives up cancels its handler, never the write
                 # (or the other handlers waiting for it)
                 await asyncio.shield(fut)
-            elif isinstance(event, d.Heartbeat):
+            elif isinstance(event, Heartbeat):
                 ins = outcome.instruction
                 pending = self._cell_writes.get(ins.cell_id) if ins is not None and ins.cell_id else None
                 if pending is not None and not pending.done():
@@ -365,14 +373,14 @@ class CoordinatorCore:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
 
-    def _observe(self, effects: tuple[d.Record, ...]) -> None:
+    def _observe(self, effects: tuple[Record, ...]) -> None:
         workers_changed = False
-        opened = {(r.cell_id, r.round, r.attempt): r.opened_ms for r in effects if isinstance(r, d.RoundRecord)}
+        opened = {(r.cell_id, r.round, r.attempt): r.opened_ms for r in effects if isinstance(r, RoundRecord)}
         for rec in effects:
-            if isinstance(rec, d.WorkerRecord):
+            if isinstance(rec, WorkerRecord):
                 self.tally.update(rec)
                 workers_changed = True
-            elif isinstance(rec, d.CommitRecord):
+            elif isinstance(rec, CommitRecord):
                 start = opened.get((rec.cell_id, rec.round, rec.attempt))
                 self.metrics.round_committed(
                     rec.cell_id, None if start is None else (rec.committed_ms - start) / 1000.0
@@ -391,7 +399,7 @@ class CoordinatorCore:
             return
         wake = self.state.next_wakeup_ms()
         if wake is not None and wake <= self.clock():
-            await self.apply(d.Tick())
+            await self.apply(Tick())
 
     async def tick_loop(self, period_ms: int) -> None:
         last_counts = 0.0
@@ -433,7 +441,7 @@ class CoordinatorCore:
                 vram_bytes=w.profile.vram_bytes,
                 rounds_contributed=w.rounds_contributed,
             )
-            if w.state is d.WorkerState.ACTIVE:
+            if w.state is WorkerState.ACTIVE:
                 phase, _round, _step, _loss, lease_ms = st.worker_phase(w.worker_id)
                 ws.phase = int(phase)  # type: ignore[assignment]
                 ws.lease_expires_unix_ms = lease_ms
@@ -565,7 +573,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except BaseException:
             upload.abort()
             raise
-        await core.apply(d.CheckpointStored(cell_id=h.cell_id, round=h.round, state_hash=h.state_hash))
+        await core.apply(CheckpointStored(cell_id=h.cell_id, round=h.round, state_hash=h.state_hash))
         return pb.UploadCheckpointResponse(stored=True, round=h.round)
 
     async def DownloadCheckpoint(

@@ -25,8 +25,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 
-from bagel.coordinator.domain import CellConfig
-from bagel.coordinator.spec import RunSpec, parse_cell
+from bagel.coordinator.core.records import CellConfig
+from bagel.protocol.runspec import RunSpec, parse_cell
 
 log = logging.getLogger(__name__)
 

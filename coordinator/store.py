@@ -1,7 +1,7 @@
 """Durable coordinator state in one SQLite file (WAL): run spec, workers, assignments,
 rounds, commits and the checkpoint index.
 
-The pure core (`bagel.coordinator.state`) returns, with every transition, the durable
+The pure core (`bagel.coordinator.core.state`) returns, with every transition, the durable
 records that changed (`Outcome.effects`); the server writes them here in ONE transaction
 before it replies, so an acknowledged state change survives a crash (design section 3).
 On start the daemon loads everything back and hands it to `CoordinatorState.restore`.
@@ -44,9 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bagel.coordinator import domain
 from bagel.coordinator.checkpoints import CheckpointMeta
-from bagel.coordinator.domain import CellRecord, CommitRecord, RoundRecord, RoundState, WorkerRecord
+from bagel.coordinator.core import records
+from bagel.coordinator.core.records import CellRecord, CommitRecord, RoundRecord, RoundState, Snapshot, WorkerRecord
+from bagel.protocol import messages
 
 SCHEMA_VERSION = 2  # 2: commits keyed by (cell_id, epoch, round)
 DB_NAME = "coordinator.sqlite3"
@@ -333,7 +334,7 @@ class Store:
         q = "SELECT record FROM rounds ORDER BY cell_id, round, attempt"
         return [from_json(RoundRecord, json.loads(r[0])) for r in self._conn.execute(q)]
 
-    def load(self, *, recent_commits: int = 64) -> domain.Snapshot:
+    def load(self, *, recent_commits: int = 64) -> Snapshot:
         """The records `CoordinatorState.restore` needs, read in one consistent transaction:
         every worker and cell, the open (non-terminal) round attempts, and the last
         `recent_commits` commits of each cell (enough to verify late checkpoint uploads)."""
@@ -366,7 +367,7 @@ class Store:
             )
         finally:
             c.execute("COMMIT")
-        return domain.Snapshot(workers=workers, cells=cells, rounds=rounds, commits=commits)
+        return Snapshot(workers=workers, cells=cells, rounds=rounds, commits=commits)
 
     def recent_rounds(self, limit: int = 20) -> list[RoundRecord]:
         """The latest `limit` round attempts of any state, newest first (status views)."""
@@ -528,7 +529,7 @@ def from_json(tp: Any, data: Any) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         hints = _HINTS.get(tp)
         if hints is None:
-            hints = _HINTS[tp] = typing.get_type_hints(tp, vars(domain))
+            hints = _HINTS[tp] = typing.get_type_hints(tp, {**vars(messages), **vars(records)})
         names = {f.name for f in dataclasses.fields(tp)}
         return tp(**{k: from_json(hints[k], v) for k, v in data.items() if k in names})
     if isinstance(tp, type) and issubclass(tp, enum.Enum):

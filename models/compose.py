@@ -46,7 +46,7 @@ import torch.nn as nn
 from bagel.models import flow
 
 if TYPE_CHECKING:
-    from bagel.coordinator.spec import RunSpec
+    from bagel.protocol.runspec import RunSpec
 
 Prediction = Literal["v", "eps", "x0"]
 Routing = Literal["top1", "sample", "mixture", "prior"]
@@ -286,7 +286,7 @@ def from_cells(
     """A composed model of a run from whichever of its cells are available ({cell id: model},
     e.g. loaded with `checkpoint.load`); the router is used when present, the cluster sizes
     and class histogram come from the run's cluster manifest."""
-    from bagel.coordinator.spec import ROUTER_CELL, parse_cell
+    from bagel.protocol.runspec import ROUTER_CELL, parse_cell
     from bagel.models.data import load_dataset
 
     ds = load_dataset(spec)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from bagel.coordinator.spec import RunSpec
+    from bagel.protocol.runspec import RunSpec
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 PCA_COMPONENTS = 16

@@ -28,7 +28,7 @@ from bagel.models import dit, flow, router, unet
 from bagel.models.data import DataError, derive_seed, load_dataset
 
 if TYPE_CHECKING:
-    from bagel.coordinator.spec import RunSpec
+    from bagel.protocol.runspec import RunSpec
 
 ModelConfig = dit.DiTConfig | unet.UNetConfig | router.RouterConfig
 
@@ -100,7 +100,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int) -> int:
 
 
 def _parse(spec: RunSpec, cell_id: str) -> tuple[int, int] | None:
-    from bagel.coordinator.spec import parse_cell
+    from bagel.protocol.runspec import parse_cell
 
     try:
         parsed = parse_cell(cell_id)

@@ -26,7 +26,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from bagel.coordinator.spec import RunSpec
+from bagel.protocol.runspec import RunSpec
 from bagel.protocol import bagel_pb2 as pb
 
 # Bounds on values no honest worker comes near; they keep arithmetic and storage sane.

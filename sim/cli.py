@@ -8,12 +8,12 @@ writes DIR/summary.json, DIR/run.json (what was simulated), DIR/summary.md and P
 (committed rounds per cell over time, committed compute over time, wasted work by cause,
 utilisation). This shell does the I/O and reads the wall
 clock; the engine itself is pure. The policies run in parallel processes (`--jobs`,
-default: all at once on a multi-core machine; see `bagel.sim.runner`), with the same
+default: all at once on a multi-core machine; see `bagel.sim.discrete.runner`), with the same
 results as one after the other. `python -m bagel.sim run ...` is the same command.
 
     bagel-sim chaos SCENARIO.toml --out DIR ...
 
-runs real processes with faults on a schedule (`bagel.sim.chaos`, which registers its own
+runs real processes with faults on a schedule (`bagel.sim.chaos.command`, which registers its own
 subcommand and flags here).
 """
 
@@ -26,11 +26,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import policies as registry
-from .engine import EngineResult
-from .report import markdown, plot, run_meta, summarize, write_json
-from .runner import default_jobs, run_policies
-from .scenario import Scenario, ScenarioError, load_scenario
+from bagel.sim.discrete import policies as registry
+from bagel.sim.discrete.engine import EngineResult
+from bagel.sim.discrete.report import markdown, plot, run_meta, summarize, write_json
+from bagel.sim.discrete.runner import default_jobs, run_policies
+from bagel.sim.discrete.scenario import Scenario, ScenarioError, load_scenario
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         "--lease-mode",
         choices=("declared", "heartbeat"),
         default=None,
-        help="how leases are simulated (default: the scenario's engine.lease_mode; see bagel.sim.engine)",
+        help="how leases are simulated (default: the scenario's engine.lease_mode; see bagel.sim.discrete.engine)",
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument(
@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         "--jobs", type=int, default=None,
         help="policies simulated at once, one process each (default: all of them on a multi-core machine, else 1)",
     )
-    from .chaos import add_chaos_parser
+    from bagel.sim.chaos.command import add_chaos_parser
 
     add_chaos_parser(sub)
     return p

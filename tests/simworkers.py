@@ -440,6 +440,6 @@ keep = 2
 
 def uniform_cells(cell_ids: Sequence[str], memory_bytes: int = 1 << 30) -> list[object]:
     """CellConfigs with equal targets and a fixed size (skips loading the dataset)."""
-    from bagel.coordinator.domain import CellConfig
+    from bagel.coordinator.core.records import CellConfig
 
     return [CellConfig(c, memory_bytes, 1.0 / len(cell_ids), 1 << 20) for c in cell_ids]

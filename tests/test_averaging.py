@@ -25,7 +25,7 @@ from bagel.worker.averaging import (
 )
 from bagel.worker.framing import read_message, write_frame, write_message
 from bagel.worker.parts import decode_part, part_generator, prepare_contribution, reduce_part
-from bagel.worker.reducers import get_reducer
+from bagel.worker.aggregation import get_reducer
 from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
 
 CELL = "k0.r0"

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
-from bagel.coordinator.spec import parse_spec
+from bagel.protocol.runspec import parse_spec
 from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc

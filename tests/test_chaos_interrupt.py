@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bagel.sim.procs import pid_alive
+from bagel.sim.chaos.supervisor import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 

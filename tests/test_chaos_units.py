@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from bagel.coordinator.domain import CommitRecord
-from bagel.sim.chaos import main as chaos_main
-from bagel.sim.chaos_evidence import FiredFault, runner_checks
-from bagel.sim.chaos_run import ChaosRun
-from bagel.sim.chaos_report import byzantine_effect, loss_by_cell, markdown
-from bagel.sim.chaos_scenario import ScenarioError, load_scenario, parse_scenario
+from bagel.coordinator.core.records import CommitRecord
+from bagel.sim.chaos.command import main as chaos_main
+from bagel.sim.chaos.evidence import FiredFault, runner_checks
+from bagel.sim.chaos.driver import ChaosRun
+from bagel.sim.chaos.report import byzantine_effect, loss_by_cell, markdown
+from bagel.sim.chaos.scenario import ScenarioError, load_scenario, parse_scenario
 from bagel.sim.faults import Fault, FaultKind
-from bagel.sim.invariants import InvariantResult
-from bagel.sim.procs import Supervisor, listening_ports, pid_alive, pids_in_groups, port_owners
+from bagel.sim.chaos.invariants import InvariantResult
+from bagel.sim.chaos.supervisor import Supervisor, listening_ports, pid_alive, pids_in_groups, port_owners
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = '''
@@ -205,7 +205,7 @@ async def test_shutdown_is_graceful_first_and_wait_line_reports_exit(tmp_path):
     assert "bye" in (tmp_path / "polite.log").read_text()
 
     quick = await sup.spawn("quick", [sys.executable, "-c", "print('x')"])
-    from bagel.sim.procs import ProcessExited
+    from bagel.sim.chaos.supervisor import ProcessExited
 
     with pytest.raises(ProcessExited):
         await quick.wait_line(lambda s: s == "never", 60)
@@ -232,7 +232,7 @@ def test_cli_refuses_bad_scenario_and_non_empty_out(tmp_path, capsys):
 
 
 def test_free_port_is_bindable():
-    from bagel.sim.procs import free_port
+    from bagel.sim.chaos.supervisor import free_port
 
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -242,7 +242,7 @@ def test_free_port_is_bindable():
 def test_add_chaos_parser_registers_the_subcommand(tmp_path):
     import argparse
 
-    from bagel.sim.chaos import add_chaos_parser, run_chaos
+    from bagel.sim.chaos.command import add_chaos_parser, run_chaos
 
     parser = argparse.ArgumentParser(prog="bagel-sim")
     add_chaos_parser(parser.add_subparsers(dest="command", required=True))
@@ -258,8 +258,8 @@ def test_local_checkpoints_are_rehashed_and_a_corrupt_one_breaks_the_replica_inv
     sim/invariants.py. A flipped byte in one replica's file must fail `replicas_bit_identical`."""
     import torch
 
-    from bagel.sim import invariants as inv
-    from bagel.sim.chaos_evidence import local_hashes
+    from bagel.sim.chaos import invariants as inv
+    from bagel.sim.chaos.evidence import local_hashes
     from bagel.worker.diloco import CellState
     from bagel.worker.localstate import LocalCheckpoint, LocalStore
 
@@ -297,7 +297,7 @@ def test_local_checkpoints_are_rehashed_and_a_corrupt_one_breaks_the_replica_inv
 
 
 def test_worker_events_become_observations():
-    from bagel.sim.chaos_evidence import Observations
+    from bagel.sim.chaos.evidence import Observations
 
     obs = Observations()
     h = "c" * 64
@@ -316,7 +316,7 @@ def test_tensor_digest_ignores_residuals_but_not_weights():
     import torch
     from safetensors.torch import save
 
-    from bagel.sim.chaos_evidence import hashed_tensor_digest
+    from bagel.sim.chaos.evidence import hashed_tensor_digest
 
     meta = {"cell_id": "k0.r0", "committed_round": "3"}
     w, m = torch.arange(6, dtype=torch.float32), torch.zeros(6)

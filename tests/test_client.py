@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bagel.coordinator.spec import load_spec
+from bagel.protocol.runspec import load_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol import grpc_options

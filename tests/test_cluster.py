@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
-from bagel.coordinator.domain import CellConfig, CommitRecord, RoundRecord, RoundState, WorkerState
-from bagel.coordinator.spec import parse_spec
+from bagel.coordinator.core.records import CellConfig, CommitRecord, RoundRecord, RoundState, WorkerState
+from bagel.protocol.runspec import parse_spec
 from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from bagel.coordinator.spec import parse_spec
+from bagel.protocol.runspec import parse_spec
 from bagel.models import data
 
 SPEC = """

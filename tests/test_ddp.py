@@ -178,7 +178,7 @@ def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path):
     workers end bit-identical (equal hashes in their commit events)."""
     import time
 
-    from bagel.worker.procs import CoordinatorProc, Managed, WorkerProc, cleanup, free_port
+    from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup, free_port
 
     spec = tmp_path / "spec.toml"
     spec.write_text(DDP_SPEC)

@@ -21,7 +21,7 @@ from bagel.compression import ErrorFeedback, decode, get_codec
 from bagel.protocol.statehash import state_hash
 from bagel.worker.diloco import CellState, OuterConfig, StateFormatError, outer_step, pseudo_gradient
 from bagel.worker.parts import decode_part, part_bounds, part_generator, prepare_contribution, reduce_part
-from bagel.worker.reducers import WeightedMean
+from bagel.worker.aggregation import WeightedMean
 
 FIXTURE = Path(__file__).parent / "fixtures" / "diloco_golden.json"
 WRITE = os.environ.get("WRITE_FIXTURE", "").lower() in ("1", "true", "yes")

@@ -1,7 +1,7 @@
 """End to end, multi-process, on loopback: a real coordinator and real `bagel-worker` processes.
 
 Issue 5 must-show 1, 2, 3 and 5. Every process is a subprocess in its own process group
-(`bagel.worker.procs`), so a SIGKILL takes its hivemind DHT child and p2pd daemon with it,
+(`bagel.worker.swarm`), so a SIGKILL takes its hivemind DHT child and p2pd daemon with it,
 and teardown stops all of them even when an assertion fails. The run is one cell
 (one cluster, one timestep range, no router) of the tiny DiT with H = 5 inner steps, int8
 pseudo-gradients with error feedback, and 3 s leases, so a round takes a few seconds.
@@ -22,9 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bagel.coordinator.spec import parse_spec
+from bagel.protocol.runspec import parse_spec
 from bagel.protocol.statehash import state_hash
-from bagel.worker.procs import CoordinatorProc, Managed, WorkerProc, cleanup, free_port, get_status
+from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup, free_port, get_status
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bagel.coordinator.spec import load_spec, parse_spec
+from bagel.protocol.runspec import load_spec, parse_spec
 from bagel.models import experts
 from bagel.protocol.statehash import state_hash
 
@@ -37,7 +37,7 @@ def test_build_model_is_deterministic_and_leaves_global_rng_alone(spec):
 @pytest.mark.timeout(180)
 def test_build_model_is_bit_identical_in_another_process(spec):
     code = (
-        "from bagel.coordinator.spec import load_spec; from bagel.models import experts;"
+        "from bagel.protocol.runspec import load_spec; from bagel.models import experts;"
         "from bagel.protocol.statehash import state_hash;"
         f"m = experts.cell_task(load_spec({EXAMPLE!r}), 'k1.r0').build_model();"
         "print(state_hash({'w.' + k: v for k, v in m.state_dict().items()}))"

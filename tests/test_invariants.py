@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from bagel.sim.invariants import (
+from bagel.sim.chaos.invariants import (
     NAMES,
     CommitEntry,
     CommitLogRead,

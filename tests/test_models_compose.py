@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bagel.coordinator.spec import load_spec
+from bagel.protocol.runspec import load_spec
 from bagel.models import compose, experts, flow, train
 
 RANGES = flow.timestep_ranges(2)  # [(0, 0.5), (0.5, 1)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bagel.coordinator.spec import load_spec
+from bagel.protocol.runspec import load_spec
 from bagel.models import evaluate as ev
 from bagel.models.data import load_dataset
 

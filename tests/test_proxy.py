@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from bagel.sim.proxy import FaultProxy, ProxyError
+from bagel.sim.chaos.proxy import FaultProxy, ProxyError
 
 
 class EchoServer:

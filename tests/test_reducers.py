@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from bagel.worker.reducers import (
+from bagel.worker.aggregation import (
     CenteredClip,
     PartRejected,
     ReducerSpecError,

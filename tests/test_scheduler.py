@@ -10,9 +10,11 @@ import random
 
 import pytest
 
-from bagel.coordinator.domain import Leave, Order, RoundState, WorkerState
-from bagel.coordinator.policy import BAGEL, DILOCO_WAIT_ALL, SYNC_DP, Policy, get_policy
-from bagel.coordinator.scheduler import (
+from bagel.coordinator.core.events import Leave
+from bagel.coordinator.core.records import RoundState, WorkerState
+from bagel.protocol.messages import Order
+from bagel.coordinator.core.policy import BAGEL, DILOCO_WAIT_ALL, SYNC_DP, Policy, get_policy
+from bagel.coordinator.core.scheduler import (
     Balance,
     Knobs,
     PlanMember,
@@ -84,7 +86,7 @@ def test_split_batch_and_batch_shape() -> None:
 
 def test_plan_round_proportional_equal_and_deadline() -> None:
     spec = make_spec(group_batch=512, max_micro_batch=32, deadline_slack=2.0, min_round_s=1.0)
-    peers = [PlanMember(f"m{i}", __import__("bagel.coordinator.domain", fromlist=["PeerAddress"]).PeerAddress(f"p{i}"), s, bw)
+    peers = [PlanMember(f"m{i}", __import__("bagel.protocol.messages", fromlist=["PeerAddress"]).PeerAddress(f"p{i}"), s, bw)
              for i, (s, bw) in enumerate([(100.0, 10e6), (400.0, 50e6), (50.0, 100e6)])]
     p = plan_round(list(reversed(peers)), spec, T0, BAGEL, payload_bytes=20_000_000)
     assert [m.worker_id for m in p.members] == ["m0", "m1", "m2"]  # sorted

@@ -19,7 +19,7 @@ from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
 from bagel.coordinator.daemon import start_coordinator
-from bagel.coordinator.spec import parse_spec
+from bagel.protocol.runspec import parse_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import sign_request
 from bagel.protocol.statehash import state_hash

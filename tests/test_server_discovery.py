@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bagel.coordinator.spec import parse_spec
+from bagel.protocol.runspec import parse_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.discovery import CoordinatorNotFound, resolve_coordinator

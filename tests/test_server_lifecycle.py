@@ -13,8 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bagel.coordinator.daemon import DataDirLocked, start_coordinator
-from bagel.coordinator.domain import WorkerState
-from bagel.coordinator.spec import parse_spec
+from bagel.coordinator.core.records import WorkerState
+from bagel.protocol.runspec import parse_spec
 from bagel.coordinator.store import SpecMismatchError
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bagel.coordinator import sizing
-from bagel.coordinator.spec import load_spec, parse_spec
+from bagel.protocol.runspec import load_spec, parse_spec
 from bagel.models.experts import cell_memory_bytes
 
 from simworkers import cluster_spec_text

@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 
 import bagel.coordinator.daemon as daemon
-import bagel.coordinator.policy as core_policy
-import bagel.coordinator.rounds as core_rounds
-import bagel.coordinator.scheduler as scheduler
+import bagel.coordinator.core.policy as core_policy
+import bagel.coordinator.core.rounds as core_rounds
+import bagel.coordinator.core.scheduler as scheduler
 import bagel.coordinator.server as server
-import bagel.coordinator.state as core_state
-from bagel.sim import policies
+import bagel.coordinator.core.state as core_state
+from bagel.sim.discrete import policies
 from bagel.sim.cli import main
-from bagel.sim.engine import Engine
-from bagel.sim.metrics import BUCKETS
-from bagel.sim.report import summarize
-from bagel.sim.runner import run_policies
-from bagel.sim.scenario import load_scenario
+from bagel.sim.discrete.engine import Engine
+from bagel.sim.discrete.ledger import BUCKETS
+from bagel.sim.discrete.report import summarize
+from bagel.sim.discrete.runner import run_policies
+from bagel.sim.discrete.scenario import load_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
 SMALL = dict(workers=120, hours=1.5)
@@ -49,7 +49,7 @@ def test_same_seed_same_summary_other_seed_differs():
 
 
 def test_a_policy_that_fails_in_its_process_fails_the_run(monkeypatch):
-    import bagel.sim.runner as runner
+    import bagel.sim.discrete.runner as runner
 
     class Broken(Engine):
         def run(self, progress=None):

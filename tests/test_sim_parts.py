@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from bagel.compression import get_codec
-from bagel.sim import costmodel as cm
-from bagel.sim import policies
+from bagel.sim.discrete import costmodel as cm
+from bagel.sim.discrete import policies
 from bagel.sim.faults import FaultError, FaultKind, parse_fault
-from bagel.sim.population import (
+from bagel.sim.discrete.population import (
     GPU_CLASSES,
     AvailabilitySpec,
     PopulationSpec,
@@ -21,7 +21,7 @@ from bagel.sim.population import (
     draw_session_s,
     sample_population,
 )
-from bagel.sim.scenario import ScenarioError, load_scenario, parse_scenario
+from bagel.sim.discrete.scenario import ScenarioError, load_scenario, parse_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
 
@@ -184,7 +184,7 @@ def test_policy_registry():
 def test_sync_dp_folds_steps_only_where_steps_are_short():
     from dataclasses import replace
 
-    from bagel.sim.engine import sync_steps_per_round
+    from bagel.sim.discrete.engine import sync_steps_per_round
 
     sc = load_scenario(SCENARIOS / "heterogeneity-10x.toml")
     spec = sc.run_spec()

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from bagel.coordinator.spec import ROUTER_CELL, SpecError, load_spec, parse_cell, parse_spec
+from bagel.protocol.runspec import ROUTER_CELL, SpecError, load_spec, parse_cell, parse_spec
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits-2x2.toml"
 

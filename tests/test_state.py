@@ -8,18 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from bagel.coordinator.domain import (
-    CommitRecord,
-    LocalState,
-    Order,
-    Phase,
-    RoundRecord,
-    RoundState,
-    Verdict,
-    WorkerRecord,
-    WorkerState,
-)
-from bagel.coordinator.policy import DILOCO_WAIT_ALL, SYNC_DP
+from bagel.coordinator.core.records import CommitRecord, RoundRecord, RoundState, WorkerRecord, WorkerState
+from bagel.protocol.messages import LocalState, Order, Phase, Verdict
+from bagel.coordinator.core.policy import DILOCO_WAIT_ALL, SYNC_DP
 
 from test_state_harness import Harness, h, make_spec
 
@@ -241,7 +232,7 @@ def test_contributor_lost_while_reducing_refreezes_survivors() -> None:
     assert r.state is RoundState.REDUCING and r.contributors == ("a", "b", "c") and r.reduce_attempt == 2
     ins = hz.st.instruction_for("a")
     assert ins.order is Order.REDUCE and ins.reduce_attempt == 2 and ins.plan == ins_before.plan
-    from bagel.coordinator.errors import StaleRound
+    from bagel.coordinator.core.errors import StaleRound
 
     with pytest.raises(StaleRound):  # a report over the old contributor set
         hz.report("a", h(1), reduce_attempt=1)
@@ -278,7 +269,7 @@ def test_refreeze_impossible_aborts_then_reruns() -> None:
     r = hz.round()
     assert (r.round, r.attempt, r.state) == (1, 2, RoundState.OPEN) and [m.worker_id for m in r.members] == ["a"]
     # a late report of the aborted contributor set: VERDICT_ABORTED, a harmless no-op
-    out = hz.apply(__import__("bagel.coordinator.domain", fromlist=["ReportRound"]).ReportRound(
+    out = hz.apply(__import__("bagel.coordinator.core.events", fromlist=["ReportRound"]).ReportRound(
         "a", CELL, 1, h(1), samples=1, reduce_attempt=1))
     assert out.verdict is Verdict.ABORTED and out.effects == ()
 
@@ -338,13 +329,13 @@ def test_checkpoint_upload_every_n_rounds() -> None:
     assert hz.st.instruction_for(up).upload_checkpoint
     assert not hz.st.instruction_for(other).upload_checkpoint
     hz.st.check_upload(up, CELL, 2, h(2))
-    from bagel.coordinator.errors import InvalidRunState
+    from bagel.coordinator.core.errors import InvalidRunState
 
     with pytest.raises(InvalidRunState):
         hz.st.check_upload(other, CELL, 2, h(2))
     with pytest.raises(InvalidRunState):
         hz.st.check_upload(up, CELL, 2, h(3))
-    from bagel.coordinator.domain import CheckpointStored
+    from bagel.coordinator.core.events import CheckpointStored
 
     with pytest.raises(InvalidRunState):
         hz.apply(CheckpointStored(CELL, 2, h(7)))
@@ -364,7 +355,7 @@ def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:
     for n in (1, 2, 3):
         commit(hz, n)
         if n == 2:
-            from bagel.coordinator.domain import CheckpointStored
+            from bagel.coordinator.core.events import CheckpointStored
 
             hz.apply(CheckpointStored(CELL, 2, h(2)))
     assert hz.cell().committed_round == 3
@@ -383,7 +374,8 @@ def test_a_heartbeat_sent_before_the_verdict_does_not_unseat_the_holder() -> Non
     """The commit makes `a` a holder of round 2; a heartbeat it sent just before it heard
     the verdict still says round 1. That must not drop it from the holders, else the
     next orphan check rolls the cell back under a live holder (seen in chaos-default)."""
-    from bagel.coordinator.domain import Leave, LocalState
+    from bagel.coordinator.core.events import Leave
+    from bagel.protocol.messages import LocalState
 
     hz = Harness(spec=make_spec(every_rounds=10))
     start(hz, "a", "b")
@@ -403,7 +395,7 @@ def test_a_heartbeat_sent_before_the_verdict_does_not_unseat_the_holder() -> Non
 
 
 def test_last_holder_that_offers_uploads_before_leaving_so_nothing_rolls_back() -> None:
-    from bagel.coordinator.domain import CheckpointStored, Leave
+    from bagel.coordinator.core.events import CheckpointStored, Leave
 
     hz = Harness(spec=make_spec(every_rounds=10))
     start(hz, "a", "b")
@@ -433,7 +425,7 @@ def test_last_holder_that_offers_uploads_before_leaving_so_nothing_rolls_back() 
 
 
 def test_last_holder_that_does_not_offer_leaves_and_the_cell_falls_back() -> None:
-    from bagel.coordinator.domain import Leave
+    from bagel.coordinator.core.events import Leave
 
     hz = Harness(spec=make_spec(every_rounds=10))
     start(hz, "a", "b")
@@ -446,7 +438,7 @@ def test_last_holder_that_does_not_offer_leaves_and_the_cell_falls_back() -> Non
 
 
 def test_leave_during_round_and_duplicate_leave() -> None:
-    from bagel.coordinator.domain import Leave
+    from bagel.coordinator.core.events import Leave
 
     hz = Harness()
     start(hz)
@@ -507,7 +499,7 @@ def test_sync_dp_rounds_are_single_steps() -> None:
 
 
 def test_reputation_ban() -> None:
-    from bagel.coordinator.errors import Banned
+    from bagel.coordinator.core.errors import Banned
 
     hz = Harness(spec=make_spec(ban_reputation=-3.0))
     start(hz, "a", "b", "x")
@@ -546,7 +538,7 @@ def test_effects_of_a_commit_are_complete_records() -> None:
 
 
 def test_lease_expired_event_and_next_wakeup() -> None:
-    from bagel.coordinator.domain import LeaseExpired
+    from bagel.coordinator.core.events import LeaseExpired
 
     hz = Harness()
     r = start(hz)
@@ -562,7 +554,7 @@ def test_lease_expired_event_and_next_wakeup() -> None:
 
 
 def test_standby_when_every_cell_is_full_then_placed_on_departure() -> None:
-    from bagel.coordinator.domain import Leave
+    from bagel.coordinator.core.events import Leave
 
     hz = Harness(spec=make_spec(max_replicas=2))
     for w in ("a", "b", "s"):

@@ -16,24 +16,19 @@ import random
 import grpc
 import pytest
 
-from bagel.coordinator import errors as E
-from bagel.coordinator.domain import (
+from bagel.coordinator.core import errors as E
+from bagel.coordinator.core.events import (
     CheckpointStored,
     Heartbeat,
-    Leave,
     LeaseExpired,
-    LocalState,
-    Order,
-    Phase,
-    Profile,
+    Leave,
     Register,
     ReportRound,
-    RoundState,
     Tick,
-    Verdict,
-    WorkerState,
 )
-from bagel.coordinator.errors import GRPC_STATUS, grpc_status_name
+from bagel.coordinator.core.records import RoundState, WorkerState
+from bagel.protocol.messages import LocalState, Order, Phase, Profile, Verdict
+from bagel.coordinator.core.errors import GRPC_STATUS, grpc_status_name
 
 from test_state_harness import GB, Harness, h, make_spec, restored
 

@@ -12,27 +12,12 @@ import random
 from dataclasses import replace
 from typing import Any
 
-from bagel.coordinator.domain import (
-    CellConfig,
-    CellRecord,
-    CommitRecord,
-    Heartbeat,
-    Instruction,
-    LocalState,
-    Order,
-    Outcome,
-    PeerAddress,
-    Phase,
-    Profile,
-    Register,
-    ReportRound,
-    RoundRecord,
-    Tick,
-    WorkerRecord,
-)
-from bagel.coordinator.policy import BAGEL, Policy
-from bagel.coordinator.spec import ROUTER_CELL, RunSpec, parse_spec
-from bagel.coordinator.state import CoordinatorState
+from bagel.coordinator.core.events import Heartbeat, Outcome, Register, ReportRound, Tick
+from bagel.coordinator.core.records import CellConfig, CellRecord, CommitRecord, RoundRecord, WorkerRecord
+from bagel.protocol.messages import Instruction, LocalState, Order, PeerAddress, Phase, Profile
+from bagel.coordinator.core.policy import BAGEL, Policy
+from bagel.protocol.runspec import ROUTER_CELL, RunSpec, parse_spec
+from bagel.coordinator.core.state import CoordinatorState
 
 GB = 1 << 30
 T0 = 1_700_000_000_000

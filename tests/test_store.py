@@ -10,19 +10,17 @@ import sqlite3
 import pytest
 
 from bagel.coordinator.checkpoints import CheckpointMeta
-from bagel.coordinator.domain import (
+from bagel.coordinator.core.records import (
     CellRecord,
     CommitRecord,
-    LocalState,
     MemberPlan,
-    PeerAddress,
-    Profile,
     ReportEntry,
     RoundRecord,
     RoundState,
     WorkerRecord,
     WorkerState,
 )
+from bagel.protocol.messages import LocalState, PeerAddress, Profile
 from bagel.coordinator.writer import AsyncWriter
 from bagel.coordinator.store import (
     DB_NAME,

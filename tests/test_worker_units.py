@@ -17,7 +17,7 @@ from bagel.worker.diloco import CellState
 from bagel.worker.display import Display, human_bytes
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore
 from bagel.worker.profile import benchmark_cell, measure, memory_bytes
-from bagel.worker.rounds import BYZANTINE_MODES, RoundWork, corrupt, fresh_feedback
+from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, corrupt, fresh_feedback
 from bagel.worker.session import _cached_profile
 
 

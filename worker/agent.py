@@ -46,7 +46,7 @@ from typing import Any
 import grpc
 import torch
 
-from bagel.coordinator.spec import RunSpec
+from bagel.protocol.runspec import RunSpec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient, SpecMismatch
 from bagel.protocol.discovery import CoordinatorRecordValidator, resolve_coordinator, start_dht
@@ -57,7 +57,7 @@ from bagel.worker.display import Display
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore, atomic_write
 from bagel.worker.orders import OrderHandlers, _SyncJob
 from bagel.worker.profile import DEFAULT_UPLINK_MBPS, Profile
-from bagel.worker.rounds import RoundWork, ddp_follower
+from bagel.worker.roundwork import RoundWork, ddp_follower
 from bagel.worker.session import RPC_TIMEOUT_S, CoordinatorLink
 from bagel.worker.trainer import CellRuntime, pick_device
 

@@ -56,8 +56,8 @@ from bagel.worker.parts import (
     prepare_contribution,
     resolve_codec,
 )
-from bagel.worker.reducers import PartRejected, Reducer, get_reducer
-from bagel.worker.reduction import (
+from bagel.worker.aggregation import PartRejected, Reducer, get_reducer
+from bagel.worker.reducer import (
     ContributionRejected,
     ExchangeError,
     ExchangeFailed,

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from bagel.worker.profile import DEFAULT_UPLINK_MBPS
-from bagel.worker.rounds import BYZANTINE_MODES
+from bagel.worker.roundwork import BYZANTINE_MODES
 
 
 def default_data_dir() -> Path:

@@ -65,8 +65,8 @@ class _Stop:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from bagel.coordinator.spec import SpecError, load_spec
-    from bagel.worker.procs import CoordinatorProc, Managed, WorkerProc, cleanup
+    from bagel.protocol.runspec import SpecError, load_spec
+    from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup
 
     try:
         spec = load_spec(args.run)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _status_or_none(endpoint: str) -> Any:
-    from bagel.worker.procs import get_status
+    from bagel.worker.swarm import get_status
 
     try:
         return get_status(endpoint)

@@ -30,7 +30,7 @@ import grpc
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import backoff_delay_s
 from bagel.worker.localstate import LocalCheckpoint
-from bagel.worker.rounds import RoundWork, corrupt, fresh_feedback, reduce_round, train_round
+from bagel.worker.roundwork import RoundWork, corrupt, fresh_feedback, reduce_round, train_round
 from bagel.worker.trainer import CellRuntime, build_runtime
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 from bagel.compression import decode, get_codec
-from bagel.worker.reducers import PartRejected
+from bagel.worker.aggregation import PartRejected
 
 # ---------------------------------------------------------------- codecs
 

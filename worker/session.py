@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from bagel.coordinator.spec import RunSpec, parse_spec
+from bagel.protocol.runspec import RunSpec, parse_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient, backoff_delay_s, is_retryable
 from bagel.protocol.discovery import lookup_coordinator

@@ -42,9 +42,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bagel.coordinator.domain import MemberPlan, PeerAddress
-from bagel.coordinator.policy import Policy
-from bagel.coordinator.spec import RunSpec
+from bagel.coordinator.core.records import MemberPlan
+from bagel.protocol.messages import PeerAddress
+from bagel.coordinator.core.policy import Policy
+from bagel.protocol.runspec import RunSpec
 
 _EPS = 1e-12
 _DESTINATIONS = 4  # destination cells a candidate tries per repair step

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bagel.coordinator.spec import RunSpec
-from bagel.sim import invariants as inv
+from bagel.protocol.runspec import RunSpec
+from bagel.sim.chaos import invariants as inv
 from bagel.sim.faults import Fault, fault_as_dict
-from bagel.sim.procs import Supervisor, listening_ports, port_owners
+from bagel.sim.chaos.supervisor import Supervisor, listening_ports, port_owners
 
 
 @dataclass

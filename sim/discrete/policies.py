@@ -1,6 +1,6 @@
 """Policies the simulator compares, as a registry of plug-ins.
 
-A `SimPolicy` is the coordinator's own `bagel.coordinator.policy.Policy` (the knobs the
+A `SimPolicy` is the coordinator's own `bagel.coordinator.core.policy.Policy` (the knobs the
 daemon's core and scheduler read: batch split, wait-for-all, fail-fast leases, deadline
 slack, H) plus the little the *workers* do differently under a baseline, which the core
 cannot know about:
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 from collections.abc import Mapping
 
-from bagel.coordinator import policy as core_policy
-from bagel.coordinator.policy import Policy
+from bagel.coordinator.core import policy as core_policy
+from bagel.coordinator.core.policy import Policy
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bagel.coordinator import domain as d
-from bagel.coordinator.errors import CoordinatorError
+from bagel.coordinator.core.events import CheckpointStored, LeaseExpired, Leave, ReportRound
+from bagel.protocol.messages import Instruction, LocalState, Order, Verdict
+from bagel.coordinator.core.errors import CoordinatorError
 
-from . import costmodel as cm
-from . import population as popmod
-from .faults import Fault, FaultKind
+from bagel.sim.discrete import costmodel as cm
+from bagel.sim.discrete import population as popmod
+from bagel.sim.faults import Fault, FaultKind
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine
+    from bagel.sim.discrete.engine import Engine
 
 # event kinds
 ARRIVE, DEPART, SYNC_DONE, TRAIN_DONE, REDUCE_DONE, POLL, RENEW, TICK, FAULT, SAMPLE, HEAL, XTIMEOUT, UPLOAD, PTICK, CONT, LEASE = range(16)
@@ -67,8 +68,8 @@ class W:
         self.dur_s = 0.0  # wall time of the round's training (> own_s at a lock-step barrier)
         self.job_due = 0
         self.job_kind = -1
-        self.local = d.LocalState()
-        self.prev_local = d.LocalState()
+        self.local = LocalState()
+        self.prev_local = LocalState()
         self.poll = False
         self.renew_due = 0
         self.renew_armed = False
@@ -82,7 +83,7 @@ class W:
         self.lock: Lockstep | None = None
         self.sync_target: tuple | None = None
         self.uploaded: tuple | None = None
-        self.report: d.ReportRound | None = None  # sent but not acknowledged (lost): resend
+        self.report: ReportRound | None = None  # sent but not acknowledged (lost): resend
         self.lease_until = 0  # lease expiry the core last granted (heartbeat lease mode)
         self.epoch = 0  # bumps whenever the worker (re)gains contact: invalidates LEASE events
         self.waited: tuple | None = None  # (cell, committed round) of the WAIT it last got
@@ -149,7 +150,7 @@ class WorkerBehaviour:
         self._set_act(w, OFF)
         if graceful and not w.cut and not w.stopped:
             try:
-                self._apply(d.Leave(w.wid, "session over"))
+                self._apply(Leave(w.wid, "session over"))
             except CoordinatorError as e:
                 self.ledger.core_errors[type(e).__name__] += 1
         elif not w.cut and not w.stopped:
@@ -200,27 +201,27 @@ class WorkerBehaviour:
 
     # ------------------------------------------------------------ instructions
 
-    def _react(self: Engine, w: W, ins: d.Instruction | None) -> None:
+    def _react(self: Engine, w: W, ins: Instruction | None) -> None:
         if ins is None or not w.online:
             return
         o = ins.order
-        if o is not d.Order.WAIT:
+        if o is not Order.WAIT:
             w.waited = None
-        if o is d.Order.TRAIN:
+        if o is Order.TRAIN:
             if w.key != (ins.cell_id, ins.round, ins.round_attempt) or w.act not in (TRAIN, READY, STALL):
                 if ins.plan is not None:
                     self._abandon(w, "")
                     self._start_train(w, ins)
-        elif o is d.Order.REDUCE:
+        elif o is Order.REDUCE:
             rkey = (ins.cell_id, ins.round, ins.reduce_attempt)
             if w.rkey != rkey:
                 self._start_reduce(w, ins, rkey)
-        elif o is d.Order.SYNC:
+        elif o is Order.SYNC:
             target = (ins.cell_id, ins.committed_round, ins.committed_hash)
             if w.act != SYNC or w.sync_target != target:
                 self._abandon(w, "")
                 self._start_sync(w, ins, target)
-        elif o is d.Order.WAIT:
+        elif o is Order.WAIT:
             if w.act != IDLE:
                 self._abandon(w, "")
             wait = (ins.cell_id, ins.committed_round)
@@ -229,7 +230,7 @@ class WorkerBehaviour:
                 # what opens a cell's next round: deliver the next one (once per new wait)
                 self._poll_later(w)
             w.waited = wait
-        elif o is d.Order.LEAVE:
+        elif o is Order.LEAVE:
             self._ban(w)
             return
         if ins.upload_checkpoint and ins.committed_round > 0:
@@ -241,7 +242,7 @@ class WorkerBehaviour:
                 self.uploads[w.i] = up
                 self.push(self.now + int(1000 * nbytes / min(w.bw, COORDINATOR_BW)) + 1, UPLOAD, w.i, w.gen)
 
-    def _start_sync(self: Engine, w: W, ins: d.Instruction, target: tuple) -> None:
+    def _start_sync(self: Engine, w: W, ins: Instruction, target: tuple) -> None:
         donor = self.by_id.get(ins.donor.worker_id) if ins.donor is not None and ins.donor.worker_id else None
         dbw = donor.bw if donor is not None and donor.online and not donor.cut else COORDINATOR_BW
         nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
@@ -257,7 +258,7 @@ class WorkerBehaviour:
         if token != w.job or not w.online:
             return
         cell, r, h = w.sync_target
-        w.local = d.LocalState(cell, r, h)
+        w.local = LocalState(cell, r, h)
         w.sync_target = None
         w.job_kind = -1
         self._set_act(w, IDLE)
@@ -265,7 +266,7 @@ class WorkerBehaviour:
         if out is not None:
             self._react(w, out.instruction)
 
-    def _start_train(self: Engine, w: W, ins: d.Instruction) -> None:
+    def _start_train(self: Engine, w: W, ins: Instruction) -> None:
         plan = ins.plan
         cell = ins.cell_id
         key = (cell, ins.round, ins.round_attempt)
@@ -281,7 +282,7 @@ class WorkerBehaviour:
             w.lock = lk
             dur = lk.dur_s
         # the member trains from the committed state the instruction names
-        w.local = d.LocalState(cell, ins.committed_round, ins.committed_hash)
+        w.local = LocalState(cell, ins.committed_round, ins.committed_hash)
         w.key = key
         w.h = plan.inner_steps
         w.samples = samples
@@ -302,7 +303,7 @@ class WorkerBehaviour:
         if out is not None:
             self._react(w, out.instruction)
 
-    def _start_reduce(self: Engine, w: W, ins: d.Instruction, rkey: tuple) -> None:
+    def _start_reduce(self: Engine, w: W, ins: Instruction, rkey: tuple) -> None:
         """Join the exchange. A member that trained this round contributes its samples; any
         other contributor is a zero-weight catch-up (a straggler cut at the freeze, or a
         synced worker that was not a member): it drops its training and exchanges a zero
@@ -312,7 +313,7 @@ class WorkerBehaviour:
             self._abandon(w, "")
             w.samples = 0
             w.own_s = 0.0
-            w.local = d.LocalState(ins.cell_id, ins.committed_round, ins.committed_hash)
+            w.local = LocalState(ins.cell_id, ins.committed_round, ins.committed_hash)
         ex = self.exchanges.get(rkey)
         if ex is None:
             by = self.by_id
@@ -362,21 +363,21 @@ class WorkerBehaviour:
         w.job_kind = -1
         cell, rnd, attempt = ex.key
         if ex.broken:
-            ev = d.ReportRound(w.wid, cell, rnd, samples=w.samples, failed=True, reason="exchange failed", reduce_attempt=attempt)
+            ev = ReportRound(w.wid, cell, rnd, samples=w.samples, failed=True, reason="exchange failed", reduce_attempt=attempt)
         else:
             w.sent += ex.nbytes
             w.recv += ex.nbytes
             h = ex.hash if not w.byz else honest_hash((ex.hash, w.wid))
             w.prev_local = w.local
-            w.local = d.LocalState(cell, rnd, h)
-            ev = d.ReportRound(
+            w.local = LocalState(cell, rnd, h)
+            ev = ReportRound(
                 w.wid, cell, rnd, h, samples=w.samples, compute_ms=int(w.own_s * 1000), comm_ms=ex.dur_ms,
                 bytes_sent=ex.nbytes, bytes_received=ex.nbytes, reduce_attempt=attempt,
             )
         self._set_act(w, WAITV)
         self._report(w, ev)
 
-    def _report(self: Engine, w: W, ev: d.ReportRound) -> None:
+    def _report(self: Engine, w: W, ev: ReportRound) -> None:
         w.report = ev
         out = self._send(w, ev)
         if out is None:
@@ -384,7 +385,7 @@ class WorkerBehaviour:
                 w.report = None  # refused (stale): the next instruction tells it what to do
             return  # lost: resent at the next heartbeat that gets through
         w.report = None
-        if out.verdict is d.Verdict.ABORTED and not ev.failed:
+        if out.verdict is Verdict.ABORTED and not ev.failed:
             w.local = w.prev_local  # roll back the outer step to the committed state
         self._react(w, out.instruction)
 
@@ -428,7 +429,7 @@ class WorkerBehaviour:
         if up is None or token != w.gen or not w.online:
             return
         try:
-            self._apply(d.CheckpointStored(*up))
+            self._apply(CheckpointStored(*up))
         except CoordinatorError as e:
             self.ledger.core_errors[type(e).__name__] += 1
 
@@ -504,7 +505,7 @@ class WorkerBehaviour:
         if token != w.epoch or (w.online and not w.cut and not w.stopped):
             return
         try:
-            self._apply(d.LeaseExpired(w.wid))
+            self._apply(LeaseExpired(w.wid))
         except CoordinatorError as e:
             self.ledger.core_errors[type(e).__name__] += 1
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
-from bagel.coordinator.spec import RunSpec, SpecError, parse_spec
+from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
 from bagel.sim.faults import ByzantineMode, Fault, FaultError, FaultKind, parse_faults
 
 PROXY_KINDS = frozenset({FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.RESET, FaultKind.HANG})

@@ -63,22 +63,31 @@ from typing import Callable
 
 import numpy as np
 
-from bagel.coordinator import domain as d
+from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Register, Tick
+from bagel.coordinator.core.records import (
+    CellConfig,
+    CommitRecord,
+    RoundRecord,
+    RoundState,
+    WorkerRecord,
+    WorkerState,
+)
+from bagel.protocol.messages import PeerAddress, Phase, Profile
 from bagel.coordinator import sizing
-from bagel.coordinator.errors import Banned, CoordinatorError, UnknownWorker
-from bagel.coordinator.spec import ROUTER_CELL, RunSpec
-from bagel.coordinator.state import CoordinatorState
+from bagel.coordinator.core.errors import Banned, CoordinatorError, UnknownWorker
+from bagel.protocol.runspec import ROUTER_CELL, RunSpec
+from bagel.coordinator.core.state import CoordinatorState
 
-from . import costmodel as cm
-from . import population as popmod
-from .actors import (
+from bagel.sim.discrete import costmodel as cm
+from bagel.sim.discrete import population as popmod
+from bagel.sim.discrete.workers import (
     ACT_BUCKET, ARRIVE, CONT, DEPART, FAULT, HEAL, LEASE, OFF, POLL, PTICK, READY, REDUCE, RENEW, SAMPLE,
     STALL, SYNC, SYNC_DONE, TICK, TRAIN, TRAIN_DONE, REDUCE_DONE, UPLOAD, WAITV, XTIMEOUT,
     Exchange, Lockstep, W, WorkerBehaviour,
 )
-from .metrics import Ledger
-from .policies import SimPolicy
-from .scenario import Scenario
+from bagel.sim.discrete.ledger import Ledger
+from bagel.sim.discrete.policies import SimPolicy
+from bagel.sim.discrete.scenario import Scenario
 
 T0_MS = 1_767_225_600_000  # virtual epoch: 2026-01-01T00:00:00Z (the core works in unix ms)
 DECLARED_CORE_LEASE_S = 10_000_000.0  # declared lease mode: longer than any simulation
@@ -160,7 +169,7 @@ class Engine(WorkerBehaviour):
         self.comm_rounds = k or 1
         self.payload = {c: cm.encoded_nbytes(codec, int(cm.cell_params(self.work, c))) for c in self.cells}
         cfgs = [
-            d.CellConfig(c, cm.cell_memory_bytes(self.work, c), self.targets[c], self.payload[c] * self.comm_rounds)
+            CellConfig(c, cm.cell_memory_bytes(self.work, c), self.targets[c], self.payload[c] * self.comm_rounds)
             for c in self.cells
         ]
         self.core = CoordinatorState(self.spec, cfgs, policy=self.policy.core, rng=random.Random(self.seed), now_ms=T0_MS)
@@ -205,7 +214,7 @@ class Engine(WorkerBehaviour):
         w.byz = bool(p.byzantine[i])
         w.spot = bool(p.spot[i])
         w.hb_phase = int(self.rng.integers(0, self.hb_ms))
-        w.profile = d.Profile(
+        w.profile = Profile(
             name=w.wid,
             device_kind="cuda",
             device_name=p.gpu[i],
@@ -287,14 +296,14 @@ class Engine(WorkerBehaviour):
 
     # ------------------------------------------------------------ core calls
 
-    def _apply(self, ev: d.Event) -> d.Outcome:
+    def _apply(self, ev: Event) -> Outcome:
         self.core_calls += 1
         out = self.core.apply(T0_MS + self.now, ev)
         if out.effects:
             self._absorb(out.effects, getattr(ev, "worker_id", ""))
         return out
 
-    def _send(self, w: W, ev: d.Event) -> d.Outcome | None:
+    def _send(self, w: W, ev: Event) -> Outcome | None:
         """Deliver a worker's message; None if it was lost or refused (then the worker reacts)."""
         if w.cut or w.stopped or not w.online:
             return None
@@ -316,10 +325,10 @@ class Engine(WorkerBehaviour):
         self._contacted(w, out)
         return out
 
-    def _register(self, w: W) -> d.Outcome | None:
+    def _register(self, w: W) -> Outcome | None:
         if w.cut or w.stopped:
             return None  # lost on the way; it registers when it can reach the coordinator
-        ev = d.Register(w.wid, w.profile, d.PeerAddress(peer_id=w.wid), w.local)
+        ev = Register(w.wid, w.profile, PeerAddress(peer_id=w.wid), w.local)
         try:
             out = self._apply(ev)
         except Banned:
@@ -331,7 +340,7 @@ class Engine(WorkerBehaviour):
         self._contacted(w, out)
         return out
 
-    def _contacted(self, w: W, out: d.Outcome) -> None:
+    def _contacted(self, w: W, out: Outcome) -> None:
         if out.lease_expires_ms is not None and not self.declared:
             w.lease_until = out.lease_expires_ms - T0_MS
             w.renew_due = w.lease_until - self.hb_ms
@@ -347,39 +356,39 @@ class Engine(WorkerBehaviour):
     def _tick(self) -> None:
         if self.now != self.last_tick:
             self.last_tick = self.now
-            self._apply(d.Tick())
+            self._apply(Tick())
 
-    def _heartbeat(self, w: W) -> d.Outcome | None:
+    def _heartbeat(self, w: W) -> Outcome | None:
         a = w.act
         key = w.key
         if a == READY and key is not None:
-            ev = d.Heartbeat(w.wid, d.Phase.READY, key[0], key[1], samples=w.samples, local=w.local, round_attempt=key[2])
+            ev = Heartbeat(w.wid, Phase.READY, key[0], key[1], samples=w.samples, local=w.local, round_attempt=key[2])
         elif a in (TRAIN, STALL) and key is not None:
             # progress so far, as the real worker reports it (the core estimates a late
             # member's speed from it)
             done = w.h if a == STALL else min(w.h, int(w.h * (self.now - w.since) / (w.dur_s * 1000.0 + 1e-9)))
-            ev = d.Heartbeat(w.wid, d.Phase.TRAINING, key[0], key[1], inner_step=done, local=w.local, round_attempt=key[2])
+            ev = Heartbeat(w.wid, Phase.TRAINING, key[0], key[1], inner_step=done, local=w.local, round_attempt=key[2])
         elif a in (REDUCE, WAITV) and w.rkey is not None:
             r = w.rkey
-            ev = d.Heartbeat(w.wid, d.Phase.REDUCING, r[0], r[1], local=w.local, reduce_attempt=r[2])
+            ev = Heartbeat(w.wid, Phase.REDUCING, r[0], r[1], local=w.local, reduce_attempt=r[2])
         elif a == SYNC and w.sync_target is not None:
-            ev = d.Heartbeat(w.wid, d.Phase.SYNCING, w.sync_target[0], local=w.local)
+            ev = Heartbeat(w.wid, Phase.SYNCING, w.sync_target[0], local=w.local)
         else:
-            ev = d.Heartbeat(w.wid, d.Phase.IDLE, w.local.cell_id, local=w.local)
+            ev = Heartbeat(w.wid, Phase.IDLE, w.local.cell_id, local=w.local)
         return self._send(w, ev)
 
     # ------------------------------------------------------------ effects -> who must hear
 
     def _absorb(self, effects: tuple, caller: str) -> None:
         for r in effects:
-            if isinstance(r, d.RoundRecord):
+            if isinstance(r, RoundRecord):
                 self._on_round_record(r, caller)
-            elif isinstance(r, d.CommitRecord):
+            elif isinstance(r, CommitRecord):
                 self._on_commit(r)
-            elif isinstance(r, d.WorkerRecord):
+            elif isinstance(r, WorkerRecord):
                 if r.worker_id != caller:
                     w = self.by_id.get(r.worker_id)
-                    if w is not None and w.online and (r.state is not d.WorkerState.ACTIVE or r.cell_id != self._believed_cell(w)):
+                    if w is not None and w.online and (r.state is not WorkerState.ACTIVE or r.cell_id != self._believed_cell(w)):
                         self._poll_later(w)
 
     def _believed_cell(self, w: W) -> str:
@@ -389,7 +398,7 @@ class Engine(WorkerBehaviour):
             return w.sync_target[0]
         return w.local.cell_id
 
-    def _on_round_record(self, r: d.RoundRecord, caller: str) -> None:
+    def _on_round_record(self, r: RoundRecord, caller: str) -> None:
         """A round record changed: arm its deadline, settle the ledger, and make everyone
         whose instruction changed hear it at their next heartbeat."""
         sig = (r.round, r.attempt, r.state, r.reduce_attempt)
@@ -399,14 +408,14 @@ class Engine(WorkerBehaviour):
         self.seen_round[r.cell_id] = sig
         st = r.state
         key = (r.cell_id, r.round, r.attempt)
-        if st is d.RoundState.TRAINING and prev is not None and prev[:2] == sig[:2]:
+        if st is RoundState.TRAINING and prev is not None and prev[:2] == sig[:2]:
             return  # OPEN -> TRAINING: every member's order is still TRAIN
-        if st is d.RoundState.REDUCING:
+        if st is RoundState.REDUCING:
             self._tick_at(r.reduce_deadline_ms - T0_MS)
             who = self.member_ids.get(key, ()) + r.contributors  # catch-up contributors too
         elif st.terminal:
             who = self.member_ids.pop(key, ()) + r.contributors
-            if st is d.RoundState.ABORTED:
+            if st is RoundState.ABORTED:
                 self.ledger.aborts += 1
                 self.ledger.abort_reasons[_reason_kind(r.reason)] += 1
                 self.ledger.resolve_abort(key)
@@ -421,7 +430,7 @@ class Engine(WorkerBehaviour):
                 if w is not None and w.online:
                     self._poll_later(w)
 
-    def _on_commit(self, c: d.CommitRecord) -> None:
+    def _on_commit(self, c: CommitRecord) -> None:
         led = self.ledger
         by = self.by_id
         members = [by[x] for x in c.contributors if x in by]

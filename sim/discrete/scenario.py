@@ -4,7 +4,7 @@ A scenario says who the volunteers are (`[population]`), what one cell costs
 (`[workload]`), what goes wrong and when (`[[faults]]`), which policies to compare, and
 which run the coordinator core runs: `run_spec` is either a path (relative to the
 scenario file) to a run-spec TOML, or an inline table with the run spec's sections. The
-core always gets a real `RunSpec` from `bagel.coordinator.spec.parse_spec`.
+core always gets a real `RunSpec` from `bagel.protocol.runspec.parse_spec`.
 
 Parsing is a pure function of the text, like the run spec's: an unknown key or a wrong
 type is a `ScenarioError` that names the key (nanoGPT's configurator does the same).
@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
-from bagel.coordinator.spec import RunSpec, SpecError, parse_spec
+from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
 
-from .costmodel import WorkloadSpec
-from .faults import Fault, FaultError, parse_faults
-from .population import AvailabilitySpec, LinkSpec, PopulationSpec
+from bagel.sim.discrete.costmodel import WorkloadSpec
+from bagel.sim.faults import Fault, FaultError, parse_faults
+from bagel.sim.discrete.population import AvailabilitySpec, LinkSpec, PopulationSpec
 
 
 class ScenarioError(ValueError):

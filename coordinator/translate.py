@@ -1,7 +1,7 @@
 """Protobuf <-> domain translation for the coordinator's gRPC shell.
 
 The servicer only translates and delegates (design section 10): requests become core
-events (`bagel.coordinator.domain`), outcomes become responses. Everything here is a
+events (`bagel.coordinator.core.domain`), outcomes become responses. Everything here is a
 pure function of its arguments. Enum numbers are shared by the proto and the domain, so
 enums translate by value. Incoming messages have already passed `bagel.protocol.validation`
 (strings bounded, floats finite, cells real), so these functions do not re-check them.
@@ -9,18 +9,19 @@ enums translate by value. Incoming messages have already passed `bagel.protocol.
 
 from __future__ import annotations
 
-from bagel.coordinator import domain as d
+from bagel.coordinator.core.events import Heartbeat, Leave, Register, ReportRound
+from bagel.protocol.messages import Instruction, LocalState, Member, PeerAddress, Phase, Profile, Verdict
 from bagel.protocol import bagel_pb2 as pb
 
 # ---------------------------------------------------------------- proto -> domain
 
 
-def peer_from_pb(p: pb.PeerAddress) -> d.PeerAddress:
-    return d.PeerAddress(peer_id=p.peer_id, maddrs=tuple(p.maddrs))
+def peer_from_pb(p: pb.PeerAddress) -> PeerAddress:
+    return PeerAddress(peer_id=p.peer_id, maddrs=tuple(p.maddrs))
 
 
-def profile_from_pb(p: pb.WorkerProfile) -> d.Profile:
-    return d.Profile(
+def profile_from_pb(p: pb.WorkerProfile) -> Profile:
+    return Profile(
         name=p.name,
         device_kind=p.device_kind,
         device_name=p.device_name,
@@ -32,12 +33,12 @@ def profile_from_pb(p: pb.WorkerProfile) -> d.Profile:
     )
 
 
-def local_from_pb(p: pb.LocalState) -> d.LocalState:
-    return d.LocalState(cell_id=p.cell_id, committed_round=p.committed_round, state_hash=p.state_hash)
+def local_from_pb(p: pb.LocalState) -> LocalState:
+    return LocalState(cell_id=p.cell_id, committed_round=p.committed_round, state_hash=p.state_hash)
 
 
-def register_event(worker_id: str, req: pb.RegisterRequest) -> d.Register:
-    return d.Register(
+def register_event(worker_id: str, req: pb.RegisterRequest) -> Register:
+    return Register(
         worker_id=worker_id,
         profile=profile_from_pb(req.profile),
         peer=peer_from_pb(req.peer),
@@ -45,10 +46,10 @@ def register_event(worker_id: str, req: pb.RegisterRequest) -> d.Register:
     )
 
 
-def heartbeat_event(worker_id: str, req: pb.HeartbeatRequest) -> d.Heartbeat:
-    return d.Heartbeat(
+def heartbeat_event(worker_id: str, req: pb.HeartbeatRequest) -> Heartbeat:
+    return Heartbeat(
         worker_id=worker_id,
-        phase=d.Phase(req.phase),
+        phase=Phase(req.phase),
         cell_id=req.cell_id,
         round=req.round,
         inner_step=req.inner_step,
@@ -60,8 +61,8 @@ def heartbeat_event(worker_id: str, req: pb.HeartbeatRequest) -> d.Heartbeat:
     )
 
 
-def report_event(worker_id: str, req: pb.ReportRoundRequest) -> d.ReportRound:
-    return d.ReportRound(
+def report_event(worker_id: str, req: pb.ReportRoundRequest) -> ReportRound:
+    return ReportRound(
         worker_id=worker_id,
         cell_id=req.cell_id,
         round=req.round,
@@ -78,22 +79,22 @@ def report_event(worker_id: str, req: pb.ReportRoundRequest) -> d.ReportRound:
     )
 
 
-def leave_event(worker_id: str, req: pb.LeaveRequest) -> d.Leave:
-    return d.Leave(worker_id=worker_id, reason=req.reason, offer_checkpoint=req.offer_checkpoint)
+def leave_event(worker_id: str, req: pb.LeaveRequest) -> Leave:
+    return Leave(worker_id=worker_id, reason=req.reason, offer_checkpoint=req.offer_checkpoint)
 
 
 # ---------------------------------------------------------------- domain -> proto
 
 
-def peer_to_pb(p: d.PeerAddress) -> pb.PeerAddress:
+def peer_to_pb(p: PeerAddress) -> pb.PeerAddress:
     return pb.PeerAddress(peer_id=p.peer_id, maddrs=p.maddrs)
 
 
-def member_to_pb(m: d.Member) -> pb.Member:
+def member_to_pb(m: Member) -> pb.Member:
     return pb.Member(worker_id=m.worker_id, peer=peer_to_pb(m.peer), max_samples=m.max_samples)
 
 
-def instruction_to_pb(ins: d.Instruction | None) -> pb.Instruction:
+def instruction_to_pb(ins: Instruction | None) -> pb.Instruction:
     if ins is None:
         return pb.Instruction(order=pb.ORDER_WAIT)
     out = pb.Instruction(
@@ -129,12 +130,12 @@ def instruction_to_pb(ins: d.Instruction | None) -> pb.Instruction:
 
 
 VERDICTS = {
-    d.Verdict.PENDING: pb.VERDICT_PENDING,
-    d.Verdict.COMMITTED: pb.VERDICT_COMMITTED,
-    d.Verdict.RESYNC: pb.VERDICT_RESYNC,
-    d.Verdict.ABORTED: pb.VERDICT_ABORTED,
+    Verdict.PENDING: pb.VERDICT_PENDING,
+    Verdict.COMMITTED: pb.VERDICT_COMMITTED,
+    Verdict.RESYNC: pb.VERDICT_RESYNC,
+    Verdict.ABORTED: pb.VERDICT_ABORTED,
 }
 
 
-def verdict_to_pb(v: d.Verdict | None) -> int:
+def verdict_to_pb(v: Verdict | None) -> int:
     return VERDICTS.get(v, pb.VERDICT_UNSPECIFIED) if v is not None else pb.VERDICT_UNSPECIFIED

@@ -21,10 +21,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bagel.sim import invariants as inv
+from bagel.sim.chaos import invariants as inv
 
 if TYPE_CHECKING:  # pragma: no cover
-    from bagel.sim.chaos_run import ChaosRun
+    from bagel.sim.chaos.driver import ChaosRun
 
 _FAULT_COLORS = {
     "kill": "tab:red",

@@ -23,9 +23,9 @@ import queue
 import traceback
 from collections.abc import Callable, Sequence
 
-from .engine import Engine, EngineResult
-from .policies import SimPolicy
-from .scenario import Scenario
+from bagel.sim.discrete.engine import Engine, EngineResult
+from bagel.sim.discrete.policies import SimPolicy
+from bagel.sim.discrete.scenario import Scenario
 
 Progress = Callable[[int, float], None]  # (policy index, fraction done)
 

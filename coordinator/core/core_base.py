@@ -14,11 +14,11 @@ import itertools
 import random
 from typing import Any
 
-from bagel.coordinator.domain import CommitRecord
-from bagel.coordinator.entities import Cell, Round, Worker
-from bagel.coordinator.policy import Policy
-from bagel.coordinator.scheduler import Balance, Knobs
-from bagel.coordinator.spec import RunSpec
+from bagel.coordinator.core.records import CommitRecord
+from bagel.coordinator.core.entities import Cell, Round, Worker
+from bagel.coordinator.core.policy import Policy
+from bagel.coordinator.core.scheduler import Balance, Knobs
+from bagel.protocol.runspec import RunSpec
 
 TRAIN_DEADLINE, REDUCE_DEADLINE = "train", "reduce"
 

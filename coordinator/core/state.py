@@ -56,34 +56,32 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from bagel.coordinator.core_base import REDUCE_DEADLINE, TRAIN_DEADLINE
-from bagel.coordinator.domain import (
-    CellConfig,
-    CellRecord,
+from bagel.coordinator.core.core_base import REDUCE_DEADLINE, TRAIN_DEADLINE
+from bagel.coordinator.core.events import (
     CheckpointStored,
-    CommitRecord,
     Event,
     Heartbeat,
-    Instruction,
-    Leave,
-    LocalState,
     LeaseExpired,
-    Order,
+    Leave,
     Outcome,
-    Phase,
     Register,
-    ReportEntry,
     ReportRound,
+    Tick,
+)
+from bagel.coordinator.core.records import (
+    CellConfig,
+    CellRecord,
+    CommitRecord,
+    ReportEntry,
     RoundRecord,
     RoundState,
     Snapshot,
-    Tick,
-    Verdict,
     WorkerRecord,
     WorkerState,
 )
-from bagel.coordinator.entities import Cell, Round, Worker
-from bagel.coordinator.errors import (
+from bagel.protocol.messages import Instruction, LocalState, Order, Phase, Verdict
+from bagel.coordinator.core.entities import Cell, Round, Worker
+from bagel.coordinator.core.errors import (
     Banned,
     CapacityExceeded,
     DuplicateSubmission,
@@ -94,11 +92,11 @@ from bagel.coordinator.errors import (
     WrongCell,
     WrongPhase,
 )
-from bagel.coordinator.membership import Membership
-from bagel.coordinator.policy import BAGEL, Policy
-from bagel.coordinator.rounds import RoundLifecycle
-from bagel.coordinator.scheduler import Balance, Knobs
-from bagel.coordinator.spec import RunSpec
+from bagel.coordinator.core.membership import Membership
+from bagel.coordinator.core.policy import BAGEL, Policy
+from bagel.coordinator.core.rounds import RoundLifecycle
+from bagel.coordinator.core.scheduler import Balance, Knobs
+from bagel.protocol.runspec import RunSpec
 
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)

@@ -12,23 +12,18 @@ from __future__ import annotations
 
 from collections import deque
 
-from bagel.coordinator.domain import (
+from bagel.coordinator.core.records import (
     CellConfig,
     CellRecord,
     CommitRecord,
-    LocalState,
-    Member,
     MemberPlan,
-    PeerAddress,
-    Phase,
-    Profile,
     ReportEntry,
-    RoundPlan,
     RoundRecord,
     RoundState,
     WorkerRecord,
     WorkerState,
 )
+from bagel.protocol.messages import LocalState, Member, PeerAddress, Phase, Profile, RoundPlan
 
 # commits kept per cell in memory (to verify checkpoint uploads); the store keeps them all.
 COMMIT_WINDOW = 64

@@ -40,8 +40,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bagel.sim.chaos_run import RUN_MARKER, ChaosRun
-from bagel.sim.chaos_scenario import ScenarioError, load_scenario
+from bagel.sim.chaos.driver import RUN_MARKER, ChaosRun
+from bagel.sim.chaos.scenario import ScenarioError, load_scenario
 
 EXIT_OK, EXIT_INVARIANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from bagel.compression import ErrorFeedback
-from bagel.coordinator.spec import parse_spec
+from bagel.protocol.runspec import parse_spec
 from bagel.models.data import shard
 from bagel.worker import ddp
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient

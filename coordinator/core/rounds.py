@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from bagel.coordinator.core_base import REDUCE_DEADLINE, TRAIN_DEADLINE, CoreBase
-from bagel.coordinator.domain import CommitRecord, RoundState, WorkerState
-from bagel.coordinator.entities import Cell, Round
-from bagel.coordinator.scheduler import PlanMember, plan_round, throughput_for
+from bagel.coordinator.core.core_base import REDUCE_DEADLINE, TRAIN_DEADLINE, CoreBase
+from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
+from bagel.coordinator.core.entities import Cell, Round
+from bagel.coordinator.core.scheduler import PlanMember, plan_round, throughput_for
 
 
 class RoundLifecycle(CoreBase):

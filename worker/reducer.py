@@ -25,7 +25,7 @@ import torch
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.worker.framing import LEN_NBYTES, discard_frame, read_frame, write_frame, write_message
 from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
-from bagel.worker.reducers import PartRejected, Reducer
+from bagel.worker.aggregation import PartRejected, Reducer
 from hivemind.p2p import PeerID
 
 log = logging.getLogger(__name__)

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bagel.sim import invariants as inv
-from bagel.sim.chaos_evidence import FiredFault, Observations, leaked_ports, local_hashes, read_commit_log, runner_checks
-from bagel.sim.chaos_scenario import ChaosScenario
+from bagel.sim.chaos import invariants as inv
+from bagel.sim.chaos.evidence import FiredFault, Observations, leaked_ports, local_hashes, read_commit_log, runner_checks
+from bagel.sim.chaos.scenario import ChaosScenario
 from bagel.sim.faults import Fault, FaultKind
-from bagel.sim.procs import Proc, ProcessExited, Supervisor, free_port
-from bagel.sim.proxy import FaultProxy
+from bagel.sim.chaos.supervisor import Proc, ProcessExited, Supervisor, free_port
+from bagel.sim.chaos.proxy import FaultProxy
 
 log = logging.getLogger("bagel.sim.chaos")
 
@@ -545,7 +545,7 @@ class ChaosRun:
         )
 
     def _result(self, error: str) -> dict[str, Any]:
-        from bagel.sim.chaos_report import build_summary
+        from bagel.sim.chaos.report import build_summary
 
         h = self.history()
         unexpected = self.coordinator_unexpected + [m for w in self.workers for m in w.unexpected_exits]

@@ -14,11 +14,12 @@ import itertools
 import zlib
 from collections.abc import Iterator, Mapping
 
-from bagel.coordinator.core_base import CoreBase
-from bagel.coordinator.domain import Donor, PeerAddress, RoundState, WorkerState
-from bagel.coordinator.entities import Cell, Round, Worker
-from bagel.coordinator.errors import Banned, InvalidEvent, UnknownWorker
-from bagel.coordinator.scheduler import WorkerView, throughput_for
+from bagel.coordinator.core.core_base import CoreBase
+from bagel.coordinator.core.records import RoundState, WorkerState
+from bagel.protocol.messages import Donor, PeerAddress
+from bagel.coordinator.core.entities import Cell, Round, Worker
+from bagel.coordinator.core.errors import Banned, InvalidEvent, UnknownWorker
+from bagel.coordinator.core.scheduler import WorkerView, throughput_for
 
 
 class Membership(CoreBase):

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .engine import EngineResult
-from .metrics import BUCKETS, TRAINING, WASTE, jain
+from bagel.sim.discrete.engine import EngineResult
+from bagel.sim.discrete.ledger import BUCKETS, TRAINING, WASTE, jain
 
 
 def _time_to_target(r: EngineResult, target_samples: float) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         "goodput = training FLOPs in committed rounds by agreeing contributors / offered FLOPs "
         "(online time x achieved FLOP/s); utilisation = all training / offered. "
-        "See `bagel.sim.metrics` for the causes.",
+        "See `bagel.sim.discrete.ledger` for the causes.",
         "",
     ]
     return "\n".join(lines)

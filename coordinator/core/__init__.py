@@ -1,0 +1,1 @@
+"""Bagel coordinator.core package."""

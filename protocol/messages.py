@@ -1,0 +1,121 @@
+"""What coordinator-worker messages carry, as plain frozen dataclasses (the wire mirrors).
+
+The coordinator core, the worker's reconciler and the simulator speak these types; the gRPC
+shells translate protobuf <-> these at their edges. Enum numbers equal the proto's
+(`protocol/bagel.proto`), so translation is `Order(pb.order)` / `pb_order = int(order)`.
+Mapping-valued fields hold plain dicts that must be treated as read-only.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+class Phase(enum.IntEnum):
+    """What a worker says it is doing (proto `Phase`)."""
+
+    UNSPECIFIED = 0
+    IDLE = 1  # waiting for an instruction
+    SYNCING = 2  # downloading state
+    TRAINING = 3  # inner steps of `round`
+    READY = 4  # finished training `round`; a contribution of `samples` is ready
+    REDUCING = 5  # exchanging parts with the contributors
+
+
+class Order(enum.IntEnum):
+    """What the coordinator tells a worker to do (proto `Order`)."""
+
+    UNSPECIFIED = 0
+    WAIT = 1  # nothing for you now: keep heartbeating
+    SYNC = 2  # fetch the cell's committed state from `donor` (or the checkpoint)
+    TRAIN = 3  # train `round` per `plan`, then heartbeat READY
+    REDUCE = 4  # contributors are frozen: average with exactly `contributors`
+    LEAVE = 5  # banned or the run is over: exit
+
+
+class Verdict(enum.IntEnum):
+    """Answer to a ReportRound (proto `Verdict`)."""
+
+    UNSPECIFIED = 0
+    PENDING = 1  # counted; waiting for the quorum
+    COMMITTED = 2  # the round is committed with your hash
+    RESYNC = 3  # your hash disagrees with the committed one: resync
+    ABORTED = 4  # the round was aborted: roll back to the last committed state
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    peer_id: str = ""
+    maddrs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """A worker's measured profile (proto `WorkerProfile`)."""
+
+    name: str = ""
+    device_kind: str = "cpu"
+    device_name: str = ""
+    vram_bytes: int = 0
+    num_devices: int = 1
+    link_bandwidth_bytes_per_s: float = 0.0  # 0 = unknown (Policy.default_bandwidth is used)
+    samples_per_s: Mapping[str, float] = field(default_factory=dict)  # by cell id
+    software_version: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class LocalState:
+    """The committed state a worker holds locally (proto `LocalState`)."""
+
+    cell_id: str = ""  # "" = nothing
+    committed_round: int = 0
+    state_hash: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A round member as the wire shows it (proto `Member`)."""
+
+    worker_id: str
+    peer: PeerAddress
+    max_samples: int  # cap on this member's averaging weight in the round
+
+
+@dataclass(frozen=True, slots=True)
+class RoundPlan:
+    """The plan as one worker receives it (proto `RoundPlan`): its own batch shape."""
+
+    inner_steps: int
+    micro_batch: int
+    grad_accum: int
+    deadline_unix_ms: int
+    members: tuple[Member, ...]  # sorted by worker_id; data shard index = position
+
+
+@dataclass(frozen=True, slots=True)
+class Donor:
+    """Where to fetch state from (proto `Donor`); worker_id "" = the coordinator checkpoint."""
+
+    worker_id: str = ""
+    peer: PeerAddress = PeerAddress()
+    checkpoint_round: int = -1  # latest checkpoint held for the cell (-1 = none)
+
+
+@dataclass(frozen=True, slots=True)
+class Instruction:
+    """The level-triggered order for one worker (proto `Instruction`)."""
+
+    order: Order
+    cell_id: str = ""
+    round: int = 0  # round to train/reduce (= committed_round + 1)
+    committed_round: int = 0
+    committed_hash: str = ""
+    plan: RoundPlan | None = None  # TRAIN and REDUCE
+    contributors: tuple[Member, ...] = ()  # REDUCE, sorted by worker_id
+    donor: Donor | None = None  # SYNC
+    upload_checkpoint: bool = False  # stream the committed state to UploadCheckpoint
+    reason: str = ""
+    reduce_attempt: int = 0  # REDUCE: bumps whenever a contributor set is (re-)frozen
+    round_attempt: int = 0  # TRAIN/REDUCE: bumps when an aborted round is re-run

@@ -1,0 +1,1 @@
+"""Bagel sim.discrete package."""
