@@ -363,7 +363,7 @@ async def _serve(
         for w in waiters:
             w.cancel()
         if handle.fatal.is_set():
-            log.critical("stopping after a store failure: %r", handle.core.fatal)
+            log.critical("stopping after a fatal error: %s", handle.core.fatal)
             return 1
         log.info("signal received: draining and shutting down")
         return 0

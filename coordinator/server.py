@@ -16,9 +16,11 @@ Every worker request takes the same path (design sections 3, 8, 10):
 5. the outcome is translated back.
 
 An event the core refuses raises a typed error before it mutates anything, so a
-rejected message never changes state. If SQLite itself fails, memory and disk may
-disagree: the shell stops taking requests (UNAVAILABLE) and asks the daemon to shut
-down, so a restart reloads the durable truth (`CoordinatorCore.fatal`).
+rejected message never changes state. Two failures mean memory and disk may disagree:
+SQLite itself fails, or the core fails with a bug (`CoreFault`: an exception that is not
+a `CoordinatorError`, possibly raised after a mutation). Then the shell stops taking
+requests (UNAVAILABLE), logs the offending event and asks the daemon to shut down
+non-zero, so a restart reloads the durable truth (`CoordinatorCore.fatal`).
 
 Why an interceptor rather than a decorator: grpc.aio's `ServerInterceptor` only sees the
 handler *lookup*, not its exceptions, but it may return a different handler; ours wraps
@@ -55,7 +57,7 @@ from bagel.coordinator.checkpoints import (
     CheckpointStore,
     CheckpointTooLarge,
 )
-from bagel.coordinator.core.errors import CoordinatorError, grpc_status_name
+from bagel.coordinator.core.errors import CoordinatorError, CoreFault, grpc_status_name
 from bagel.coordinator.metrics import Metrics
 from bagel.protocol.runspec import RunSpec, parse_cell
 from bagel.coordinator.core.state import CoordinatorState
@@ -341,7 +343,11 @@ class CoordinatorCore:
         if not self.accepting:
             raise NotAccepting("the coordinator is shutting down")
         now = self.clock()
-        outcome = self.state.apply(now, event)
+        try:
+            outcome = self.state.apply(now, event)
+        except CoreFault as e:
+            self._die(e, "the coordinator core failed")
+            raise NotAccepting("the coordinator hit an internal error; it is restarting") from e
         try:
             if outcome.effects:
                 fut = self.writer.submit(outcome.effects, now)
@@ -361,13 +367,13 @@ class CoordinatorCore:
             else:
                 await self.writer.barrier()
         except Exception as e:
-            self._die(e)
+            self._die(e, "store write failed")
             raise NotAccepting("the coordinator's store failed; it is restarting") from e
         return outcome
 
-    def _die(self, exc: BaseException) -> None:
+    def _die(self, exc: BaseException, what: str) -> None:
         if self.fatal is None:
-            log.critical("store write failed; stopping so a restart reloads the durable state: %r", exc)
+            log.critical("%s; stopping so a restart reloads the durable state: %s", what, exc)
             self.fatal = exc
             self.accepting = False
             if self._on_fatal is not None:
@@ -418,8 +424,8 @@ class CoordinatorCore:
                     self._publish_worker_counts()
                 await self.tick()
             except NotAccepting:
-                return
-            except Exception:  # a core bug must not stop the clock of the whole run
+                return  # the core or the store failed (the daemon is stopping), or shutdown
+            except Exception:  # the metrics bookkeeping must not stop the clock of the run
                 log.exception("tick failed")
 
     # ------------------------------------------------------------------ status

@@ -22,8 +22,17 @@ def free_port() -> int:
 
 
 class DaemonProcess:
-    def __init__(self, spec_path: Path, data_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec_path), "--data-dir", str(data_dir), *args]
+    def __init__(
+        self,
+        spec_path: Path,
+        data_dir: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        launcher: tuple[str, ...] = ("-m", "bagel.coordinator"),
+    ) -> None:
+        # `launcher`: what runs the coordinator's command line (a test may pass a script
+        # that patches the real code first, then calls `bagel.coordinator.cli.main`)
+        cmd = [sys.executable, *launcher, "serve", "--run", str(spec_path), "--data-dir", str(data_dir), *args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

@@ -77,7 +77,7 @@ def frozen_view(hz: Harness) -> tuple[object, ...]:
     for w in hz.store.workers.values():
         if w.state in (WorkerState.ACTIVE, WorkerState.BANNED):
             ins[w.worker_id] = st.instruction_for(w.worker_id)
-    return (st.snapshot(), ins, st.next_wakeup_ms(), st.shares(), st.counts(), sorted(st._leases), sorted(st._deadlines))
+    return (st.snapshot(), ins, st.next_wakeup_ms(), st.shares(), st.counts(), sorted(st.roster.leases), sorted(st.rounds.deadlines))
 
 
 def bad_events(hz: Harness) -> list[tuple[object, type[E.CoordinatorError]]]:
@@ -263,7 +263,7 @@ def test_noop_heartbeat_does_no_work_and_writes_nothing() -> None:
                                                  local=LocalState(), round_attempt=ins.round_attempt))
             assert out.effects == ()
         assert st.ops == ops, f"{n} workers: a no-op heartbeat looped over something"
-        assert len(st._leases) <= n  # lease renewals do not grow the heap
+        assert len(st.roster.leases) <= n  # lease renewals do not grow the heap
 
 
 def test_join_and_tick_work_is_bounded() -> None:

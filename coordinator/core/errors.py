@@ -59,6 +59,13 @@ class CapacityExceeded(CoordinatorError):
     """The run already has `max_workers` active workers."""
 
 
+class CoreFault(Exception):
+    """A transition failed with an exception that is not a `CoordinatorError`: a bug in the
+    core, possibly raised after it mutated memory. Deliberately not a `CoordinatorError`:
+    nobody answers it as a refusal. The state refuses every later event, and the daemon
+    stops (non-zero) so that it restarts from what SQLite holds."""
+
+
 # gRPC status code *names* (grpc.StatusCode[name]); looked up along the exception's MRO.
 GRPC_STATUS: dict[type[CoordinatorError], str] = {
     CoordinatorError: "INTERNAL",

@@ -1,6 +1,10 @@
-"""The outer-round lifecycle of a cell: OPEN -> TRAINING -> REDUCING -> COMMITTED | ABORTED.
+"""The outer rounds of every cell: OPEN -> TRAINING -> REDUCING -> COMMITTED | ABORTED.
 
-Part of `CoordinatorState` (see state.py for the protocol). The rules, in one place:
+`Rounds` is the part of the coordinator core that owns each cell's open round and the
+deadline heap (`CoordinatorState` composes it with `Roster`; see state.py for the whole
+protocol). Every change of a round's state goes through `Rounds.change_state`, which
+refuses a transition the lifecycle does not have (a core bug, not a bad message). The
+rules, in one place:
 
 - freeze quorum: at the deadline, at least ceil(quorum x live members) (and >= 1) must be
   ready, else the attempt aborts; with every live member ready it freezes at once;
@@ -17,23 +21,94 @@ Timeouts are pure predicates on `now_ms` fired from the deadline heap by Tick (P
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+import random
 from collections import Counter
 
-from bagel.coordinator.core.core_base import REDUCE_DEADLINE, TRAIN_DEADLINE, CoreBase
-from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
+from bagel.coordinator.core.changes import Changes
 from bagel.coordinator.core.entities import Cell, Round
+from bagel.coordinator.core.policy import Policy
+from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
+from bagel.coordinator.core.roster import Roster
 from bagel.coordinator.core.scheduler import PlanMember, plan_round, throughput_for
+from bagel.protocol.runspec import RunSpec
 
 
-class RoundLifecycle(CoreBase):
-    def _open_round(self, c: Cell, now: int) -> None:
+_LEGAL = frozenset({
+    (RoundState.OPEN, RoundState.TRAINING),
+    (RoundState.OPEN, RoundState.REDUCING),
+    (RoundState.TRAINING, RoundState.REDUCING),
+    (RoundState.REDUCING, RoundState.REDUCING),
+    (RoundState.REDUCING, RoundState.COMMITTED),
+    (RoundState.OPEN, RoundState.ABORTED),
+    (RoundState.TRAINING, RoundState.ABORTED),
+    (RoundState.REDUCING, RoundState.ABORTED),
+})
+
+TRAIN_DEADLINE, REDUCE_DEADLINE = "train", "reduce"
+
+
+class IllegalTransition(RuntimeError):
+    """A round state change the lifecycle does not have: a bug in the core, never a bad
+    message (so not a `CoordinatorError`: the daemon stops instead of answering)."""
+
+
+class Rounds:
+    """Each cell's open round and the deadlines that end them."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        policy: Policy,
+        rng: random.Random,
+        cells: dict[str, Cell],
+        changes: Changes,
+        roster: Roster,
+    ) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.rng = rng
+        self.cells = cells
+        self.changes = changes
+        self.roster = roster
+        self.lease_ms = roster.lease_ms
+        self.min_round_ms = int(spec.schedule.min_round_s * 1000)
+        self.slack = policy.deadline_slack or spec.schedule.deadline_slack
+        self.quorum = spec.schedule.quorum
+        # (at, seq, cell, round, attempt, kind, reduce_attempt); stale entries are skipped
+        self.deadlines: list[tuple[int, int, str, int, int, str, int]] = []
+        self._seq = itertools.count()
+
+    # ---------------------------------------------------------------- deadlines
+
+    def push_deadline(self, at_ms: int, r: Round, kind: str) -> None:
+        heapq.heappush(self.deadlines, (at_ms, next(self._seq), r.cell, r.round, r.attempt, kind, r.reduce_attempt))
+
+    def fire_deadlines(self, now: int) -> None:
+        """Run every deadline due by `now` (Psyche's `check_timeout(ts, duration)`: timeouts
+        are pure predicates on the time the shell passes in)."""
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, _, cid, rnd, attempt, kind, ra = heapq.heappop(self.deadlines)
+            c = self.cells[cid]
+            r = c.round
+            if r is None or (r.round, r.attempt) != (rnd, attempt):
+                continue  # that attempt ended: a stale entry
+            if kind == TRAIN_DEADLINE and r.state in (RoundState.OPEN, RoundState.TRAINING):
+                self.train_deadline(c, r, now)
+            elif kind == REDUCE_DEADLINE and r.state is RoundState.REDUCING and r.reduce_attempt == ra:
+                self.abort(c, r, now, f"reduce deadline of attempt {ra} passed")
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def open_round(self, c: Cell, now: int) -> None:
         """Open the next attempt with every worker that holds the committed state."""
         ids = sorted(c.synced)
-        self.ops += len(ids)
+        self.changes.ops += len(ids)
         members = []
         for wid in ids:
-            w = self._workers[wid]
+            w = self.roster.workers[wid]
             members.append(PlanMember(wid, w.peer, throughput_for(w.throughput, c.id), w.profile.link_bandwidth_bytes_per_s))
         payload = c.config.payload_bytes or c.config.memory_bytes // 16
         plan = plan_round(members, self.spec, now, self.policy, payload)
@@ -43,17 +118,17 @@ class RoundLifecycle(CoreBase):
         c.round = r
         for wid in ids:
             c.idle.pop(wid, None)
-        self._push_deadline(r.deadline_ms, r, TRAIN_DEADLINE)
-        self._dr[r.key] = r
-        self._dc[c.id] = None
+        self.push_deadline(r.deadline_ms, r, TRAIN_DEADLINE)
+        self.changes.round(r)
+        self.changes.cell(c.id)
 
     def _freeze_ok(self, ready: int, live: int) -> bool:
-        return ready >= max(1, math.ceil(self._quorum * live - 1e-9))
+        return ready >= max(1, math.ceil(self.quorum * live - 1e-9))
 
-    def _check_freeze(self, c: Cell, r: Round, now: int) -> None:
+    def check_freeze(self, c: Cell, r: Round, now: int) -> None:
         live = r.live_count()
         if live == 0:
-            self._abort(c, r, now, "no members left")
+            self.abort(c, r, now, "no members left")
         elif len(r.ready) == live:
             self._freeze(c, r, tuple(sorted(r.ready)), now)
 
@@ -66,70 +141,70 @@ class RoundLifecycle(CoreBase):
             r.first_reduce_attempt = r.reduce_attempt
         w_set = set(weighted)
         catch = tuple(sorted(x for x in c.synced if x not in w_set)) if self.policy.catch_up else ()
-        self.ops += len(c.synced)
-        peers = {x: self._workers[x].peer for x in catch if x not in r.plans}
+        self.changes.ops += len(c.synced)
+        peers = {x: self.roster.workers[x].peer for x in catch if x not in r.plans}
         r.set_contributors(tuple(sorted(w_set.union(catch))), catch, peers)
-        r.state = RoundState.REDUCING
+        self.change_state(c, r, RoundState.REDUCING, now)
         r.frozen_ms = now
         r.reports = {}
         # give up once the exchange had its predicted time (with slack) and a lost
         # contributor had time to be noticed and the survivors re-frozen
-        span = max(self._min_round_ms, int(r.predicted_comm_ms * self._slack)) + self._lease_ms
+        span = max(self.min_round_ms, int(r.predicted_comm_ms * self.slack)) + self.lease_ms
         r.reduce_deadline_ms = now + span
-        self._push_deadline(r.reduce_deadline_ms, r, REDUCE_DEADLINE)
+        self.push_deadline(r.reduce_deadline_ms, r, REDUCE_DEADLINE)
         for wid in r.plans:  # live members left out (catch_up off) sit out: movable again
             if wid not in r.frozen and wid not in r.dropped and wid in c.workers:
                 c.idle[wid] = None
         for wid in catch:
             c.idle.pop(wid, None)
-        self._dr[r.key] = r
-        self._dc[c.id] = None
+        self.changes.round(r)
+        self.changes.cell(c.id)
 
-    def _train_deadline(self, c: Cell, r: Round, now: int) -> None:
+    def train_deadline(self, c: Cell, r: Round, now: int) -> None:
         for wid in r.plans:  # members kept past their lease (fail_fast_leases=False) go now
-            w = self._workers[wid]
+            w = self.roster.workers[wid]
             if wid not in r.dropped and (w.state is not WorkerState.ACTIVE or w.cell != c.id):
                 r.dropped[wid] = None
                 r.ready.pop(wid, None)
-        self.ops += len(r.plans)
-        self._dr[r.key] = r
+        self.changes.ops += len(r.plans)
+        self.changes.round(r)
         live = [wid for wid in r.plans if wid not in r.dropped]
         late = [wid for wid in live if wid not in r.ready]
         for wid in late:  # learn from the miss before a re-run is planned
-            self._observe_progress(self._workers[wid], c, r, now)
+            self.roster.observe_progress(self.roster.workers[wid], c, r, now)
         frozen = False
         if not live:
-            self._abort(c, r, now, "no members left")
+            self.abort(c, r, now, "no members left")
         elif not late:
             self._freeze(c, r, tuple(sorted(r.ready)), now)
         elif not self.policy.wait_for_all and self._freeze_ok(len(r.ready), len(live)):
             self._freeze(c, r, tuple(sorted(r.ready)), now)
             frozen = True
         else:
-            self._abort(c, r, now, f"deadline: {len(r.ready)} of {len(live)} members ready")
+            self.abort(c, r, now, f"deadline: {len(r.ready)} of {len(live)} members ready")
         # A straggler is only a straggler if a quorum made the same deadline: when too few
         # members are ready, the deadline was mispredicted (e.g. added network latency),
         # and charging reputation for it would ban honest workers (seen in chaos runs).
         if frozen:
             for wid in late:
-                self._reputation(self._workers[wid], self.policy.rep_missed_deadline, now, "missed a round deadline")
+                self.roster.reputation(self.roster.workers[wid], self.policy.rep_missed_deadline, now, "missed a round deadline")
 
-    def _evaluate(self, c: Cell, r: Round, now: int) -> RoundState | None:
+    def evaluate(self, c: Cell, r: Round, now: int) -> RoundState | None:
         """Commit on a quorum of equal hashes, abort once a quorum is impossible."""
         weighted = r.weighted()
-        need = self._quorum * len(weighted)
+        need = self.quorum * len(weighted)
         votes = Counter(r.reports[x].state_hash for x in weighted if x in r.reports and not r.reports[x].failed)
         for h, k in votes.most_common(1):
             if k > need:
-                self._commit(c, r, h, now)
+                self.commit(c, r, h, now)
                 return RoundState.COMMITTED
         outstanding = sum(1 for x in weighted if x not in r.reports and x not in r.dropped)
         if max(votes.values(), default=0) + outstanding <= need:
-            self._abort(c, r, now, "no hash can reach the quorum")
+            self.abort(c, r, now, "no hash can reach the quorum")
             return RoundState.ABORTED
         return None
 
-    def _commit(self, c: Cell, r: Round, state_hash: str, now: int) -> None:
+    def commit(self, c: Cell, r: Round, state_hash: str, now: int) -> None:
         reports = r.reports
         agreeing = tuple(sorted(x for x, e in reports.items() if not e.failed and e.state_hash == state_hash))
         disagreeing = tuple(sorted(x for x, e in reports.items() if not e.failed and e.state_hash != state_hash))
@@ -142,66 +217,101 @@ class RoundLifecycle(CoreBase):
         c.last_loss = loss
         c.round_attempt = c.reduce_attempt = 0
         c.commits.append(commit)
-        self._new_commits.append(commit)
-        self._end_round(c, r, now, RoundState.COMMITTED, "")
+        self.changes.commit(commit)
+        self.change_state(c, r, RoundState.COMMITTED, now)
         for x in agreeing:
-            w = self._workers[x]
+            w = self.roster.workers[x]
             w.local = c.committed_local()
-            self._dw[x] = None
+            self.changes.worker(x)
         for x in trained:
-            self._workers[x].rounds_contributed += 1
+            self.roster.workers[x].rounds_contributed += 1
         # who holds the new state: the agreeing contributors (and nobody else)
-        c.synced = {x: None for x in c.workers if c.holds_committed(self._workers[x].local)}
-        self.ops += len(c.workers)
-        self._check_orphan(c, now)
+        c.synced = {x: None for x in c.workers if c.holds_committed(self.roster.workers[x].local)}
+        self.changes.ops += len(c.workers)
+        self.check_orphan(c, now)
         every = self.spec.checkpoint.every_rounds
         if r.round % every == 0 or c.upload_round > c.checkpoint_round:
             holders = [x for x in agreeing if x in c.synced]
             if holders:
                 c.upload_round, c.uploader = r.round, self.rng.choice(holders)
         for x in trained:
-            self._reputation(self._workers[x], self.policy.rep_commit, now, "")
+            self.roster.reputation(self.roster.workers[x], self.policy.rep_commit, now, "")
         self._boundary(c, now)
         for x in disagreeing:
-            self._reputation(self._workers[x], self.policy.rep_bad_hash, now, "reported a hash the quorum rejected")
+            self.roster.reputation(self.roster.workers[x], self.policy.rep_bad_hash, now, "reported a hash the quorum rejected")
 
-    def _abort(self, c: Cell, r: Round, now: int, reason: str) -> None:
+    def abort(self, c: Cell, r: Round, now: int, reason: str) -> None:
         """End the attempt; its members roll back locally and the round is re-run at once."""
-        self._end_round(c, r, now, RoundState.ABORTED, reason)
+        self.change_state(c, r, RoundState.ABORTED, now, reason)
         self._boundary(c, now)
 
-    def _end_round(self, c: Cell, r: Round, now: int, state: RoundState, reason: str) -> None:
-        r.state, r.ended_ms, r.reason = state, now, reason
+    def change_state(self, c: Cell, r: Round, new: RoundState, now: int, reason: str = "") -> None:
+        """The one place a round's state changes. A round is born OPEN (`open_round`).
+
+        OPEN -> TRAINING (the first member says it trains), OPEN | TRAINING -> REDUCING (the
+        freeze), REDUCING -> REDUCING (a re-freeze of the survivors), and any live state ->
+        ABORTED; only REDUCING -> COMMITTED. Ending a round frees its members (idle again,
+        so movable) and the cell's slot for the next one.
+        """
+        old = r.state
+        if (old, new) not in _LEGAL or c.round is not r:
+            raise IllegalTransition(f"{r.cell} round {r.round} attempt {r.attempt}: {old.value} -> {new.value}")
+        r.state = new
+        self.changes.round(r)
+        if not new.terminal:
+            return
+        r.ended_ms, r.reason = now, reason
         c.round = None
         for wid in (*r.plans, *r.catch_up):
             if wid not in r.dropped and wid in c.workers:
                 c.idle[wid] = None
-        self.ops += len(r.plans)
-        self._dr[r.key] = r
-        self._dc[c.id] = None
+        self.changes.ops += len(r.plans)
+        self.changes.cell(c.id)
 
     def _boundary(self, c: Cell, now: int) -> None:
         """A round of c ended: rebalance (its members are movable now), then open the next."""
-        self._rebalance(now)
+        self.roster.rebalance(now)
         if c.round is None and c.synced:
-            self._open_round(c, now)
+            self.open_round(c, now)
 
-    def _drop_member(self, c: Cell, r: Round, wid: str, now: int) -> None:
+    def drop_member(self, c: Cell, r: Round, wid: str, now: int) -> None:
         """A member or contributor left the round (lease lost, left, banned)."""
         r.dropped[wid] = None
         r.ready.pop(wid, None)
-        self._dr[r.key] = r
+        self.changes.round(r)
         if r.state in (RoundState.OPEN, RoundState.TRAINING):
-            self._check_freeze(c, r, now)
+            self.check_freeze(c, r, now)
         elif r.state is RoundState.REDUCING and wid in r.frozen and wid not in r.reports:
             if any(not e.failed for e in r.reports.values()):
                 # someone finished the exchange, so the lost part was delivered: the
                 # remaining reports decide (an impossible quorum aborts now)
-                self._evaluate(c, r, now)
+                self.evaluate(c, r, now)
                 return
             weighted = r.weighted()
             survivors = tuple(x for x in weighted if x not in r.dropped)
             if survivors and self._freeze_ok(len(survivors), len(weighted)):
                 self._freeze(c, r, survivors, now)  # survivors redo only the exchange
             else:
-                self._abort(c, r, now, f"contributor {wid} lost, too few survivors")
+                self.abort(c, r, now, f"contributor {wid} lost, too few survivors")
+
+    # ---------------------------------------------------------------- orphaned cells
+
+    def check_orphan(self, c: Cell, now: int) -> None:
+        """Nobody live holds the committed state and an assigned worker needs it: fall back
+        to the latest checkpoint (the loss is bounded by the checkpoint
+        interval). Lazy on purpose: a holder that re-attaches before anyone needs the
+        state (a restart, a reboot) loses nothing."""
+        if c.committed_round == 0 or c.synced or not c.workers or c.checkpoint_round == c.committed_round:
+            return
+        if c.round is not None:
+            self.change_state(c, c.round, RoundState.ABORTED, now, "cell orphaned")
+        if c.checkpoint_round >= 1:
+            c.committed_round, c.committed_hash = c.checkpoint_round, c.checkpoint_hash
+        else:
+            c.committed_round, c.committed_hash = 0, ""
+        c.rollbacks += 1
+        c.round_attempt = c.reduce_attempt = 0
+        c.upload_round, c.uploader = -1, ""
+        c.synced = {wid: None for wid in c.workers if c.holds_committed(self.roster.workers[wid].local)}
+        self.changes.cell(c.id)
+

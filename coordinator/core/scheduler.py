@@ -23,7 +23,7 @@ Pure code (no I/O, no clock, no randomness), used unchanged by the daemon, throu
   repair step is O(candidates x cells); the state repairs with at most
   `Policy.max_moves_per_event` moves at a cell's round boundary (balance and redundancy)
   and on join/leave (redundancy; balance only while the joiner's cell is untrained, see
-  `Membership._rebalance`), which keeps a transition cheap with 10,000 workers. `assign`
+  `Roster.rebalance`), which keeps a transition cheap with 10,000 workers. `assign`
   runs the same steps over a whole population.
 
 `plan_round` splits `diloco.group_batch` across a round's members in proportion to their

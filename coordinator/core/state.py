@@ -6,7 +6,7 @@ No I/O, no clock, no global RNG: time (`now_ms`, unix ms) and randomness (a
 `tick(...)`/`change_state(...)` and torchft's quorum through `quorum_compute(now, ...)`.
 The gRPC daemon and the simulator drive this same object.
 
-The round protocol (team brief; design section 4), per cell:
+The round protocol, per cell:
 
 - A worker registers and is placed by the scheduler. It is *synced* when its LocalState
   equals the cell's committed state (round 0 is the initial state everyone builds, so
@@ -41,22 +41,40 @@ Effects: every transition returns the durable records it changed (`Outcome.effec
 a heartbeat that changes nothing returns none and costs O(1). A transition validates
 before it mutates, so one that raises a `CoordinatorError` changes nothing.
 
-The class is assembled from `membership.Membership` (workers, leases, placement,
-reputation) and `rounds.RoundLifecycle` (open, freeze, commit, abort); this module holds
-the event handlers, the queries, the instructions and restore.
+The class composes two parts that share one `Changes` (what the transition touched):
+`roster.Roster` (workers, leases, placement, moves, donors, reputation) and
+`rounds.Rounds` (each cell's open round and deadlines: open, freeze, commit, abort, the
+orphan fallback; every round-state change goes through `Rounds.change_state`). This
+module holds the event handlers, the instructions, the queries and restore.
+
+A transition that raises anything other than a `CoordinatorError` is a bug in the core:
+it may have mutated memory halfway, so `apply` raises `CoreFault` naming the event, and
+the state refuses every later event (the daemon exits and restarts from SQLite).
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from bagel.coordinator.core.core_base import REDUCE_DEADLINE, TRAIN_DEADLINE
+from bagel.coordinator.core.changes import Changes
+from bagel.coordinator.core.entities import Cell, Round, Worker
+from bagel.coordinator.core.errors import (
+    Banned,
+    CapacityExceeded,
+    CoordinatorError,
+    CoreFault,
+    DuplicateSubmission,
+    InvalidEvent,
+    InvalidRunState,
+    StaleRound,
+    UnknownWorker,
+    WrongCell,
+    WrongPhase,
+)
 from bagel.coordinator.core.events import (
     CheckpointStored,
     Event,
@@ -68,6 +86,7 @@ from bagel.coordinator.core.events import (
     ReportRound,
     Tick,
 )
+from bagel.coordinator.core.policy import BAGEL, Policy
 from bagel.coordinator.core.records import (
     CellConfig,
     CellRecord,
@@ -79,24 +98,12 @@ from bagel.coordinator.core.records import (
     WorkerRecord,
     WorkerState,
 )
-from bagel.protocol.messages import Instruction, LocalState, Order, Phase, Verdict
-from bagel.coordinator.core.entities import Cell, Round, Worker
-from bagel.coordinator.core.errors import (
-    Banned,
-    CapacityExceeded,
-    DuplicateSubmission,
-    InvalidEvent,
-    InvalidRunState,
-    StaleRound,
-    UnknownWorker,
-    WrongCell,
-    WrongPhase,
-)
-from bagel.coordinator.core.membership import Membership
-from bagel.coordinator.core.policy import BAGEL, Policy
-from bagel.coordinator.core.rounds import RoundLifecycle
+from bagel.coordinator.core.rounds import REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
+from bagel.coordinator.core.roster import Roster
 from bagel.coordinator.core.scheduler import Balance, Knobs
+from bagel.protocol.messages import Instruction, LocalState, Order, Phase, Verdict
 from bagel.protocol.runspec import RunSpec
+
 
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
@@ -116,7 +123,7 @@ def _plain_rates(rates: Mapping[str, float]) -> bool:
     return min(vals) >= 0 and not any(map(math.isinf, vals)) and not any(map(math.isnan, vals))
 
 
-class CoordinatorState(RoundLifecycle, Membership):
+class CoordinatorState:
     """All of the coordinator's decisions, as a deterministic function of its inputs."""
 
     def __init__(
@@ -138,30 +145,18 @@ class CoordinatorState(RoundLifecycle, Membership):
         self.rng = rng if rng is not None else random.Random(spec.run.seed)
         self.max_workers = max_workers
         self.now_ms = now_ms
-        self._lease_ms = int(spec.schedule.lease_s * 1000)
-        self._min_round_ms = int(spec.schedule.min_round_s * 1000)
-        self._slack = policy.deadline_slack or spec.schedule.deadline_slack
-        self._quorum = spec.schedule.quorum
         self._cells: dict[str, Cell] = {cid: Cell(by_id[cid]) for cid in spec.cell_ids}
-        self._workers: dict[str, Worker] = {}
         self.knobs = Knobs.from_spec(spec, policy)
         self.balance = Balance(
             {c: by_id[c].memory_bytes for c in spec.cell_ids},
             {c: by_id[c].target_share for c in spec.cell_ids},
             self.knobs,
         )
-        self._standby: dict[str, None] = {}  # active workers with no cell
-        self._active = 0
-        self._leases: list[tuple[int, str]] = []
-        self._deadlines: list[tuple[int, int, str, int, int, str, int]] = []
-        self._seq = itertools.count()
-        # work counter for complexity tests (loop iterations outside O(1) paths)
-        self.ops = 0
-        # changed in the current transition
-        self._dw: dict[str, None] = {}
-        self._dc: dict[str, None] = {}
-        self._dr: dict[tuple[str, int, int], Round] = {}
-        self._new_commits: list[CommitRecord] = []
+        self.changes = Changes()
+        self.roster = Roster(spec, policy, self.knobs, self.balance, self._cells, self.changes)
+        self.rounds = Rounds(spec, policy, self.rng, self._cells, self.changes, self.roster)
+        self.roster.rounds = self.rounds
+        self.fault: CoreFault | None = None  # set by a transition that failed with a bug
         self._handlers: dict[type, Callable[[int, Any], tuple[Instruction | None, Verdict | None, int | None]]] = {
             Register: self._on_register,
             Heartbeat: self._on_heartbeat,
@@ -186,13 +181,26 @@ class CoordinatorState(RoundLifecycle, Membership):
             raise InvalidEvent(f"not an event: {type(event).__name__}")
         if isinstance(now_ms, bool) or not isinstance(now_ms, int):
             raise InvalidEvent("now_ms must be an integer")
+        if self.fault is not None:
+            raise CoreFault(f"the core failed earlier and serves nothing more: {self.fault}")
         try:
             instruction, verdict, lease = handler(now_ms, event)
-        except BaseException:
-            self._clear_dirty()  # validation failed before any mutation
+        except CoordinatorError:
+            self.changes.clear()  # refused before any mutation
             raise
+        except Exception as e:
+            # Not a refusal: a bug, possibly after a mutation. Memory may now hold what the
+            # store does not, so nothing more is served from it.
+            self.changes.clear()
+            self.fault = CoreFault(f"{type(e).__name__}: {e} while applying {event!r} at {now_ms}")
+            raise self.fault from e
         self.now_ms = max(self.now_ms, now_ms)
         return Outcome(instruction, verdict, lease, self._take_effects())
+
+    @property
+    def ops(self) -> int:
+        """Loop iterations outside the O(1) paths so far (complexity tests count them)."""
+        return self.changes.ops
 
     # ================================================================ queries
 
@@ -202,20 +210,20 @@ class CoordinatorState(RoundLifecycle, Membership):
         It may choose a donor for a syncing worker (volatile, not a durable change).
         `now_ms` is accepted for symmetry with `apply` and not needed.
         """
-        w = self._workers.get(worker_id)
+        w = self.roster.workers.get(worker_id)
         if w is None or w.state in (WorkerState.LOST, WorkerState.LEFT):
             raise UnknownWorker(f"unknown worker {worker_id!r}")
         return self._instruction(w)
 
     def worker_phase(self, worker_id: str) -> tuple[Phase, int, int, float, int]:
         """Volatile view of a worker: (phase, round, inner_step, loss, lease_expires_ms)."""
-        w = self._worker(worker_id)
+        w = self.roster.worker(worker_id)
         return w.phase, w.round, w.inner_step, w.loss, w.lease_ms
 
     def next_wakeup_ms(self) -> int | None:
         """Earliest time a Tick may change something (a lease or a deadline), or None.
         May be early (entries are deleted lazily); an early Tick is harmless."""
-        times = [h[0][0] for h in (self._leases, self._deadlines) if h]
+        times = [h[0][0] for h in (self.roster.leases, self.rounds.deadlines) if h]
         return min(times) if times else None
 
     def committed_hash_of(self, cell_id: str, round: int) -> str | None:
@@ -227,8 +235,8 @@ class CoordinatorState(RoundLifecycle, Membership):
         """True if `worker_id` was asked to upload the checkpoint of (cell, round, hash); False
         if a checkpoint of that round or a newer one is stored already (another holder's
         upload won a race: nothing to do); else raise."""
-        w = self._worker(worker_id)
-        c = self._cell(cell_id)
+        w = self.roster.worker(worker_id)
+        c = self.roster.cell(cell_id)
         if (c.uploader != w.id or c.upload_round != round) and 0 < round <= c.checkpoint_round:
             return False
         if c.uploader != w.id or c.upload_round != round:
@@ -239,12 +247,12 @@ class CoordinatorState(RoundLifecycle, Membership):
 
     def counts(self) -> dict[str, int]:
         """Active, standby and per-state worker counts (for metrics)."""
-        out = Counter(w.state.value for w in self._workers.values())
-        return {"standby": len(self._standby), **out}
+        out = Counter(w.state.value for w in self.roster.workers.values())
+        return {"standby": len(self.roster.standby), **out}
 
     def cell_view(self, cell_id: str) -> tuple[CellRecord, RoundRecord | None, tuple[str, ...]]:
         """A cell's record, its open round's record and its assigned workers (status pages)."""
-        c = self._cell(cell_id)
+        c = self.roster.cell(cell_id)
         return c.record(), (c.round.record() if c.round else None), tuple(c.workers)
 
     def shares(self) -> dict[str, float]:
@@ -257,7 +265,7 @@ class CoordinatorState(RoundLifecycle, Membership):
     def snapshot(self) -> Snapshot:
         """Every current durable record, sorted by key; `restore` of it rebuilds this state."""
         return Snapshot(
-            workers=tuple(self._workers[k].record() for k in sorted(self._workers)),
+            workers=tuple(self.roster.workers[k].record() for k in sorted(self.roster.workers)),
             cells=tuple(self._cells[k].record() for k in sorted(self._cells)),
             rounds=tuple(
                 self._cells[k].round.record()  # type: ignore[union-attr]
@@ -299,35 +307,35 @@ class CoordinatorState(RoundLifecycle, Membership):
             st._cell_or_value_error(m.cell_id).commits.append(m)
         for wrec in workers:
             w = Worker.from_record(wrec)
-            st._workers[w.id] = w
+            st.roster.workers[w.id] = w
             if w.state is not WorkerState.ACTIVE:
                 continue
-            st._activate(w, now_ms)
+            st.roster.activate(w, now_ms)
             cid, w.cell = w.cell, ""
             if cid:
                 st._cell_or_value_error(cid)
-                st._assign(w, cid, now_ms, restoring=True)
+                st.roster.assign(w, cid, now_ms, restoring=True)
             else:
-                st._standby[w.id] = None
+                st.roster.standby[w.id] = None
         for rrec in rounds:
             if rrec.state.terminal:
                 continue
             c = st._cell_or_value_error(rrec.cell_id)
             if c.round is not None:
                 raise ValueError(f"two open rounds for {c.id}")
-            r = Round.from_record(rrec, {x: st._workers[x].peer for x in rrec.catch_up if x in st._workers})
+            r = Round.from_record(rrec, {x: st.roster.workers[x].peer for x in rrec.catch_up if x in st.roster.workers})
             c.round = r
             for wid in r.plans:
                 if st._busy(r, wid):
                     c.idle.pop(wid, None)
             # workers could not report while the coordinator was down: give them a lease's
             # time to re-attach (re-send READY, report) before a deadline fires
-            grace = now_ms + st._lease_ms
+            grace = now_ms + st.roster.lease_ms
             if r.state is RoundState.REDUCING:
-                st._push_deadline(max(r.reduce_deadline_ms, grace), r, REDUCE_DEADLINE)
+                st.rounds.push_deadline(max(r.reduce_deadline_ms, grace), r, REDUCE_DEADLINE)
             else:
-                st._push_deadline(max(r.deadline_ms, grace), r, TRAIN_DEADLINE)
-        st._clear_dirty()
+                st.rounds.push_deadline(max(r.deadline_ms, grace), r, TRAIN_DEADLINE)
+        st.changes.clear()
         return st
 
     def _cell_or_value_error(self, cell_id: str) -> Cell:
@@ -350,36 +358,36 @@ class CoordinatorState(RoundLifecycle, Membership):
                     raise InvalidEvent(f"profile.samples_per_s[{cid!r}]: must be a finite non-negative number")
         if ev.local.committed_round < 0:
             raise InvalidEvent("local.committed_round: must be >= 0")
-        w = self._workers.get(ev.worker_id)
+        w = self.roster.workers.get(ev.worker_id)
         if w is not None and w.state is WorkerState.BANNED:
             raise Banned(f"worker {ev.worker_id} is banned: {w.reason}")
         rejoining = w is not None and w.state is WorkerState.ACTIVE
-        if not rejoining and self.max_workers is not None and self._active >= self.max_workers:
+        if not rejoining and self.max_workers is not None and self.roster.active >= self.max_workers:
             raise CapacityExceeded(f"the run has its maximum of {self.max_workers} workers")
         # ---- mutate
         if w is not None and rejoining:
-            self._detach(w, now, fail_fast=True)
+            self.roster.detach(w, now, fail_fast=True)
         if w is None:
             w = Worker(ev.worker_id, p, ev.peer, now)
-            self._workers[w.id] = w
+            self.roster.workers[w.id] = w
         else:
             w.profile, w.peer, w.state, w.reason = p, ev.peer, WorkerState.ACTIVE, ""
             w.throughput = {c: float(v) for c, v in p.samples_per_s.items() if v > 0}
         w.local = ev.local
         w.phase, w.round, w.inner_step = Phase.UNSPECIFIED, 0, 0
-        self._activate(w, now)
-        cid = self._place(w)
+        self.roster.activate(w, now)
+        cid = self.roster.place(w)
         if cid:
-            self._assign(w, cid, now)
+            self.roster.assign(w, cid, now)
         else:
-            self._standby[w.id] = None
-        self._dw[w.id] = None
+            self.roster.standby[w.id] = None
+        self.changes.worker(w.id)
         # balance moves only while the newcomer's cell is untrained (free moves; see _rebalance)
-        self._rebalance(now, balance=bool(cid) and self._cells[cid].committed_round == 0)
+        self.roster.rebalance(now, balance=bool(cid) and self._cells[cid].committed_round == 0)
         return self._instruction(w), None, w.lease_ms
 
     def _on_heartbeat(self, now: int, ev: Heartbeat) -> tuple[Instruction, None, int]:
-        w = self._worker(ev.worker_id)
+        w = self.roster.worker(ev.worker_id)
         try:
             phase = Phase(ev.phase)
         except ValueError:
@@ -389,14 +397,14 @@ class CoordinatorState(RoundLifecycle, Membership):
         if min(ev.round, ev.inner_step, ev.samples, ev.reduce_attempt, ev.round_attempt, ev.local.committed_round) < 0:
             raise InvalidEvent("round, inner_step, samples, attempts and local.committed_round must be >= 0")
         # ---- mutate (from here on nothing raises)
-        w.lease_ms = now + self._lease_ms
+        w.lease_ms = now + self.roster.lease_ms
         w.phase, w.round, w.inner_step, w.loss = phase, ev.round, ev.inner_step, ev.loss
         c = self._cells.get(w.cell) if w.cell else None
         if ev.local != w.local and not self._stale_local(w, c, ev.local):
             w.local = ev.local
-            self._dw[w.id] = None
+            self.changes.worker(w.id)
             if c is not None:
-                self._refresh_synced(w, c)
+                self.roster.refresh_synced(w, c)
         if c is not None:
             r = c.round
             if (
@@ -408,15 +416,14 @@ class CoordinatorState(RoundLifecycle, Membership):
                 and r.state in (RoundState.OPEN, RoundState.TRAINING)
             ):
                 if phase in (Phase.TRAINING, Phase.READY) and r.state is RoundState.OPEN:
-                    r.state = RoundState.TRAINING
-                    self._dr[r.key] = r
+                    self.rounds.change_state(c, r, RoundState.TRAINING, now)
                 if phase is Phase.READY and w.id not in r.ready:
                     r.ready[w.id] = ev.samples  # volatile until the freeze: no write
-                    self._check_freeze(c, r, now)
+                    self.rounds.check_freeze(c, r, now)
             # A READY of an old attempt, or from a member that sat out, is a late no-op: the
             # instruction below tells the worker what the current attempt wants.
             if c.round is None and c.synced:
-                self._open_round(c, now)
+                self.rounds.open_round(c, now)
         return self._instruction(w), None, w.lease_ms
 
     @staticmethod
@@ -434,7 +441,7 @@ class CoordinatorState(RoundLifecycle, Membership):
         )
 
     def _on_report(self, now: int, ev: ReportRound) -> tuple[Instruction, Verdict, int]:
-        w = self._worker(ev.worker_id)
+        w = self.roster.worker(ev.worker_id)
         c = self._cells.get(ev.cell_id)
         if c is None:
             raise InvalidEvent(f"cell_id: unknown cell {ev.cell_id!r}")
@@ -454,11 +461,11 @@ class CoordinatorState(RoundLifecycle, Membership):
         # a report of round committed+1: the open attempt, or an aborted one of the same number
         if r is None or r.state is not RoundState.REDUCING:
             if 0 < ev.reduce_attempt <= c.reduce_attempt:
-                return self._instruction(w), Verdict.ABORTED, self._renew(w, now)  # late, harmless
+                return self._instruction(w), Verdict.ABORTED, self.roster.renew(w, now)  # late, harmless
             raise WrongPhase(f"round {ev.round} of {c.id} has no frozen contributors yet")
         attempt = ev.reduce_attempt or r.reduce_attempt  # 0 = "the current one"
         if attempt < r.first_reduce_attempt:
-            return self._instruction(w), Verdict.ABORTED, self._renew(w, now)  # of an aborted run
+            return self._instruction(w), Verdict.ABORTED, self.roster.renew(w, now)  # of an aborted run
         if attempt < r.reduce_attempt:
             raise StaleRound(f"contributors of {c.id} round {r.round} were re-frozen (attempt {r.reduce_attempt})")
         if attempt > r.reduce_attempt:
@@ -470,16 +477,16 @@ class CoordinatorState(RoundLifecycle, Membership):
         if old is not None:
             if (old.state_hash, old.failed) != (entry.state_hash, entry.failed):
                 raise DuplicateSubmission(f"worker {w.id} already reported {c.id} round {r.round}")
-            return self._instruction(w), Verdict.PENDING, self._renew(w, now)  # a retry: no-op
+            return self._instruction(w), Verdict.PENDING, self.roster.renew(w, now)  # a retry: no-op
         # ---- mutate
-        self._renew(w, now)
+        self.roster.renew(w, now)
         r.reports[w.id] = entry
-        self._dr[r.key] = r
+        self.changes.round(r)
         if ev.samples > 0 and ev.compute_ms > 0:
-            self._observe_throughput(w, c.id, ev.samples * 1000.0 / ev.compute_ms)
+            self.roster.observe_throughput(w, c.id, ev.samples * 1000.0 / ev.compute_ms)
         if ev.failed:
-            self._reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
-        result = self._evaluate(c, r, now)
+            self.roster.reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
+        result = self.rounds.evaluate(c, r, now)
         if result == RoundState.COMMITTED:
             ok = not ev.failed and ev.state_hash == c.committed_hash and c.committed_round == ev.round
             verdict = Verdict.COMMITTED if ok else Verdict.RESYNC
@@ -491,21 +498,21 @@ class CoordinatorState(RoundLifecycle, Membership):
 
     def _late_report(self, now: int, w: Worker, c: Cell, ev: ReportRound) -> tuple[Instruction, Verdict, int]:
         """A report of the round just committed: a duplicate, or a straggler's."""
-        self._renew(w, now)
+        self.roster.renew(w, now)
         if ev.failed or ev.state_hash != c.committed_hash:
             return self._instruction(w), Verdict.RESYNC, w.lease_ms
         if w.local != c.committed_local():
             # it holds the committed state after all: it is synced, no download needed
             w.local = c.committed_local()
-            self._dw[w.id] = None
-            self._refresh_synced(w, c)
+            self.changes.worker(w.id)
+            self.roster.refresh_synced(w, c)
         return self._instruction(w), Verdict.COMMITTED, w.lease_ms
 
     def _on_leave(self, now: int, ev: Leave) -> tuple[Instruction | None, None, None]:
         """Leave; or, when the worker offers and is the last live holder of a committed round
         newer than the cell's checkpoint, an upload order first (it stays active meanwhile;
         if it never comes back, its lease runs out as for any lost worker)."""
-        w = self._workers.get(ev.worker_id)
+        w = self.roster.workers.get(ev.worker_id)
         if w is None:
             raise UnknownWorker(f"unknown worker {ev.worker_id!r}")
         if w.state is not WorkerState.ACTIVE:
@@ -520,42 +527,33 @@ class CoordinatorState(RoundLifecycle, Membership):
         ):
             if c.uploader != w.id or c.upload_round != c.committed_round:
                 c.uploader, c.upload_round = w.id, c.committed_round
-                self._dc[c.id] = None
+                self.changes.cell(c.id)
             why = "the last holder of the committed state: upload it, then leave"
             return Instruction(Order.WAIT, c.id, c.committed_round + 1, c.committed_round, c.committed_hash,
                                upload_checkpoint=True, reason=why), None, None
-        self._detach(w, now, fail_fast=True)
+        self.roster.detach(w, now, fail_fast=True)
         w.state, w.reason = WorkerState.LEFT, ev.reason
-        self._rebalance(now, balance=False)  # redundancy only: the next joiner fills the hole
+        self.roster.rebalance(now, balance=False)  # redundancy only: the next joiner fills the hole
         return None, None, None
 
     def _on_lease_expired(self, now: int, ev: LeaseExpired) -> tuple[None, None, None]:
-        w = self._workers.get(ev.worker_id)
+        w = self.roster.workers.get(ev.worker_id)
         if w is None:
             raise UnknownWorker(f"unknown worker {ev.worker_id!r}")
         if w.state is WorkerState.ACTIVE:
-            self._expire(w, now)
-            self._rebalance(now, balance=False)
+            self.roster.expire(w, now)
+            self.roster.rebalance(now, balance=False)
         return None, None, None
 
     def _on_tick(self, now: int, ev: Tick) -> tuple[None, None, None]:
-        lost = self._expire_leases(now)
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, cid, rnd, attempt, kind, ra = heapq.heappop(self._deadlines)
-            c = self._cells[cid]
-            r = c.round
-            if r is None or (r.round, r.attempt) != (rnd, attempt):
-                continue  # that attempt ended: a stale entry
-            if kind == TRAIN_DEADLINE and r.state in (RoundState.OPEN, RoundState.TRAINING):
-                self._train_deadline(c, r, now)
-            elif kind == REDUCE_DEADLINE and r.state is RoundState.REDUCING and r.reduce_attempt == ra:
-                self._abort(c, r, now, f"reduce deadline of attempt {ra} passed")
+        lost = self.roster.expire_leases(now)
+        self.rounds.fire_deadlines(now)
         if lost:
-            self._rebalance(now, balance=False)
+            self.roster.rebalance(now, balance=False)
         return None, None, None
 
     def _on_checkpoint_stored(self, now: int, ev: CheckpointStored) -> tuple[None, None, None]:
-        c = self._cell(ev.cell_id)
+        c = self.roster.cell(ev.cell_id)
         if ev.round < 1 or ev.round > c.committed_round:
             raise InvalidRunState(f"{c.id} round {ev.round} is not committed")
         h = c.hash_of(ev.round)
@@ -565,10 +563,10 @@ class CoordinatorState(RoundLifecycle, Membership):
             raise InvalidRunState(f"{c.id} round {ev.round} was committed with another hash")
         if ev.round > c.checkpoint_round:
             c.checkpoint_round, c.checkpoint_hash = ev.round, ev.state_hash
-            self._dc[c.id] = None
+            self.changes.cell(c.id)
         if c.upload_round != -1 and ev.round >= c.upload_round:
             c.upload_round, c.uploader = -1, ""
-            self._dc[c.id] = None
+            self.changes.cell(c.id)
         return None, None, None
 
     # ================================================================ instructions
@@ -605,22 +603,21 @@ class CoordinatorState(RoundLifecycle, Membership):
             return Instruction(Order.WAIT, c.id, nxt, c.committed_round, c.committed_hash, upload_checkpoint=upload,
                                reason="holds the committed state: joins the next exchange or round")
         return Instruction(Order.SYNC, c.id, nxt, c.committed_round, c.committed_hash,
-                           donor=self._donor(w, c), reason="fetch the committed state")
+                           donor=self.roster.donor(w, c), reason="fetch the committed state")
 
     # ================================================================ effects
 
     def _take_effects(self) -> tuple[Any, ...]:
-        if not (self._dw or self._dc or self._dr or self._new_commits):
+        ch = self.changes
+        if ch.empty():
             return ()
-        out: list[Any] = [self._workers[k].record() for k in self._dw]
-        out += [self._cells[k].record() for k in self._dc]
-        out += [r.record() for r in self._dr.values()]
-        out += self._new_commits
-        self._clear_dirty()
+        workers = self.roster.workers
+        out: list[Any] = [workers[k].record() for k in ch.workers]
+        out += [self._cells[k].record() for k in ch.cells]
+        out += [r.record() for r in ch.rounds.values()]
+        out += ch.commits
+        ch.clear()
         return tuple(out)
-
-    def _clear_dirty(self) -> None:
-        self._dw, self._dc, self._dr, self._new_commits = {}, {}, {}, []
 
 
 __all__ = ["CoordinatorState"]

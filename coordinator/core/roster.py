@@ -1,10 +1,17 @@
-"""Workers in the coordinator core: leases, placement, moves, donors, reputation.
+"""The workers of a run: leases, placement, moves, donors, throughput and reputation.
 
-Part of `CoordinatorState` (see state.py). Everything here is bounded per transition:
-placing a joiner is O(cells), a repair looks at most at `Policy.repair_candidates` idle
-workers and makes at most `Policy.max_moves_per_event` moves, and lease expiry uses a
-heap with lazy deletion (an entry is re-pushed with the renewed lease when it surfaces),
-so a heartbeat never touches the heap.
+`Roster` is the part of the coordinator core that owns the workers (`CoordinatorState`
+composes it with `Rounds`). Everything here is bounded per transition: placing a joiner is
+O(cells), a repair looks at most at `Policy.repair_candidates` idle workers and makes at
+most `Policy.max_moves_per_event` moves, and lease expiry uses a heap with lazy deletion
+(an entry is re-pushed with the renewed lease when it surfaces), so a heartbeat never
+touches the heap.
+
+The roster and the rounds call each other on purpose, through one typed link each way: a
+worker that departs, is banned or moves is taken out of its cell's open round
+(`Rounds.drop_member`), and a cell nobody holds falls back to its checkpoint
+(`Rounds.check_orphan`); a round that ends charges or credits reputations and lets the
+roster repair the assignment (`Roster.reputation`, `Roster.rebalance`).
 """
 
 from __future__ import annotations
@@ -13,56 +20,87 @@ import heapq
 import itertools
 import zlib
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-from bagel.coordinator.core.core_base import CoreBase
-from bagel.coordinator.core.records import RoundState, WorkerState
-from bagel.protocol.messages import Donor, PeerAddress
+from bagel.coordinator.core.changes import Changes
 from bagel.coordinator.core.entities import Cell, Round, Worker
 from bagel.coordinator.core.errors import Banned, InvalidEvent, UnknownWorker
-from bagel.coordinator.core.scheduler import WorkerView, throughput_for
+from bagel.coordinator.core.policy import Policy
+from bagel.coordinator.core.records import WorkerState
+from bagel.coordinator.core.scheduler import Balance, Knobs, WorkerView, throughput_for
+from bagel.protocol.messages import Donor, PeerAddress
+from bagel.protocol.runspec import RunSpec
+
+if TYPE_CHECKING:  # the two-way link: Rounds imports Roster at run time
+    from bagel.coordinator.core.rounds import Rounds
 
 
-class Membership(CoreBase):
+class Roster:
+    """Every worker the run has seen, and where the active ones are assigned."""
+
+    rounds: Rounds  # set by CoordinatorState right after both parts are built
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        policy: Policy,
+        knobs: Knobs,
+        balance: Balance,
+        cells: dict[str, Cell],
+        changes: Changes,
+    ) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.knobs = knobs
+        self.balance = balance
+        self.cells = cells
+        self.changes = changes
+        self.lease_ms = int(spec.schedule.lease_s * 1000)
+        self.workers: dict[str, Worker] = {}
+        self.standby: dict[str, None] = {}  # active workers with no cell (ordered set)
+        self.active = 0
+        self.leases: list[tuple[int, str]] = []  # (expiry, worker) heap, lazily deleted
+
     # ---------------------------------------------------------------- lookups
 
-    def _worker(self, worker_id: str) -> Worker:
+    def worker(self, worker_id: str) -> Worker:
         """The active worker (UnknownWorker: re-register; Banned: final)."""
-        w = self._workers.get(worker_id)
+        w = self.workers.get(worker_id)
         if w is None or w.state in (WorkerState.LOST, WorkerState.LEFT):
             raise UnknownWorker(f"unknown worker {worker_id!r}: register")
         if w.state is WorkerState.BANNED:
             raise Banned(f"worker {worker_id} is banned: {w.reason}")
         return w
 
-    def _cell(self, cell_id: str) -> Cell:
-        c = self._cells.get(cell_id)
+    def cell(self, cell_id: str) -> Cell:
+        c = self.cells.get(cell_id)
         if c is None:
             raise InvalidEvent(f"unknown cell {cell_id!r}")
         return c
 
     # ---------------------------------------------------------------- leases
 
-    def _renew(self, w: Worker, now: int) -> int:
-        w.lease_ms = now + self._lease_ms
+    def renew(self, w: Worker, now: int) -> int:
+        w.lease_ms = now + self.lease_ms
         return w.lease_ms
 
     def _push_lease(self, w: Worker) -> None:
         w.lease_entry = w.lease_ms
-        heapq.heappush(self._leases, (w.lease_ms, w.id))
+        heapq.heappush(self.leases, (w.lease_ms, w.id))
 
-    def _expire_leases(self, now: int) -> bool:
+    def expire_leases(self, now: int) -> bool:
         """Expire every lease that ran out by `now`; True if any did."""
         lost = False
-        while self._leases and self._leases[0][0] <= now:
-            t, wid = heapq.heappop(self._leases)
-            w = self._workers[wid]
+        while self.leases and self.leases[0][0] <= now:
+            t, wid = heapq.heappop(self.leases)
+            w = self.workers[wid]
             if t != w.lease_entry:
                 continue  # a stale duplicate
             w.lease_entry = 0
             if w.state is not WorkerState.ACTIVE:
                 continue
             if w.lease_ms <= now:
-                self._expire(w, now)
+                self.expire(w, now)
                 lost = True
             else:
                 self._push_lease(w)  # renewed since: look again when the new lease runs out
@@ -70,17 +108,17 @@ class Membership(CoreBase):
 
     # ---------------------------------------------------------------- attach / detach
 
-    def _activate(self, w: Worker, now: int) -> None:
-        self._active += 1
+    def activate(self, w: Worker, now: int) -> None:
+        self.active += 1
         self.balance.add_reference(w.profile.samples_per_s)
-        self._renew(w, now)
+        self.renew(w, now)
         if not w.lease_entry:
             self._push_lease(w)
 
-    def _place(self, w: Worker) -> str:
+    def place(self, w: Worker) -> str:
         """A returning worker goes back to the cell whose committed state it holds (if it
         still fits and has room); anyone else where the scheduler says."""
-        h = self._cells.get(w.local.cell_id)
+        h = self.cells.get(w.local.cell_id)
         b = self.balance
         if (
             h is not None
@@ -92,8 +130,8 @@ class Membership(CoreBase):
             return h.id
         return b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)
 
-    def _assign(self, w: Worker, cid: str, now: int, *, restoring: bool = False) -> None:
-        c = self._cells[cid]
+    def assign(self, w: Worker, cid: str, now: int, *, restoring: bool = False) -> None:
+        c = self.cells[cid]
         w.cell = cid
         w.raw = self.balance.raw_power(w.throughput, w.reputation, cid)
         self.balance.add(cid, w.raw)
@@ -102,12 +140,12 @@ class Membership(CoreBase):
         if c.holds_committed(w.local):
             c.synced[w.id] = None
         elif not restoring:
-            self._check_orphan(c, now)
-        self._standby.pop(w.id, None)
-        self._dw[w.id] = None
+            self.rounds.check_orphan(c, now)
+        self.standby.pop(w.id, None)
+        self.changes.worker(w.id)
 
     def _unassign(self, w: Worker) -> None:
-        c = self._cells[w.cell]
+        c = self.cells[w.cell]
         self.balance.remove(c.id, w.raw)
         for s in (c.workers, c.synced, c.idle):
             s.pop(w.id, None)
@@ -116,39 +154,39 @@ class Membership(CoreBase):
         if c.uploader == w.id:
             # hand the pending upload to another holder; with none, the next commit asks again
             c.uploader = next(iter(c.synced), "") if c.upload_round == c.committed_round else ""
-            self._dc[c.id] = None
-        self._dw[w.id] = None
+            self.changes.cell(c.id)
+        self.changes.worker(w.id)
 
-    def _detach(self, w: Worker, now: int, *, fail_fast: bool) -> None:
+    def detach(self, w: Worker, now: int, *, fail_fast: bool) -> None:
         """Take an active worker out of its cell and open round (the caller sets its new
         state). fail_fast=False keeps it counted in its open round until the deadline."""
-        self._active -= 1
+        self.active -= 1
         self.balance.add_reference(w.profile.samples_per_s, -1)
-        self._standby.pop(w.id, None)
-        self._dw[w.id] = None
+        self.standby.pop(w.id, None)
+        self.changes.worker(w.id)
         if not w.cell:
             return
-        c = self._cells[w.cell]
+        c = self.cells[w.cell]
         self._unassign(w)
         r = c.round
         if r is not None and fail_fast and (r.is_live_member(w.id) or r.is_contributor(w.id)):
-            self._drop_member(c, r, w.id, now)
-        self._check_orphan(c, now)
+            self.rounds.drop_member(c, r, w.id, now)
+        self.rounds.check_orphan(c, now)
 
-    def _expire(self, w: Worker, now: int) -> None:
-        self._detach(w, now, fail_fast=self.policy.fail_fast_leases)
+    def expire(self, w: Worker, now: int) -> None:
+        self.detach(w, now, fail_fast=self.policy.fail_fast_leases)
         w.state, w.reason = WorkerState.LOST, "lease expired"
 
     def _move(self, w: Worker, to: str, now: int) -> None:
-        c = self._cells[w.cell]
+        c = self.cells[w.cell]
         r = c.round
         if r is not None and r.is_live_member(w.id):  # only idle workers move: it sat out
             r.dropped[w.id] = None
-            self._dr[r.key] = r
+            self.changes.round(r)
         self._unassign(w)
-        self._assign(w, to, now)
+        self.assign(w, to, now)
 
-    def _refresh_synced(self, w: Worker, c: Cell) -> None:
+    def refresh_synced(self, w: Worker, c: Cell) -> None:
         if c.holds_committed(w.local):
             if w.id not in c.synced:
                 c.synced[w.id] = None
@@ -167,7 +205,7 @@ class Membership(CoreBase):
                 c.donor_load.pop(w.donor, None)
             w.donor = ""
 
-    def _donor(self, w: Worker, c: Cell) -> Donor:
+    def donor(self, w: Worker, c: Cell) -> Donor:
         """The least-loaded synced worker of the cell (ties spread by a hash of the pair);
         sticky while it stays valid, so repeated heartbeats see the same donor."""
         d = w.donor
@@ -185,19 +223,19 @@ class Membership(CoreBase):
                 c.donor_load[best] = c.donor_load.get(best, 0) + 1
             d = best
         if d:
-            return Donor(d, self._workers[d].peer, c.checkpoint_round)
+            return Donor(d, self.workers[d].peer, c.checkpoint_round)
         return Donor("", PeerAddress(), c.checkpoint_round)
 
     # ---------------------------------------------------------------- estimates
 
-    def _observe_throughput(self, w: Worker, cid: str, observed: float) -> None:
+    def observe_throughput(self, w: Worker, cid: str, observed: float) -> None:
         """SWARM's PerformanceEMA: estimate <- (1 - a) estimate + a observed."""
         a = self.policy.throughput_ema
         w.throughput[cid] = (1 - a) * throughput_for(w.throughput, cid) + a * observed
         self._reweigh(w)
-        self._dw[w.id] = None
+        self.changes.worker(w.id)
 
-    def _observe_progress(self, w: Worker, c: Cell, r: Round, now: int) -> None:
+    def observe_progress(self, w: Worker, c: Cell, r: Round, now: int) -> None:
         """A member missed the deadline: estimate its real speed from its last heartbeat."""
         p = r.plans[w.id]
         elapsed_s = (now - r.opened_ms) / 1000.0
@@ -205,7 +243,7 @@ class Membership(CoreBase):
             observed = w.inner_step * p.micro_batch * p.grad_accum / elapsed_s
         else:
             observed = throughput_for(w.throughput, c.id) / 2.0  # no sign of progress
-        self._observe_throughput(w, c.id, observed)
+        self.observe_throughput(w, c.id, observed)
 
     def _reweigh(self, w: Worker) -> None:
         if w.cell:
@@ -213,41 +251,20 @@ class Membership(CoreBase):
             w.raw = self.balance.raw_power(w.throughput, w.reputation, w.cell)
             self.balance.add(w.cell, w.raw)
 
-    def _reputation(self, w: Worker, delta: float, now: int, why: str) -> None:
+    def reputation(self, w: Worker, delta: float, now: int, why: str) -> None:
         if delta == 0:
             return
         w.reputation = min(self.policy.rep_max, w.reputation + delta)
         self._reweigh(w)
-        self._dw[w.id] = None
+        self.changes.worker(w.id)
         if w.state is WorkerState.ACTIVE and w.reputation <= self.spec.schedule.ban_reputation:
-            self._detach(w, now, fail_fast=True)
+            self.detach(w, now, fail_fast=True)
             w.state, w.reason = WorkerState.BANNED, f"reputation {w.reputation:.2f}: {why}"
-            self._rebalance(now, balance=False)
-
-    # ---------------------------------------------------------------- orphaned cells
-
-    def _check_orphan(self, c: Cell, now: int) -> None:
-        """Nobody live holds the committed state and an assigned worker needs it: fall back
-        to the latest checkpoint (design section 6; the loss is bounded by the checkpoint
-        interval). Lazy on purpose: a holder that re-attaches before anyone needs the
-        state (a restart, a reboot) loses nothing."""
-        if c.committed_round == 0 or c.synced or not c.workers or c.checkpoint_round == c.committed_round:
-            return
-        if c.round is not None:
-            self._end_round(c, c.round, now, RoundState.ABORTED, "cell orphaned")
-        if c.checkpoint_round >= 1:
-            c.committed_round, c.committed_hash = c.checkpoint_round, c.checkpoint_hash
-        else:
-            c.committed_round, c.committed_hash = 0, ""
-        c.rollbacks += 1
-        c.round_attempt = c.reduce_attempt = 0
-        c.upload_round, c.uploader = -1, ""
-        c.synced = {wid: None for wid in c.workers if c.holds_committed(self._workers[wid].local)}
-        self._dc[c.id] = None
+            self.rebalance(now, balance=False)
 
     # ---------------------------------------------------------------- scheduling
 
-    def _rebalance(self, now: int, *, balance: bool = True) -> None:
+    def rebalance(self, now: int, *, balance: bool = True) -> None:
         """Bounded repair: place standby workers, then a few improving moves of idle ones.
 
         Redundancy moves (some cell below min_replicas) are made on every call. Balance
@@ -264,13 +281,13 @@ class Membership(CoreBase):
         With 10,000 workers this also keeps a join or leave O(cells), not O(candidates x
         destinations x moves)."""
         b, m = self.balance, self.knobs.candidates
-        if self._standby and any(b.count[c] < self.knobs.max_replicas for c in b.active):
-            for wid in list(itertools.islice(self._standby, m)):
-                w = self._workers[wid]
-                self.ops += 1
+        if self.standby and any(b.count[c] < self.knobs.max_replicas for c in b.active):
+            for wid in list(itertools.islice(self.standby, m)):
+                w = self.workers[wid]
+                self.changes.ops += 1
                 cid = b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)
                 if cid:
-                    self._assign(w, cid, now)
+                    self.assign(w, cid, now)
         if not self.policy.rebalance:
             return
         tol = self.policy.balance_tolerance
@@ -285,7 +302,7 @@ class Membership(CoreBase):
             move = b.best_move(self._candidates(ratios, over_only=not short))
             if move is not None:
                 (wid, _, to), _ = move
-                self._move(self._workers[wid], to, now)
+                self._move(self.workers[wid], to, now)
                 continue
             if balanced:
                 return
@@ -298,7 +315,7 @@ class Membership(CoreBase):
             if swap is None:
                 return
             for wid, _, to in swap[:2]:
-                self._move(self._workers[wid], to, now)
+                self._move(self.workers[wid], to, now)
 
     def _candidates(self, ratios: Mapping[str, float], limit: int = 0, *, over_only: bool = False) -> Iterator[WorkerView]:
         """Idle workers, from the most over-target cell down, at most `limit` (default:
@@ -309,16 +326,16 @@ class Membership(CoreBase):
         for cid in self.balance.cells_by_ratio_desc():
             if over_only and ratios[cid] <= 1.0:
                 return
-            c = self._cells[cid]
+            c = self.cells[cid]
             sole = len(c.synced) == 1 and c.committed_round > max(c.checkpoint_round, 0)
             for wid in c.idle:
                 if n >= limit:
                     return
                 if sole and wid in c.synced:
                     continue  # never move the last holder of a cell's committed state
-                w = self._workers[wid]
+                w = self.workers[wid]
                 n += 1
-                self.ops += 1
+                self.changes.ops += 1
                 # sticky: once its cell has trained, a worker holding any cell's state (this
                 # one's, or another's while it downloads this one) would pay a download
                 yield WorkerView(wid, w.profile.vram_bytes, w.throughput, w.reputation, cid, True,
