@@ -33,17 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
-
 from bagel.coordinator import sizing
+from bagel.coordinator.app import CoordinatorApp
 from bagel.coordinator.checkpoints import CheckpointStore
 from bagel.coordinator.core.records import CellConfig
-from bagel.coordinator.metrics import Metrics
-from bagel.coordinator.server import SERVICE_NAME, CoordinatorCore, CoordinatorServicer, ErrorInterceptor
-from bagel.protocol.runspec import RunSpec
 from bagel.coordinator.core.state import CoordinatorState
+from bagel.coordinator.interceptor import SERVICE_NAME, ErrorInterceptor
+from bagel.coordinator.metrics import Metrics
+from bagel.coordinator.servicer import CoordinatorServicer
 from bagel.coordinator.store import Store, StoreError
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
@@ -51,6 +48,10 @@ from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import wall_clock_ms
 from bagel.protocol.grpc_options import server_options
 from bagel.protocol.identity import Identity
+from bagel.protocol.runspec import RunSpec
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class CoordinatorHandle:
     port: int
     endpoint: str
     identity: Identity
-    core: CoordinatorCore
+    core: CoordinatorApp
     store: Store
     server: grpc.aio.Server
     health: Any
@@ -221,7 +222,7 @@ async def start_coordinator(
             metrics_port = metrics.serve(host or "127.0.0.1", int(port_s))
         writer = AsyncWriter(store)
         fatal = asyncio.Event()
-        core = CoordinatorCore(spec, state, writer, checkpoints, metrics, clock=clock, on_fatal=lambda e: fatal.set())
+        core = CoordinatorApp(spec, state, writer, checkpoints, metrics, clock=clock, on_fatal=lambda e: fatal.set())
 
         server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=server_options())
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), server)

@@ -8,7 +8,7 @@ behind a slow fsync, the thread takes all that are waiting (up to `max_group`) a
 writes them in ONE transaction with one fsync, then resolves all their futures: group
 commit, as databases do it. Each batch stays all-or-nothing (it is inside one
 transaction); a failure fails every batch of the group, which the server treats as
-fatal (see `CoordinatorCore._die`).
+fatal (see `CoordinatorApp._die`).
 
 Ordering: FIFO, so a future that completes implies every earlier batch is durable;
 `barrier()` awaits the latest one. `run(fn)` runs a function on the writer thread in the

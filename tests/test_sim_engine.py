@@ -13,7 +13,7 @@ import bagel.coordinator.daemon as daemon
 import bagel.coordinator.core.policy as core_policy
 import bagel.coordinator.core.rounds as core_rounds
 import bagel.coordinator.core.scheduler as scheduler
-import bagel.coordinator.server as server
+import bagel.coordinator.app as server
 import bagel.coordinator.core.state as core_state
 from bagel.sim.discrete import policies
 from bagel.sim.cli import main

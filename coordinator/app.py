@@ -1,0 +1,281 @@
+"""The coordinator's application object: verify, validate, apply, persist; the status view.
+
+`CoordinatorApp` is the impure shell around the pure `CoordinatorState`: it owns the
+verifier, the durable writer, the checkpoint store and the metrics bookkeeping, and every
+servicer method goes through it.
+
+Every worker request takes the same path (design sections 3, 8, 10):
+
+1. `ErrorInterceptor` (the ONE place where exceptions become gRPC statuses) parses the
+   raw request bytes itself, so even an unparseable message gets INVALID_ARGUMENT;
+2. `CoordinatorApp.verify`: the signed envelope (`bagel.protocol.envelope.Verifier`,
+   time from the shell's clock), then every field (`bagel.protocol.validation`);
+3. the servicer translates the payload into a core event (`bagel.coordinator.translate`);
+4. `CoordinatorApp.apply`: `CoordinatorState.apply(now_ms, event)` on the event loop
+   (the pure core is not thread-safe and needs no lock there), then `outcome.effects`
+   go to SQLite in one transaction on the writer thread (`bagel.coordinator.writer`,
+   group commit); the reply waits until they, and every earlier batch, are durable. A
+   heartbeat that changed nothing durable writes nothing and waits only if its answer
+   would reveal a cell change still being written: that is the hot path.
+5. the outcome is translated back.
+
+An event the core refuses raises a typed error before it mutates anything, so a
+rejected message never changes state. Two failures mean memory and disk may disagree:
+SQLite itself fails, or the core fails with a bug (`CoreFault`: an exception that is not
+a `CoordinatorError`, possibly raised after a mutation). Then the shell stops taking
+requests (UNAVAILABLE), logs the offending event and asks the daemon to shut down
+non-zero, so a restart reloads the durable truth (`CoordinatorApp.fatal`).
+
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from bagel.coordinator.checkpoints import (
+    CheckpointStore,
+)
+from bagel.coordinator.core.errors import CoreFault
+from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Tick
+from bagel.coordinator.core.records import (
+    CellRecord,
+    CommitRecord,
+    Record,
+    RoundRecord,
+    WorkerRecord,
+    WorkerState,
+)
+from bagel.coordinator.core.state import CoordinatorState
+from bagel.coordinator.interceptor import NotAccepting
+from bagel.coordinator.metrics import Metrics
+from bagel.coordinator.writer import AsyncWriter
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.envelope import Verified, Verifier, wall_clock_ms
+from bagel.protocol.runspec import RunSpec, parse_cell
+from bagel.protocol.validation import validate
+
+log = logging.getLogger(__name__)
+
+
+class WorkerTally:
+    """Workers by state, and standby (active without a cell), for the `bagel_workers` gauge.
+
+    Kept up to date from the WorkerRecords in each outcome's effects (every change of a
+    worker's state or cell is durable, so it is among them), instead of counting the whole
+    fleet: `CoordinatorState.counts()` is O(workers), ~3 ms on the event loop at 10k
+    workers, and it ran every second while rounds kept changing worker records.
+    """
+
+    def __init__(self, records: Iterable[WorkerRecord] = ()) -> None:
+        self._of: dict[str, tuple[str, bool]] = {}  # worker id -> (state, standby)
+        self._n: dict[str, int] = {}
+        self._standby = 0
+        for rec in records:
+            self.update(rec)
+
+    def update(self, rec: WorkerRecord) -> None:
+        state = rec.state.value
+        standby = rec.state is WorkerState.ACTIVE and not rec.cell_id
+        old = self._of.get(rec.worker_id)
+        if old == (state, standby):
+            return
+        if old is not None:
+            self._n[old[0]] -= 1
+            self._standby -= old[1]
+        self._of[rec.worker_id] = (state, standby)
+        self._n[state] = self._n.get(state, 0) + 1
+        self._standby += standby
+
+    def counts(self) -> dict[str, int]:
+        """The same figures as `CoordinatorState.counts()` (states with no worker: 0)."""
+        return {"standby": self._standby, **{k: v for k, v in self._n.items() if v}}
+
+
+class CoordinatorApp:
+    """Owns the pure state, the verifier, the durable writer and the metrics bookkeeping."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        state: CoordinatorState,
+        writer: AsyncWriter,
+        checkpoints: CheckpointStore,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], int] = wall_clock_ms,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.state = state
+        self.writer = writer
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        self.clock = clock
+        self.verifier = Verifier(spec.run.id, max_clock_skew_s=spec.security.max_clock_skew_s)
+        self.accepting = True
+        self.fatal: BaseException | None = None
+        self._on_fatal = on_fatal
+        self.heartbeat_interval_ms = int(spec.schedule.heartbeat_s * 1000)
+        self._counts_dirty = False
+        self._cell_writes: dict[str, asyncio.Future[None]] = {}  # latest CellRecord batch per cell
+        self.tally = WorkerTally(state.snapshot().workers)
+        self._publish_worker_counts()
+
+    # ------------------------------------------------------------------ request path
+
+    def verify(self, signed: pb.SignedRequest, method: str) -> Verified[Any]:
+        """Envelope then fields; raises EnvelopeError / ValidationError (no state change,
+        except the replay cache remembering a fully valid nonce)."""
+        if not self.accepting:
+            raise NotAccepting("the coordinator is shutting down")
+        verified = self.verifier.verify(signed, method, self.clock())
+        validate(method, verified.message, self.spec)
+        return verified
+
+    async def apply(self, event: Event) -> Outcome:
+        """Apply one event; return once its effects, and whatever its answer reveals, are durable.
+
+        - With effects: await its own batch (FIFO: every earlier batch is durable too).
+        - A heartbeat without effects (the hot path) waits only if its instruction names a
+          cell whose record change (a commit, a rollback, a checkpoint) is still being
+          written: a worker never hears of a commit before it is durable. Other pending
+          batches it does not wait for: what else an instruction reveals (a round opened,
+          a freeze) is level-triggered and harmless to re-decide after a crash.
+        - Any other event without effects waits for every pending batch.
+        """
+        if not self.accepting:
+            raise NotAccepting("the coordinator is shutting down")
+        now = self.clock()
+        try:
+            outcome = self.state.apply(now, event)
+        except CoreFault as e:
+            self._die(e, "the coordinator core failed")
+            raise NotAccepting("the coordinator hit an internal error; it is restarting") from e
+        try:
+            if outcome.effects:
+                fut = self.writer.submit(outcome.effects, now)
+                self.metrics.store_writes.inc()
+                self._observe(outcome.effects)
+                for rec in outcome.effects:
+                    if isinstance(rec, CellRecord):
+                        self._cell_writes[rec.cell_id] = fut
+                # shielded: a client that gives up cancels its handler, never the write
+                # (or the other handlers waiting for it)
+                await asyncio.shield(fut)
+            elif isinstance(event, Heartbeat):
+                ins = outcome.instruction
+                pending = self._cell_writes.get(ins.cell_id) if ins is not None and ins.cell_id else None
+                if pending is not None and not pending.done():
+                    await asyncio.shield(pending)
+            else:
+                await self.writer.barrier()
+        except Exception as e:
+            self._die(e, "store write failed")
+            raise NotAccepting("the coordinator's store failed; it is restarting") from e
+        return outcome
+
+    def _die(self, exc: BaseException, what: str) -> None:
+        if self.fatal is None:
+            log.critical("%s; stopping so a restart reloads the durable state: %s", what, exc)
+            self.fatal = exc
+            self.accepting = False
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+
+    def _observe(self, effects: tuple[Record, ...]) -> None:
+        workers_changed = False
+        opened = {(r.cell_id, r.round, r.attempt): r.opened_ms for r in effects if isinstance(r, RoundRecord)}
+        for rec in effects:
+            if isinstance(rec, WorkerRecord):
+                self.tally.update(rec)
+                workers_changed = True
+            elif isinstance(rec, CommitRecord):
+                start = opened.get((rec.cell_id, rec.round, rec.attempt))
+                self.metrics.round_committed(
+                    rec.cell_id, None if start is None else (rec.committed_ms - start) / 1000.0
+                )
+        if workers_changed:
+            self._counts_dirty = True
+
+    def _publish_worker_counts(self) -> None:
+        # from the tick loop, at most once a second (a few gauge updates)
+        self._counts_dirty = False
+        self.metrics.set_workers(self.tally.counts())
+
+    async def tick(self) -> None:
+        """One Tick (leases, deadlines), skipped when the core says nothing is due."""
+        if not self.accepting:
+            return
+        wake = self.state.next_wakeup_ms()
+        if wake is not None and wake <= self.clock():
+            await self.apply(Tick())
+
+    async def tick_loop(self, period_ms: int) -> None:
+        last_counts = 0.0
+        loop = asyncio.get_running_loop()
+        period_s = period_ms / 1000.0
+        while True:
+            slept = loop.time()
+            await asyncio.sleep(period_s)
+            # the timer fires late by as long as the loop was busy or stalled: every request
+            # queued behind it waited as long (the operator's view of tail latency)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - slept - period_s))
+            self.metrics.flush_gc()
+            try:
+                if self._counts_dirty and time.monotonic() - last_counts >= 1.0:
+                    last_counts = time.monotonic()
+                    self._publish_worker_counts()
+                await self.tick()
+            except NotAccepting:
+                return  # the core or the store failed (the daemon is stopping), or shutdown
+            except Exception:  # the metrics bookkeeping must not stop the clock of the run
+                log.exception("tick failed")
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> pb.StatusResponse:
+        """The operator view, from the core's queries (no transition). O(workers)."""
+        st = self.state
+        now = self.clock()
+        out = pb.StatusResponse(run_id=self.spec.run.id, spec_hash=self.spec.spec_hash, now_unix_ms=now)
+        snap = st.snapshot()
+        for w in snap.workers:
+            ws = out.workers.add(
+                worker_id=w.worker_id,
+                name=w.profile.name,
+                state=w.state.value,
+                cell_id=w.cell_id,
+                reputation=w.reputation,
+                samples_per_s=float(w.throughput.get(w.cell_id, 0.0)) if w.cell_id else 0.0,
+                vram_bytes=w.profile.vram_bytes,
+                rounds_contributed=w.rounds_contributed,
+            )
+            if w.state is WorkerState.ACTIVE:
+                phase, _round, _step, _loss, lease_ms = st.worker_phase(w.worker_id)
+                ws.phase = int(phase)  # type: ignore[assignment]
+                ws.lease_expires_unix_ms = lease_ms
+        shares, targets = st.shares(), st.targets()
+        for cell_id in self.spec.cell_ids:
+            rec, rnd, members = st.cell_view(cell_id)
+            out.cells.add(
+                cell_id=cell_id,
+                kind="router" if parse_cell(cell_id) is None else "expert",
+                round=rnd.round if rnd else 0,
+                round_state=rnd.state.value if rnd else "none",
+                committed_round=rec.committed_round,
+                committed_hash=rec.committed_hash,
+                members=sorted(members),
+                target_share=float(targets.get(cell_id, 0.0)),
+                actual_share=float(shares.get(cell_id, 0.0)),
+                last_loss=rec.last_loss,
+                latest_checkpoint_round=rec.checkpoint_round,
+                samples_committed=rec.samples_committed,
+            )
+        return out
+
+

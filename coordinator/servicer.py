@@ -1,0 +1,153 @@
+"""The gRPC servicer: protobuf requests in, core events to `CoordinatorApp`, protobuf replies out.
+
+No decisions are made here: each method verifies through the app, translates the payload
+into a core event (`bagel.coordinator.translate`), applies it and translates the outcome
+back. Checkpoint uploads and downloads stream through the app's checkpoint store.
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from bagel.coordinator import translate as wire
+from bagel.coordinator.app import CoordinatorApp
+from bagel.coordinator.core.events import CheckpointStored
+from bagel.coordinator.interceptor import PermissionedNotSupported, UploadProtocolError
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol import bagel_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+# Refusing an upload before the client has finished sending: grpc.aio clients (grpcio
+# <= 1.85) then report INTERNAL "Failed execute_batch" instead of our status whenever one
+# of their writes fails after the status arrived (grpc/grpc#36066; fix proposed in
+# grpc/grpc#43486). So a refused upload first reads and drops what the client is still
+# sending, bounded in bytes and time so that a hostile stream cannot hold the handler.
+_DRAIN_MAX_BYTES = 8 << 20
+_DRAIN_MAX_S = 2.0
+
+
+async def _drain(chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> None:
+    async def read() -> None:
+        seen = 0
+        async for chunk in chunks:
+            seen += chunk.ByteSize()
+            if seen > _DRAIN_MAX_BYTES:
+                return
+
+    try:
+        await asyncio.wait_for(read(), _DRAIN_MAX_S)
+    except Exception:  # the stream broke or timed out: refuse anyway
+        pass
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Translates protobuf <-> core events; no decisions are made here."""
+
+    def __init__(self, core: CoordinatorApp) -> None:
+        self.core = core
+
+    async def Register(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        core = self.core
+        v = core.verify(request, "Register")
+        if core.spec.security.mode == "permissioned":
+            # The join-token format is not defined by the protocol layer yet.
+            raise PermissionedNotSupported("permissioned runs (join tokens) are not supported by this coordinator")
+        out = await core.apply(wire.register_event(v.worker_id, v.message))
+        return pb.RegisterResponse(
+            worker_id=v.worker_id,
+            lease_expires_unix_ms=out.lease_expires_ms or 0,
+            heartbeat_interval_ms=core.heartbeat_interval_ms,
+            spec_toml=core.spec.source,
+            spec_hash=core.spec.spec_hash,
+            instruction=wire.instruction_to_pb(out.instruction),
+        )
+
+    async def Heartbeat(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        v = self.core.verify(request, "Heartbeat")
+        out = await self.core.apply(wire.heartbeat_event(v.worker_id, v.message))
+        return pb.HeartbeatResponse(
+            lease_expires_unix_ms=out.lease_expires_ms or 0, instruction=wire.instruction_to_pb(out.instruction)
+        )
+
+    async def ReportRound(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.ReportRoundResponse:
+        v = self.core.verify(request, "ReportRound")
+        out = await self.core.apply(wire.report_event(v.worker_id, v.message))
+        return pb.ReportRoundResponse(
+            verdict=wire.verdict_to_pb(out.verdict),  # type: ignore[arg-type]
+            instruction=wire.instruction_to_pb(out.instruction),
+        )
+
+    async def Leave(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
+        v = self.core.verify(request, "Leave")
+        out = await self.core.apply(wire.leave_event(v.worker_id, v.message))
+        if out.instruction is not None:  # the last holder: upload first
+            return pb.LeaveResponse(upload_first=True, instruction=wire.instruction_to_pb(out.instruction))
+        return pb.LeaveResponse()
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+        return self.core.status()
+
+    async def UploadCheckpoint(
+        self, request_iterator: AsyncIterator[pb.CheckpointUploadChunk], context: grpc.aio.ServicerContext
+    ) -> pb.UploadCheckpointResponse:
+        chunks = request_iterator.__aiter__()
+        try:
+            return await self._upload(chunks)
+        except Exception:
+            await _drain(chunks)
+            raise
+
+    async def _upload(self, chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> pb.UploadCheckpointResponse:
+        core = self.core
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            raise UploadProtocolError("empty upload: the first chunk must carry the signed header") from None
+        if first.WhichOneof("kind") != "header":
+            raise UploadProtocolError("the first chunk must carry the signed header")
+        v = core.verify(first.header, "UploadCheckpoint")
+        h: pb.UploadCheckpointHeader = v.message
+        if not core.state.check_upload(v.worker_id, h.cell_id, h.round, h.state_hash):
+            await _drain(chunks)  # a checkpoint of this round is stored already
+            return pb.UploadCheckpointResponse(stored=False, round=h.round)
+        upload = core.checkpoints.begin_upload(h.cell_id, h.round, h.state_hash, h.total_bytes, h.sha256, v.worker_id)
+        try:
+            async for chunk in chunks:
+                if chunk.WhichOneof("kind") != "data":
+                    raise UploadProtocolError("only the first chunk may carry a header")
+                upload.write(chunk.data)
+            await asyncio.to_thread(upload.verify)
+            # the index lives in SQLite: publish on the store's thread, in order with writes
+            await core.writer.run(upload.publish, core.clock())
+        except BaseException:
+            upload.abort()
+            raise
+        await core.apply(CheckpointStored(cell_id=h.cell_id, round=h.round, state_hash=h.state_hash))
+        return pb.UploadCheckpointResponse(stored=True, round=h.round)
+
+    async def DownloadCheckpoint(
+        self, request: pb.SignedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.CheckpointDownloadChunk]:
+        core = self.core
+        v = core.verify(request, "DownloadCheckpoint")
+        req: pb.DownloadCheckpointRequest = v.message
+        core.state.instruction_for(v.worker_id, core.clock())  # registered workers only (else NOT_FOUND)
+        meta = core.checkpoints.get(req.cell_id, req.round)
+        yield pb.CheckpointDownloadChunk(
+            info=pb.CheckpointInfo(
+                cell_id=meta.cell_id,
+                round=meta.round,
+                state_hash=meta.state_hash,
+                total_bytes=meta.total_bytes,
+                sha256=meta.sha256,
+            )
+        )
+        gen = core.checkpoints.iter_chunks(meta)
+        while (chunk := await asyncio.to_thread(next, gen, None)) is not None:
+            yield pb.CheckpointDownloadChunk(data=chunk)
