@@ -152,9 +152,6 @@ class Codec(ABC):
             raise ValueError(f"numel must be >= 0, got {numel}")
         return total_nbytes(ndim, self._layout(numel)[2])
 
-    def bytes_per_value(self, numel: int) -> float:
-        return self.encoded_nbytes(numel) / max(numel, 1)
-
     def __str__(self) -> str:
         return self.name
 

@@ -145,10 +145,6 @@ class CellTask:
     train_range: tuple[float, float]  # t_range widened by cells.overlap: what it trains on
     config: ModelConfig
 
-    @property
-    def conditional(self) -> bool:
-        return self.kind == "expert" and self.spec.model.num_classes > 0
-
     def build_model(self) -> nn.Module:
         """Initial weights: a function of (run seed, cell id) only; bit-identical everywhere.
 

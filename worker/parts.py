@@ -119,11 +119,6 @@ class Contributor:
     maddrs: tuple[str, ...] = ()
     max_samples: int = 1
 
-    @classmethod
-    def from_member(cls, member: Any) -> Contributor:
-        """From a `bagel_pb2.Member`."""
-        return cls(member.worker_id, member.peer.peer_id, tuple(member.peer.maddrs), int(member.max_samples))
-
 
 def group_digest(contributors: Sequence[Contributor]) -> str:
     """Binds an exchange to one frozen contributor set: every member must see the same one."""
