@@ -21,14 +21,14 @@ from bagel.sim.discrete.engine import Engine
 from bagel.sim.discrete.ledger import BUCKETS
 from bagel.sim.discrete.report import summarize
 from bagel.sim.discrete.runner import run_policies
-from bagel.sim.discrete.scenario import load_scenario
+from bagel.sim.discrete.scenario import load_sim_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
 SMALL = dict(workers=120, hours=1.5)
 
 
 def _het():
-    return load_scenario(SCENARIOS / "heterogeneity-10x.toml")
+    return load_sim_scenario(SCENARIOS / "heterogeneity-10x.toml")
 
 
 def _summary(sc, names, seed, *, jobs=1, **kw):
@@ -113,7 +113,7 @@ def test_heartbeat_lease_mode_drives_the_core_lease_timer():
 
 @pytest.mark.timeout(120)
 def test_spot_storm_kills_the_stated_fraction():
-    sc = load_scenario(SCENARIOS / "spot-storm.toml")
+    sc = load_sim_scenario(SCENARIOS / "spot-storm.toml")
     storm = replace(sc, faults=(replace(sc.faults[0], at_s=1800.0),))
     res = Engine(storm, policies.get("bagel"), workers=150, hours=1.0).run()
     (t, kind, hit), = res.ledger.faults
@@ -125,7 +125,7 @@ def test_spot_storm_kills_the_stated_fraction():
 
 @pytest.mark.timeout(120)
 def test_byzantine_workers_are_rejected_and_waste_is_counted():
-    sc = load_scenario(SCENARIOS / "byzantine-10pct.toml")
+    sc = load_sim_scenario(SCENARIOS / "byzantine-10pct.toml")
     res = Engine(sc, policies.get("bagel"), workers=150, hours=1.5).run()
     assert res.ledger.buckets["rejected"] > 0
     assert res.ledger.committed_rounds > 0
@@ -162,7 +162,7 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
 
 @pytest.mark.timeout(120)
 def test_partitioned_workers_lose_their_lease_and_reattach_after_the_heal():
-    sc = load_scenario(SCENARIOS / "partition.toml")
+    sc = load_sim_scenario(SCENARIOS / "partition.toml")
     cut = replace(sc, faults=(replace(sc.faults[0], at_s=900.0, duration_s=900.0, fraction=0.5),))
     res = Engine(cut, policies.get("bagel"), workers=150, hours=1.0).run()
     (t, kind, hit), = res.ledger.faults

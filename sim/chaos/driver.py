@@ -340,7 +340,7 @@ class ChaosRun:
                 ff.ended_s = self.now()
             else:
                 ff.ended_s = ff.fired_s
-        else:  # pragma: no cover - parse_scenario refuses the rest
+        else:  # pragma: no cover - parse_chaos_scenario refuses the rest
             raise RuntimeError(f"unsupported fault kind {kind.value}")
 
     async def _hit_worker(self, ff: FiredFault, f: Fault, slot: WorkerSlot) -> None:
