@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from bagel.protocol.typedtoml import TomlTableError, build
+from bagel.protocol.reducerspec import ReducerSpecError, parse_reducer_spec
+from bagel.protocol.typedtoml import TomlTableError, build, toml_field
 
 ROUTER_CELL = "router"
 _CELL_RE = re.compile(r"^k(\d{1,4})\.r(\d{1,4})$")
@@ -26,6 +27,13 @@ _RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 class SpecError(TomlTableError):
     """The run spec is malformed; the message names the offending key."""
+
+
+def _aggregation_rule(where: str, text: str) -> None:
+    try:
+        parse_reducer_spec(text)
+    except ReducerSpecError as e:
+        raise SpecError(f"{where}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,10 @@ class DilocoSection:
     max_micro_batch: int = 64
     codec: str = "int8"
     error_feedback: bool = True
+    # how the reducer of each part of a group exchange combines the contributions:
+    # "mean" (weighted by samples), "trimmed_mean[:trim=F]" or
+    # "centered_clip[:tau=T | rel=R][,iters=L]" (grammar: reducerspec.py)
+    aggregation: str = toml_field("mean", check=_aggregation_rule)
 
 
 @dataclass(frozen=True)
