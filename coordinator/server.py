@@ -115,7 +115,7 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
-def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+def classify(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status, metric reason, details) for an exception raised while serving a request."""
     if isinstance(exc, ValidationError):
         top = exc.field.split(".", 1)[0].split("[", 1)[0]  # bounded label: the top-level field
@@ -166,7 +166,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
     async def _fail(self, method: str, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
-        code, reason, details = classify_error(exc)
+        code, reason, details = classify(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed:\n%s", method, "".join(traceback.format_exception(exc)))
         self._metrics.reject(reason)
@@ -199,7 +199,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     code = "ABORTED_BY_HANDLER"
                     raise
                 except Exception as e:
-                    code = classify_error(e)[0].name
+                    code = classify(e)[0].name
                     await fail(method, e, context)
                 finally:
                     metrics.observe_rpc(method, time.perf_counter() - t0, code)
@@ -219,7 +219,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception as e:
-                    code = classify_error(e)[0].name
+                    code = classify(e)[0].name
                     await fail(method, e, context)
                 finally:
                     metrics.observe_rpc(method, time.perf_counter() - t0, code)
@@ -238,7 +238,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception as e:
-                    code = classify_error(e)[0].name
+                    code = classify(e)[0].name
                     await fail(method, e, context)
                 finally:
                     metrics.observe_rpc(method, time.perf_counter() - t0, code)
