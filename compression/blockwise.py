@@ -301,4 +301,4 @@ def _parse(cls: type[_Blockwise]):
 register("int8", Int8Codec, _parse(Int8Codec))
 register("int4", Int4Codec, _parse(Int4Codec))
 
-__all__ = ["Int8Codec", "Int4Codec", "MIN_SCALE", "MAX_SCALE"]
+__all__ = ["MAX_SCALE", "MIN_SCALE", "Int4Codec", "Int8Codec"]

@@ -14,15 +14,14 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
-
-from bagel.protocol.atomicfile import atomic_write
 from typing import Any
 
-import torch.nn as nn
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from torch import nn
 
 from bagel.models import dit, router, unet
+from bagel.protocol.atomicfile import atomic_write
 
 FORMAT = "bagel-model/1"
 _ARCHS: dict[str, type] = {"dit": dit.DiTConfig, "unet": unet.UNetConfig, "router": router.RouterConfig}
@@ -101,7 +100,7 @@ def load(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     model = _BUILD[meta["arch"]](cfg)
     try:
         state = st_load(blob)
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt headers
         raise ModelCheckpointError(f"{weights_path}: unreadable safetensors: {e}") from None
     try:
         model.load_state_dict(state, strict=True)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from bagel.models import dit, flow, router, unet
 from bagel.models.data import DataError, derive_seed, load_dataset

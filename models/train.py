@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
 

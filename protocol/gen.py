@@ -27,7 +27,7 @@ def _protos() -> list[str]:
 
 
 def _has_service(proto: Path) -> bool:
-    return re.search(r"^service\s", proto.read_text(), flags=re.M) is not None
+    return re.search(r"^service\s", proto.read_text(), flags=re.MULTILINE) is not None
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -54,7 +54,7 @@ def generate(out_dir: Path) -> list[Path]:
         for suffix in ("_pb2.py", "_pb2.pyi", *(("_pb2_grpc.py",) if grpc else ())):
             path = out_dir / f"{stem}{suffix}"
             text = path.read_text()
-            text = re.sub(r"^import (\w+_pb2) as", r"from bagel.protocol import \1 as", text, flags=re.M)
+            text = re.sub(r"^import (\w+_pb2) as", r"from bagel.protocol import \1 as", text, flags=re.MULTILINE)
             path.write_text(text)
             out.append(path)
     return out

@@ -87,7 +87,7 @@ def parse_reducer_spec(text: str = "mean") -> ReducerSpec:
         return ReducerSpec()
     if rule == "trimmed_mean":
         params = _parse_params(rule, rest, "trim")
-        spec = ReducerSpec(rule, trim=_float(rule, params, "trim") if "trim" in params else 0.2)
+        spec = ReducerSpec("trimmed_mean", trim=_float(rule, params, "trim") if "trim" in params else 0.2)
     elif rule == "centered_clip":
         params = _parse_params(rule, rest, "tau")
         tau = _float(rule, params, "tau") if "tau" in params else None
@@ -96,7 +96,7 @@ def parse_reducer_spec(text: str = "mean") -> ReducerSpec:
             iters = int(params.pop("iters", "10"))
         except ValueError as e:
             raise ReducerSpecError(f"{rule}: iters must be an integer") from e
-        spec = ReducerSpec(rule, tau=tau, rel=rel, iters=iters)
+        spec = ReducerSpec("centered_clip", tau=tau, rel=rel, iters=iters)
     else:
         raise ReducerSpecError(f"unknown reducer {rule!r}: use mean, trimmed_mean or centered_clip")
     if params:

@@ -13,8 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
 from bagel.compression import ErrorFeedback, decode, get_codec
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.protocol.runspec import parse_spec
+from bagel.worker.aggregation import get_reducer
 from bagel.worker.averaging import (
     PART_PROTOCOL,
     Contributor,
@@ -24,13 +27,12 @@ from bagel.worker.averaging import (
     group_digest,
     part_bounds,
 )
+from bagel.worker.diloco import CellState, OuterConfig, outer_step
 from bagel.worker.framing import read_message, write_frame, write_message
 from bagel.worker.parts import decode_part, part_generator, prepare_contribution, reduce_part
-from bagel.protocol.runspec import parse_spec
-from bagel.worker.aggregation import get_reducer
-from bagel.worker.diloco import CellState, OuterConfig, outer_step
 from bagel.worker.roundwork import ReduceOutcome, RoundWork, reduce_round
 from bagel.worker.trainer import InnerPlan, TrainResult
+
 from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
 
 CELL = "k0.r0"

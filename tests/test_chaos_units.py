@@ -14,13 +14,13 @@ import pytest
 
 from bagel.coordinator.core.records import CommitRecord
 from bagel.sim.chaos.command import main as chaos_main
-from bagel.sim.chaos.evidence import FiredFault, runner_checks
 from bagel.sim.chaos.driver import ChaosRun
+from bagel.sim.chaos.evidence import FiredFault, runner_checks
+from bagel.sim.chaos.invariants import InvariantResult
 from bagel.sim.chaos.report import byzantine_effect, loss_by_cell, markdown
 from bagel.sim.chaos.scenario import ChaosScenarioError, load_chaos_scenario, parse_chaos_scenario
-from bagel.sim.faults import Fault, FaultKind
-from bagel.sim.chaos.invariants import InvariantResult
 from bagel.sim.chaos.supervisor import Supervisor, listening_ports, pid_alive, pids_in_groups, port_owners
+from bagel.sim.faults import Fault, FaultKind
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = '''

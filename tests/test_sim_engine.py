@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-import bagel.coordinator.daemon as daemon
 import bagel.coordinator.core.policy as core_policy
 import bagel.coordinator.core.rounds as core_rounds
-import bagel.coordinator.core.scheduler as scheduler
-import bagel.coordinator.server as server
 import bagel.coordinator.core.state as core_state
-from bagel.sim.discrete import policies
+from bagel.coordinator import daemon, server
+from bagel.coordinator.core import scheduler
 from bagel.sim.cli import main
+from bagel.sim.discrete import policies
 from bagel.sim.discrete.engine import Engine
 from bagel.sim.discrete.ledger import BUCKETS
 from bagel.sim.discrete.report import summarize
@@ -24,7 +23,7 @@ from bagel.sim.discrete.runner import run_policies
 from bagel.sim.discrete.scenario import load_sim_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
-SMALL = dict(workers=120, hours=1.5)
+SMALL = {"workers": 120, "hours": 1.5}
 
 
 def _het():
@@ -49,7 +48,7 @@ def test_same_seed_same_summary_other_seed_differs():
 
 
 def test_a_policy_that_fails_in_its_process_fails_the_run(monkeypatch):
-    import bagel.sim.discrete.runner as runner
+    from bagel.sim.discrete import runner
 
     class Broken(Engine):
         def run(self, progress=None):
@@ -165,7 +164,7 @@ def test_partitioned_workers_lose_their_lease_and_reattach_after_the_heal():
     sc = load_sim_scenario(SCENARIOS / "partition.toml")
     cut = replace(sc, faults=(replace(sc.faults[0], at_s=900.0, duration_s=900.0, fraction=0.5),))
     res = Engine(cut, policies.get("bagel"), workers=150, hours=1.0).run()
-    (t, kind, hit), = res.ledger.faults
+    ((_, kind, hit),) = res.ledger.faults
     assert kind == "partition" and hit > 20
     # the coordinator expired them (60 s lease), so after the heal they are unknown and
     # re-register; and cells keep committing after the heal

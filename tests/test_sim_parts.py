@@ -11,7 +11,6 @@ import pytest
 from bagel.compression import get_codec
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import policies
-from bagel.sim.faults import FaultError, FaultKind, parse_fault
 from bagel.sim.discrete.population import (
     GPU_CLASSES,
     AvailabilitySpec,
@@ -22,6 +21,7 @@ from bagel.sim.discrete.population import (
     sample_population,
 )
 from bagel.sim.discrete.scenario import SimScenarioError, load_sim_scenario, parse_sim_scenario
+from bagel.sim.faults import FaultError, FaultKind, parse_fault
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
 

@@ -30,7 +30,7 @@ def _even(where: str, v: int) -> None:
 
 def _upper(where: str, v: object) -> str:
     if not isinstance(v, str):
-        raise ValueError(f"{where}: a word")
+        raise MyError(f"{where}: a word")
     return v.upper()
 
 

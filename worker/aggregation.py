@@ -102,7 +102,7 @@ class TrimmedMean(Reducer):
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
         n = len(parts)
-        b = min(int(math.floor(self.trim * n)), (n - 1) // 2)
+        b = min(math.floor(self.trim * n), (n - 1) // 2)
         x = torch.stack([p.to(torch.float64) for p in parts])  # (n, d)
         if b == 0:
             return WeightedMean().aggregate(parts, weights)

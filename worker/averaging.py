@@ -41,11 +41,24 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
+
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.worker.framing import LEN_NBYTES, FrameError, discard_frame, read_frame, read_message, write_frame, write_message
+from bagel.worker.aggregation import PartRejected, Reducer, get_reducer
+from bagel.worker.framing import (
+    LEN_NBYTES,
+    FrameError,
+    discard_frame,
+    read_frame,
+    read_message,
+    write_frame,
+    write_message,
+)
 from bagel.worker.parts import (
     Codec,
     Contributor,
@@ -56,20 +69,16 @@ from bagel.worker.parts import (
     prepare_contribution,
     resolve_codec,
 )
-from bagel.worker.aggregation import PartRejected, Reducer, get_reducer
 from bagel.worker.reducer import (
+    DISCARD_MAX_NBYTES,
+    DISCARD_TIMEOUT_S,
     ContributionRejected,
     ExchangeError,
     ExchangeFailed,
-    DISCARD_MAX_NBYTES,
-    DISCARD_TIMEOUT_S,
     ExchangeTimeout,
     Reduction,
     Refused,
 )
-from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.utils.multiaddr import Multiaddr
 
 __all__ = [
     "PART_PROTOCOL",
@@ -187,10 +196,10 @@ class DataPlane:
             self._started = False
             try:
                 await self.p2p.remove_binary_stream_handler(PART_PROTOCOL)
-            except Exception as e:  # the daemon may already be gone at shutdown
+            except Exception as e:  # noqa: BLE001 - the daemon may already be gone at shutdown
                 log.debug("removing the part handler failed: %s", e)
 
-    async def __aenter__(self) -> DataPlane:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -494,7 +503,7 @@ async def _dial_all(p2p: P2P, members: Sequence[Contributor], me: str) -> None:
     async def dial(c: Contributor) -> None:
         try:
             await p2p._client.connect(PeerID.from_base58(c.peer_id), _dial_addrs(c))
-        except Exception as e:  # the exchange's own retries report a peer that stays unreachable
+        except Exception as e:  # noqa: BLE001 - the exchange's own retries report a peer that stays unreachable
             log.debug("dialing %s failed: %s", c.worker_id, e)
 
     await asyncio.gather(*(dial(c) for c in members if c.worker_id != me and c.maddrs))

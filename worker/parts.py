@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
 from bagel.compression import decode, get_codec
 from bagel.worker.aggregation import PartRejected
 

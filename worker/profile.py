@@ -48,7 +48,9 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
-        for line in open("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            lines = f.readlines()
+        for line in lines:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
@@ -71,7 +73,9 @@ def memory_bytes(device: torch.device, max_vram_gb: float | None = None) -> int:
 
 def _mem_available() -> int:
     try:
-        for line in open("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            lines = f.readlines()
+        for line in lines:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from bagel.compression import ErrorFeedback
-from bagel.protocol.runspec import parse_spec
 from bagel.models.data import shard
+from bagel.protocol.runspec import parse_spec
 from bagel.worker import ddp
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
 from bagel.worker.trainer import (

@@ -36,15 +36,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from operator import truediv
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import MemberPlan
 from bagel.protocol.messages import PeerAddress
-from bagel.coordinator.core.policy import Policy
 from bagel.protocol.runspec import RunSpec
 
 _EPS = 1e-12
@@ -329,7 +328,7 @@ class Balance:
         numpy element-wise operations: the same IEEE operations in the same order as the
         scalar expressions (`_power_fn`, a cell's deficit max(0, m - count)^2, `_phi`), so the same choice.
         """
-        n, total, s_sum, _ = self._stats()
+        _, total, s_sum, _ = self._stats()
         d = self._derived()
         el = self.eligible(vram_bytes)
         if not el:
@@ -555,8 +554,29 @@ class _Derived:
     whose answers with NaN depend on order.
     """
 
-    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_dests",
-                 "_desc", "_open", "_arrays", "_n_arr", "_r_arr", "_count_arr", "_order_idx", "_nan", "_info")
+    __slots__ = (
+        "_arrays",
+        "_count_arr",
+        "_desc",
+        "_dests",
+        "_info",
+        "_n_arr",
+        "_nan",
+        "_open",
+        "_order",
+        "_order_idx",
+        "_r_arr",
+        "bal",
+        "def0",
+        "m",
+        "max_dev",
+        "n",
+        "ratio",
+        "refs",
+        "s_sum",
+        "short",
+        "total",
+    )
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal

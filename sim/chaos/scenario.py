@@ -44,10 +44,10 @@ cannot be cut off alone (see the chaos report's requests).
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
 from bagel.protocol.typedtoml import TomlTableError, build, convert, toml_field
@@ -94,61 +94,61 @@ class ChaosScenario:
 
 def _positive(where: str, v: float) -> None:
     if v <= 0:
-        raise ValueError(f"{where}: must be > 0")
+        raise ChaosScenarioError(f"{where}: must be > 0")
 
 
 def _non_negative(where: str, v: float) -> None:
     if v < 0:
-        raise ValueError(f"{where}: must be >= 0")
+        raise ChaosScenarioError(f"{where}: must be >= 0")
 
 
 def _name(where: str, v: Any) -> str:
     if not isinstance(v, str) or not v:
-        raise ValueError(f"{where}: a non-empty string")
+        raise ChaosScenarioError(f"{where}: a non-empty string")
     return v
 
 
 def _spec_text(where: str, v: Any) -> str:
     if not isinstance(v, str):
-        raise ValueError(f"{where}: required, the run spec's TOML text")
+        raise ChaosScenarioError(f"{where}: required, the run spec's TOML text")
     return v
 
 
 def _flag(where: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise ValueError(f"{where}: true or false")
+        raise ChaosScenarioError(f"{where}: true or false")
     return v
 
 
 def _count(where: str, v: int) -> None:
     _positive(where, v)
     if v > 64:
-        raise ValueError(f"{where}: at most 64 real workers on one machine")
+        raise ChaosScenarioError(f"{where}: at most 64 real workers on one machine")
 
 
 def _throttle(where: str, v: Any) -> tuple[float, ...]:
     items = v if isinstance(v, list) else [v]
     if not items:
-        raise ValueError(f"{where}: a number >= 1 or a non-empty list of them")
+        raise ChaosScenarioError(f"{where}: a number >= 1 or a non-empty list of them")
     out = []
     for i, x in enumerate(items):
-        x = convert(f"{where}[{i}]", x, float)
+        x = convert(f"{where}[{i}]", x, float, error=ChaosScenarioError)
         _non_negative(f"{where}[{i}]", x)
         out.append(x)
     if any(x < 1.0 for x in out):
-        raise ValueError(f"{where}: every value must be >= 1 (1 = full speed)")
+        raise ChaosScenarioError(f"{where}: every value must be >= 1 (1 = full speed)")
     return tuple(out)
 
 
-def _byzantine_table(where: str, v: Any) -> dict[str, Any]:
+def _byzantine_table(where: str, v: Any) -> tuple[tuple[str, Any], ...]:
     if not isinstance(v, dict):
-        raise ValueError(f"[{where}] must be a table of worker index = mode")
-    return dict(v)
+        raise ChaosScenarioError(f"[{where}] must be a table of worker index = mode")
+    return tuple(v.items())
 
 
 def _strings(where: str, v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
-        raise ValueError(f"{where}: a list of strings")
+        raise ChaosScenarioError(f"{where}: a list of strings")
     return tuple(v)
 
 
@@ -173,7 +173,7 @@ class WorkersSection:
 
     count: int = toml_field(3, check=_count)
     throttle: tuple[float, ...] = toml_field((1.0,), parse=_throttle)
-    byzantine: dict[str, Any] = toml_field(default_factory=dict, parse=_byzantine_table)
+    byzantine: tuple[tuple[str, Any], ...] = toml_field((), parse=_byzantine_table)  # (index, mode) pairs
     reduce_timeout_s: float = toml_field(20.0, check=_positive)
     extra_args: tuple[str, ...] = toml_field((), parse=_strings)
 
@@ -181,10 +181,10 @@ class WorkersSection:
 _TOP_KEYS = {"chaos", "workers", "faults"}
 
 
-def _byzantine(table: Mapping[str, Any], count: int) -> dict[int, str]:
+def _byzantine(pairs: tuple[tuple[str, Any], ...], count: int) -> dict[int, str]:
     byzantine: dict[int, str] = {}
     modes = [m.value for m in ByzantineMode]
-    for k, mode in table.items():
+    for k, mode in pairs:
         if not k.isdigit() or int(k) >= count:
             raise ChaosScenarioError(f"workers.byzantine.{k}: not a worker index in [0, {count})")
         if mode not in modes:

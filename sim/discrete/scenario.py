@@ -14,17 +14,16 @@ type is a `SimScenarioError` that names the key (the shared builder,
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
 from bagel.protocol.typedtoml import TomlTableError, build
-
 from bagel.sim.discrete.costmodel import WorkloadSpec
-from bagel.sim.faults import Fault, FaultError, parse_faults
 from bagel.sim.discrete.population import AvailabilitySpec, LinkSpec, PopulationSpec
+from bagel.sim.faults import Fault, FaultError, parse_faults
 
 
 class SimScenarioError(TomlTableError):
@@ -68,9 +67,9 @@ class EngineSection:
 class Scenario:
     scenario: ScenarioSection
     run_spec_toml: str  # canonical TOML text of the run spec (before policy overrides)
-    population: PopulationSpec = PopulationSpec()
-    workload: WorkloadSpec = WorkloadSpec()
-    engine: EngineSection = EngineSection()
+    population: PopulationSpec = field(default_factory=PopulationSpec)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    engine: EngineSection = field(default_factory=EngineSection)
     faults: tuple[Fault, ...] = ()
     path: str = field(default="", compare=False)
 
