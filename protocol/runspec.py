@@ -1,5 +1,5 @@
 """Run spec: the TOML file that describes one training run, parsed into frozen dataclasses
-(by `typedtoml.build`, the builder the simulator's scenario files share).
+(by `typedtoml.from_table`, the builder the simulator's scenario files share).
 
 The spec is immutable once a run starts; its hash (`RunSpec.spec_hash`) is part of every
 signed message and of the coordinator's DHT record, so a worker can tell it trains the
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bagel.protocol.reducerspec import ReducerSpecError, parse_reducer_spec
-from bagel.protocol.typedtoml import TomlTableError, build, toml_field
+from bagel.protocol.typedtoml import TomlTableError, from_table, toml_field
 
 ROUTER_CELL = "router"
 _CELL_RE = re.compile(r"^k(\d{1,4})\.r(\d{1,4})$")
@@ -182,7 +182,7 @@ _SECTIONS: dict[str, type] = {
 
 
 def _section(name: str, table: Any) -> Any:
-    return build(_SECTIONS[name], table, name, error=SpecError)
+    return from_table(_SECTIONS[name], table, name, error=SpecError)
 
 
 def _validate(spec: RunSpec) -> None:

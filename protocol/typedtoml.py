@@ -90,7 +90,7 @@ def convert(where: str, value: Any, annotation: Any, *, error: type[ValueError] 
             raise error(f"{where}: {value!r} is not one of {list(allowed)}")
         return value
     if dataclasses.is_dataclass(annotation) and isinstance(annotation, type):
-        return build(annotation, value, where, error=error)
+        return from_table(annotation, value, where, error=error)
     if annotation in _NAMES:
         if annotation is bool:
             ok = isinstance(value, bool)
@@ -120,7 +120,7 @@ def convert(where: str, value: Any, annotation: Any, *, error: type[ValueError] 
     raise error(f"{where}: unsupported type {annotation!r}")
 
 
-def build(cls: type, table: Any, where: str, *, error: type[ValueError] = TomlTableError) -> Any:
+def from_table(cls: type, table: Any, where: str, *, error: type[ValueError] = TomlTableError) -> Any:
     """The dataclass `cls` from a TOML table found at dotted path `where`."""
     if not isinstance(table, dict):
         raise error(f"[{where}] must be a table")
@@ -152,4 +152,4 @@ def build(cls: type, table: Any, where: str, *, error: type[ValueError] = TomlTa
         raise error(str(e)) from None
 
 
-__all__ = ["TomlTableError", "build", "convert", "key_path", "toml_field"]
+__all__ = ["TomlTableError", "convert", "from_table", "key_path", "toml_field"]

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 
-from bagel.protocol.typedtoml import TomlTableError, build, toml_field
+from bagel.protocol.typedtoml import TomlTableError, from_table, toml_field
 
 
 class MyError(TomlTableError):
@@ -51,7 +51,7 @@ class Outer:
 
 
 def parse(text: str) -> Outer:
-    return build(Outer, tomllib.loads(text), "outer", error=MyError)
+    return from_table(Outer, tomllib.loads(text), "outer", error=MyError)
 
 
 def test_builds_with_types_defaults_and_nesting() -> None:
@@ -98,9 +98,9 @@ def test_a_missing_field_without_a_message_is_the_dataclass_error() -> None:
         id: str
 
     with pytest.raises(TomlTableError, match=r"^\[run\]: .*missing 1 required .*'id'"):
-        build(Needs, {}, "run")
+        from_table(Needs, {}, "run")
     with pytest.raises(TomlTableError, match=r"^\[run\] must be a table$"):
-        build(Needs, [], "run")
+        from_table(Needs, [], "run")
 
 
 def test_protocol_imports_no_other_bagel_package() -> None:

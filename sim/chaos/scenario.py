@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
-from bagel.protocol.typedtoml import TomlTableError, build, convert, toml_field
+from bagel.protocol.typedtoml import TomlTableError, convert, from_table, toml_field
 from bagel.sim.faults import ByzantineMode, Fault, FaultError, FaultKind, parse_faults
 
 PROXY_KINDS = frozenset({FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.RESET, FaultKind.HANG})
@@ -202,12 +202,12 @@ def parse_chaos_scenario(text: str) -> ChaosScenario:
     for key in data:
         if key not in _TOP_KEYS:
             raise ChaosScenarioError(f"unknown key {key} (expected [chaos], [workers], [[faults]])")
-    chaos = build(ChaosSection, data.get("chaos", {}), "chaos", error=ChaosScenarioError)
+    chaos = from_table(ChaosSection, data.get("chaos", {}), "chaos", error=ChaosScenarioError)
     try:
         spec = parse_spec(chaos.run_spec)
     except SpecError as e:
         raise ChaosScenarioError(f"chaos.run_spec: {e}") from None
-    workers = build(WorkersSection, data.get("workers", {}), "workers", error=ChaosScenarioError)
+    workers = from_table(WorkersSection, data.get("workers", {}), "workers", error=ChaosScenarioError)
     count = workers.count
     byzantine = _byzantine(workers.byzantine, count)
 

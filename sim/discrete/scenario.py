@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
-from bagel.protocol.typedtoml import TomlTableError, build
+from bagel.protocol.typedtoml import TomlTableError, from_table
 from bagel.sim.discrete.costmodel import WorkloadSpec
 from bagel.sim.discrete.population import AvailabilitySpec, LinkSpec, PopulationSpec
 from bagel.sim.faults import Fault, FaultError, parse_faults
@@ -117,7 +117,7 @@ def dump_toml(table: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def _build(cls: Any, table: Any, where: str) -> Any:
-    return build(cls, table, where, error=SimScenarioError)
+    return from_table(cls, table, where, error=SimScenarioError)
 
 
 _TOP = {"scenario", "run_spec", "population", "workload", "engine", "faults"}
