@@ -8,14 +8,14 @@ message names the key by its dotted path, so a typo never silently falls back to
 
 A field's annotation says what the TOML value must be:
 
-| annotation                  | TOML value                         | error names                  |
-| --------------------------- | ---------------------------------- | ---------------------------- |
+| annotation                  | TOML value                         | error                         |
+| --------------------------- | ---------------------------------- | ----------------------------- |
 | `str`, `int`, `bool`        | that type (a bool is not an int)   | `k: expected an integer, ...` |
-| `float`                     | an integer or a float, as a float  | `k: expected a number, ...`  |
-| `Literal["a", "b"]`         | one of the values                  | `k: 'c' is not one of [...]` |
-| a dataclass                 | a table, built the same way        | `[k] must be a table`        |
-| `tuple[T, ...]`             | an array of T                      | `k: expected a list of ...`  |
-| `tuple[tuple[str, T], ...]` | a table of name = T, in file order | `k: expected a table of ...` |
+| `float`                     | an integer or a float, as a float  | `k: expected a number, ...`   |
+| `Literal["a", "b"]`         | one of the values                  | `k: 'c' is not one of [...]`  |
+| a dataclass                 | a table, built the same way        | `[k] must be a table`         |
+| `tuple[T, ...]`             | an array of T                      | `k: expected a list of ...`   |
+| `tuple[tuple[str, T], ...]` | a table of name = T, in file order | `k: expected a table of ...`  |
 
 A field missing from the table takes its default (no default: the dataclass's own
 TypeError, as `[k]: ...`, unless the field gives a `required` message). `toml_field` adds
