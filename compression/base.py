@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
@@ -151,9 +152,6 @@ class Codec(ABC):
         if numel < 0:
             raise ValueError(f"numel must be >= 0, got {numel}")
         return total_nbytes(ndim, self._layout(numel)[2])
-
-    def bytes_per_value(self, numel: int) -> float:
-        return self.encoded_nbytes(numel) / max(numel, 1)
 
     def __str__(self) -> str:
         return self.name

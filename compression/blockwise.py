@@ -165,16 +165,6 @@ class _Blockwise(Codec):
             raise CodecError(f"{cls.kind}: scale outside [0, {MAX_SCALE:.3g}] or NaN")
         return scales
 
-    @classmethod
-    def _apply_scales(cls, out: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
-        n = out.numel()
-        full = n // block
-        if full:
-            out[: full * block].view(full, block).mul_(scales[:full, None])
-        if full * block < n:
-            out[full * block :].mul_(scales[full])
-        return out
-
 
 @dataclass(frozen=True)
 class Int8Codec(_Blockwise):
@@ -311,4 +301,4 @@ def _parse(cls: type[_Blockwise]):
 register("int8", Int8Codec, _parse(Int8Codec))
 register("int4", Int4Codec, _parse(Int4Codec))
 
-__all__ = ["Int8Codec", "Int4Codec", "MIN_SCALE", "MAX_SCALE"]
+__all__ = ["MAX_SCALE", "MIN_SCALE", "Int4Codec", "Int8Codec"]

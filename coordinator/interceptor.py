@@ -1,4 +1,4 @@
-"""The one place where exceptions become gRPC statuses: shell errors, `classify`, `ErrorInterceptor`.
+"""The one place where exceptions become gRPC statuses: shell errors, `classify_error`, `ErrorInterceptor`.
 
 `ErrorInterceptor` parses the raw request bytes itself, so even an unparseable message
 gets INVALID_ARGUMENT, and wraps every Coordinator method so that no handler can forget
@@ -77,7 +77,7 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
-def classify(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status, metric reason, details) for an exception raised while serving a request."""
     if isinstance(exc, ValidationError):
         top = exc.field.split(".", 1)[0].split("[", 1)[0]  # bounded label: the top-level field
@@ -128,7 +128,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
     async def _fail(self, method: str, exc: BaseException, context: grpc.aio.ServicerContext) -> None:
-        code, reason, details = classify(exc)
+        code, reason, details = classify_error(exc)
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed:\n%s", method, "".join(traceback.format_exception(exc)))
         self._metrics.reject(reason)
@@ -161,7 +161,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     code = "ABORTED_BY_HANDLER"
                     raise
                 except Exception as e:
-                    code = classify(e)[0].name
+                    code = classify_error(e)[0].name
                     await fail(method, e, context)
                 finally:
                     metrics.observe_rpc(method, time.perf_counter() - t0, code)
@@ -181,7 +181,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception as e:
-                    code = classify(e)[0].name
+                    code = classify_error(e)[0].name
                     await fail(method, e, context)
                 finally:
                     metrics.observe_rpc(method, time.perf_counter() - t0, code)
@@ -200,7 +200,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except grpc.aio.AbortError:
                     raise
                 except Exception as e:
-                    code = classify(e)[0].name
+                    code = classify_error(e)[0].name
                     await fail(method, e, context)
                 finally:
                     metrics.observe_rpc(method, time.perf_counter() - t0, code)

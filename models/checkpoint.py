@@ -14,22 +14,21 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
-
-from bagel.protocol.atomicfile import atomic_write
 from typing import Any
 
-import torch.nn as nn
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from torch import nn
 
 from bagel.models import dit, router, unet
+from bagel.protocol.atomicfile import atomic_write
 
 FORMAT = "bagel-model/1"
 _ARCHS: dict[str, type] = {"dit": dit.DiTConfig, "unet": unet.UNetConfig, "router": router.RouterConfig}
 _BUILD = {"dit": dit.DiT, "unet": unet.UNet, "router": router.Router}
 
 
-class CheckpointError(ValueError):
+class ModelCheckpointError(ValueError):
     """A checkpoint is missing, corrupt or describes an unknown model."""
 
 
@@ -37,7 +36,7 @@ def _arch_of(model: nn.Module) -> tuple[str, Any]:
     for name, cls in _BUILD.items():
         if isinstance(model, cls):
             return name, model.cfg
-    raise CheckpointError(f"cannot checkpoint a {type(model).__name__}: not a DiT, UNet or Router")
+    raise ModelCheckpointError(f"cannot checkpoint a {type(model).__name__}: not a DiT, UNet or Router")
 
 
 _atomic_write = atomic_write
@@ -71,40 +70,40 @@ def save(path: str | Path, model: nn.Module, metadata: dict[str, Any] | None = N
 
 def config_from_json(arch: str, fields: dict[str, Any]) -> Any:
     if arch not in _ARCHS:
-        raise CheckpointError(f"unknown arch {arch!r}; known: {sorted(_ARCHS)}")
+        raise ModelCheckpointError(f"unknown arch {arch!r}; known: {sorted(_ARCHS)}")
     cls = _ARCHS[arch]
     names = {f.name for f in dataclasses.fields(cls)}
     if set(fields) != names:
-        raise CheckpointError(f"{arch} config fields {sorted(fields)} do not match {sorted(names)}")
+        raise ModelCheckpointError(f"{arch} config fields {sorted(fields)} do not match {sorted(names)}")
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     try:
         return cls(**fields)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"invalid {arch} config: {e}") from None
+        raise ModelCheckpointError(f"invalid {arch} config: {e}") from None
 
 
 def load(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
-    """(model in eval mode, the JSON document). CheckpointError on any mismatch."""
+    """(model in eval mode, the JSON document). ModelCheckpointError on any mismatch."""
     weights_path, json_path = paths(path)
     try:
         meta = json.loads(json_path.read_text())
         blob = weights_path.read_bytes()
     except FileNotFoundError as e:
-        raise CheckpointError(f"missing checkpoint file {e.filename}") from None
+        raise ModelCheckpointError(f"missing checkpoint file {e.filename}") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{json_path}: not JSON: {e}") from None
+        raise ModelCheckpointError(f"{json_path}: not JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{json_path}: not a {FORMAT} checkpoint")
+        raise ModelCheckpointError(f"{json_path}: not a {FORMAT} checkpoint")
     if hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
-        raise CheckpointError(f"{weights_path}: sha256 does not match {json_path.name}")
+        raise ModelCheckpointError(f"{weights_path}: sha256 does not match {json_path.name}")
     cfg = config_from_json(str(meta.get("arch")), dict(meta.get("config") or {}))
     model = _BUILD[meta["arch"]](cfg)
     try:
         state = st_load(blob)
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise CheckpointError(f"{weights_path}: unreadable safetensors: {e}") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt headers
+        raise ModelCheckpointError(f"{weights_path}: unreadable safetensors: {e}") from None
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:
-        raise CheckpointError(f"{weights_path}: weights do not fit the config: {e}") from None
+        raise ModelCheckpointError(f"{weights_path}: weights do not fit the config: {e}") from None
     return model.eval(), meta

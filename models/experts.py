@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from bagel.models import dit, flow, router, unet
 from bagel.models.data import DataError, derive_seed, load_dataset
@@ -144,10 +144,6 @@ class CellTask:
     t_range: tuple[float, float]  # the range this expert answers for at sampling time
     train_range: tuple[float, float]  # t_range widened by cells.overlap: what it trains on
     config: ModelConfig
-
-    @property
-    def conditional(self) -> bool:
-        return self.kind == "expert" and self.spec.model.num_classes > 0
 
     def build_model(self) -> nn.Module:
         """Initial weights: a function of (run seed, cell id) only; bit-identical everywhere.

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
 
 
 @dataclass
-class TrainResult:
+class FitResult:
     model: nn.Module  # the EMA copy when ema > 0, else the trained model
     raw: nn.Module
     losses: list[float]
@@ -41,7 +41,7 @@ def train(
     seed: int = 0,
     log_every: int = 0,
     log: Callable[[str], None] | None = None,
-) -> TrainResult:
+) -> FitResult:
     """`steps` AdamW steps on minibatches drawn with replacement-free epochs from (x, y).
 
     lr warms up linearly over `warmup` steps, then decays by cosine to lr / 10. With ema > 0
@@ -83,4 +83,4 @@ def train(
             recent = losses[-log_every:]
             log(f"step {step + 1}/{steps} loss {sum(recent) / len(recent):.4f}")
     model.eval()
-    return TrainResult(ema_model if ema_model is not None else model, model, losses, steps * min(batch_size, len(x)))
+    return FitResult(ema_model if ema_model is not None else model, model, losses, steps * min(batch_size, len(x)))

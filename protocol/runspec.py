@@ -1,4 +1,5 @@
-"""Run spec: the TOML file that describes one training run, parsed into frozen dataclasses.
+"""Run spec: the TOML file that describes one training run, parsed into frozen dataclasses
+(by `typedtoml.from_table`, the builder the simulator's scenario files share).
 
 The spec is immutable once a run starts; its hash (`RunSpec.spec_hash`) is part of every
 signed message and of the coordinator's DHT record, so a worker can tell it trains the
@@ -9,23 +10,30 @@ way), so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import re
 import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from bagel.protocol.reducerspec import ReducerSpecError, parse_reducer_spec
+from bagel.protocol.typedtoml import TomlTableError, from_table, toml_field
 
 ROUTER_CELL = "router"
 _CELL_RE = re.compile(r"^k(\d{1,4})\.r(\d{1,4})$")
 _RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 
 
-class SpecError(ValueError):
+class SpecError(TomlTableError):
     """The run spec is malformed; the message names the offending key."""
+
+
+def _aggregation_rule(where: str, text: str) -> None:
+    try:
+        parse_reducer_spec(text)
+    except ReducerSpecError as e:
+        raise SpecError(f"{where}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,10 @@ class DilocoSection:
     max_micro_batch: int = 64
     codec: str = "int8"
     error_feedback: bool = True
+    # how the reducer of each part of a group exchange combines the contributions:
+    # "mean" (weighted by samples), "trimmed_mean[:trim=F]" or
+    # "centered_clip[:tau=T | rel=R][,iters=L]" (grammar: reducerspec.py)
+    aggregation: str = toml_field("mean", check=_aggregation_rule)
 
 
 @dataclass(frozen=True)
@@ -169,49 +181,8 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-def _check_type(key: str, value: Any, annotation: Any) -> Any:
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        allowed = typing.get_args(annotation)
-        if value not in allowed:
-            raise SpecError(f"{key}: {value!r} is not one of {list(allowed)}")
-        return value
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise SpecError(f"{key}: expected a number, got {type(value).__name__}")
-        return float(value)
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise SpecError(f"{key}: expected an integer, got {type(value).__name__}")
-        return value
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise SpecError(f"{key}: expected true or false, got {type(value).__name__}")
-        return value
-    if annotation is str:
-        if not isinstance(value, str):
-            raise SpecError(f"{key}: expected a string, got {type(value).__name__}")
-        return value
-    if isinstance(annotation, types.UnionType):  # pragma: no cover - not used yet
-        raise SpecError(f"{key}: unsupported type")
-    raise SpecError(f"{key}: unsupported type {annotation!r}")
-
-
 def _section(name: str, table: Any) -> Any:
-    cls = _SECTIONS[name]
-    if not isinstance(table, dict):
-        raise SpecError(f"[{name}] must be a table")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in table.items():
-        if key not in known:
-            raise SpecError(f"unknown key {name}.{key}")
-        kwargs[key] = _check_type(f"{name}.{key}", value, hints[key])
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise SpecError(f"[{name}]: {e}") from None
+    return from_table(_SECTIONS[name], table, name, error=SpecError)
 
 
 def _validate(spec: RunSpec) -> None:

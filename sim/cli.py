@@ -30,7 +30,7 @@ from bagel.sim.discrete import policies as registry
 from bagel.sim.discrete.engine import EngineResult
 from bagel.sim.discrete.report import markdown, plot, run_meta, summarize, write_json
 from bagel.sim.discrete.runner import default_jobs, run_policies
-from bagel.sim.discrete.scenario import Scenario, ScenarioError, load_scenario
+from bagel.sim.discrete.scenario import Scenario, SimScenarioError, load_sim_scenario
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,8 +94,8 @@ def run_scenario(
 
 def _cmd_run(a: argparse.Namespace) -> int:
     try:
-        sc = load_scenario(a.scenario)
-    except ScenarioError as e:
+        sc = load_sim_scenario(a.scenario)
+    except SimScenarioError as e:
         print(f"bagel-sim: {e}", file=sys.stderr)
         return 2
     if a.lease_mode:

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+
 from bagel.compression import ErrorFeedback, decode, get_codec
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.protocol.runspec import parse_spec
+from bagel.worker.aggregation import get_reducer
 from bagel.worker.averaging import (
     PART_PROTOCOL,
     Contributor,
@@ -23,9 +27,12 @@ from bagel.worker.averaging import (
     group_digest,
     part_bounds,
 )
+from bagel.worker.diloco import CellState, OuterConfig, outer_step
 from bagel.worker.framing import read_message, write_frame, write_message
 from bagel.worker.parts import decode_part, part_generator, prepare_contribution, reduce_part
-from bagel.worker.aggregation import get_reducer
+from bagel.worker.roundwork import ReduceOutcome, RoundWork, reduce_round
+from bagel.worker.trainer import InnerPlan, TrainResult
+
 from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
 
 CELL = "k0.r0"
@@ -203,6 +210,73 @@ async def test_weights_are_clamped_to_max_samples_and_reducer_is_pluggable() -> 
         stacked = torch.stack([layout.flatten(deltas[w]) for w in ("w0", "w1", "w2")])
         median = stacked.median(dim=0).values
         assert torch.allclose(layout.flatten(robust["w0"].averaged), median, atol=1e-6)
+
+
+SPEC_TEXT = """
+[run]
+id = "test-run"
+[diloco]
+codec = "fp32"
+error_feedback = false
+"""
+
+
+async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None:
+    """reduce_round hands the spec's diloco.aggregation to the data plane, whose own rule is
+    mean: with a trimmed mean over 3 the attacker is cut and the result is the median."""
+    async with peers(3, reducer="mean") as ps:
+        cs = [p.contributor() for p in ps]
+        deltas = {p.worker_id: make_delta(i) for i, p in enumerate(ps)}
+        deltas["w2"] = {k: -50.0 * v for k, v in deltas["w2"].items()}  # sign-flipped and scaled
+        committed = CellState({k: torch.zeros_like(v) for k, v in deltas["w0"].items()})
+        order = SimpleNamespace(
+            reduce_attempt=1,
+            contributors=[
+                SimpleNamespace(
+                    worker_id=c.worker_id, peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
+                    max_samples=c.max_samples,
+                )
+                for c in cs
+            ],
+        )
+
+        async def reduce_all(spec_text: str, rnd: int) -> dict[str, ReduceOutcome]:
+            spec = parse_spec(spec_text)
+            works = {}
+            for i, p in enumerate(ps):
+                w = RoundWork(CELL, rnd, 1, i, 3, InnerPlan(1, 1, 1), 0)
+                w.result = TrainResult(samples=10, mean_loss=0.0, steps=1, compute_s=0.0, completed=True)
+                w.delta = deltas[p.worker_id]
+                works[p.worker_id] = w
+            outs = await asyncio.gather(*(
+                reduce_round(p.plane, spec, p.worker_id, committed, works[p.worker_id], order, None, 30.0)
+                for p in ps
+            ))
+            return dict(zip((p.worker_id for p in ps), outs))
+
+        def expected(avg: torch.Tensor, spec_text: str) -> CellState:
+            new = committed.clone()
+            outer_step(new, Layout.of(deltas["w0"]).unflatten(avg), OuterConfig.from_spec(parse_spec(spec_text).diloco))
+            return new
+
+        layout = Layout.of(deltas["w0"])
+        stacked = torch.stack([layout.flatten(deltas[w]) for w in ("w0", "w1", "w2")])
+        trimmed_text = SPEC_TEXT + 'aggregation = "trimmed_mean:0.34"\n'
+        assert parse_spec(trimmed_text).diloco.aggregation == "trimmed_mean:0.34"
+        for spec_text, avg, rnd in [
+            (SPEC_TEXT, stacked.double().mean(dim=0).float(), 1),  # default: mean (the attacker drags it)
+            (trimmed_text, stacked.median(dim=0).values, 2),
+        ]:
+            outs = await reduce_all(spec_text, rnd)
+            assert len({o.state_hash for o in outs.values()}) == 1, "replicas differ"
+            want = expected(avg, spec_text)
+            got = outs["w0"].state
+            for k in want.weights:
+                assert torch.allclose(got.weights[k], want.weights[k], atol=1e-5), (spec_text, k)
+        mean_state = expected(stacked.double().mean(dim=0).float(), SPEC_TEXT)
+        assert any(
+            not torch.allclose(got.weights[k], mean_state.weights[k], atol=1e-2) for k in got.weights
+        ), "the trimmed mean gave the mean's result"
 
 
 @pytest.mark.timeout(120)

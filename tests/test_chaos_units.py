@@ -14,13 +14,13 @@ import pytest
 
 from bagel.coordinator.core.records import CommitRecord
 from bagel.sim.chaos.command import main as chaos_main
-from bagel.sim.chaos.evidence import FiredFault, runner_checks
 from bagel.sim.chaos.driver import ChaosRun
-from bagel.sim.chaos.report import byzantine_effect, loss_by_cell, markdown
-from bagel.sim.chaos.scenario import ScenarioError, load_scenario, parse_scenario
-from bagel.sim.faults import Fault, FaultKind
+from bagel.sim.chaos.evidence import FiredFault, runner_checks
 from bagel.sim.chaos.invariants import InvariantResult
+from bagel.sim.chaos.report import byzantine_effect, loss_by_cell, markdown
+from bagel.sim.chaos.scenario import ChaosScenarioError, load_chaos_scenario, parse_chaos_scenario
 from bagel.sim.chaos.supervisor import Supervisor, listening_ports, pid_alive, pids_in_groups, port_owners
+from bagel.sim.faults import Fault, FaultKind
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = '''
@@ -42,7 +42,7 @@ def scenario(extra: str = "", chaos: str = "", workers: str = "count = 3") -> st
 
 
 def test_parse_minimal_and_faults_sorted():
-    sc = parse_scenario(scenario("""
+    sc = parse_chaos_scenario(scenario("""
         [[faults]]
         kind = "coordinator-kill"
         at_s = 20
@@ -79,15 +79,15 @@ def test_parse_minimal_and_faults_sorted():
     ],
 )
 def test_parse_refuses_with_the_key_named(text, match):
-    with pytest.raises(ScenarioError, match=match):
-        parse_scenario(text)
+    with pytest.raises(ChaosScenarioError, match=match):
+        parse_chaos_scenario(text)
 
 
 def test_shipped_scenarios_have_what_the_issue_asks():
-    assert len(load_scenario(ROOT / "sim" / "scenarios" / "chaos-network.toml").faults) == 5
-    short = load_scenario(ROOT / "sim" / "scenarios" / "chaos-short.toml")
+    assert len(load_chaos_scenario(ROOT / "sim" / "scenarios" / "chaos-network.toml").faults) == 5
+    short = load_chaos_scenario(ROOT / "sim" / "scenarios" / "chaos-short.toml")
     assert [f.kind for f in short.faults] == [FaultKind.KILL, FaultKind.COORDINATOR_KILL]
-    default = load_scenario(ROOT / "sim" / "scenarios" / "chaos-default.toml")
+    default = load_chaos_scenario(ROOT / "sim" / "scenarios" / "chaos-default.toml")
     kinds = [f.kind for f in default.faults]
     assert default.workers == 6
     assert kinds.count(FaultKind.COORDINATOR_KILL) >= 1
@@ -127,7 +127,7 @@ def test_markdown_says_fail_and_why():
 
 
 def test_byzantine_effect_compares_loss_after_its_rounds(tmp_path):
-    sc = parse_scenario(scenario(workers='count = 2\n[workers.byzantine]\n1 = "sign-flip"'))
+    sc = parse_chaos_scenario(scenario(workers='count = 2\n[workers.byzantine]\n1 = "sign-flip"'))
     run = ChaosRun(sc, tmp_path, echo=False)
     run.workers[0].worker_id, run.workers[1].worker_id = "honest", "byz"
 
@@ -263,7 +263,7 @@ def test_local_checkpoints_are_rehashed_and_a_corrupt_one_breaks_the_replica_inv
     from bagel.worker.diloco import CellState
     from bagel.worker.localstate import LocalCheckpoint, LocalStore
 
-    sc = parse_scenario(scenario())
+    sc = parse_chaos_scenario(scenario())
     spec = sc.spec
     torch.manual_seed(0)
     state = CellState.from_model(torch.nn.Linear(4, 3))

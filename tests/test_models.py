@@ -108,13 +108,13 @@ def test_checkpoint_rejects_tampering(tmp_path):
     blob = bytearray(w.read_bytes())
     blob[-1] ^= 1
     w.write_bytes(bytes(blob))
-    with pytest.raises(checkpoint.CheckpointError, match="sha256"):
+    with pytest.raises(checkpoint.ModelCheckpointError, match="sha256"):
         checkpoint.load(tmp_path / "m")
     checkpoint.save(tmp_path / "m", model)
     doc = json.loads(j.read_text())
     doc["config"]["hidden"] = 128
     j.write_text(json.dumps(doc))
-    with pytest.raises(checkpoint.CheckpointError):
+    with pytest.raises(checkpoint.ModelCheckpointError):
         checkpoint.load(tmp_path / "m")
-    with pytest.raises(checkpoint.CheckpointError, match="missing"):
+    with pytest.raises(checkpoint.ModelCheckpointError, match="missing"):
         checkpoint.load(tmp_path / "absent")

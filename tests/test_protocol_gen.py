@@ -12,3 +12,7 @@ def test_generated_code_is_fresh(tmp_path: Path) -> None:
         committed = gen.PROTO_DIR / path.name
         assert committed.exists(), f"protocol/{path.name} is missing: run `make proto`"
         assert committed.read_text() == path.read_text(), f"protocol/{path.name} is stale: run `make proto`"
+    # and nothing generated is committed that the protos no longer produce (a stub of a
+    # proto without a service, say)
+    committed_names = {p.name for p in gen.PROTO_DIR.glob("*_pb2*.py*")}
+    assert committed_names == {p.name for p in generated}, "stale generated files: run `make proto`"

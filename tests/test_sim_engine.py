@@ -9,26 +9,25 @@ from pathlib import Path
 
 import pytest
 
-import bagel.coordinator.daemon as daemon
 import bagel.coordinator.core.policy as core_policy
 import bagel.coordinator.core.rounds as core_rounds
-import bagel.coordinator.core.scheduler as scheduler
-import bagel.coordinator.app as server
 import bagel.coordinator.core.state as core_state
-from bagel.sim.discrete import policies
+from bagel.coordinator import app, daemon
+from bagel.coordinator.core import scheduler
 from bagel.sim.cli import main
+from bagel.sim.discrete import policies
 from bagel.sim.discrete.engine import Engine
 from bagel.sim.discrete.ledger import BUCKETS
 from bagel.sim.discrete.report import summarize
 from bagel.sim.discrete.runner import run_policies
-from bagel.sim.discrete.scenario import load_scenario
+from bagel.sim.discrete.scenario import load_sim_scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
-SMALL = dict(workers=120, hours=1.5)
+SMALL = {"workers": 120, "hours": 1.5}
 
 
 def _het():
-    return load_scenario(SCENARIOS / "heterogeneity-10x.toml")
+    return load_sim_scenario(SCENARIOS / "heterogeneity-10x.toml")
 
 
 def _summary(sc, names, seed, *, jobs=1, **kw):
@@ -49,7 +48,7 @@ def test_same_seed_same_summary_other_seed_differs():
 
 
 def test_a_policy_that_fails_in_its_process_fails_the_run(monkeypatch):
-    import bagel.sim.discrete.runner as runner
+    from bagel.sim.discrete import runner
 
     class Broken(Engine):
         def run(self, progress=None):
@@ -65,7 +64,7 @@ def test_the_simulator_drives_the_daemons_core_and_scheduler(monkeypatch):
     eng = Engine(sc, policies.get("bagel"), workers=40, hours=0.5)
     # the one state machine the daemon's shell drives, by identity
     assert type(eng.core) is core_state.CoordinatorState
-    assert server.CoordinatorState is core_state.CoordinatorState
+    assert app.CoordinatorState is core_state.CoordinatorState
     assert daemon.CoordinatorState is core_state.CoordinatorState
     # the scheduler objects the core calls are the scheduler module's own
     assert isinstance(eng.core.balance, scheduler.Balance)
@@ -113,7 +112,7 @@ def test_heartbeat_lease_mode_drives_the_core_lease_timer():
 
 @pytest.mark.timeout(120)
 def test_spot_storm_kills_the_stated_fraction():
-    sc = load_scenario(SCENARIOS / "spot-storm.toml")
+    sc = load_sim_scenario(SCENARIOS / "spot-storm.toml")
     storm = replace(sc, faults=(replace(sc.faults[0], at_s=1800.0),))
     res = Engine(storm, policies.get("bagel"), workers=150, hours=1.0).run()
     (t, kind, hit), = res.ledger.faults
@@ -125,7 +124,7 @@ def test_spot_storm_kills_the_stated_fraction():
 
 @pytest.mark.timeout(120)
 def test_byzantine_workers_are_rejected_and_waste_is_counted():
-    sc = load_scenario(SCENARIOS / "byzantine-10pct.toml")
+    sc = load_sim_scenario(SCENARIOS / "byzantine-10pct.toml")
     res = Engine(sc, policies.get("bagel"), workers=150, hours=1.5).run()
     assert res.ledger.buckets["rejected"] > 0
     assert res.ledger.committed_rounds > 0
@@ -162,10 +161,10 @@ def test_cli_rejects_bad_input(tmp_path, capsys):
 
 @pytest.mark.timeout(120)
 def test_partitioned_workers_lose_their_lease_and_reattach_after_the_heal():
-    sc = load_scenario(SCENARIOS / "partition.toml")
+    sc = load_sim_scenario(SCENARIOS / "partition.toml")
     cut = replace(sc, faults=(replace(sc.faults[0], at_s=900.0, duration_s=900.0, fraction=0.5),))
     res = Engine(cut, policies.get("bagel"), workers=150, hours=1.0).run()
-    (t, kind, hit), = res.ledger.faults
+    ((_, kind, hit),) = res.ledger.faults
     assert kind == "partition" and hit > 20
     # the coordinator expired them (60 s lease), so after the heal they are unknown and
     # re-register; and cells keep committing after the heal

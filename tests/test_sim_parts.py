@@ -11,7 +11,6 @@ import pytest
 from bagel.compression import get_codec
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import policies
-from bagel.sim.faults import FaultError, FaultKind, parse_fault
 from bagel.sim.discrete.population import (
     GPU_CLASSES,
     AvailabilitySpec,
@@ -21,7 +20,8 @@ from bagel.sim.discrete.population import (
     draw_session_s,
     sample_population,
 )
-from bagel.sim.discrete.scenario import ScenarioError, load_scenario, parse_scenario
+from bagel.sim.discrete.scenario import SimScenarioError, load_sim_scenario, parse_sim_scenario
+from bagel.sim.faults import FaultError, FaultKind, parse_fault
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
 
@@ -134,7 +134,7 @@ gpu_mix = { rtx4090 = 1.0 }
 
 
 def test_inline_run_spec_and_policy_overrides_give_real_run_specs():
-    sc = parse_scenario(_INLINE)
+    sc = parse_sim_scenario(_INLINE)
     spec = sc.run_spec()
     assert spec.run.id == "inline-run" and spec.schedule.max_replicas == 8
     fp32 = sc.run_spec(policies.get("sync_dp").spec_overrides)
@@ -154,20 +154,20 @@ def test_inline_run_spec_and_policy_overrides_give_real_run_specs():
     ],
 )
 def test_scenario_errors_name_the_key(text, key):
-    with pytest.raises(ScenarioError, match=key.replace("[", r"\[").replace("]", r"\]")):
-        parse_scenario(text)
+    with pytest.raises(SimScenarioError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        parse_sim_scenario(text)
 
 
 def test_shipped_scenarios_parse():
     names = {Path(p).name for p in glob.glob(str(SCENARIOS / "*.toml"))}
     for want in ("steady", "churn", "spot-storm", "heterogeneity-10x", "byzantine-10pct", "partition"):
         assert f"{want}.toml" in names
-        sc = load_scenario(SCENARIOS / f"{want}.toml")
+        sc = load_sim_scenario(SCENARIOS / f"{want}.toml")
         assert sc.scenario.name == want
         assert set(sc.scenario.policies) == {"sync_dp", "diloco_wait_all", "bagel"}
         assert len(sc.run_spec().cell_ids) == 257
-    assert load_scenario(SCENARIOS / "spot-storm.toml").faults[0].fraction == 0.3
-    assert load_scenario(SCENARIOS / "partition.toml").faults[0].kind is FaultKind.PARTITION
+    assert load_sim_scenario(SCENARIOS / "spot-storm.toml").faults[0].fraction == 0.3
+    assert load_sim_scenario(SCENARIOS / "partition.toml").faults[0].kind is FaultKind.PARTITION
 
 
 def test_policy_registry():
@@ -186,7 +186,7 @@ def test_sync_dp_folds_steps_only_where_steps_are_short():
 
     from bagel.sim.discrete.engine import sync_steps_per_round
 
-    sc = load_scenario(SCENARIOS / "heterogeneity-10x.toml")
+    sc = load_sim_scenario(SCENARIOS / "heterogeneity-10x.toml")
     spec = sc.run_spec()
     home = sample_population(sc.population, 10_000, np.random.default_rng(0))
     # groups of ~27 always include a 10-100 Mbit/s uplink: one fp32 all-reduce of a 675M

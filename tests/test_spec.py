@@ -27,12 +27,30 @@ def test_example_parses() -> None:
         ('[run]\nid = "Bad Id"\n', "run.id"),
         ('[model]\narch = "dit"\n', "[run]"),
         ('[run]\nid = "x"\n[schedule]\nlease_s = 1.0\nheartbeat_s = 2.0\n', "schedule.lease_s"),
+        ('[run]\nid = "x"\n[diloco]\naggregation = "median"\n', "diloco.aggregation: unknown reducer 'median'"),
+        ('[run]\nid = "x"\n[diloco]\naggregation = "trimmed_mean:0.5"\n', "diloco.aggregation: trimmed_mean: trim"),
+        ('[run]\nid = "x"\n[diloco]\naggregation = "centered_clip:iters=0"\n', "diloco.aggregation: centered_clip"),
+        ('[run]\nid = "x"\n[diloco]\naggregation = "centered_clip:foo=1"\n', "diloco.aggregation: centered_clip: unk"),
+        ('[run]\nid = "x"\n[diloco]\naggregation = "mean:2"\n', "diloco.aggregation: mean takes no parameters"),
+        ('[run]\nid = "x"\n[diloco]\naggregation = 1\n', "diloco.aggregation: expected a string"),
     ],
 )
 def test_bad_specs_name_the_key(text: str, needle: str) -> None:
     with pytest.raises(SpecError, match=None) as info:
         parse_spec(text)
     assert needle in str(info.value)
+
+
+def test_aggregation_rule_defaults_to_mean_and_is_part_of_the_spec() -> None:
+    base = '[run]\nid = "x"\n'
+    plain = parse_spec(base)
+    assert plain.diloco.aggregation == "mean"
+    assert load_spec(EXAMPLE).diloco.aggregation == "mean"
+    rules = ("mean", "trimmed_mean:0.2", "trimmed_mean:trim=0.1", "centered_clip:rel=1,iters=10", "centered_clip:tau=2")
+    for rule in rules:
+        spec = parse_spec(base + f'[diloco]\naggregation = "{rule}"\n')
+        assert spec.diloco.aggregation == rule
+        assert spec.spec_hash != plain.spec_hash  # the rule is in the text, so in the hash
 
 
 def test_parse_cell() -> None:

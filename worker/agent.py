@@ -56,7 +56,7 @@ from bagel.worker import ddp
 from bagel.worker.display import Display
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore, atomic_write
 from bagel.worker.orders import OrderHandlers, _SyncJob
-from bagel.worker.profile import DEFAULT_UPLINK_MBPS, Profile
+from bagel.worker.profile import DEFAULT_UPLINK_MBPS, MeasuredProfile
 from bagel.worker.roundwork import RoundWork, ddp_follower
 from bagel.worker.session import RPC_TIMEOUT_S, CoordinatorLink
 from bagel.worker.trainer import CellRuntime, pick_device
@@ -115,7 +115,7 @@ class Agent(CoordinatorLink, OrderHandlers):
         self.instr: pb.Instruction | None = None
         self.counters = _Counters()
         self.hb_interval_s = 2.0
-        self.profile: Profile | None = None
+        self.profile: MeasuredProfile | None = None
         self._reset_optimizer = True
         self._uploads: set[tuple[str, int]] = set()
         self._missing_reported: set[tuple[str, int, int, int]] = set()

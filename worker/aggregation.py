@@ -8,7 +8,7 @@ so replicas stay bit-identical whatever the rule; the rules are still written to
 deterministic (fixed summation order, float64 accumulation, stable sorts) so a golden
 test and a re-run reproduce the same numbers.
 
-Rules (select with `get_reducer(name)`):
+Rules (select with `get_reducer(name)`; a run picks one with the spec's `diloco.aggregation`):
 - ``mean`` — weighted mean, weights = samples clamped by the coordinator's budget. Default.
 - ``trimmed_mean[:trim=F]`` — coordinate-wise trimmed mean (Yin et al., "Byzantine-Robust
   Distributed Learning: Towards Optimal Statistical Rates", ICML 2018): per coordinate,
@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
+from bagel.protocol.reducerspec import ReducerSpec, ReducerSpecError, parse_reducer_spec
+
 
 class PartRejected(ValueError):
     """A received part failed validation; `reason` says why. The part is excluded."""
@@ -36,10 +38,6 @@ class PartRejected(ValueError):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
-
-
-class ReducerSpecError(ValueError):
-    """An unknown reducer name or a bad parameter in a reducer spec string."""
 
 
 class Reducer(ABC):
@@ -95,17 +93,16 @@ class TrimmedMean(Reducer):
     name = "trimmed_mean"
 
     def __init__(self, trim: float = 0.2):
-        if not 0.0 <= trim < 0.5:
-            raise ReducerSpecError(f"trimmed_mean: trim must be in [0, 0.5), got {trim}")
+        ReducerSpec("trimmed_mean", trim=trim)  # ReducerSpecError unless trim is in [0, 0.5)
         self.trim = trim
 
     def spec(self) -> str:
-        return f"trimmed_mean:trim={self.trim}"
+        return ReducerSpec("trimmed_mean", trim=self.trim).text()
 
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
         n = len(parts)
-        b = min(int(math.floor(self.trim * n)), (n - 1) // 2)
+        b = min(math.floor(self.trim * n), (n - 1) // 2)
         x = torch.stack([p.to(torch.float64) for p in parts])  # (n, d)
         if b == 0:
             return WeightedMean().aggregate(parts, weights)
@@ -126,17 +123,11 @@ class CenteredClip(Reducer):
     name = "centered_clip"
 
     def __init__(self, tau: float | None = None, rel: float = 1.0, iters: int = 10, eps: float = 1e-12):
-        if tau is not None and not tau > 0:
-            raise ReducerSpecError(f"centered_clip: tau must be positive, got {tau}")
-        if not rel > 0:
-            raise ReducerSpecError(f"centered_clip: rel must be positive, got {rel}")
-        if iters < 1:
-            raise ReducerSpecError(f"centered_clip: iters must be at least 1, got {iters}")
+        ReducerSpec("centered_clip", tau=tau, rel=rel, iters=iters)  # ReducerSpecError on a bad parameter
         self.tau, self.rel, self.iters, self.eps = tau, rel, iters, eps
 
     def spec(self) -> str:
-        scale = f"tau={self.tau}" if self.tau is not None else f"rel={self.rel}"
-        return f"centered_clip:{scale},iters={self.iters}"
+        return ReducerSpec("centered_clip", tau=self.tau, rel=self.rel, iters=self.iters).text()
 
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
@@ -164,48 +155,23 @@ class CenteredClip(Reducer):
         return v.to(torch.float32)
 
 
-def _parse_params(rule: str, text: str, positional: str) -> dict[str, str]:
-    params: dict[str, str] = {}
-    for i, item in enumerate(filter(None, (s.strip() for s in text.split(",")))):
-        if "=" in item:
-            key, _, value = item.partition("=")
-            params[key.strip()] = value.strip()
-        elif i == 0 and positional:
-            params[positional] = item
-        else:
-            raise ReducerSpecError(f"{rule}: cannot parse parameter {item!r}")
-    return params
+def get_reducer(name: str | ReducerSpec = "mean") -> Reducer:
+    """Build a reducer from its spec string ("mean", "trimmed_mean:0.2",
+    "centered_clip:rel=1,iters=10"; grammar in `bagel.protocol.reducerspec`) or a parsed one."""
+    spec = parse_reducer_spec(name) if isinstance(name, str) else name
+    if spec.rule == "trimmed_mean":
+        return TrimmedMean(spec.trim)
+    if spec.rule == "centered_clip":
+        return CenteredClip(tau=spec.tau, rel=spec.rel, iters=spec.iters)
+    return WeightedMean()
 
 
-def _float(rule: str, params: dict[str, str], key: str) -> float:
-    try:
-        return float(params.pop(key))
-    except ValueError as e:
-        raise ReducerSpecError(f"{rule}: {key} must be a number") from e
-
-
-def get_reducer(name: str = "mean") -> Reducer:
-    """Build a reducer from its spec string: "mean", "trimmed_mean:0.2", "centered_clip:rel=1,iters=10"."""
-    rule, _, rest = name.strip().partition(":")
-    if rule == "mean":
-        if rest:
-            raise ReducerSpecError(f"mean takes no parameters, got {rest!r}")
-        return WeightedMean()
-    if rule == "trimmed_mean":
-        params = _parse_params(rule, rest, "trim")
-        trim = _float(rule, params, "trim") if "trim" in params else 0.2
-        reducer: Reducer = TrimmedMean(trim)
-    elif rule == "centered_clip":
-        params = _parse_params(rule, rest, "tau")
-        tau = _float(rule, params, "tau") if "tau" in params else None
-        rel = _float(rule, params, "rel") if "rel" in params else 1.0
-        try:
-            iters = int(params.pop("iters", "10"))
-        except ValueError as e:
-            raise ReducerSpecError(f"{rule}: iters must be an integer") from e
-        reducer = CenteredClip(tau=tau, rel=rel, iters=iters)
-    else:
-        raise ReducerSpecError(f"unknown reducer {rule!r}: use mean, trimmed_mean or centered_clip")
-    if params:
-        raise ReducerSpecError(f"{rule}: unknown parameter(s) {sorted(params)}")
-    return reducer
+__all__ = [
+    "CenteredClip",
+    "PartRejected",
+    "Reducer",
+    "ReducerSpecError",
+    "TrimmedMean",
+    "WeightedMean",
+    "get_reducer",
+]

@@ -13,10 +13,10 @@ written so that every contributor applies the *same decoded bytes*:
    The reducer decodes every contribution, its own included (it encodes and decodes its own
    part too), so the result never depends on who reduces.
 3. The reducer validates each part and aggregates the kept ones with a pluggable rule
-   (`reducers.py`; weights = samples clamped to the member's max_samples, sorted-sender
-   order), encodes the result once and sends those bytes back on every stream; every
-   contributor, the reducer too, applies `decode(those bytes)`. Result: a bit-identical
-   averaged delta on every contributor.
+   (`aggregation.py`, the spec's `diloco.aggregation`; weights = samples clamped to the
+   member's max_samples, sorted-sender order), encodes the result once and sends those
+   bytes back on every stream; every contributor, the reducer too, applies
+   `decode(those bytes)`. Result: a bit-identical averaged delta on every contributor.
 
 The contributor set is frozen by the coordinator (sorted worker ids, peer addresses and
 budgets, with `reduce_attempt`); we exchange with exactly that set. A contributor that
@@ -41,11 +41,24 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
+
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.worker.framing import LEN_NBYTES, FrameError, discard_frame, read_frame, read_message, write_frame, write_message
+from bagel.worker.aggregation import PartRejected, Reducer, get_reducer
+from bagel.worker.framing import (
+    LEN_NBYTES,
+    FrameError,
+    discard_frame,
+    read_frame,
+    read_message,
+    write_frame,
+    write_message,
+)
 from bagel.worker.parts import (
     Codec,
     Contributor,
@@ -56,20 +69,16 @@ from bagel.worker.parts import (
     prepare_contribution,
     resolve_codec,
 )
-from bagel.worker.aggregation import PartRejected, Reducer, get_reducer
 from bagel.worker.reducer import (
+    DISCARD_MAX_NBYTES,
+    DISCARD_TIMEOUT_S,
     ContributionRejected,
     ExchangeError,
     ExchangeFailed,
-    DISCARD_MAX_NBYTES,
-    DISCARD_TIMEOUT_S,
     ExchangeTimeout,
     Reduction,
     Refused,
 )
-from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.utils.multiaddr import Multiaddr
 
 __all__ = [
     "PART_PROTOCOL",
@@ -133,11 +142,13 @@ class DataPlane:
     call `all_reduce` for each ORDER_REDUCE; `await close()` on shutdown.
 
     reducer: the aggregation rule for the parts this peer reduces ("mean", "trimmed_mean:0.2",
-    "centered_clip:rel=1,iters=10"; see reducers.py). pending_wait_s: how long an incoming
-    contribution for an exchange we have not started yet is held before the sender is told
-    NOT_READY (it retries until its deadline). max_pending_streams: cap on such held streams.
-    reply_grace_s: after our result is complete, how long we wait for the other contributors
-    to take their averaged part (only so the byte counts are complete).
+    "centered_clip:rel=1,iters=10"; see aggregation.py) when an exchange names none (the
+    worker names the spec's `diloco.aggregation` in `all_reduce(reducer=...)`).
+    pending_wait_s: how long an incoming contribution for an exchange we have not started
+    yet is held before the sender is told NOT_READY (it retries until its deadline).
+    max_pending_streams: cap on such held streams. reply_grace_s: after our result is
+    complete, how long we wait for the other contributors to take their averaged part (only
+    so the byte counts are complete).
     """
 
     def __init__(
@@ -185,10 +196,10 @@ class DataPlane:
             self._started = False
             try:
                 await self.p2p.remove_binary_stream_handler(PART_PROTOCOL)
-            except Exception as e:  # the daemon may already be gone at shutdown
+            except Exception as e:  # noqa: BLE001 - the daemon may already be gone at shutdown
                 log.debug("removing the part handler failed: %s", e)
 
-    async def __aenter__(self) -> DataPlane:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -211,10 +222,13 @@ class DataPlane:
         codec: str | Codec,
         timeout_s: float,
         error_feedback: Any = None,
+        reducer: str | Reducer | None = None,
     ) -> ExchangeResult:
         """Average `delta` over exactly `contributors`; every one of them gets the same bits.
 
         weight: samples processed (clamped by each reducer to our max_samples).
+        reducer: the aggregation rule of the part we reduce in this exchange (the run spec's
+        `diloco.aggregation`); None = the plane's own (`DataPlane(reducer=...)`).
         error_feedback: a `bagel.compression.ErrorFeedback` (or None); we encode
         delta + residual, and on success store the new residual per tensor name.
         round_attempt / reduce_attempt: from the Instruction; together with (cell, round)
@@ -242,6 +256,9 @@ class DataPlane:
         started = loop.time()
         deadline = started + timeout_s
         codec_obj = resolve_codec(codec)
+        rule = self.reducer if reducer is None else reducer
+        if isinstance(rule, str):
+            rule = get_reducer(rule)
         index = ids.index(worker_id)
         tag = dp.ExchangeTag(
             run_id=self.run_id,
@@ -262,7 +279,7 @@ class DataPlane:
         # every contributor learns *who* was missing instead of just timing out on each other.
         reduce_deadline = deadline - min(1.0, 0.2 * timeout_s)
         session = Reduction(
-            tag, worker_id, members, index, bounds, codec_obj, self.reducer, layout, deadline, reduce_deadline
+            tag, worker_id, members, index, bounds, codec_obj, rule, layout, deadline, reduce_deadline
         )
         self._sessions[key] = session
         self._finished.pop(key, None)
@@ -486,7 +503,7 @@ async def _dial_all(p2p: P2P, members: Sequence[Contributor], me: str) -> None:
     async def dial(c: Contributor) -> None:
         try:
             await p2p._client.connect(PeerID.from_base58(c.peer_id), _dial_addrs(c))
-        except Exception as e:  # the exchange's own retries report a peer that stays unreachable
+        except Exception as e:  # noqa: BLE001 - the exchange's own retries report a peer that stays unreachable
             log.debug("dialing %s failed: %s", c.worker_id, e)
 
     await asyncio.gather(*(dial(c) for c in members if c.worker_id != me and c.maddrs))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
 from bagel.compression import decode, get_codec
 from bagel.worker.aggregation import PartRejected
 
@@ -118,11 +119,6 @@ class Contributor:
     peer_id: str  # base58 libp2p peer id
     maddrs: tuple[str, ...] = ()
     max_samples: int = 1
-
-    @classmethod
-    def from_member(cls, member: Any) -> Contributor:
-        """From a `bagel_pb2.Member`."""
-        return cls(member.worker_id, member.peer.peer_id, tuple(member.peer.maddrs), int(member.max_samples))
 
 
 def group_digest(contributors: Sequence[Contributor]) -> str:

@@ -31,7 +31,10 @@ BENCH_STEPS = 3
 
 
 @dataclass
-class Profile:
+class MeasuredProfile:
+    """What this worker measured about itself; the agent sends it in Register as a
+    `WorkerProfile` (the coordinator reads it as `bagel.protocol.messages.Profile`)."""
+
     name: str
     device_kind: str  # "cpu" | "cuda"
     device_name: str
@@ -45,7 +48,9 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
-        for line in open("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            lines = f.readlines()
+        for line in lines:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
@@ -68,7 +73,9 @@ def memory_bytes(device: torch.device, max_vram_gb: float | None = None) -> int:
 
 def _mem_available() -> int:
     try:
-        for line in open("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            lines = f.readlines()
+        for line in lines:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     except OSError:
@@ -107,12 +114,12 @@ def measure(
     throttle: float = 1.0,
     num_devices: int = 1,
     uplink_mbps: float = DEFAULT_UPLINK_MBPS,
-) -> Profile:
+) -> MeasuredProfile:
     """Profile this worker for every (cell_id, task factory) given."""
     if uplink_mbps <= 0:
         raise ValueError(f"--uplink-mbps must be positive, got {uplink_mbps}")
     sps = {cell: benchmark_cell(make(), device, throttle=throttle) * num_devices for cell, make in tasks}
-    return Profile(
+    return MeasuredProfile(
         name=name,
         device_kind=device.type,
         device_name=device_name(device),

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from bagel.compression import ErrorFeedback
-from bagel.protocol.runspec import parse_spec
 from bagel.models.data import shard
+from bagel.protocol.runspec import parse_spec
 from bagel.worker import ddp
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
 from bagel.worker.trainer import (
@@ -175,7 +175,7 @@ async def reduce_round(
         worker_id=worker_id, cell_id=w.cell_id, round=w.round, round_attempt=w.round_attempt,
         reduce_attempt=i.reduce_attempt, contributors=contributors,
         delta=w.delta, weight=float(w.result.samples), codec=spec.diloco.codec, timeout_s=timeout_s,
-        error_feedback=ef,
+        error_feedback=ef, reducer=spec.diloco.aggregation,
     )
     cfg = OuterConfig.from_spec(spec.diloco)
 

@@ -35,7 +35,7 @@ from bagel.protocol.client import CoordinatorClient, backoff_delay_s, is_retryab
 from bagel.protocol.discovery import lookup_coordinator
 from bagel.worker import ddp
 from bagel.worker.localstate import atomic_write
-from bagel.worker.profile import Profile, measure
+from bagel.worker.profile import MeasuredProfile, measure
 
 log = logging.getLogger(__name__)
 
@@ -268,14 +268,14 @@ class CoordinatorLink:
         atomic_write(self._spec_cache_path(spec_hash), text.encode())
 
 
-def _cached_profile(path: Path, key: dict[str, Any], name: str) -> Profile | None:
+def _cached_profile(path: Path, key: dict[str, Any], name: str) -> MeasuredProfile | None:
     """A profile measured earlier under the same key (run spec, device, throttle, ...)."""
     try:
         body = json.loads(path.read_text())
         if body.get("key") != key or time.time() - float(body["measured_unix_s"]) > PROFILE_MAX_AGE_S:
             return None
         p = body["profile"]
-        return Profile(
+        return MeasuredProfile(
             name=name, device_kind=str(p["device_kind"]), device_name=str(p["device_name"]),
             vram_bytes=int(p["vram_bytes"]), num_devices=int(p["num_devices"]),
             link_bandwidth_bytes_per_s=float(p["link_bandwidth_bytes_per_s"]),

@@ -100,8 +100,13 @@ class TrainResult:
     completed: bool  # False if stopped before `inner_steps`
 
 
-def derive_seed(*parts: Any) -> int:
-    """A 63-bit seed from any tuple of printable parts (sha256, so stable across processes)."""
+def micro_batch_seed(key: RoundKey, step: int, j: int) -> int:
+    """The 63-bit seed of the noise and timesteps of micro-batch j of inner step `step` of
+    one member's round (sha256 of the parts joined by US, so stable across processes).
+
+    Not `bagel.models.data.derive_seed` (sha256 of the parts' repr): the two give different
+    numbers, and training numerics and the golden fixtures depend on this one."""
+    parts = (key.run_id, key.cell_id, key.round, key.member, step, j)
     digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
@@ -218,9 +223,7 @@ class InnerTrainer:
             for j, mb in enumerate(torch.tensor_split(step_idx, nmb)):
                 if j % world != rank or mb.numel() == 0:
                     continue
-                gen = torch.Generator().manual_seed(
-                    derive_seed(key.run_id, key.cell_id, key.round, key.member, step, j)
-                )
+                gen = torch.Generator().manual_seed(micro_batch_seed(key, step, j))
                 x = self.x[mb.to(self.x.device)] if self._resident else self.x[mb]
                 y = self.y[mb.to(self.y.device)] if self._resident else self.y[mb]
                 x = x.to(self.device, non_blocking=True)

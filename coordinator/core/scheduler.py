@@ -36,15 +36,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from operator import truediv
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import MemberPlan
 from bagel.protocol.messages import PeerAddress
-from bagel.coordinator.core.policy import Policy
 from bagel.protocol.runspec import RunSpec
 
 _EPS = 1e-12
@@ -317,16 +316,6 @@ class Balance:
     def _phi(s_sum: float, total: float) -> float:
         return s_sum / (total * total) - 1.0 if total > 0 else 0.0
 
-    def _deficit(self, c: str, count: int, m: int) -> int:
-        d = m - count if self.target[c] > 0 else 0
-        return d * d if d > 0 else 0
-
-    def imbalance(self) -> float:
-        """Phi = sum_c (s_c - T_c)^2 / T_c over the active cells (0 = on target)."""
-        _, total, s_sum, _ = self._stats()
-        # cells with no target but with workers still count in the total, not in Phi
-        return self._phi(s_sum, total)
-
     # ---- decisions
 
     def best_cell(
@@ -337,9 +326,9 @@ class Balance:
 
         O(eligible cells), and called on every join, so the per-cell arithmetic runs as
         numpy element-wise operations: the same IEEE operations in the same order as the
-        scalar expressions (`_power_fn`, `_deficit`, `_phi`), so the same choice.
+        scalar expressions (`_power_fn`, a cell's deficit max(0, m - count)^2, `_phi`), so the same choice.
         """
-        n, total, s_sum, _ = self._stats()
+        _, total, s_sum, _ = self._stats()
         d = self._derived()
         el = self.eligible(vram_bytes)
         if not el:
@@ -455,7 +444,7 @@ class Balance:
             n_a = n[a]
             na = max(0.0, n_a - pa)
             s_wo = s_sum - ((n_a * n_a - na * na) / ta if ta > 0 else 0.0)
-            if ta > 0:  # _deficit(a, count[a], m) -> _deficit(a, count[a] - 1, m)
+            if ta > 0:  # a's deficit max(0, m - count)^2: count[a] -> count[a] - 1
                 d = m - count[a]
                 def_wo = def0 - (d * d if d > 0 else 0) + ((d + 1) * (d + 1) if d > -1 else 0)
             else:
@@ -488,7 +477,7 @@ class Balance:
                 if v is None or v <= 0:
                     v = throughput_for(thr, b)
                 pb = v * rw / ref_b
-                d_new = def_wo + delta_b  # b is active: _deficit(b, count[b], m) -> count[b] + 1
+                d_new = def_wo + delta_b  # b is active: its deficit, count[b] -> count[b] + 1
                 total_b = tp + pb
                 if sticky:
                     # redundancy comes first: restoring min_replicas is worth a download, by a
@@ -565,8 +554,29 @@ class _Derived:
     whose answers with NaN depend on order.
     """
 
-    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_dests",
-                 "_desc", "_open", "_arrays", "_n_arr", "_r_arr", "_count_arr", "_order_idx", "_nan", "_info")
+    __slots__ = (
+        "_arrays",
+        "_count_arr",
+        "_desc",
+        "_dests",
+        "_info",
+        "_n_arr",
+        "_nan",
+        "_open",
+        "_order",
+        "_order_idx",
+        "_r_arr",
+        "bal",
+        "def0",
+        "m",
+        "max_dev",
+        "n",
+        "ratio",
+        "refs",
+        "s_sum",
+        "short",
+        "total",
+    )
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from bagel.sim.chaos.driver import RUN_MARKER, ChaosRun
-from bagel.sim.chaos.scenario import ScenarioError, load_scenario
+from bagel.sim.chaos.scenario import ChaosScenarioError, load_chaos_scenario
 
 EXIT_OK, EXIT_INVARIANT, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -92,8 +92,8 @@ def run_chaos(args: argparse.Namespace) -> int:
     import dataclasses
 
     try:
-        sc = load_scenario(args.scenario)
-    except ScenarioError as e:
+        sc = load_chaos_scenario(args.scenario)
+    except ChaosScenarioError as e:
         print(f"bagel-sim chaos: {args.scenario}: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.workers is not None:

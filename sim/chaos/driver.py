@@ -25,11 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from bagel.sim.chaos import invariants as inv
-from bagel.sim.chaos.evidence import FiredFault, Observations, leaked_ports, local_hashes, read_commit_log, runner_checks
-from bagel.sim.chaos.scenario import ChaosScenario
-from bagel.sim.faults import Fault, FaultKind
-from bagel.sim.chaos.supervisor import Proc, ProcessExited, Supervisor, free_port
+from bagel.sim.chaos.evidence import (
+    FiredFault,
+    Observations,
+    leaked_ports,
+    local_hashes,
+    read_commit_log,
+    runner_checks,
+)
 from bagel.sim.chaos.proxy import FaultProxy
+from bagel.sim.chaos.scenario import ChaosScenario
+from bagel.sim.chaos.supervisor import Proc, ProcessExited, Supervisor, free_port
+from bagel.sim.faults import Fault, FaultKind
 
 log = logging.getLogger("bagel.sim.chaos")
 
@@ -284,7 +291,7 @@ class ChaosRun:
         f = ff.fault
         try:
             await self._fire(ff, f)
-        except Exception as e:  # a fault that could not be applied is reported, and fails the run
+        except Exception as e:  # noqa: BLE001 - a fault that could not be applied is reported, and fails the run
             ff.error = f"{type(e).__name__}: {e}"
             self.say(f"fault {ff.index} ({f.kind.value}) FAILED: {ff.error}")
 
@@ -340,7 +347,7 @@ class ChaosRun:
                 ff.ended_s = self.now()
             else:
                 ff.ended_s = ff.fired_s
-        else:  # pragma: no cover - parse_scenario refuses the rest
+        else:  # pragma: no cover - parse_chaos_scenario refuses the rest
             raise RuntimeError(f"unsupported fault kind {kind.value}")
 
     async def _hit_worker(self, ff: FiredFault, f: Fault, slot: WorkerSlot) -> None:
@@ -404,7 +411,7 @@ class ChaosRun:
             await self._drive()
         except asyncio.CancelledError:  # Ctrl-C / SIGTERM: stop everything, still write the report
             self.stop_reason = error = "interrupted"
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure ends the run, which still writes its report
             self.stop_reason = f"error: {type(e).__name__}: {e}"
             error = self.stop_reason
             self.say(self.stop_reason)
@@ -553,4 +560,4 @@ class ChaosRun:
         return build_summary(self, h, results)
 
 
-__all__ = ["ChaosRun", "RUN_MARKER", "WorkerSlot"]
+__all__ = ["RUN_MARKER", "ChaosRun", "WorkerSlot"]

@@ -1,8 +1,9 @@
 """Chaos scenario files: which run, how many real workers, and which faults when.
 
 A chaos scenario is a TOML file (`sim/scenarios/chaos-*.toml`), parsed by a pure function
-into a frozen `ChaosScenario`; unknown keys are errors that name the key (as the run spec
-does). Faults are the shared `[[faults]]` tables of `sim/faults.py`. Layout:
+into a frozen `ChaosScenario`; unknown keys and wrong types are errors that name the key
+(`[chaos]` and `[workers]` go through the run spec's builder, `bagel.protocol.typedtoml`).
+Faults are the shared `[[faults]]` tables of `sim/faults.py`. Layout:
 
     [chaos]
     name = "chaos-short"
@@ -43,19 +44,20 @@ cannot be cut off alone (see the chaos report's requests).
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
+from bagel.protocol.typedtoml import TomlTableError, convert, from_table, toml_field
 from bagel.sim.faults import ByzantineMode, Fault, FaultError, FaultKind, parse_faults
 
 PROXY_KINDS = frozenset({FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.RESET, FaultKind.HANG})
 WORKER_KINDS = frozenset({FaultKind.KILL, FaultKind.LEAVE, FaultKind.STOP})
 
 
-class ScenarioError(ValueError):
+class ChaosScenarioError(TomlTableError):
     """The chaos scenario is malformed; the message names the offending key."""
 
 
@@ -87,132 +89,189 @@ class ChaosScenario:
         return max((f.end_s for f in self.faults), default=0.0)
 
 
-_CHAOS_KEYS = {
-    "name", "seed", "progress_bound_s", "startup_timeout_s", "max_duration_s", "settle_commits",
-    "proxy", "tick_ms", "run_spec",
-}
-_WORKER_KEYS = {"count", "throttle", "byzantine", "reduce_timeout_s", "extra_args"}
+# ---------------------------------------------------------------- the file's tables
+
+
+def _positive(where: str, v: float) -> None:
+    if v <= 0:
+        raise ChaosScenarioError(f"{where}: must be > 0")
+
+
+def _non_negative(where: str, v: float) -> None:
+    if v < 0:
+        raise ChaosScenarioError(f"{where}: must be >= 0")
+
+
+def _name(where: str, v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ChaosScenarioError(f"{where}: a non-empty string")
+    return v
+
+
+def _spec_text(where: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ChaosScenarioError(f"{where}: required, the run spec's TOML text")
+    return v
+
+
+def _flag(where: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ChaosScenarioError(f"{where}: true or false")
+    return v
+
+
+def _count(where: str, v: int) -> None:
+    _positive(where, v)
+    if v > 64:
+        raise ChaosScenarioError(f"{where}: at most 64 real workers on one machine")
+
+
+def _throttle(where: str, v: Any) -> tuple[float, ...]:
+    items = v if isinstance(v, list) else [v]
+    if not items:
+        raise ChaosScenarioError(f"{where}: a number >= 1 or a non-empty list of them")
+    out = []
+    for i, x in enumerate(items):
+        x = convert(f"{where}[{i}]", x, float, error=ChaosScenarioError)
+        _non_negative(f"{where}[{i}]", x)
+        out.append(x)
+    if any(x < 1.0 for x in out):
+        raise ChaosScenarioError(f"{where}: every value must be >= 1 (1 = full speed)")
+    return tuple(out)
+
+
+def _byzantine_table(where: str, v: Any) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(v, dict):
+        raise ChaosScenarioError(f"[{where}] must be a table of worker index = mode")
+    return tuple(v.items())
+
+
+def _strings(where: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+        raise ChaosScenarioError(f"{where}: a list of strings")
+    return tuple(v)
+
+
+@dataclass(frozen=True)
+class ChaosSection:
+    """`[chaos]` as written (the module docstring has the layout)."""
+
+    run_spec: str = toml_field(parse=_spec_text, required="required, the run spec's TOML text")
+    name: str = toml_field("chaos", parse=_name)
+    seed: int = toml_field(0, check=_non_negative)
+    progress_bound_s: float = toml_field(60.0, check=_positive)
+    startup_timeout_s: float = toml_field(240.0, check=_positive)
+    max_duration_s: float = toml_field(300.0, check=_positive)
+    settle_commits: int = toml_field(2, check=_non_negative)
+    proxy: bool = toml_field(True, parse=_flag)
+    tick_ms: int = toml_field(100, check=_positive)
+
+
+@dataclass(frozen=True)
+class WorkersSection:
+    """`[workers]` as written; the worker indices of `byzantine` are checked against count."""
+
+    count: int = toml_field(3, check=_count)
+    throttle: tuple[float, ...] = toml_field((1.0,), parse=_throttle)
+    byzantine: tuple[tuple[str, Any], ...] = toml_field((), parse=_byzantine_table)  # (index, mode) pairs
+    reduce_timeout_s: float = toml_field(20.0, check=_positive)
+    extra_args: tuple[str, ...] = toml_field((), parse=_strings)
+
+
 _TOP_KEYS = {"chaos", "workers", "faults"}
 
 
-def _num(where: str, v: Any, *, positive: bool = False, integer: bool = False) -> Any:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise ScenarioError(f"{where}: expected {'an integer' if integer else 'a number'}, got {type(v).__name__}")
-    if v < 0 or (positive and v == 0):
-        raise ScenarioError(f"{where}: must be {'> 0' if positive else '>= 0'}")
-    return v
+def _byzantine(pairs: tuple[tuple[str, Any], ...], count: int) -> dict[int, str]:
+    byzantine: dict[int, str] = {}
+    modes = [m.value for m in ByzantineMode]
+    for k, mode in pairs:
+        if not k.isdigit() or int(k) >= count:
+            raise ChaosScenarioError(f"workers.byzantine.{k}: not a worker index in [0, {count})")
+        if mode not in modes:
+            raise ChaosScenarioError(f"workers.byzantine.{k}: {mode!r} is not one of {modes}")
+        byzantine[int(k)] = mode
+    return byzantine
 
 
-def _table(where: str, v: Any, known: set[str]) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise ScenarioError(f"[{where}] must be a table")
-    for key in v:
-        if key not in known:
-            raise ScenarioError(f"unknown key {where}.{key}")
-    return v
-
-
-def parse_scenario(text: str) -> ChaosScenario:
-    """Parse and validate a chaos scenario (ScenarioError names the bad key)."""
+def parse_chaos_scenario(text: str) -> ChaosScenario:
+    """Parse and validate a chaos scenario (ChaosScenarioError names the bad key)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ScenarioError(f"not valid TOML: {e}") from None
+        raise ChaosScenarioError(f"not valid TOML: {e}") from None
     for key in data:
         if key not in _TOP_KEYS:
-            raise ScenarioError(f"unknown key {key} (expected [chaos], [workers], [[faults]])")
-    chaos = _table("chaos", data.get("chaos", {}), _CHAOS_KEYS)
-    workers = _table("workers", data.get("workers", {}), _WORKER_KEYS)
-
-    name = chaos.get("name", "chaos")
-    if not isinstance(name, str) or not name:
-        raise ScenarioError("chaos.name: a non-empty string")
-    if "run_spec" not in chaos or not isinstance(chaos["run_spec"], str):
-        raise ScenarioError("chaos.run_spec: required, the run spec's TOML text")
+            raise ChaosScenarioError(f"unknown key {key} (expected [chaos], [workers], [[faults]])")
+    chaos = from_table(ChaosSection, data.get("chaos", {}), "chaos", error=ChaosScenarioError)
     try:
-        spec = parse_spec(chaos["run_spec"])
+        spec = parse_spec(chaos.run_spec)
     except SpecError as e:
-        raise ScenarioError(f"chaos.run_spec: {e}") from None
-
-    count = _num("workers.count", workers.get("count", 3), positive=True, integer=True)
-    if count > 64:
-        raise ScenarioError("workers.count: at most 64 real workers on one machine")
-    throttle_raw = workers.get("throttle", 1.0)
-    throttle_list = throttle_raw if isinstance(throttle_raw, list) else [throttle_raw]
-    if not throttle_list:
-        raise ScenarioError("workers.throttle: a number >= 1 or a non-empty list of them")
-    throttle = tuple(float(_num(f"workers.throttle[{i}]", t)) for i, t in enumerate(throttle_list))
-    if any(t < 1.0 for t in throttle):
-        raise ScenarioError("workers.throttle: every value must be >= 1 (1 = full speed)")
-    byz_raw = workers.get("byzantine", {})
-    if not isinstance(byz_raw, dict):
-        raise ScenarioError("[workers.byzantine] must be a table of worker index = mode")
-    byzantine: dict[int, str] = {}
-    modes = [m.value for m in ByzantineMode]
-    for k, mode in byz_raw.items():
-        if not k.isdigit() or int(k) >= count:
-            raise ScenarioError(f"workers.byzantine.{k}: not a worker index in [0, {count})")
-        if mode not in modes:
-            raise ScenarioError(f"workers.byzantine.{k}: {mode!r} is not one of {modes}")
-        byzantine[int(k)] = mode
-    extra = workers.get("extra_args", [])
-    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
-        raise ScenarioError("workers.extra_args: a list of strings")
+        raise ChaosScenarioError(f"chaos.run_spec: {e}") from None
+    workers = from_table(WorkersSection, data.get("workers", {}), "workers", error=ChaosScenarioError)
+    count = workers.count
+    byzantine = _byzantine(workers.byzantine, count)
 
     try:
         faults = parse_faults(data.get("faults", []), for_sim=False)
     except FaultError as e:
-        raise ScenarioError(str(e)) from None
-    proxy = chaos.get("proxy", True)
-    if not isinstance(proxy, bool):
-        raise ScenarioError("chaos.proxy: true or false")
+        raise ChaosScenarioError(str(e)) from None
     for i, f in enumerate(faults):
         where = f"faults[{i}] ({f.kind.value} at {f.at_s:g}s)"
         if f.kind is FaultKind.PARTITION:
-            raise ScenarioError(
+            raise ChaosScenarioError(
                 f"{where}: partition is not supported by bagel-sim chaos: all workers share the "
                 "coordinator proxy, so one worker cannot be cut off alone"
             )
-        if f.kind in PROXY_KINDS and not proxy:
-            raise ScenarioError(f"{where}: needs chaos.proxy = true")
+        if f.kind in PROXY_KINDS and not chaos.proxy:
+            raise ChaosScenarioError(f"{where}: needs chaos.proxy = true")
         if f.kind in PROXY_KINDS and (f.workers or f.count or f.fraction):
-            raise ScenarioError(f"{where}: proxy faults apply to the coordinator link of every worker; drop workers/count/fraction")
+            raise ChaosScenarioError(
+                f"{where}: proxy faults apply to the coordinator link of every worker; drop workers/count/fraction"
+            )
         if any(w >= count for w in f.workers):
-            raise ScenarioError(f"{where}.workers: indices must be < workers.count = {count}")
-    bound = float(_num("chaos.progress_bound_s", chaos.get("progress_bound_s", 60.0), positive=True))
+            raise ChaosScenarioError(f"{where}.workers: indices must be < workers.count = {count}")
     sc = ChaosScenario(
-        name=name,
-        run_spec_text=chaos["run_spec"],
+        name=chaos.name,
+        run_spec_text=chaos.run_spec,
         spec=spec,
         workers=count,
-        throttle=throttle,
+        throttle=workers.throttle,
         byzantine=byzantine,
-        reduce_timeout_s=float(_num("workers.reduce_timeout_s", workers.get("reduce_timeout_s", 20.0), positive=True)),
-        extra_worker_args=tuple(extra),
+        reduce_timeout_s=workers.reduce_timeout_s,
+        extra_worker_args=workers.extra_args,
         faults=faults,
-        seed=_num("chaos.seed", chaos.get("seed", 0), integer=True),
-        progress_bound_s=bound,
-        startup_timeout_s=float(_num("chaos.startup_timeout_s", chaos.get("startup_timeout_s", 240.0), positive=True)),
-        max_duration_s=float(_num("chaos.max_duration_s", chaos.get("max_duration_s", 300.0), positive=True)),
-        settle_commits=_num("chaos.settle_commits", chaos.get("settle_commits", 2), integer=True),
-        proxy=proxy,
-        tick_ms=_num("chaos.tick_ms", chaos.get("tick_ms", 100), positive=True, integer=True),
+        seed=chaos.seed,
+        progress_bound_s=chaos.progress_bound_s,
+        startup_timeout_s=chaos.startup_timeout_s,
+        max_duration_s=chaos.max_duration_s,
+        settle_commits=chaos.settle_commits,
+        proxy=chaos.proxy,
+        tick_ms=chaos.tick_ms,
         source=text,
     )
     if sc.max_duration_s < sc.last_fault_end_s:
-        raise ScenarioError(
+        raise ChaosScenarioError(
             f"chaos.max_duration_s: {sc.max_duration_s:g}s ends before the last fault ({sc.last_fault_end_s:g}s)"
         )
     return sc
 
 
-def load_scenario(path: str | Path) -> ChaosScenario:
+def load_chaos_scenario(path: str | Path) -> ChaosScenario:
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
-        raise ScenarioError(f"{p}: {e.strerror or e}") from None
-    return parse_scenario(text)
+        raise ChaosScenarioError(f"{p}: {e.strerror or e}") from None
+    return parse_chaos_scenario(text)
 
 
-__all__ = ["ChaosScenario", "PROXY_KINDS", "ScenarioError", "WORKER_KINDS", "load_scenario", "parse_scenario"]
+__all__ = [
+    "PROXY_KINDS",
+    "WORKER_KINDS",
+    "ChaosScenario",
+    "ChaosScenarioError",
+    "ChaosSection",
+    "WorkersSection",
+    "load_chaos_scenario",
+    "parse_chaos_scenario",
+]

@@ -7,28 +7,27 @@ scenario file) to a run-spec TOML, or an inline table with the run spec's sectio
 core always gets a real `RunSpec` from `bagel.protocol.runspec.parse_spec`.
 
 Parsing is a pure function of the text, like the run spec's: an unknown key or a wrong
-type is a `ScenarioError` that names the key (nanoGPT's configurator does the same).
+type is a `SimScenarioError` that names the key (the shared builder,
+`bagel.protocol.typedtoml`, checks the tables against the dataclasses' field types).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
-import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
-
+from bagel.protocol.typedtoml import TomlTableError, from_table
 from bagel.sim.discrete.costmodel import WorkloadSpec
-from bagel.sim.faults import Fault, FaultError, parse_faults
 from bagel.sim.discrete.population import AvailabilitySpec, LinkSpec, PopulationSpec
+from bagel.sim.faults import Fault, FaultError, parse_faults
 
 
-class ScenarioError(ValueError):
-    """The scenario is malformed; the message names the offending key."""
+class SimScenarioError(TomlTableError):
+    """The simulation scenario is malformed; the message names the offending key."""
 
 
 @dataclass(frozen=True)
@@ -68,9 +67,9 @@ class EngineSection:
 class Scenario:
     scenario: ScenarioSection
     run_spec_toml: str  # canonical TOML text of the run spec (before policy overrides)
-    population: PopulationSpec = PopulationSpec()
-    workload: WorkloadSpec = WorkloadSpec()
-    engine: EngineSection = EngineSection()
+    population: PopulationSpec = field(default_factory=PopulationSpec)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    engine: EngineSection = field(default_factory=EngineSection)
     faults: tuple[Fault, ...] = ()
     path: str = field(default="", compare=False)
 
@@ -96,7 +95,7 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise ScenarioError(f"cannot write {type(v).__name__} to TOML")
+    raise SimScenarioError(f"cannot write {type(v).__name__} to TOML")
 
 
 def dump_toml(table: Mapping[str, Mapping[str, Any]]) -> str:
@@ -104,11 +103,11 @@ def dump_toml(table: Mapping[str, Mapping[str, Any]]) -> str:
     out = []
     for section, values in table.items():
         if not isinstance(values, Mapping):
-            raise ScenarioError(f"run_spec.{section}: must be a table")
+            raise SimScenarioError(f"run_spec.{section}: must be a table")
         out.append(f"[{section}]")
         for k, v in values.items():
             if isinstance(v, Mapping):
-                raise ScenarioError(f"run_spec.{section}.{k}: nested tables are not part of a run spec")
+                raise SimScenarioError(f"run_spec.{section}.{k}: nested tables are not part of a run spec")
             out.append(f"{k} = {_toml_value(v)}")
         out.append("")
     return "\n".join(out)
@@ -117,71 +116,25 @@ def dump_toml(table: Mapping[str, Mapping[str, Any]]) -> str:
 # ---------------------------------------------------------------- typed tables
 
 
-def _check(where: str, v: Any, ann: Any) -> Any:
-    origin = typing.get_origin(ann)
-    if dataclasses.is_dataclass(ann):
-        return _build(ann, v, where)
-    if ann is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ScenarioError(f"{where}: expected a number, got {type(v).__name__}")
-        return float(v)
-    if ann is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ScenarioError(f"{where}: expected an integer, got {type(v).__name__}")
-        return v
-    if ann is bool:
-        if not isinstance(v, bool):
-            raise ScenarioError(f"{where}: expected true or false, got {type(v).__name__}")
-        return v
-    if ann is str:
-        if not isinstance(v, str):
-            raise ScenarioError(f"{where}: expected a string, got {type(v).__name__}")
-        return v
-    if origin is tuple:
-        args = typing.get_args(ann)
-        if args == (str, Ellipsis):
-            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-                raise ScenarioError(f"{where}: expected a list of strings")
-            return tuple(v)
-        if len(args) == 2 and args[1] is Ellipsis and typing.get_args(args[0]) == (str, float):
-            # a table of name -> number, kept in file order
-            if not isinstance(v, dict):
-                raise ScenarioError(f"{where}: expected a table of name = number")
-            return tuple((str(k), _check(f"{where}.{k}", x, float)) for k, x in v.items())
-    raise ScenarioError(f"{where}: unsupported type {ann!r}")  # pragma: no cover
-
-
 def _build(cls: Any, table: Any, where: str) -> Any:
-    if not isinstance(table, dict):
-        raise ScenarioError(f"[{where}] must be a table")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in table.items():
-        if key not in known:
-            raise ScenarioError(f"unknown key {where}.{key}")
-        kwargs[key] = _check(f"{where}.{key}", value, hints[key])
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ScenarioError(f"[{where}]: {e}") from None
+    return from_table(cls, table, where, error=SimScenarioError)
 
 
 _TOP = {"scenario", "run_spec", "population", "workload", "engine", "faults"}
 
 
-def parse_scenario(text: str, *, base_dir: Path | None = None, path: str = "") -> Scenario:
+def parse_sim_scenario(text: str, *, base_dir: Path | None = None, path: str = "") -> Scenario:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ScenarioError(f"not valid TOML: {e}") from None
+        raise SimScenarioError(f"not valid TOML: {e}") from None
     for key in data:
         if key not in _TOP:
-            raise ScenarioError(f"unknown key {key}")
+            raise SimScenarioError(f"unknown key {key}")
     if "scenario" not in data:
-        raise ScenarioError("missing section [scenario]")
+        raise SimScenarioError("missing section [scenario]")
     if "run_spec" not in data:
-        raise ScenarioError("missing run_spec (a path or an inline table)")
+        raise SimScenarioError("missing run_spec (a path or an inline table)")
     sc = _build(ScenarioSection, data["scenario"], "scenario")
     raw = data["run_spec"]
     if isinstance(raw, str):
@@ -189,24 +142,24 @@ def parse_scenario(text: str, *, base_dir: Path | None = None, path: str = "") -
         try:
             spec_text = spec_path.read_text()
         except OSError as e:
-            raise ScenarioError(f"run_spec: cannot read {spec_path}: {e.strerror}") from None
+            raise SimScenarioError(f"run_spec: cannot read {spec_path}: {e.strerror}") from None
         try:
             spec_table = tomllib.loads(spec_text)
         except tomllib.TOMLDecodeError as e:
-            raise ScenarioError(f"run_spec: {spec_path} is not valid TOML: {e}") from None
+            raise SimScenarioError(f"run_spec: {spec_path} is not valid TOML: {e}") from None
     elif isinstance(raw, dict):
         spec_table = raw
     else:
-        raise ScenarioError("run_spec: expected a path or a table")
+        raise SimScenarioError("run_spec: expected a path or a table")
     spec_toml = dump_toml(spec_table)
     try:
         parse_spec(spec_toml)
     except SpecError as e:
-        raise ScenarioError(f"run_spec: {e}") from None
+        raise SimScenarioError(f"run_spec: {e}") from None
     try:
         faults = parse_faults(data.get("faults", []), for_sim=True)
     except FaultError as e:
-        raise ScenarioError(str(e)) from None
+        raise SimScenarioError(str(e)) from None
     scenario = Scenario(
         scenario=sc,
         run_spec_toml=spec_toml,
@@ -223,7 +176,7 @@ def parse_scenario(text: str, *, base_dir: Path | None = None, path: str = "") -
 def _validate(s: Scenario) -> None:
     def need(cond: bool, msg: str) -> None:
         if not cond:
-            raise ScenarioError(msg)
+            raise SimScenarioError(msg)
 
     need(s.scenario.workers >= 1, "scenario.workers: at least 1")
     need(s.scenario.hours > 0, "scenario.hours: positive")
@@ -246,10 +199,10 @@ def _validate(s: Scenario) -> None:
     _ = LinkSpec, AvailabilitySpec  # re-exported for scenario authors' type hints
 
 
-def load_scenario(path: str | Path) -> Scenario:
+def load_sim_scenario(path: str | Path) -> Scenario:
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
-        raise ScenarioError(f"cannot read scenario {p}: {e.strerror}") from None
-    return parse_scenario(text, base_dir=p.parent, path=str(p))
+        raise SimScenarioError(f"cannot read scenario {p}: {e.strerror}") from None
+    return parse_sim_scenario(text, base_dir=p.parent, path=str(p))
