@@ -67,8 +67,9 @@ class BagelCompression(CompressionBase):
         seed: int = 0,
         max_elements: int = DEFAULT_MAX_ELEMENTS,
     ) -> None:
-        if slot not in runtime_pb2.CompressionType.keys() or slot == "NONE":
-            raise ValueError(f"slot must be one of {runtime_pb2.CompressionType.keys()[1:]}, got {slot!r}")
+        slots = runtime_pb2.CompressionType.keys()  # an EnumTypeWrapper: no `in` of its own
+        if slot not in slots or slot == "NONE":
+            raise ValueError(f"slot must be one of {slots[1:]}, got {slot!r}")
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.slot = slot
         self.compression_type = runtime_pb2.CompressionType.Value(slot)

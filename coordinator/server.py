@@ -38,15 +38,6 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from bagel.coordinator.core.events import CheckpointStored, Event, Heartbeat, Outcome, Tick
-from bagel.coordinator.core.records import (
-    CellRecord,
-    CommitRecord,
-    Record,
-    RoundRecord,
-    WorkerRecord,
-    WorkerState,
-)
 from bagel.coordinator import translate as wire
 from bagel.coordinator.checkpoints import (
     CheckpointCorrupt,
@@ -56,13 +47,22 @@ from bagel.coordinator.checkpoints import (
     CheckpointTooLarge,
 )
 from bagel.coordinator.core.errors import CoordinatorError, grpc_status_name
-from bagel.coordinator.metrics import Metrics
-from bagel.protocol.runspec import RunSpec, parse_cell
+from bagel.coordinator.core.events import CheckpointStored, Event, Heartbeat, Outcome, Tick
+from bagel.coordinator.core.records import (
+    CellRecord,
+    CommitRecord,
+    Record,
+    RoundRecord,
+    WorkerRecord,
+    WorkerState,
+)
 from bagel.coordinator.core.state import CoordinatorState
+from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import EnvelopeError, Verified, Verifier, wall_clock_ms
+from bagel.protocol.runspec import RunSpec, parse_cell
 from bagel.protocol.validation import ValidationError, validate
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,6 @@ import dataclasses
 import hashlib
 import json
 from pathlib import Path
-
-from bagel.protocol.atomicfile import atomic_write
 from typing import Any
 
 import torch.nn as nn
@@ -23,6 +21,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from bagel.models import dit, router, unet
+from bagel.protocol.atomicfile import atomic_write
 
 FORMAT = "bagel-model/1"
 _ARCHS: dict[str, type] = {"dit": dit.DiTConfig, "unet": unet.UNetConfig, "router": router.RouterConfig}

@@ -253,8 +253,7 @@ def whole_class_clusters(labels: np.ndarray, classes: np.ndarray, k: int) -> np.
         if (assign == j).any():
             continue
         donors = [c for c in range(n_classes) if present[c] and (assign == assign[c]).sum() > 1]
-        share = lambda c: counts[c, j] / counts[c].sum()  # noqa: E731
-        assign[max(donors, key=lambda c: (share(c), -c))] = j
+        assign[max(donors, key=lambda c: (counts[c, j] / counts[c].sum(), -c))] = j  # largest share of j
     return assign
 
 

@@ -23,7 +23,17 @@ def free_port() -> int:
 
 class DaemonProcess:
     def __init__(self, spec_path: Path, data_dir: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec_path), "--data-dir", str(data_dir), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bagel.coordinator",
+            "serve",
+            "--run",
+            str(spec_path),
+            "--data-dir",
+            str(data_dir),
+            *args,
+        ]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

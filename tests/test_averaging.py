@@ -12,8 +12,10 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+
 from bagel.compression import ErrorFeedback, decode, get_codec
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.worker.aggregation import get_reducer
 from bagel.worker.averaging import (
     PART_PROTOCOL,
     Contributor,
@@ -25,7 +27,7 @@ from bagel.worker.averaging import (
 )
 from bagel.worker.framing import read_message, write_frame, write_message
 from bagel.worker.parts import decode_part, part_generator, prepare_contribution, reduce_part
-from bagel.worker.aggregation import get_reducer
+
 from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
 
 CELL = "k0.r0"
@@ -72,7 +74,7 @@ async def exchange(
         for w in ids
     ]
     results = await asyncio.wait_for(asyncio.gather(*coros), timeout_s + 30)
-    return dict(zip(ids, results))
+    return dict(zip(ids, results, strict=True))
 
 
 def max_diff_across(results: dict[str, ExchangeResult]) -> float:
@@ -255,7 +257,7 @@ async def test_late_reducer_is_retried_until_it_starts() -> None:
             )  # fmt: skip
 
         done = await asyncio.wait_for(asyncio.gather(run(ps[0], 0), run(ps[1], 0), run(ps[2], 1.5)), 60)
-        assert_bit_identical(dict(zip(["w0", "w1", "w2"], done)))
+        assert_bit_identical(dict(zip(["w0", "w1", "w2"], done, strict=True)))
 
 
 class RawFp32:
@@ -320,7 +322,7 @@ async def test_nan_part_is_excluded_and_nonfinite_member_abstains() -> None:
                         )
                     ),
                     60,
-                ),
+                ), strict=True
             )
         )
         assert_bit_identical(results)

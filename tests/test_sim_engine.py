@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-import bagel.coordinator.daemon as daemon
 import bagel.coordinator.core.policy as core_policy
 import bagel.coordinator.core.rounds as core_rounds
 import bagel.coordinator.core.scheduler as scheduler
-import bagel.coordinator.server as server
 import bagel.coordinator.core.state as core_state
-from bagel.sim.discrete import policies
+import bagel.coordinator.daemon as daemon
+import bagel.coordinator.server as server
 from bagel.sim.cli import main
+from bagel.sim.discrete import policies
 from bagel.sim.discrete.engine import Engine
 from bagel.sim.discrete.ledger import BUCKETS
 from bagel.sim.discrete.report import summarize
@@ -137,7 +137,9 @@ def test_byzantine_workers_are_rejected_and_waste_is_counted():
 )
 def test_each_scenario_runs_small_and_writes_the_report(name, tmp_path):
     out = tmp_path / name
-    rc = main(["run", str(SCENARIOS / f"{name}.toml"), "--out", str(out), "--workers", "100", "--hours", "1", "--no-progress"])
+    rc = main(
+        ["run", str(SCENARIOS / f"{name}.toml"), "--out", str(out), "--workers", "100", "--hours", "1", "--no-progress"]
+    )
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
     assert set(s) == {"policies", "wall_s", "workers", "virtual_hours"}

@@ -11,7 +11,6 @@ import pytest
 from bagel.compression import get_codec
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import policies
-from bagel.sim.faults import FaultError, FaultKind, parse_fault
 from bagel.sim.discrete.population import (
     GPU_CLASSES,
     AvailabilitySpec,
@@ -22,6 +21,7 @@ from bagel.sim.discrete.population import (
     sample_population,
 )
 from bagel.sim.discrete.scenario import ScenarioError, load_scenario, parse_scenario
+from bagel.sim.faults import FaultError, FaultKind, parse_fault
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
 
@@ -65,8 +65,12 @@ def test_availability_draws():
     assert 0.17 < (s < 1.0).mean() < 0.23
     pre = [draw_session_s(av, True, rng) for _ in range(2000)]
     assert np.mean([p for _, p in pre]) > 0.8  # a 2/h hazard preempts most 4.5 h sessions
-    assert diurnal_acceptance(AvailabilitySpec(diurnal_amplitude=0.4, diurnal_peak_h=20), 20 * 3600) == pytest.approx(1.0)
-    assert diurnal_acceptance(AvailabilitySpec(diurnal_amplitude=0.4, diurnal_peak_h=20), 8 * 3600) == pytest.approx(0.6)
+    assert diurnal_acceptance(AvailabilitySpec(diurnal_amplitude=0.4, diurnal_peak_h=20), 20 * 3600) == pytest.approx(
+        1.0
+    )
+    assert diurnal_acceptance(AvailabilitySpec(diurnal_amplitude=0.4, diurnal_peak_h=20), 8 * 3600) == pytest.approx(
+        0.6
+    )
     assert draw_offline_s(av, 0.0, rng) > 0
 
 

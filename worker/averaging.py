@@ -44,8 +44,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
+
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.worker.framing import LEN_NBYTES, FrameError, discard_frame, read_frame, read_message, write_frame, write_message
+from bagel.worker.aggregation import PartRejected, Reducer, get_reducer
+from bagel.worker.framing import (
+    LEN_NBYTES,
+    FrameError,
+    discard_frame,
+    read_frame,
+    read_message,
+    write_frame,
+    write_message,
+)
 from bagel.worker.parts import (
     Codec,
     Contributor,
@@ -56,20 +69,16 @@ from bagel.worker.parts import (
     prepare_contribution,
     resolve_codec,
 )
-from bagel.worker.aggregation import PartRejected, Reducer, get_reducer
 from bagel.worker.reducer import (
+    DISCARD_MAX_NBYTES,
+    DISCARD_TIMEOUT_S,
     ContributionRejected,
     ExchangeError,
     ExchangeFailed,
-    DISCARD_MAX_NBYTES,
-    DISCARD_TIMEOUT_S,
     ExchangeTimeout,
     Reduction,
     Refused,
 )
-from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.utils.multiaddr import Multiaddr
 
 __all__ = [
     "PART_PROTOCOL",
@@ -319,7 +328,7 @@ class DataPlane:
         parts: dict[int, torch.Tensor] = {}
         excluded: list[Exclusion] = []
         weights: dict[int, float] = {}
-        for j, (part, reply) in zip(tasks, done):
+        for j, (part, reply) in zip(tasks, done, strict=True):
             parts[j] = part
             weights[j] = reply.total_weight
             excluded += [Exclusion(j, e.sender, e.reason) for e in reply.excluded]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import safetensors.torch
 import torch
+
 from bagel.protocol.statehash import state_hash
 
 WEIGHT_PREFIX = "w."

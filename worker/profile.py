@@ -45,9 +45,10 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return "cpu"
@@ -68,16 +69,22 @@ def memory_bytes(device: torch.device, max_vram_gb: float | None = None) -> int:
 
 def _mem_available() -> int:
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 4 << 30  # no /proc: assume a modest 4 GiB
 
 
 def benchmark_cell(
-    task: CellTaskLike, device: torch.device, *, throttle: float = 1.0, micro_batch: int = BENCH_MICRO_BATCH, steps: int = BENCH_STEPS
+    task: CellTaskLike,
+    device: torch.device,
+    *,
+    throttle: float = 1.0,
+    micro_batch: int = BENCH_MICRO_BATCH,
+    steps: int = BENCH_STEPS,
 ) -> float:
     """Samples/s of the real inner step of this cell's model on `device` (throttle included)."""
     model = task.build_model().to(device)

@@ -22,11 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.p2p import PeerID
+
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.worker.aggregation import PartRejected, Reducer
 from bagel.worker.framing import LEN_NBYTES, discard_frame, read_frame, write_frame, write_message
 from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
-from bagel.worker.aggregation import PartRejected, Reducer
-from hivemind.p2p import PeerID
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +244,9 @@ class Reduction:
                     digest = hashlib.sha256(repr(h.weight).encode() + buf).digest()
                     if h.sender in self.digests:
                         if self.digests[h.sender] != digest:
-                            raise Refused("a different contribution from this sender was already received", payload_read=True)
+                            raise Refused(
+                                "a different contribution from this sender was already received", payload_read=True
+                            )
                     elif h.sender not in self.excluded and h.sender not in self.accepted and not self.result.done():
                         self.digests[h.sender] = digest
                         try:

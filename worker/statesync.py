@@ -27,12 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bagel.protocol import dataplane_pb2 as dp
-from bagel.worker.diloco import CellState, StateFormatError
-from bagel.worker.framing import FrameError, read_frame, read_message, write_frame, write_message
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
+
+from bagel.protocol import dataplane_pb2 as dp
+from bagel.worker.diloco import CellState, StateFormatError
+from bagel.worker.framing import FrameError, read_frame, read_message, write_frame, write_message
 
 log = logging.getLogger(__name__)
 

@@ -36,15 +36,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from operator import truediv
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import MemberPlan
 from bagel.protocol.messages import PeerAddress
-from bagel.coordinator.core.policy import Policy
 from bagel.protocol.runspec import RunSpec
 
 _EPS = 1e-12
@@ -509,7 +508,9 @@ class Balance:
                     best, best_d, best_p = ((w.worker_id, a, b), -pd), dd, pd
         return best
 
-    def best_swap(self, candidates: Iterable[WorkerView], *, allow_two_downloads: bool = True) -> tuple[Move, Move, float] | None:
+    def best_swap(
+        self, candidates: Iterable[WorkerView], *, allow_two_downloads: bool = True
+    ) -> tuple[Move, Move, float] | None:
         """The exchange of two candidates' cells that lowers Phi the most (counts, and so
         the replica deficit, do not change). Tried when no single move helps: with few,
         uneven workers a swap often fixes what no move can. Each sticky worker of the pair
@@ -578,12 +579,12 @@ class _Derived:
             rs, rn = bal._ref_sum, bal._ref_n.astype(np.float64)
             with np.errstate(divide="ignore", invalid="ignore"):
                 bal._refs_arr = np.where((rn > 0) & (rs > 0), rs / rn, 1.0)
-            refs = bal._refs_now = dict(zip(cells, bal._refs_arr.tolist()))
+            refs = bal._refs_now = dict(zip(cells, bal._refs_arr.tolist(), strict=True))
         self.refs = refs
         # n = {c: raw[c] / refs[c]}; total = sum(n.values()) (in cell order)
         n_arr = self._n_arr = np.fromiter(bal.raw.values(), np.float64, k) / bal._refs_arr
         n_list = n_arr.tolist()
-        self.n = dict(zip(cells, n_list))
+        self.n = dict(zip(cells, n_list, strict=True))
         self.total = total = sum(n_list)
         n_act = n_arr if bal._all_active else n_arr[bal._active_idx]
         t_act = bal._target_active
@@ -592,7 +593,7 @@ class _Derived:
         self.m = m = bal.min_replicas_now()
         # ratio = {c: (n[c] / total) / target[c] for c in active}, or 0.0 with no compute
         r_arr = self._r_arr = n_act / total / t_act if total > 0 else np.zeros(len(active))
-        self.ratio = dict(zip(active, r_arr.tolist()))
+        self.ratio = dict(zip(active, r_arr.tolist(), strict=True))
         self._nan = bool(np.isnan(r_arr).any())
         if self._nan:
             self.max_dev = max([abs(x - 1.0) for x in self.ratio.values()], default=0.0)
@@ -872,7 +873,7 @@ def plan_round(
     batches = split_batch(spec.diloco.group_batch, weights)
     plans: list[MemberPlan] = []
     compute_s = 0.0
-    for m, b, s in zip(ms, batches, speeds):
+    for m, b, s in zip(ms, batches, speeds, strict=True):
         micro, accum = batch_shape(b, spec.diloco.max_micro_batch)
         samples = micro * accum * h
         plans.append(MemberPlan(m.worker_id, m.peer, micro, accum, samples))
