@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ HIVEMIND_8BIT = ["Uniform8BitQuantization", "Quantile8BitQuantization"]
 DATA = ["gaussian", "student_t"]
 SIDE_REQUIREMENTS = ["numpy<2.4", "torch==2.13.0", "hivemind==1.1.12"]
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def make_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
@@ -61,8 +63,8 @@ def make_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
     raise ValueError(f"unknown data kind {kind!r}")
 
 
-def best_time(fn: Callable[[], object], reps: int) -> tuple[float, object]:
-    """(best wall-clock seconds, result); the best CPU seconds go to ``best_time.cpu``."""
+def best_time(fn: Callable[[], T], reps: int) -> tuple[float, float, T]:
+    """(best wall-clock seconds, best CPU seconds, result)."""
     out = fn()  # warm-up (and the result we check)
     best, best_cpu = float("inf"), float("inf")
     for _ in range(reps):
@@ -70,8 +72,7 @@ def best_time(fn: Callable[[], object], reps: int) -> tuple[float, object]:
         fn()
         best = min(best, time.perf_counter() - t0)
         best_cpu = min(best_cpu, time.process_time() - c0)
-    best_time.cpu = best_cpu  # type: ignore[attr-defined]
-    return best, out
+    return best, best_cpu, out
 
 
 def row(
@@ -111,10 +112,8 @@ def measure_hivemind(name: str, x: torch.Tensor, data: str, reps: int, env: str)
 
     comp = getattr(hc, name)()
     info = CompressionInfo.from_tensor(x)
-    t_enc, msg = best_time(lambda: comp.compress(x, info), reps)
-    c_enc = best_time.cpu  # type: ignore[attr-defined]
-    t_dec, y = best_time(lambda: comp.extract(msg), reps)
-    c_dec = best_time.cpu  # type: ignore[attr-defined]
+    t_enc, c_enc, msg = best_time(lambda: comp.compress(x, info), reps)
+    t_dec, c_dec, y = best_time(lambda: comp.extract(msg), reps)
     return row(name, "hivemind", data, x.numel(), len(msg.buffer), x, y, (t_enc, c_enc), (t_dec, c_dec), env)
 
 
@@ -123,12 +122,10 @@ def measure_ours(name: str, x: torch.Tensor, data: str, reps: int) -> dict:
 
     codec = get_codec(name)
     gen = torch.Generator().manual_seed(0)
-    t_enc, buf = best_time(lambda: codec.encode(x, generator=gen), reps)
-    c_enc = best_time.cpu  # type: ignore[attr-defined]
-    t_dec, y = best_time(lambda: decode(buf), reps)
-    c_dec = best_time.cpu  # type: ignore[attr-defined]
+    t_enc, c_enc, buf = best_time(lambda: codec.encode(x, generator=gen), reps)
+    t_dec, c_dec, y = best_time(lambda: decode(buf), reps)
     out = torch.empty(x.numel(), dtype=torch.float32)
-    t_reuse, _ = best_time(lambda: decode(buf, out=out), reps)
+    t_reuse, _, _ = best_time(lambda: decode(buf, out=out), reps)
     r = row(codec.name, "bagel", data, x.numel(), len(buf), x, y, (t_enc, c_enc), (t_dec, c_dec), "main")
     r["decode_into_out_gbps"] = 4.0 * x.numel() / 1e9 / t_reuse  # decode(buf, out=reused buffer)
     return r

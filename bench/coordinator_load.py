@@ -54,7 +54,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 SPEC = """
 [run]
@@ -312,7 +312,7 @@ async def _generate(
         s = sims[i]
         active = s.phase in (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING)
         req = pb.HeartbeatRequest(
-            phase=s.phase,
+            phase=cast(pb.Phase, s.phase),  # the stubs type enum fields by their enum class, of ints
             cell_id=s.cell if active else "",
             round=s.round if active else 0,
             inner_step=2 if s.phase == pb.PHASE_READY else 0,
@@ -382,7 +382,8 @@ async def _generate(
     server_cpu, own_cpu = _cpu_s(server_pid) - cpu0, time.process_time() - own0
     scrape1 = await asyncio.to_thread(_scrape, metrics_url) if metrics_url else {}
     answered = len(latencies)
-    for t in [*tasks, registering, sampler]:
+    pending: list[asyncio.Future[Any]] = [*tasks, registering, sampler]
+    for t in pending:
         t.cancel()
     await asyncio.gather(*tasks, registering, sampler, return_exceptions=True)
     gc.callbacks.remove(gc_callback)

@@ -113,8 +113,9 @@ def _cell_shares(spec, ds) -> dict[str, float]:
     total = sum(sizes.values()) * spec.cells.timestep_ranges
     shares = {}
     for cell in spec.expert_cells:
-        k, _ = parse_cell(cell)
-        shares[cell] = sizes[k] / total
+        kr = parse_cell(cell)
+        assert kr is not None  # an expert cell
+        shares[cell] = sizes[kr[0]] / total
     return shares
 
 
@@ -158,9 +159,13 @@ def _train_cells(args: argparse.Namespace, spec, ds, log) -> tuple[dict[str, tor
         x, y = task.train_data()
         steps = max(1, round(expert_budget * shares[cell] / expert_batch))
         ema = args.ema if args.expert_ema < 0 else args.expert_ema
+
+        def cell_log(m: str, cell: str = cell) -> None:
+            log(f"  {cell} {m}")
+
         r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch,
                         lr=args.expert_lr or args.lr, ema=ema, warmup=100, seed=derive_seed(args.seed, cell) % 2**31,
-                        log_every=max(1, steps // 2), log=lambda m, cell=cell: log(f"  {cell} {m}"))
+                        log_every=max(1, steps // 2), log=cell_log)
         models[cell] = r.model
         report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,
                         "sample_steps": r.sample_steps, "t_range": list(task.train_range)}
@@ -225,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     for cell in spec.expert_cells:  # over all t, so the table shows each expert is good inside its range only
         task = experts.cell_task(spec, cell)
         xh, yh = task.heldout_data()
-        by_t = ev.loss_per_bucket(lambda xt, t, y, m=trained[cell]: m(xt, t, y), xh, yh, BUCKETS, seed=2)
+        by_t = ev.loss_per_bucket(trained[cell], xh, yh, BUCKETS, seed=2)
         cell_report[cell].update(heldout_loss=task.eval_loss(trained[cell], xh, yh, seed=1),
                                  heldout_loss_by_t=dict(zip(_bucket_names(), by_t, strict=True)))
     if ROUTER_CELL in trained:

@@ -294,7 +294,7 @@ def _chunks(n: int, block: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _parse(cls: type[_Blockwise]):
+def _parse(cls: type[_Blockwise]) -> Callable[[list[str]], Codec]:
     def parse(opts: list[str]) -> Codec:
         block, stochastic = cls.block, False
         for opt in opts:

@@ -111,7 +111,9 @@ class BagelCompression(CompressionBase):
         return {"codec": self.codec.name, "slot": self.slot, "seed": self.seed, "max_elements": self.max_elements}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["codec"], slot=state["slot"], seed=state["seed"], max_elements=state["max_elements"])
+        type(self).__init__(
+            self, state["codec"], slot=state["slot"], seed=state["seed"], max_elements=state["max_elements"]
+        )
         install(self)  # a spawned averager process re-imports hivemind with the original table
 
     def __repr__(self) -> str:

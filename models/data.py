@@ -135,8 +135,8 @@ def load_folder_source(path: str | Path, channels: int, image_size: int) -> tupl
     for f, _ in files:
         try:
             with Image.open(f) as im:
-                im = im.convert(mode).resize((image_size, image_size), Image.Resampling.BICUBIC)
-                arrays.append(np.asarray(im, dtype=np.uint8))
+                img = im.convert(mode).resize((image_size, image_size), Image.Resampling.BICUBIC)
+                arrays.append(np.asarray(img, dtype=np.uint8))
         except OSError as e:
             raise DataError(f"cannot read image {str(f)!r}: {e}") from None
     x = np.stack(arrays)

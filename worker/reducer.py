@@ -18,7 +18,7 @@ import asyncio
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +47,7 @@ class ExchangeError(Exception):
 class ExchangeTimeout(ExchangeError):
     """The deadline passed before every contribution and averaged part arrived."""
 
-    def __init__(self, missing: Sequence[str], detail: str = ""):
+    def __init__(self, missing: Iterable[str], detail: str = ""):
         self.missing = tuple(sorted(missing))
         super().__init__(f"exchange timed out waiting for {list(self.missing)}" + (f": {detail}" if detail else ""))
 

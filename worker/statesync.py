@@ -23,7 +23,7 @@ import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,9 @@ class _Entry:
     state_hash: str
     data: bytes
     sha256: str
+
+
+_NO_STATES: Mapping[int, _Entry] = {}  # what a cell with no state held reads as
 
 
 def verify_state_bytes(data: bytes, expected_hash: str) -> CellState:
@@ -184,7 +187,7 @@ class StateServer:
         loop = asyncio.get_running_loop()
         start = loop.time()
         waited = False
-        while (entry := self._states.get(cell_id, {}).get(committed_round)) is None:
+        while (entry := self._states.get(cell_id, _NO_STATES).get(committed_round)) is None:
             remaining = start + self.round_wait_s - loop.time()
             if remaining <= 0 or not self._awaited(cell_id, committed_round):
                 if waited:
