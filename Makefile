@@ -12,7 +12,20 @@ TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo proto clean bench
+# The pure cores: no I/O, no clock, no sockets, no asyncio, no logging. `make lint` checks them
+# with mypy --strict, and tests/test_layering.py checks that this list is its own.
+PURE_CORES := coordinator/core/*.py worker/reconciler.py sim/discrete/engine.py models/flow.py \
+	compression/base.py compression/blockwise.py compression/floats.py compression/topk.py \
+	compression/wire.py compression/feedback.py compression/choice.py
+# path -> `-m bagel.<dotted>` (folder coordinator/ is bagel.coordinator; a package's __init__ is the package)
+CORE_MODULES = $(foreach f,$(wildcard $(PURE_CORES)),-m bagel.$(subst /,.,$(patsubst %/__init__,%,$(basename $(f)))))
+# mypy cannot follow the package-dir mapping through the editable install, so it reads the
+# tree through bagel/<pkg> -> <pkg> links (pyproject's [tool.mypy] mypy_path); it reports
+# paths under build/typecheck/bagel/.
+PACKAGES := coordinator worker protocol compression models sim
+TYPECHECK_ROOT := build/typecheck/bagel
+
+.PHONY: setup test lint typecheck-root demo proto clean bench
 
 setup: $(VENV)/.installed
 
@@ -23,8 +36,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-test: setup
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# All four checks run (each one's findings are printed) and lint fails if any failed.
+lint: setup typecheck-root
+	@rc=0; \
+	echo "== ruff check"; $(PY) -m ruff check --output-format concise . || rc=1; \
+	echo "== ruff format --check"; $(PY) -m ruff format --check --output-format concise . || rc=1; \
+	echo "== mypy (the tree and bench/)"; $(PY) -m mypy $(TYPECHECK_ROOT) bench || rc=1; \
+	echo "== mypy --strict (the pure cores)"; $(PY) -m mypy --strict --follow-imports=silent $(CORE_MODULES) || rc=1; \
+	exit $$rc
+
+typecheck-root:
+	@mkdir -p $(TYPECHECK_ROOT)
+	@for p in $(PACKAGES); do ln -sfn ../../../$$p $(TYPECHECK_ROOT)/$$p; done
 
 # 10 workers, not 4: the example grid has 5 cells (2x2 experts + router), and a cell needs
 # two members before anything is averaged; with 4 workers one cell never trains.
@@ -48,4 +74,4 @@ bench: setup
 	$(PY) -m bagel.sim run sim/scenarios/heterogeneity-10x.toml --out bench-out/sim-het10x
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache build/typecheck

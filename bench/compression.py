@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ HIVEMIND_8BIT = ["Uniform8BitQuantization", "Quantile8BitQuantization"]
 DATA = ["gaussian", "student_t"]
 SIDE_REQUIREMENTS = ["numpy<2.4", "torch==2.13.0", "hivemind==1.1.12"]
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 
 
 def make_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
@@ -61,8 +63,8 @@ def make_data(kind: str, n: int, seed: int = 0) -> np.ndarray:
     raise ValueError(f"unknown data kind {kind!r}")
 
 
-def best_time(fn: Callable[[], object], reps: int) -> tuple[float, object]:
-    """(best wall-clock seconds, result); the best CPU seconds go to ``best_time.cpu``."""
+def best_time(fn: Callable[[], T], reps: int) -> tuple[float, float, T]:
+    """(best wall-clock seconds, best CPU seconds, result)."""
     out = fn()  # warm-up (and the result we check)
     best, best_cpu = float("inf"), float("inf")
     for _ in range(reps):
@@ -70,8 +72,7 @@ def best_time(fn: Callable[[], object], reps: int) -> tuple[float, object]:
         fn()
         best = min(best, time.perf_counter() - t0)
         best_cpu = min(best_cpu, time.process_time() - c0)
-    best_time.cpu = best_cpu  # type: ignore[attr-defined]
-    return best, out
+    return best, best_cpu, out
 
 
 def row(
@@ -111,10 +112,8 @@ def measure_hivemind(name: str, x: torch.Tensor, data: str, reps: int, env: str)
 
     comp = getattr(hc, name)()
     info = CompressionInfo.from_tensor(x)
-    t_enc, msg = best_time(lambda: comp.compress(x, info), reps)
-    c_enc = best_time.cpu  # type: ignore[attr-defined]
-    t_dec, y = best_time(lambda: comp.extract(msg), reps)
-    c_dec = best_time.cpu  # type: ignore[attr-defined]
+    t_enc, c_enc, msg = best_time(lambda: comp.compress(x, info), reps)
+    t_dec, c_dec, y = best_time(lambda: comp.extract(msg), reps)
     return row(name, "hivemind", data, x.numel(), len(msg.buffer), x, y, (t_enc, c_enc), (t_dec, c_dec), env)
 
 
@@ -123,12 +122,10 @@ def measure_ours(name: str, x: torch.Tensor, data: str, reps: int) -> dict:
 
     codec = get_codec(name)
     gen = torch.Generator().manual_seed(0)
-    t_enc, buf = best_time(lambda: codec.encode(x, generator=gen), reps)
-    c_enc = best_time.cpu  # type: ignore[attr-defined]
-    t_dec, y = best_time(lambda: decode(buf), reps)
-    c_dec = best_time.cpu  # type: ignore[attr-defined]
+    t_enc, c_enc, buf = best_time(lambda: codec.encode(x, generator=gen), reps)
+    t_dec, c_dec, y = best_time(lambda: decode(buf), reps)
     out = torch.empty(x.numel(), dtype=torch.float32)
-    t_reuse, _ = best_time(lambda: decode(buf, out=out), reps)
+    t_reuse, _, _ = best_time(lambda: decode(buf, out=out), reps)
     r = row(codec.name, "bagel", data, x.numel(), len(buf), x, y, (t_enc, c_enc), (t_dec, c_dec), "main")
     r["decode_into_out_gbps"] = 4.0 * x.numel() / 1e9 / t_reuse  # decode(buf, out=reused buffer)
     return r
@@ -172,7 +169,13 @@ def side_python(venv_dir: Path, log: Callable[[str], None]) -> tuple[Path | None
         return py, "cached"
     log(f"creating side environment {venv_dir} ({', '.join(SIDE_REQUIREMENTS)}); one-time, takes minutes")
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv_dir)], check=True, capture_output=True, text=True, timeout=300)
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--clear", str(venv_dir)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         subprocess.run(
             [str(py), "-m", "pip", "install", "-q", *SIDE_REQUIREMENTS],
             check=True,
@@ -224,7 +227,9 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         if r["bytes_per_value"] is None:
             dashes = " ".join(f"{'-':>8}" for _ in range(5))
-            lines.append(f"{r['codec']:26} {r['impl']:8} {r['data']:9} {'-':>9} {'-':>10} {dashes}  unavailable: {r['note']}")
+            lines.append(
+                f"{r['codec']:26} {r['impl']:8} {r['data']:9} {'-':>9} {'-':>10} {dashes}  unavailable: {r['note']}"
+            )
             continue
         reuse = f"{r['decode_into_out_gbps']:.3f}" if "decode_into_out_gbps" in r else "-"
         lines.append(
@@ -262,12 +267,16 @@ def targets(rows: list[dict]) -> dict:
     out["goal_int8_encode_4x_uniform8bit"] = bool(speedups) and min(speedups) >= 4.0
     out["goal_int8_lower_error"] = all(v for k, v in out.items() if k.startswith("int8_lower_error")) and bool(speedups)
     out["goal_int4_at_most_0.55_bytes"] = all(v <= 0.55 for k, v in out.items() if k.startswith("int4_bytes"))
-    out["goal_int8_encode_plus_decode_1gbps"] = all(v >= 1.0 for k, v in out.items() if k.startswith("int8_encode_plus"))
+    out["goal_int8_encode_plus_decode_1gbps"] = all(
+        v >= 1.0 for k, v in out.items() if k.startswith("int8_encode_plus")
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--numel", type=int, default=16 * 2**20, help="values per tensor (default 16M = 16777216)")
     p.add_argument("--quick", action="store_true", help="short run: 1M values and 2 reps (overrides --numel/--reps)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement; the best is reported")
@@ -275,10 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="write the rows and targets to this JSON file")
     p.add_argument("--codecs", default=",".join(OURS), help="comma-separated Bagel codec names to measure")
     p.add_argument("--no-hivemind", action="store_true", help="skip all hivemind rows")
-    p.add_argument("--side-venv", type=Path, default=ROOT / "bench-out" / "hivemind-np-venv", help="side environment for hivemind's 8-bit codecs (created once)")
+    p.add_argument(
+        "--side-venv",
+        type=Path,
+        default=ROOT / "bench-out" / "hivemind-np-venv",
+        help="side environment for hivemind's 8-bit codecs (created once)",
+    )
     p.add_argument("--no-side-env", action="store_true", help="do not create or use the side environment")
-    p.add_argument("--no-thp", action="store_true",
-                   help="do not back large tensors with transparent huge pages (THP_MEM_ALLOC_ENABLE; the worker sets it)")
+    p.add_argument(
+        "--no-thp",
+        action="store_true",
+        help="do not back large tensors with transparent huge pages (THP_MEM_ALLOC_ENABLE; the worker sets it)",
+    )
     p.add_argument("--hivemind-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -322,10 +339,14 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(measure_hivemind(name, x, data, args.reps, "main"))
         if elsewhere:
             reason = f"broken in the main env (numpy {np.__version__}): {works_here(elsewhere[0])}"
-            py, status = (None, "side env disabled (--no-side-env)") if args.no_side_env else side_python(args.side_venv, log)
+            py, status = (
+                (None, "side env disabled (--no-side-env)") if args.no_side_env else side_python(args.side_venv, log)
+            )
             side_rows: list[dict] = []
             if py is not None:
-                with tempfile.TemporaryDirectory(dir=ROOT / "bench-out" if (ROOT / "bench-out").is_dir() else None) as tmp:
+                with tempfile.TemporaryDirectory(
+                    dir=ROOT / "bench-out" if (ROOT / "bench-out").is_dir() else None
+                ) as tmp:
                     for data in DATA:
                         np.save(Path(tmp) / f"{data}.npy", arrays[data])
                     log(f"hivemind {', '.join(elsewhere)} in the side environment ({status})")
@@ -342,11 +363,17 @@ def main(argv: list[str] | None = None) -> int:
     order = {d: i for i, d in enumerate(DATA)}
     rows.sort(key=lambda r: (order[r["data"]], r["impl"] != "bagel"))
     result_targets = targets(rows)
-    print(f"\n{n} values per tensor, {args.threads} torch threads, THP {'off' if args.no_thp else 'on'}, best of {args.reps}; torch {torch.__version__}, numpy {np.__version__}, {platform.machine()}")
+    print(
+        f"\n{n} values per tensor, {args.threads} torch threads, THP {'off' if args.no_thp else 'on'}, "
+        f"best of {args.reps}; torch {torch.__version__}, numpy {np.__version__}, {platform.machine()}"
+    )
     print(format_table(rows))
     if side_note:
         print(f"\nnote: {side_note}")
-    print("\ntargets: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result_targets.items()))
+    print(
+        "\ntargets: "
+        + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in result_targets.items())
+    )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {

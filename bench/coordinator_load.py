@@ -17,9 +17,10 @@ the generator's worst lag behind its schedule, and CPU used by the coordinator p
 fired more than 25 ms late, i.e. the event loop was stalled; `srv gc2 ms`, its full GC
 passes; `gen stall`, the generator's own worst stall (a 10 ms timer's lateness, ms); and
 `gen gc ms`, the generator's GC passes (none: it holds its cyclic GC from the warm-up to
-the end of the window, so its pauses do not pass for the server's; the JSON has more). At most `--max-inflight` heartbeats
-are in flight: past that the generator waits (closed loop), so an overloaded coordinator
-shows a rate below target and a growing lag instead of an unbounded queue.
+the end of the window, so its pauses do not pass for the server's; the JSON has more).
+At most `--max-inflight` heartbeats are in flight: past that the generator waits (closed
+loop), so an overloaded coordinator shows a rate below target and a growing lag instead
+of an unbounded queue.
 Every request is freshly signed (a fresh nonce each time, as the protocol requires):
 signing runs in the generator and competes for the same CPU as the coordinator.
 
@@ -53,7 +54,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 SPEC = """
 [run]
@@ -209,7 +210,9 @@ async def _generate(
             peer=peer(i),
             local=pb.LocalState(cell_id=s.local[0], committed_round=s.local[1], state_hash=s.local[2]),
         )
-        resp = await stubs[i % CHANNELS].Register(sign_request(s.identity, req, run_id="loadrun", method="Register"), timeout=30)
+        resp = await stubs[i % CHANNELS].Register(
+            sign_request(s.identity, req, run_id="loadrun", method="Register"), timeout=30
+        )
         act(i, resp.instruction)
 
     def act(i: int, ins: Any) -> None:
@@ -222,7 +225,9 @@ async def _generate(
             if key not in s.reported:
                 s.reported.add(key)
                 s.phase = pb.PHASE_REDUCING
-                text = f"{ins.cell_id}|{ins.round}|{ins.committed_hash}|{','.join(m.worker_id for m in ins.contributors)}"
+                text = (
+                    f"{ins.cell_id}|{ins.round}|{ins.committed_hash}|{','.join(m.worker_id for m in ins.contributors)}"
+                )
                 h = hashlib.sha256(text.encode()).hexdigest()
                 spawn(report(i, ins, h))
         elif ins.order == pb.ORDER_SYNC:
@@ -307,7 +312,7 @@ async def _generate(
         s = sims[i]
         active = s.phase in (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING)
         req = pb.HeartbeatRequest(
-            phase=s.phase,
+            phase=cast(pb.Phase, s.phase),  # the stubs type enum fields by their enum class, of ints
             cell_id=s.cell if active else "",
             round=s.round if active else 0,
             inner_step=2 if s.phase == pb.PHASE_READY else 0,
@@ -377,7 +382,8 @@ async def _generate(
     server_cpu, own_cpu = _cpu_s(server_pid) - cpu0, time.process_time() - own0
     scrape1 = await asyncio.to_thread(_scrape, metrics_url) if metrics_url else {}
     answered = len(latencies)
-    for t in [*tasks, registering, sampler]:
+    pending: list[asyncio.Future[Any]] = [*tasks, registering, sampler]
+    for t in pending:
         t.cancel()
     await asyncio.gather(*tasks, registering, sampler, return_exceptions=True)
     gc.callbacks.remove(gc_callback)
@@ -469,9 +475,25 @@ def run_point(
     else:
         metrics_port = _free_port()
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        argv = [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec), "--data-dir",
-                str(workdir / f"data-{n}"), "--listen", target, "--no-dht", "--tick-ms", "250", "--log-level", "WARNING",
-                "--metrics-listen", f"127.0.0.1:{metrics_port}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "bagel.coordinator",
+            "serve",
+            "--run",
+            str(spec),
+            "--data-dir",
+            str(workdir / f"data-{n}"),
+            "--listen",
+            target,
+            "--no-dht",
+            "--tick-ms",
+            "250",
+            "--log-level",
+            "WARNING",
+            "--metrics-listen",
+            f"127.0.0.1:{metrics_port}",
+        ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     try:
         assert proc.stdout is not None
@@ -482,7 +504,10 @@ def run_point(
             raise RuntimeError(f"coordinator exited with {proc.wait()}")
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        gen = ctx.Process(target=_generator_main, args=(target, n, period_s, warmup_s, measure_s, proc.pid, max_inflight, metrics_url, q))
+        gen = ctx.Process(
+            target=_generator_main,
+            args=(target, n, period_s, warmup_s, measure_s, proc.pid, max_inflight, metrics_url, q),
+        )
         gen.start()
         result = q.get(timeout=1800 + warmup_s + measure_s)
         result["server"] = server
@@ -503,10 +528,18 @@ def run_point(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, nargs="+", default=None, help="registered workers per point (default 1000 5000 10000)")
-    p.add_argument("--period-s", type=float, default=5.0, help="heartbeat period per worker in seconds; default %(default)s")
-    p.add_argument("--warmup-s", type=float, default=None, help="seconds of load before measuring (default: 1.5 periods)")
-    p.add_argument("--measure-s", type=float, default=None, help="measurement window in seconds (default 30; --quick 8)")
+    p.add_argument(
+        "--workers", type=int, nargs="+", default=None, help="registered workers per point (default 1000 5000 10000)"
+    )
+    p.add_argument(
+        "--period-s", type=float, default=5.0, help="heartbeat period per worker in seconds; default %(default)s"
+    )
+    p.add_argument(
+        "--warmup-s", type=float, default=None, help="seconds of load before measuring (default: 1.5 periods)"
+    )
+    p.add_argument(
+        "--measure-s", type=float, default=None, help="measurement window in seconds (default 30; --quick 8)"
+    )
     p.add_argument("--quick", action="store_true", help="short run: 200 and 1000 workers, 8 s windows")
     p.add_argument("--max-inflight", type=int, default=256,
                    help="most heartbeats in flight at once (closed loop beyond it); default %(default)s")
@@ -527,16 +560,20 @@ def main(argv: list[str] | None = None) -> int:
     points: list[dict[str, Any]] = []
     baseline: list[dict[str, Any]] = []
     print(
-        f"{'server':>11} {'workers':>8} {'target/s':>9} {'hb/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'gen lag ms':>10} "
+        f"{'server':>11} {'workers':>8} {'target/s':>9} {'hb/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+        f"{'gen lag ms':>10} "
         f"{'srv us/hb':>9} {'srv cores':>9} {'gen cores':>9} {'reg s':>6} {'srv>25ms':>8} {'srv gc2 ms':>10} "
         f"{'gen stall':>9} {'gen gc ms':>9}  errors"
     )
     with tempfile.TemporaryDirectory(prefix="bagel-load-") as tmp:
-        for n, server in [(n, srv) for n in workers for srv in ["baseline", "coordinator"][0 if args.baseline else 1 :]]:
+        for n, server in [
+            (n, srv) for n in workers for srv in ["baseline", "coordinator"][0 if args.baseline else 1 :]
+        ]:
             r = run_point(n, args.period_s, warmup_s, measure_s, Path(tmp), args.max_inflight, server)
             (points if server == "coordinator" else baseline).append(r)
             print(
-                f"{server:>11} {r['workers']:>8} {r['target_per_s']:>9.0f} {r['heartbeats_per_s']:>9.1f} {r['p50_ms']:>8.2f} "
+                f"{server:>11} {r['workers']:>8} {r['target_per_s']:>9.0f} {r['heartbeats_per_s']:>9.1f} "
+                f"{r['p50_ms']:>8.2f} "
                 f"{r['p99_ms']:>8.2f} {r['max_ms']:>8.1f} {r['generator_max_lag_ms']:>10.1f} "
                 f"{r['server_cpu_us_per_hb']:>9.0f} {r['server_cpu_cores']:>9.2f} {r['generator_cpu_cores']:>9.2f} "
                 f"{r['register_s']:>6.1f} {r.get('server_lag_over_25ms', float('nan')):>8.0f} "

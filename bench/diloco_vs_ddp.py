@@ -58,9 +58,9 @@ import hivemind
 import torch
 
 from bagel.compression import ErrorFeedback
-from bagel.protocol.runspec import RunSpec, parse_spec
 from bagel.models.data import shard
 from bagel.models.experts import CellTask, cell_task
+from bagel.protocol.runspec import RunSpec, parse_spec
 from bagel.worker.averaging import Contributor, DataPlane
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
 from bagel.worker.roundwork import trainable
@@ -269,7 +269,7 @@ class DilocoRun:
                     timeout_s=EXCHANGE_TIMEOUT_S,
                     error_feedback=self.efs[m],
                 )
-                for m, (p, (delta, samples, _)) in enumerate(zip(peers, work))
+                for m, (p, (delta, samples, _)) in enumerate(zip(peers, work, strict=True))
             )
         )
         self.comm_s += time.perf_counter() - t0
@@ -384,7 +384,7 @@ def print_report(result: dict[str, Any]) -> None:
           f"{s['workers']}), initial held-out loss {s['initial_heldout_loss']:.4f}")
     print("\nlearning-rate sweep (held-out loss):")
     print(f"  {'lr':>8}  {'ddp':>8}  {'diloco_fp32':>12}")
-    for d, f in zip(result["lr_sweep"]["ddp"], result["lr_sweep"]["diloco_fp32"]):
+    for d, f in zip(result["lr_sweep"]["ddp"], result["lr_sweep"]["diloco_fp32"], strict=True):
         print(f"  {d['lr']:>8.1e}  {d['heldout_loss']:>8.4f}  {f['heldout_loss']:>12.4f}")
     ddp = result["variants"][0]
     header = ("variant", "lr", "held-out", "vs ddp", "bytes/worker", "ddp/this", "wall s")

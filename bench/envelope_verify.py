@@ -15,10 +15,10 @@ import json
 import time
 from pathlib import Path
 
-from bagel.protocol.runspec import load_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import Verifier, sign_request
 from bagel.protocol.identity import Identity, load_public_key
+from bagel.protocol.runspec import load_spec
 from bagel.protocol.validation import validate
 
 SPEC = load_spec(Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.toml")
@@ -45,7 +45,7 @@ def run(n_messages: int, n_senders: int) -> dict[str, float]:
     # The floor: Ed25519 verification alone (libsodium through PyNaCl, what we use)...
     keys = [load_public_key(s.public_key) for s in signed]
     t0 = time.perf_counter()
-    for key, s in zip(keys, signed):
+    for key, s in zip(keys, signed, strict=True):
         key.verify(s.signature, s.payload)
     ed25519_s = time.perf_counter() - t0
     # ...and the peer it replaced: OpenSSL through `cryptography`, same messages
@@ -53,7 +53,7 @@ def run(n_messages: int, n_senders: int) -> dict[str, float]:
 
     ossl = [Ed25519PublicKey.from_public_bytes(s.public_key) for s in signed]
     t0 = time.perf_counter()
-    for okey, s in zip(ossl, signed):
+    for okey, s in zip(ossl, signed, strict=True):
         okey.verify(s.signature, s.payload)
     openssl_s = time.perf_counter() - t0
 
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'verify+validate us':>19} {'verifies/core/s':>16}"
     )
     print(
-        f"{res['messages']:>9} {res['senders']:>8} {res['sign_us']:>8.1f} {res['ed25519_verify_us']:>11.1f} {res['openssl_ed25519_verify_us']:>11.1f} "
+        f"{res['messages']:>9} {res['senders']:>8} {res['sign_us']:>8.1f} {res['ed25519_verify_us']:>11.1f} "
+        f"{res['openssl_ed25519_verify_us']:>11.1f} "
         f"{res['verify_validate_us']:>19.1f} {res['verifies_per_core_s']:>16.0f}"
     )
     if args.json:

@@ -46,14 +46,15 @@ import dataclasses
 import json
 import resource
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 
-from bagel.protocol.runspec import ROUTER_CELL, load_spec, parse_cell
 from bagel.models import checkpoint, compose, experts, flow, train
 from bagel.models import evaluate as ev
 from bagel.models.data import derive_seed, load_dataset
+from bagel.protocol.runspec import ROUTER_CELL, load_spec, parse_cell
 
 BUCKETS = [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]
 ROUTING_RULES = compose.ROUTING_RULES
@@ -86,10 +87,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the control: the monolith on a random 1/K of the training images")
     p.add_argument("--save-dir", default="", help="also save every trained model here (safetensors + JSON)")
     p.add_argument("--load-dir", default="", help="skip training: evaluate the models a --save-dir run saved")
-    p.add_argument("--per-class", type=int, default=200, help="conditional samples per class (FD noise falls with more)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (1: these models are too small to gain from more, and on a "
-                   "busy machine idle OpenMP threads spin and cost ~10x the CPU per step)")
+    p.add_argument(
+        "--per-class", type=int, default=200, help="conditional samples per class (FD noise falls with more)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: these models are too small to gain from more, and on a "
+        "busy machine idle OpenMP threads spin and cost ~10x the CPU per step)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 150 steps, 20 samples per class")
     args = p.parse_args(argv)
@@ -106,8 +113,9 @@ def _cell_shares(spec, ds) -> dict[str, float]:
     total = sum(sizes.values()) * spec.cells.timestep_ranges
     shares = {}
     for cell in spec.expert_cells:
-        k, _ = parse_cell(cell)
-        shares[cell] = sizes[k] / total
+        kr = parse_cell(cell)
+        assert kr is not None  # an expert cell
+        shares[cell] = sizes[kr[0]] / total
     return shares
 
 
@@ -151,9 +159,13 @@ def _train_cells(args: argparse.Namespace, spec, ds, log) -> tuple[dict[str, tor
         x, y = task.train_data()
         steps = max(1, round(expert_budget * shares[cell] / expert_batch))
         ema = args.ema if args.expert_ema < 0 else args.expert_ema
+
+        def cell_log(m: str, cell: str = cell) -> None:
+            log(f"  {cell} {m}")
+
         r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch,
                         lr=args.expert_lr or args.lr, ema=ema, warmup=100, seed=derive_seed(args.seed, cell) % 2**31,
-                        log_every=max(1, steps // 2), log=lambda m, cell=cell: log(f"  {cell} {m}"))
+                        log_every=max(1, steps // 2), log=cell_log)
         models[cell] = r.model
         report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,
                         "sample_steps": r.sample_steps, "t_range": list(task.train_range)}
@@ -218,9 +230,9 @@ def main(argv: list[str] | None = None) -> dict:
     for cell in spec.expert_cells:  # over all t, so the table shows each expert is good inside its range only
         task = experts.cell_task(spec, cell)
         xh, yh = task.heldout_data()
-        by_t = ev.loss_per_bucket(lambda xt, t, y, m=trained[cell]: m(xt, t, y), xh, yh, BUCKETS, seed=2)
+        by_t = ev.loss_per_bucket(trained[cell], xh, yh, BUCKETS, seed=2)
         cell_report[cell].update(heldout_loss=task.eval_loss(trained[cell], xh, yh, seed=1),
-                                 heldout_loss_by_t=dict(zip(_bucket_names(), by_t)))
+                                 heldout_loss_by_t=dict(zip(_bucket_names(), by_t, strict=True)))
     if ROUTER_CELL in trained:
         task = experts.cell_task(spec, ROUTER_CELL)
         xh, yh = task.heldout_data()
@@ -232,9 +244,16 @@ def main(argv: list[str] | None = None) -> dict:
     # evaluation: identical noise and labels for every model and routing rule.
     t0 = time.perf_counter()
     labels = torch.arange(nc).repeat_interleave(args.per_class)
-    noise = torch.randn(len(labels), spec.model.channels, spec.model.image_size, spec.model.image_size,
-                        generator=torch.Generator().manual_seed(derive_seed("bench-noise", args.seed) % 2**31))
-    grid_idx = torch.cat([torch.arange(k * args.per_class, k * args.per_class + min(10, args.per_class)) for k in range(nc)])
+    noise = torch.randn(
+        len(labels),
+        spec.model.channels,
+        spec.model.image_size,
+        spec.model.image_size,
+        generator=torch.Generator().manual_seed(derive_seed("bench-noise", args.seed) % 2**31),
+    )
+    grid_idx = torch.cat(
+        [torch.arange(k * args.per_class, k * args.per_class + min(10, args.per_class)) for k in range(nc)]
+    )
 
     def evaluate(model: compose.ComposedModel, grid_name: str) -> dict:
         s0 = time.perf_counter()
@@ -250,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
         buckets = ev.loss_per_bucket(lambda x, t, y: model.velocity(x, t, y), ds.x_heldout, ds.y_heldout,
                                      BUCKETS, seed=2)
         grid = ev.save_grid(samples[grid_idx], out_dir / f"{grid_name}.png", nrow=min(10, args.per_class))
-        return {**rep.as_dict(), "heldout_loss_by_t": dict(zip(_bucket_names(), buckets)),
+        return {**rep.as_dict(), "heldout_loss_by_t": dict(zip(_bucket_names(), buckets, strict=True)),
                 "grid": str(grid), "sample_s": sample_s, "routing_counts": dict(sorted(usage.items()))}
 
     results = {"monolith": evaluate(mono_composed, "monolith")}
@@ -304,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _bucket_names() -> list[str]:
-    return [f"{a:.1f}-{b:.1f}" for a, b in zip(BUCKETS, BUCKETS[1:])]
+    return [f"{a:.1f}-{b:.1f}" for a, b in pairwise(BUCKETS)]
 
 
 def _print_table(doc: dict) -> None:
@@ -315,7 +334,9 @@ def _print_table(doc: dict) -> None:
         ("NN-distance ratio (memorisation < 0.5)", m["nn_ratio"], e["nn_ratio"]),
         ("copy fraction", m["copy_fraction"], e["copy_fraction"]),
     ]
-    rows += [(f"held-out loss, t in {b}", m["heldout_loss_by_t"][b], e["heldout_loss_by_t"][b]) for b in _bucket_names()]
+    rows += [
+        (f"held-out loss, t in {b}", m["heldout_loss_by_t"][b], e["heldout_loss_by_t"][b]) for b in _bucket_names()
+    ]
     print(f"\n{'metric':<42}{'monolith':>12}{'experts':>12}")
     for name, a, b in rows:
         print(f"{name:<42}{a:>12.4f}{b:>12.4f}")

@@ -121,7 +121,9 @@ class _Blockwise(Codec):
         if nblocks and not bool(torch.isfinite(scales).all()):
             require_finite(x)
 
-    def _round_rows(self, xs: torch.Tensor, sc: torch.Tensor, y: torch.Tensor, generator: torch.Generator | None) -> None:
+    def _round_rows(
+        self, xs: torch.Tensor, sc: torch.Tensor, y: torch.Tensor, generator: torch.Generator | None
+    ) -> None:
         """Turn the absmax ``sc`` of each row into its scale, in place, and write the
         row's integers ``round(x / s)`` (or the stochastic rounding) into ``y``."""
         sc.div_(self.qmax).clamp_(min=MIN_SCALE)
@@ -273,13 +275,16 @@ def _chunks(n: int, block: int) -> list[tuple[int, int, int]]:
     """(start, end, rows) of the chunks of whole blocks that encode used, then the tail block."""
     full = n // block
     step = max(1, CHUNK // (2 * block)) * 2 * block
-    out = [(s, min(s + step, full * block), (min(s + step, full * block) - s) // block) for s in range(0, full * block, step)]
+    out = [
+        (s, min(s + step, full * block), (min(s + step, full * block) - s) // block)
+        for s in range(0, full * block, step)
+    ]
     if full * block < n:
         out.append((full * block, n, 1))
     return out
 
 
-def _parse(cls: type[_Blockwise]):
+def _parse(cls: type[_Blockwise]) -> Callable[[list[str]], Codec]:
     def parse(opts: list[str]) -> Codec:
         block, stochastic = cls.block, False
         for opt in opts:

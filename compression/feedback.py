@@ -37,7 +37,9 @@ class ErrorFeedback:
         if r is None:
             return t.detach().to(torch.float32, copy=True)
         if r.shape != t.shape:
-            raise ValueError(f"error feedback for {key!r}: tensor shape {tuple(t.shape)} != residual shape {tuple(r.shape)}")
+            raise ValueError(
+                f"error feedback for {key!r}: tensor shape {tuple(t.shape)} != residual shape {tuple(r.shape)}"
+            )
         return torch.add(t.detach().to(device=r.device, dtype=torch.float32), r)
 
     def update(self, key: Hashable, compensated: torch.Tensor, decoded: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ a decoded tensor is always finite.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -110,7 +111,7 @@ class Fp32Codec(_FloatCodec):
         require_finite(x)
         n = x.numel()
         header = pack_header(Header(self.codec_id, 0, t.dtype, shape, 0, n, n, 4 * n))
-        return join(header, memoryview(x.numpy()).cast("B"))
+        return join(header, x.numpy().data.cast("B"))  # .data: the memoryview of the array
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ class Bf16Codec(_FloatCodec):
     codec_id: ClassVar[CodecId] = CodecId.BF16
 
 
-def _no_options(cls: type[_FloatCodec], kind: str):
+def _no_options(cls: type[_FloatCodec], kind: str) -> Callable[[list[str]], Codec]:
     def parse(opts: list[str]) -> Codec:
         if opts:
             raise ValueError(f"codec {kind!r} takes no options, got {':'.join(opts)!r}")

@@ -67,8 +67,9 @@ class BagelCompression(CompressionBase):
         seed: int = 0,
         max_elements: int = DEFAULT_MAX_ELEMENTS,
     ) -> None:
-        if slot not in runtime_pb2.CompressionType.keys() or slot == "NONE":
-            raise ValueError(f"slot must be one of {runtime_pb2.CompressionType.keys()[1:]}, got {slot!r}")
+        slots = runtime_pb2.CompressionType.keys()  # an EnumTypeWrapper: no `in` of its own
+        if slot not in slots or slot == "NONE":
+            raise ValueError(f"slot must be one of {slots[1:]}, got {slot!r}")
         self.codec = get_codec(codec) if isinstance(codec, str) else codec
         self.slot = slot
         self.compression_type = runtime_pb2.CompressionType.Value(slot)
@@ -110,7 +111,9 @@ class BagelCompression(CompressionBase):
         return {"codec": self.codec.name, "slot": self.slot, "seed": self.seed, "max_elements": self.max_elements}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["codec"], slot=state["slot"], seed=state["seed"], max_elements=state["max_elements"])
+        type(self).__init__(
+            self, state["codec"], slot=state["slot"], seed=state["seed"], max_elements=state["max_elements"]
+        )
         install(self)  # a spawned averager process re-imports hivemind with the original table
 
     def __repr__(self) -> str:

@@ -234,7 +234,7 @@ def finish(out: torch.Tensor, header: bytes) -> bytes:
     filled), append the CRC32 in its last four bytes, and return it as ``bytes``."""
     arr = out.numpy()
     arr[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-    mv = memoryview(arr)
+    mv = arr.data  # = memoryview(arr); ndarray has no __buffer__ in numpy's stubs before 3.12
     crc = crc32(mv[: len(arr) - CRC_NBYTES])
     arr[len(arr) - CRC_NBYTES :] = np.frombuffer(struct.pack("<I", crc), dtype=np.uint8)
     return arr.tobytes()

@@ -30,12 +30,11 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-from bagel.protocol.atomicfile import atomic_write
 from typing import Any, Protocol
 
 from safetensors import SafetensorError, safe_open
 
+from bagel.protocol.atomicfile import atomic_write
 from bagel.protocol.statehash import state_hash
 
 log = logging.getLogger(__name__)
@@ -130,7 +129,7 @@ def safetensors_state_hash(path: Path) -> str:
     """
     try:
         with safe_open(str(path), framework="numpy") as h:
-            dtypes = {h.get_slice(k).get_dtype() for k in h.keys()}
+            dtypes = {h.get_slice(k).get_dtype() for k in h.keys()}  # noqa: SIM118 (a safe_open handle: no __iter__)
             if "BF16" not in dtypes:
                 return state_hash(_LazyTensors(h))
         with safe_open(str(path), framework="pt") as h:

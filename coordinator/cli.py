@@ -31,27 +31,72 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the coordinator daemon until SIGTERM/SIGINT")
-    s.add_argument("--run", required=True, type=Path, metavar="SPEC.toml", help="run spec (TOML); immutable once the run starts")
-    s.add_argument("--data-dir", required=True, type=Path, metavar="DIR",
-                   help="state directory: SQLite store, coordinator key (0600), checkpoints")
-    s.add_argument("--listen", default="127.0.0.1:7070", metavar="HOST:PORT",
-                   help="gRPC listen address (port 0 picks a free port; printed as 'listening: HOST:PORT'); default %(default)s")
-    s.add_argument("--advertise-endpoint", default=None, metavar="HOST:PORT",
-                   help="gRPC endpoint published in the DHT record (default: the listen address)")
-    s.add_argument("--dht-listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR",
-                   help="hivemind DHT listen multiaddr; default %(default)s")
-    s.add_argument("--initial-peers", nargs="*", default=[], metavar="MULTIADDR",
-                   help="DHT peers to bootstrap from (multiaddrs with /p2p/<id>); none = a new DHT")
-    s.add_argument("--no-dht", action="store_true",
-                   help="do not run a DHT node (no join string; workers need the gRPC endpoint directly)")
-    s.add_argument("--metrics-listen", default=None, metavar="HOST:PORT",
-                   help="Prometheus metrics HTTP address (default: disabled)")
-    s.add_argument("--tick-ms", type=int, default=250, metavar="N",
-                   help="period of the lease/deadline tick in milliseconds; default %(default)s")
-    s.add_argument("--grace-s", type=float, default=5.0, metavar="S",
-                   help="seconds in-flight calls get to finish on SIGTERM/SIGINT; default %(default)s")
-    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="log level (stderr); default %(default)s")
+    s.add_argument(
+        "--run", required=True, type=Path, metavar="SPEC.toml", help="run spec (TOML); immutable once the run starts"
+    )
+    s.add_argument(
+        "--data-dir",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="state directory: SQLite store, coordinator key (0600), checkpoints",
+    )
+    s.add_argument(
+        "--listen",
+        default="127.0.0.1:7070",
+        metavar="HOST:PORT",
+        help="gRPC listen address (port 0 picks a free port; printed as 'listening: HOST:PORT'); default %(default)s",
+    )
+    s.add_argument(
+        "--advertise-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="gRPC endpoint published in the DHT record (default: the listen address)",
+    )
+    s.add_argument(
+        "--dht-listen",
+        default="/ip4/127.0.0.1/tcp/0",
+        metavar="MULTIADDR",
+        help="hivemind DHT listen multiaddr; default %(default)s",
+    )
+    s.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="MULTIADDR",
+        help="DHT peers to bootstrap from (multiaddrs with /p2p/<id>); none = a new DHT",
+    )
+    s.add_argument(
+        "--no-dht",
+        action="store_true",
+        help="do not run a DHT node (no join string; workers need the gRPC endpoint directly)",
+    )
+    s.add_argument(
+        "--metrics-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="Prometheus metrics HTTP address (default: disabled)",
+    )
+    s.add_argument(
+        "--tick-ms",
+        type=int,
+        default=250,
+        metavar="N",
+        help="period of the lease/deadline tick in milliseconds; default %(default)s",
+    )
+    s.add_argument(
+        "--grace-s",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds in-flight calls get to finish on SIGTERM/SIGINT; default %(default)s",
+    )
+    s.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level (stderr); default %(default)s",
+    )
 
     st = sub.add_parser("status", help="show workers, cells and rounds of a run")
     st.add_argument("--data-dir", type=Path, metavar="DIR", help="read the daemon's store (read-only)")
@@ -76,8 +121,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from bagel.coordinator.daemon import serve
-    from bagel.protocol.runspec import SpecError, load_spec
     from bagel.coordinator.store import StoreError
+    from bagel.protocol.runspec import SpecError, load_spec
 
     if args.tick_ms < 10:
         print("error: --tick-ms must be at least 10", file=sys.stderr)
@@ -194,7 +239,9 @@ def _render(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]run[/bold] {doc.get('run_id', '')}  spec {str(doc.get('spec_hash', ''))[:12]}  ({doc['source']})")
+    console.print(
+        f"[bold]run[/bold] {doc.get('run_id', '')}  spec {str(doc.get('spec_hash', ''))[:12]}  ({doc['source']})"
+    )
     cells = Table(title="cells")
     for col in ("cell", "round", "state", "committed", "hash", "members", "samples", "loss", "ckpt"):
         cells.add_column(col)
@@ -239,7 +286,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # grpc errors from --target
-        print(f"error: {type(e).__name__}: {getattr(e, 'details', lambda: e)()}", file=sys.stderr)
+        details = e.details() if hasattr(e, "details") else e
+        print(f"error: {type(e).__name__}: {details}", file=sys.stderr)
         return EXIT_FAILED
     if args.json:
         print(json.dumps(doc, indent=1, sort_keys=True))

@@ -207,7 +207,9 @@ async def start_coordinator(
                 commits=snap.commits,
                 now_ms=now,
             )
-            log.info("restored %d workers, %d cells, %d open rounds", len(snap.workers), len(snap.cells), len(snap.rounds))
+            log.info(
+                "restored %d workers, %d cells, %d open rounds", len(snap.workers), len(snap.cells), len(snap.rounds)
+            )
         else:
             state = CoordinatorState(spec, configs, now_ms=now)
             first = state.snapshot()
@@ -229,7 +231,11 @@ async def start_coordinator(
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(
-            [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [
+                pb.DESCRIPTOR.services_by_name["Coordinator"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
             server,
         )
         port = server.add_insecure_port(listen)
@@ -356,7 +362,8 @@ async def _serve(
         full_gc = asyncio.create_task(_full_gc_every(FULL_GC_PERIOD_S), name="bagel-coordinator-full-gc")
         out(f"listening: {handle.endpoint}")
         if handle.metrics_port is not None:
-            out(f"metrics: http://{kwargs.get('metrics_listen', '').rpartition(':')[0] or '127.0.0.1'}:{handle.metrics_port}/metrics")
+            host = kwargs.get("metrics_listen", "").rpartition(":")[0] or "127.0.0.1"
+            out(f"metrics: http://{host}:{handle.metrics_port}/metrics")
         if handle.join is not None:
             out(f"join: {handle.join}")
         waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(handle.fatal.wait())]

@@ -136,6 +136,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         deserialize = handler.request_deserializer
+        if deserialize is None:  # every generated Coordinator handler has one: nothing to parse
+            return handler
         metrics = self._metrics
         fail = self._fail
 
@@ -149,8 +151,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async for raw in raw_iter:
                 yield parse(raw)
 
+        # grpc's stubs type a handler's behaviours as sync (grpc.ServicerContext, Iterator);
+        # under grpc.aio they are coroutine functions of a grpc.aio.ServicerContext.
         if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
+            inner_uu: Any = handler.unary_unary
 
             async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
                 t0 = time.perf_counter()
@@ -170,7 +174,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 unary_unary, request_deserializer=None, response_serializer=handler.response_serializer
             )
         if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
+            inner_us: Any = handler.unary_stream
 
             async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 t0 = time.perf_counter()
@@ -190,7 +194,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 unary_stream, request_deserializer=None, response_serializer=handler.response_serializer
             )
         if handler.stream_unary is not None:
-            inner_su = handler.stream_unary
+            inner_su: Any = handler.stream_unary
 
             async def stream_unary(raw_iter: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
                 t0 = time.perf_counter()

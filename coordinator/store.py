@@ -440,7 +440,8 @@ def _upsert(c: sqlite3.Connection, table: str, key: dict[str, Any], record: dict
                 raise StoreError(f"round {rnd} of {cell} (epoch {epoch}) is already committed with another hash")
             return  # the same commit written twice (a retried batch): idempotent
         c.execute(
-            "INSERT INTO commits (cell_id, epoch, round, state_hash, record, committed_unix_ms) VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO commits (cell_id, epoch, round, state_hash, record, committed_unix_ms)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
             (cell, epoch, rnd, h, body, int(record.get("committed_unix_ms", now_ms))),
         )
     elif table == "kv":

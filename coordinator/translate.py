@@ -10,8 +10,8 @@ enums translate by value. Incoming messages have already passed `bagel.protocol.
 from __future__ import annotations
 
 from bagel.coordinator.core.events import Heartbeat, Leave, Register, ReportRound
-from bagel.protocol.messages import Instruction, LocalState, Member, PeerAddress, Phase, Profile, Verdict
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.messages import Instruction, LocalState, Member, PeerAddress, Phase, Profile, Verdict
 
 # ---------------------------------------------------------------- proto -> domain
 

@@ -271,10 +271,16 @@ def sample(
     raise ValueError(f"unknown sampler {method!r}; known: euler, heun")
 
 
-def class_histogram(cluster_labels: torch.Tensor, class_labels: torch.Tensor, clusters: int, classes: int) -> torch.Tensor:
+def class_histogram(
+    cluster_labels: torch.Tensor, class_labels: torch.Tensor, clusters: int, classes: int
+) -> torch.Tensor:
     """[clusters, classes] p(y | k) with add-one smoothing, from a cluster manifest."""
     counts = torch.ones(clusters, classes, dtype=torch.float64)
-    counts.index_put_((cluster_labels.long(), class_labels.long()), torch.ones(len(class_labels), dtype=torch.float64), accumulate=True)
+    counts.index_put_(
+        (cluster_labels.long(), class_labels.long()),
+        torch.ones(len(class_labels), dtype=torch.float64),
+        accumulate=True,
+    )
     return (counts / counts.sum(dim=1, keepdim=True)).float()
 
 
@@ -286,8 +292,8 @@ def from_cells(
     """A composed model of a run from whichever of its cells are available ({cell id: model},
     e.g. loaded with `checkpoint.load`); the router is used when present, the cluster sizes
     and class histogram come from the run's cluster manifest."""
-    from bagel.protocol.runspec import ROUTER_CELL, parse_cell
     from bagel.models.data import load_dataset
+    from bagel.protocol.runspec import ROUTER_CELL, parse_cell
 
     ds = load_dataset(spec)
     labels = torch.from_numpy(ds.manifest.train_labels)

@@ -135,8 +135,8 @@ def load_folder_source(path: str | Path, channels: int, image_size: int) -> tupl
     for f, _ in files:
         try:
             with Image.open(f) as im:
-                im = im.convert(mode).resize((image_size, image_size), Image.Resampling.BICUBIC)
-                arrays.append(np.asarray(im, dtype=np.uint8))
+                img = im.convert(mode).resize((image_size, image_size), Image.Resampling.BICUBIC)
+                arrays.append(np.asarray(img, dtype=np.uint8))
         except OSError as e:
             raise DataError(f"cannot read image {str(f)!r}: {e}") from None
     x = np.stack(arrays)
@@ -253,8 +253,7 @@ def whole_class_clusters(labels: np.ndarray, classes: np.ndarray, k: int) -> np.
         if (assign == j).any():
             continue
         donors = [c for c in range(n_classes) if present[c] and (assign == assign[c]).sum() > 1]
-        share = lambda c: counts[c, j] / counts[c].sum()  # noqa: E731
-        assign[max(donors, key=lambda c: (share(c), -c))] = j
+        assign[max(donors, key=lambda c: (counts[c, j] / counts[c].sum(), -c))] = j  # largest share of j
     return assign
 
 

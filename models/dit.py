@@ -126,6 +126,13 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
+def _linear(m: nn.Module) -> nn.Linear:
+    """`m`, an entry of an nn.Sequential (which indexes as a plain Module), as the nn.Linear it is."""
+    if not isinstance(m, nn.Linear):
+        raise TypeError(f"expected nn.Linear, got {type(m).__name__}")
+    return m
+
+
 class TimestepEmbedder(nn.Module):
     def __init__(self, hidden: int) -> None:
         super().__init__()
@@ -210,16 +217,18 @@ class DiT(nn.Module):
                 nn.init.zeros_(mod.bias)
         w = self.x_embed.weight.data
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        assert self.x_embed.bias is not None  # built with one
         nn.init.zeros_(self.x_embed.bias)
         if self.y_embed is not None:
             nn.init.normal_(self.y_embed.weight, std=0.02)
         for lin in (self.t_embed.mlp[0], self.t_embed.mlp[2]):
-            nn.init.normal_(lin.weight, std=0.02)
+            nn.init.normal_(_linear(lin).weight, std=0.02)
         for block in self.blocks:
-            nn.init.zeros_(block.ada[-1].weight)
-            nn.init.zeros_(block.ada[-1].bias)
-        nn.init.zeros_(self.final.ada[-1].weight)
-        nn.init.zeros_(self.final.ada[-1].bias)
+            assert isinstance(block, DiTBlock)
+            nn.init.zeros_(_linear(block.ada[-1]).weight)
+            nn.init.zeros_(_linear(block.ada[-1]).bias)
+        nn.init.zeros_(_linear(self.final.ada[-1]).weight)
+        nn.init.zeros_(_linear(self.final.ada[-1]).bias)
         nn.init.zeros_(self.final.linear.weight)
         nn.init.zeros_(self.final.linear.bias)
 

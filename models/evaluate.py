@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +40,11 @@ def loss_per_bucket(
 
     Every sample is scored once per bucket at t uniform in the bucket, with noise from a
     generator seeded by `seed`, so two models are compared on identical (x0, t, eps)."""
-    if len(edges) < 2 or any(b <= a for a, b in zip(edges, edges[1:])):
+    if len(edges) < 2 or any(b <= a for a, b in pairwise(edges)):
         raise ValueError(f"bucket edges must increase, got {list(edges)}")
     gen = torch.Generator().manual_seed(seed)
     out: list[float] = []
-    for lo, hi in zip(edges, edges[1:]):
+    for lo, hi in pairwise(edges):
         total = 0.0
         for i in range(0, len(x), batch):
             x0 = x[i : i + batch]

@@ -163,6 +163,7 @@ class CellTask:
         nc = self.spec.model.num_classes
         if nc > 0 and int(y.max()) >= nc:
             raise DataError(f"data has label {int(y.max())} but model.num_classes = {nc}")
+        assert self.cluster is not None  # an expert's task (the router's returned above)
         idx = torch.nonzero(labels == self.cluster).flatten()
         return x[idx], y[idx]
 

@@ -105,6 +105,7 @@ class ResBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
         nn.init.zeros_(self.conv2.weight)
+        assert self.conv2.bias is not None  # built with one
         nn.init.zeros_(self.conv2.bias)
 
     def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -160,6 +161,7 @@ class UNet(nn.Module):
         self.out_norm = nn.GroupNorm(GROUPS, b)
         self.out = nn.Conv2d(b, cfg.channels, 3, padding=1)
         nn.init.zeros_(self.out.weight)
+        assert self.out.bias is not None  # built with one
         nn.init.zeros_(self.out.bias)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:

@@ -314,7 +314,9 @@ def _file_sha256(path: Path) -> tuple[int, str]:
 # ---------------------------------------------------------------------------- retries
 
 
-def backoff_delay_s(attempt: int, *, base_s: float = 0.2, max_s: float = 10.0, rng: random.Random | None = None) -> float:
+def backoff_delay_s(
+    attempt: int, *, base_s: float = 0.2, max_s: float = 10.0, rng: random.Random | None = None
+) -> float:
     """Full-jitter delay before retry `attempt` (0-based): uniform(0, min(max_s, base_s * 2^attempt))."""
     cap = min(max_s, base_s * (2.0 ** min(attempt, 62)))
     return (rng or random).uniform(0.0, cap)
@@ -356,5 +358,7 @@ async def with_retries(
             delay = backoff_delay_s(attempt - 1, base_s=base_s, max_s=max_s, rng=rng)
             if deadline_s is not None and time.monotonic() + delay - start > deadline_s:
                 raise
-            logger.info("coordinator call failed (%s); retry %d in %.2fs", getattr(e, "code", lambda: e)(), attempt, delay)
+            logger.info(
+                "coordinator call failed (%s); retry %d in %.2fs", e.code() if hasattr(e, "code") else e, attempt, delay
+            )
             await sleep(delay)

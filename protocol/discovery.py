@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import get_dht_time
@@ -392,7 +391,7 @@ async def resolve_coordinator(
                 record, refused_now = await asyncio.wait_for(
                     lookup_coordinator(dht, info, max_clock_skew_s=max_clock_skew_s), left
                 )
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 record, refused_now = None, []
             if record is not None:
                 if refused_now:

@@ -262,7 +262,7 @@ class Verifier:
             message.ParseFromString(payload)
         except DecodeError as e:
             raise MalformedPayload(f"payload is not a valid {payload_type.__name__}: {e}") from None
-        if not message.HasField("header"):  # type: ignore[attr-defined]
+        if not message.HasField("header"):
             raise MalformedPayload("payload has no header")
         header: pb.RequestHeader = message.header  # type: ignore[attr-defined]
         if header.run_id != self.run_id:

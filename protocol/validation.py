@@ -26,8 +26,8 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from bagel.protocol.runspec import RunSpec
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.runspec import RunSpec
 
 # Bounds on values no honest worker comes near; they keep arithmetic and storage sane.
 MAX_ROUND = 1 << 40

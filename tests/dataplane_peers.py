@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import hivemind
 import pytest
 import torch
+
 from bagel.worker.averaging import Contributor, DataPlane
 
 RUN_ID = "test-run"

@@ -227,7 +227,7 @@ class SimWorker:
                 continue
             try:
                 await asyncio.wait_for(self._wake.wait(), self.heartbeat_s or 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
 
@@ -274,7 +274,8 @@ class SimWorker:
             self._start((pb.ORDER_TRAIN, ins.cell_id, ins.round, ins.round_attempt), lambda: self._train(ins))
         elif order == pb.ORDER_REDUCE:
             self._start(
-                (pb.ORDER_REDUCE, ins.cell_id, ins.round, ins.round_attempt, ins.reduce_attempt), lambda: self._reduce(ins)
+                (pb.ORDER_REDUCE, ins.cell_id, ins.round, ins.round_attempt, ins.reduce_attempt),
+                lambda: self._reduce(ins),
             )
         elif order == pb.ORDER_LEAVE:
             self.stopped = True
@@ -322,7 +323,9 @@ class SimWorker:
                     state_hash=h,
                     samples=self.samples,
                     loss=0.5,
-                    compute_ms=int(1000 * (self.train_s if self.train_s is not None else self.samples / self.samples_per_s)),
+                    compute_ms=int(
+                        1000 * (self.train_s if self.train_s is not None else self.samples / self.samples_per_s)
+                    ),
                     comm_ms=int(self.reduce_s * 1000),
                     reduce_attempt=ins.reduce_attempt,
                 )

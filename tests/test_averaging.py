@@ -79,7 +79,7 @@ async def exchange(
         for w in ids
     ]
     results = await asyncio.wait_for(asyncio.gather(*coros), timeout_s + 30)
-    return dict(zip(ids, results))
+    return dict(zip(ids, results, strict=True))
 
 
 def max_diff_across(results: dict[str, ExchangeResult]) -> float:
@@ -329,7 +329,7 @@ async def test_late_reducer_is_retried_until_it_starts() -> None:
             )  # fmt: skip
 
         done = await asyncio.wait_for(asyncio.gather(run(ps[0], 0), run(ps[1], 0), run(ps[2], 1.5)), 60)
-        assert_bit_identical(dict(zip(["w0", "w1", "w2"], done)))
+        assert_bit_identical(dict(zip(["w0", "w1", "w2"], done, strict=True)))
 
 
 class RawFp32:
@@ -394,7 +394,7 @@ async def test_nan_part_is_excluded_and_nonfinite_member_abstains() -> None:
                         )
                     ),
                     60,
-                ),
+                ), strict=True
             )
         )
         assert_bit_identical(results)

@@ -18,13 +18,13 @@ import grpc
 import pytest
 
 from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
-from bagel.protocol.runspec import parse_spec
 from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import sign_request, wall_clock_ms
 from bagel.protocol.grpc_options import MAX_MESSAGE_BYTES
 from bagel.protocol.identity import Identity
+from bagel.protocol.runspec import parse_spec
 
 from simworkers import cluster_spec_text, fake_peer_id, uniform_cells
 
@@ -160,18 +160,41 @@ async def test_every_signed_rpc_rejects_bad_input_without_state_change(coordinat
         return pb.SignedRequest(payload=s.payload, signature=s.signature, public_key=me.public_key)
 
     case("signature by another key", grpc.StatusCode.UNAUTHENTICATED, lambda: caller.send(method, other_key()))
-    case("stale timestamp", grpc.StatusCode.UNAUTHENTICATED,
-         lambda: caller.send(method, signed(me, method, good_payload(method), run_id, now_ms=wall_clock_ms() - 10 * 60_000)))
-    case("future timestamp", grpc.StatusCode.UNAUTHENTICATED,
-         lambda: caller.send(method, signed(me, method, good_payload(method), run_id, now_ms=wall_clock_ms() + 10 * 60_000)))
+    case(
+        "stale timestamp",
+        grpc.StatusCode.UNAUTHENTICATED,
+        lambda: caller.send(
+            method, signed(me, method, good_payload(method), run_id, now_ms=wall_clock_ms() - 10 * 60_000)
+        ),
+    )
+    case(
+        "future timestamp",
+        grpc.StatusCode.UNAUTHENTICATED,
+        lambda: caller.send(
+            method, signed(me, method, good_payload(method), run_id, now_ms=wall_clock_ms() + 10 * 60_000)
+        ),
+    )
     other_method = "Leave" if method != "Leave" else "Heartbeat"
     case("payload signed for another RPC", grpc.StatusCode.INVALID_ARGUMENT,
          lambda: caller.send(method, signed(me, other_method, good_payload(other_method), run_id)))
     case("malformed bytes", grpc.StatusCode.INVALID_ARGUMENT, lambda: caller.send(method, b"\xff\xff\xff\xff"))
-    case("garbage payload", grpc.StatusCode.INVALID_ARGUMENT,
-         lambda: caller.send(method, pb.SignedRequest(payload=b"\x0a\xff", signature=me.sign(b"\x0a\xff"), public_key=me.public_key)))
-    case("oversized message", grpc.StatusCode.RESOURCE_EXHAUSTED,
-         lambda: caller.send(method, pb.SignedRequest(payload=os.urandom(MAX_MESSAGE_BYTES + 1024), signature=bytes(64), public_key=me.public_key)))
+    case(
+        "garbage payload",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: caller.send(
+            method, pb.SignedRequest(payload=b"\x0a\xff", signature=me.sign(b"\x0a\xff"), public_key=me.public_key)
+        ),
+    )
+    case(
+        "oversized message",
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        lambda: caller.send(
+            method,
+            pb.SignedRequest(
+                payload=os.urandom(MAX_MESSAGE_BYTES + 1024), signature=bytes(64), public_key=me.public_key
+            ),
+        ),
+    )
     if method != "Register":
         case("unknown worker", grpc.StatusCode.NOT_FOUND,
              lambda: caller.send(method, signed(Identity.generate(), method, good_payload(method), run_id)))
@@ -233,7 +256,7 @@ async def test_upload_checkpoint_rejects_bad_input_without_state_change(coordina
          [pb.CheckpointUploadChunk(data=os.urandom(MAX_MESSAGE_BYTES + 1024))]),
     ]
     for name, code, chunks in cases:
-        await expect(code, lambda: caller.upload(chunks))
+        await expect(code, lambda chunks=chunks: caller.upload(chunks))
         assert await fingerprint(h, caller) == before, f"UploadCheckpoint: state changed after '{name}'"
     assert list((h.data_dir / "checkpoints").rglob("*.safetensors")) == []
 
@@ -244,7 +267,9 @@ async def test_get_status_rejects_malformed_and_oversized(coordinator) -> None:
     before = await fingerprint(h, caller)
     raw = caller.channel.unary_unary("/bagel.v1.Coordinator/GetStatus")
     await expect(grpc.StatusCode.INVALID_ARGUMENT, lambda: raw(b"\xff\xff\xff", timeout=10))
-    await expect(grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: raw(b"\x0a" + os.urandom(MAX_MESSAGE_BYTES + 100), timeout=10))
+    await expect(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: raw(b"\x0a" + os.urandom(MAX_MESSAGE_BYTES + 100), timeout=10)
+    )
     assert await fingerprint(h, caller) == before
     # and the daemon is still healthy
     assert (await caller.stub.GetStatus(pb.GetStatusRequest(), timeout=10)).run_id == h.spec.run.id

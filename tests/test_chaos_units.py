@@ -74,7 +74,10 @@ def test_parse_minimal_and_faults_sorted():
         (scenario('[[faults]]\nkind = "reset"\nat_s = 1\nworkers = [0]'), "proxy faults apply"),
         (scenario('[[faults]]\nkind = "kill"\nat_s = 1\nworkers = [7]'), "indices must be < workers.count"),
         (scenario('[[faults]]\nkind = "kill"\nat_s = 1'), "needs fraction, count or workers"),
-        (scenario('[[faults]]\nkind = "stop"\nat_s = 500\nduration_s = 5\ncount = 1', chaos="max_duration_s = 100"), "ends before the last fault"),
+        (
+            scenario('[[faults]]\nkind = "stop"\nat_s = 500\nduration_s = 5\ncount = 1', chaos="max_duration_s = 100"),
+            "ends before the last fault",
+        ),
         ("not toml [", "not valid TOML"),
     ],
 )
@@ -114,13 +117,23 @@ def test_runner_checks_fail_when_a_fault_did_not_fire_or_a_process_died():
 
 def test_markdown_says_fail_and_why():
     results = {
-        "progress_resumes": InvariantResult("progress_resumes", False, ("kill at 3.0s: next commit after 80.0s > bound 60.0s",)),
+        "progress_resumes": InvariantResult(
+            "progress_resumes", False, ("kill at 3.0s: next commit after 80.0s > bound 60.0s",)
+        ),
         "no_process_leaked": InvariantResult("no_process_leaked", True),
     }
     summary = {
-        "scenario": "x", "invariants": {k: r.ok for k, r in results.items()}, "committed_rounds": 3, "stop_reason": "cap",
-        "progress_bound_s": 60.0, "faults": [], "committed_rounds_per_cell": {}, "workers": [], "byzantine": {},
-        "notes": {}, "commit_log_reads": [],
+        "scenario": "x",
+        "invariants": {k: r.ok for k, r in results.items()},
+        "committed_rounds": 3,
+        "stop_reason": "cap",
+        "progress_bound_s": 60.0,
+        "faults": [],
+        "committed_rounds_per_cell": {},
+        "workers": [],
+        "byzantine": {},
+        "notes": {},
+        "commit_log_reads": [],
     }
     md = markdown(summary, results)
     assert "**FAIL**" in md and "next commit after 80.0s" in md and "| `no_process_leaked` | yes |" in md
@@ -136,7 +149,10 @@ def test_byzantine_effect_compares_loss_after_its_rounds(tmp_path):
 
     # rounds 1 and 3 include the Byzantine worker: the loss went up after them
     run.commit_records = (
-        rec(1, 1.0, ("byz", "honest")), rec(2, 1.5, ("honest",)), rec(3, 1.2, ("byz", "honest")), rec(4, 1.6, ("honest",)),
+        rec(1, 1.0, ("byz", "honest")),
+        rec(2, 1.5, ("honest",)),
+        rec(3, 1.2, ("byz", "honest")),
+        rec(4, 1.6, ("honest",)),
         rec(5, 1.4, ("honest",)),
     )
     eff = byzantine_effect(run)["w1"]
@@ -197,7 +213,11 @@ async def test_supervisor_tracks_group_pids_and_ports_and_kills_the_group(tmp_pa
 
 async def test_shutdown_is_graceful_first_and_wait_line_reports_exit(tmp_path):
     sup = Supervisor(tmp_path)
-    code = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: (print('bye', flush=True), sys.exit(0)))\nprint('up', flush=True)\ntime.sleep(600)"
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('bye', flush=True), sys.exit(0)))\n"
+        "print('up', flush=True)\ntime.sleep(600)"
+    )
     proc = await sup.spawn("polite", [sys.executable, "-c", code])
     await proc.wait_line(lambda s: s == "up", 60)
     await sup.shutdown(grace_s=30.0)
@@ -281,8 +301,11 @@ def test_local_checkpoints_are_rehashed_and_a_corrupt_one_breaks_the_replica_inv
     assert sorted((o.worker_id, o.cell_id, o.round, o.state_hash) for o in obs) == [
         ("wa", "k0.r0", 3, h), ("wa", "k0.r0", 3, h), ("wb", "k0.r0", 3, h), ("wb", "k0.r0", 3, h)
     ]
-    log = inv.CommitLogRead(10.0, "final", (inv.CommitEntry("k0.r0", 1, "a" * 64), inv.CommitEntry("k0.r0", 2, "b" * 64),
-                                            inv.CommitEntry("k0.r0", 3, h)))
+    log = inv.CommitLogRead(
+        10.0,
+        "final",
+        (inv.CommitEntry("k0.r0", 1, "a" * 64), inv.CommitEntry("k0.r0", 2, "b" * 64), inv.CommitEntry("k0.r0", 3, h)),
+    )
     assert inv.check_replicas_bit_identical(inv.History(commit_logs=(log,), hashes=tuple(obs))).ok
 
     hist = dirs[1] / "runs" / spec.run.id / "history" / "k0.r0.r3.safetensors"
@@ -304,7 +327,9 @@ def test_worker_events_become_observations():
     assert obs.on_event(0, "wa", {"event": "ready", "cell": "k0.r0", "round": 2, "loss": 1.5}, 1.0) == ""
     obs.on_event(0, "wa", {"event": "verdict", "cell": "k0.r0", "round": 2, "verdict": "resync", "hash": "d" * 64}, 2.0)
     obs.on_event(0, "wa", {"event": "committed", "cell": "k0.r0", "round": 2, "hash": h}, 3.0)
-    note = obs.on_event(1, "wb", {"event": "heartbeat-refused", "message": "PERMISSION_DENIED: worker wb is banned: reputation"}, 4.0)
+    note = obs.on_event(
+        1, "wb", {"event": "heartbeat-refused", "message": "PERMISSION_DENIED: worker wb is banned: reputation"}, 4.0
+    )
     obs.on_event(1, "wb", {"event": "error", "message": "reduce: ValueError: boom"}, 5.0)
     assert "banned" in note and 1 in obs.banned and obs.errors[1] == ["reduce: ValueError: boom"]
     assert obs.first_commit_s == 3.0 and obs.acknowledged[0].state_hash == h

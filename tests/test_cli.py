@@ -51,7 +51,16 @@ def test_help_names_every_flag(capsys) -> None:
         cli.main(["serve", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--run", "--data-dir", "--listen", "--dht-listen", "--initial-peers", "--metrics-listen", "--tick-ms", "--grace-s"):
+    for flag in (
+        "--run",
+        "--data-dir",
+        "--listen",
+        "--dht-listen",
+        "--initial-peers",
+        "--metrics-listen",
+        "--tick-ms",
+        "--grace-s",
+    ):
         assert flag in out
     with pytest.raises(SystemExit):
         cli.main(["status", "--help"])
@@ -109,7 +118,9 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
         assert 'bagel_rpc_latency_seconds_count{method="Register"} 1.0' in text
 
         # a second daemon on the same data dir is refused
-        second = run_cli("serve", "--run", str(spec_path), "--data-dir", str(data), "--listen", "127.0.0.1:0", "--no-dht")
+        second = run_cli(
+            "serve", "--run", str(spec_path), "--data-dir", str(data), "--listen", "127.0.0.1:0", "--no-dht"
+        )
         assert second.returncode == 2 and "another coordinator is running" in second.stderr
 
         # SIGTERM: clean exit 0, DHT child gone with it

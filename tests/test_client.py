@@ -15,7 +15,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bagel.protocol.runspec import load_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol import grpc_options
@@ -28,6 +27,7 @@ from bagel.protocol.client import (
 )
 from bagel.protocol.envelope import EnvelopeError, Verifier, wall_clock_ms
 from bagel.protocol.identity import Identity
+from bagel.protocol.runspec import load_spec
 from bagel.protocol.validation import ValidationError, validate
 
 SPEC = load_spec(Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.toml")
@@ -330,7 +330,7 @@ def _self_signed_cert() -> tuple[bytes, bytes]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bagel-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
 from bagel.coordinator.core.records import CellConfig, CommitRecord, RoundRecord, RoundState, WorkerState
-from bagel.protocol.runspec import parse_spec
+from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
 from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.runspec import parse_spec
 
 from simworkers import SimWorker, cluster_spec_text, honest_hash, start_workers, stop_workers, uniform_cells
 
@@ -160,9 +160,12 @@ async def test_member_with_another_hash_is_resynced(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(90)
 async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: Path) -> None:
-    text = cluster_spec_text(min_replicas=1, lease_s=2.0, heartbeat_s=0.3).replace("clusters = 2", "clusters = 1").replace(
-        "timestep_ranges = 2", "timestep_ranges = 1"
-    ).replace("router = true", "router = false")
+    text = (
+        cluster_spec_text(min_replicas=1, lease_s=2.0, heartbeat_s=0.3)
+        .replace("clusters = 2", "clusters = 1")
+        .replace("timestep_ranges = 2", "timestep_ranges = 1")
+        .replace("router = true", "router = false")
+    )
     h = await start(tmp_path, text)
     target = f"127.0.0.1:{h.port}"
     # slow workers (a round trains ~2 s, its deadline is ~2x that), so there is time to
@@ -242,7 +245,10 @@ async def test_heterogeneous_workers_fit_and_proportional_batches(tmp_path: Path
         assert firsts, "no multi-member first round"
         for r in firsts:
             per_speed = [m.max_samples / speed[m.worker_id] for m in r.members]
-            assert max(per_speed) <= 1.25 * min(per_speed), (r.cell_id, [(m.max_samples, speed[m.worker_id]) for m in r.members])
+            assert max(per_speed) <= 1.25 * min(per_speed), (
+                r.cell_id,
+                [(m.max_samples, speed[m.worker_id]) for m in r.members],
+            )
     finally:
         await stop_workers(workers)
         await h.stop()

@@ -219,18 +219,55 @@ def test_topk_values_and_padding_are_checked() -> None:
 
 GOLDEN = {
     # name: (sha256 of encode(hashed_input(70001)) with generator seed 7, sha256 of its decode)
-    "fp32": ("f87973d538d07736dbc00d7cf71539d08ec1e062dde411f5b2542debdfe3254e", "9c008c209c625e845763c81180463c6614d2cff1e178e0e181228e4ede6c8248"),
-    "fp16": ("d8af4145ac587d654348ec712528f4f8fd44350f191b3444e56303140a792258", "ba09e8eabd67db291b03f428aa00569ce42167ccf43764edd76fa630a84a032a"),
-    "bf16": ("1aa0afd2e63dd004f1292b48af8a9c661deea600a1b2545f9a03958bf03b9b30", "0a9b092f595a062e58ede0de4f07941a85cbfdd7cecf0aa01fb76b2b018b9fa4"),
-    "int8": ("86901468f1eb5f1b0de8da128e1614c95076946be7c93f7971fa029bc2d2a1aa", "faa9cb29efd3c9eef90314c8521ea7a8ff5626ab6930955249e457fcdb2d2eda"),
-    "int8:block=64": ("433e00fffb9182bf91ce5caa5d08d8c4baaafc1d460e372ddcdd31a52945e389", "a85222d9e07a72e73719f9d7be83f9df32a590ca175f83745c89ddc5defa8db3"),
-    "int8:stochastic": ("45487d56e9d2ccacf54c4c719cf07675ba8a7f81b0b4d71af14e92b29769ac34", "be5c50e5cdcf61e3cea2ba4f18499cc0c1adec14412acdd534a07008d62a2908"),
-    "int4": ("ac705da693522a3348a452bc06abf8634ee46c729b0dbba631e07f5927efff19", "b10074bff1cf818ed7a6188436debe4d40aacf22c5dcd9a691185dea36f8a1ed"),
-    "int4:stochastic": ("73cc5a9e1e354c6721ac8923854fd1a0fee5a6c3905e298dfb548e1fff425fe9", "55683605a206ef35e35e2eca5f02336f515b172df6625e205f1c31dc422d6d45"),
-    "topk:0.01": ("3271ec392a0947865b47baf38d2a109f5bb846c588083c02c0268acb880e2dfc", "51e16ae640a616d1c302ee9d5d01aacd3beb214e59597a045120213a38465716"),
+    "fp32": (
+        "f87973d538d07736dbc00d7cf71539d08ec1e062dde411f5b2542debdfe3254e",
+        "9c008c209c625e845763c81180463c6614d2cff1e178e0e181228e4ede6c8248",
+    ),
+    "fp16": (
+        "d8af4145ac587d654348ec712528f4f8fd44350f191b3444e56303140a792258",
+        "ba09e8eabd67db291b03f428aa00569ce42167ccf43764edd76fa630a84a032a",
+    ),
+    "bf16": (
+        "1aa0afd2e63dd004f1292b48af8a9c661deea600a1b2545f9a03958bf03b9b30",
+        "0a9b092f595a062e58ede0de4f07941a85cbfdd7cecf0aa01fb76b2b018b9fa4",
+    ),
+    "int8": (
+        "86901468f1eb5f1b0de8da128e1614c95076946be7c93f7971fa029bc2d2a1aa",
+        "faa9cb29efd3c9eef90314c8521ea7a8ff5626ab6930955249e457fcdb2d2eda",
+    ),
+    "int8:block=64": (
+        "433e00fffb9182bf91ce5caa5d08d8c4baaafc1d460e372ddcdd31a52945e389",
+        "a85222d9e07a72e73719f9d7be83f9df32a590ca175f83745c89ddc5defa8db3",
+    ),
+    "int8:stochastic": (
+        "45487d56e9d2ccacf54c4c719cf07675ba8a7f81b0b4d71af14e92b29769ac34",
+        "be5c50e5cdcf61e3cea2ba4f18499cc0c1adec14412acdd534a07008d62a2908",
+    ),
+    "int4": (
+        "ac705da693522a3348a452bc06abf8634ee46c729b0dbba631e07f5927efff19",
+        "b10074bff1cf818ed7a6188436debe4d40aacf22c5dcd9a691185dea36f8a1ed",
+    ),
+    "int4:stochastic": (
+        "73cc5a9e1e354c6721ac8923854fd1a0fee5a6c3905e298dfb548e1fff425fe9",
+        "55683605a206ef35e35e2eca5f02336f515b172df6625e205f1c31dc422d6d45",
+    ),
+    "topk:0.01": (
+        "3271ec392a0947865b47baf38d2a109f5bb846c588083c02c0268acb880e2dfc",
+        "51e16ae640a616d1c302ee9d5d01aacd3beb214e59597a045120213a38465716",
+    ),
 }
 
-GOLDEN_NAMES = ["fp32", "fp16", "bf16", "int8", "int8:block=64", "int8:stochastic", "int4", "int4:stochastic", "topk:0.01"]
+GOLDEN_NAMES = [
+    "fp32",
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:block=64",
+    "int8:stochastic",
+    "int4",
+    "int4:stochastic",
+    "topk:0.01",
+]
 
 
 def _digests(name: str) -> tuple[str, str]:

@@ -199,7 +199,9 @@ def test_name_round_trips(name: str) -> None:
     assert str(codec) == codec.name
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int8:stochastic", "int4:block=32:stochastic", "bf16", "fp16", "topk:0.05"])
+@pytest.mark.parametrize(
+    "name", ["int8", "int4", "int8:stochastic", "int4:block=32:stochastic", "bf16", "fp16", "topk:0.05"]
+)
 def test_nominal_rel_error_matches_gaussian_measurement(name: str) -> None:
     """``nominal_rel_error`` (used by choose_codec) is within a factor 1.5 of measurement."""
     codec = get_codec(name)

@@ -161,7 +161,7 @@ def average_with_hivemind(dhts: list[hivemind.DHT], codec_name: str, seed: int =
     averagers = []
     deadline = time.monotonic() + DEADLINE_S  # every wait below is bounded by one deadline
     try:
-        for tensors, dht in zip(inputs, dhts):
+        for tensors, dht in zip(inputs, dhts, strict=True):
             averager = hivemind.averaging.DecentralizedAverager(
                 [t.clone() for t in tensors],
                 dht=dht,

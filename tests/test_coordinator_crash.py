@@ -98,7 +98,11 @@ async def test_sigkill_mid_round_loses_no_commit_and_rounds_continue(tmp_path: P
                 len(states) == 20
                 and all(x in ("active", "banned") for x in states)
                 and states.count("active") >= 16
-                and all(c.committed_round > per_cell_before.get(c.cell_id, 0) for c in s.cells if c.cell_id in per_cell_before)
+                and all(
+                    c.committed_round > per_cell_before.get(c.cell_id, 0)
+                    for c in s.cells
+                    if c.cell_id in per_cell_before
+                )
             )
 
         await wait_status(target, recovered, 90, "the workers re-attached and a new commit in every cell")

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from bagel.protocol.runspec import parse_spec
 from bagel.models import data
+from bagel.protocol.runspec import parse_spec
 
 SPEC = """
 [run]
@@ -126,7 +126,7 @@ def test_shards_are_disjoint_deterministic_and_cover():
     joined = np.concatenate(parts)
     assert len(np.unique(joined)) == n  # disjoint, and together they cover the data
     again = [data.shard("run", "k0.r1", 3, m, 4, n, 25) for m in range(4)]
-    assert all(np.array_equal(a, b) for a, b in zip(parts, again))  # a re-run round sees the same data
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))  # a re-run round sees the same data
     other = data.shard("run", "k0.r1", 4, 0, 4, n, 25)
     assert not np.array_equal(parts[0], other)  # the next round is reshuffled
     assert not np.array_equal(parts[0], data.shard("run", "k1.r1", 3, 0, 4, n, 25))

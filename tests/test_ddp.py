@@ -94,7 +94,9 @@ def _rank_main(out: Path) -> None:
     else:
         def on_train_and_save(cmd):
             on_train(cmd)
-            save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{ctx.rank}.safetensors"))
+            save_file(
+                {k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{ctx.rank}.safetensors")
+            )
 
         ddp.follow(ctx, {"train": on_train_and_save, "stop_round": on_stop_round})
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(results | {"backend": ctx.backend, "world": ctx.world_size}))

@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from bagel.compression import ErrorFeedback, decode, get_codec
 from bagel.protocol.statehash import state_hash
+from bagel.worker.aggregation import WeightedMean
 from bagel.worker.diloco import CellState, OuterConfig, StateFormatError, outer_step, pseudo_gradient
 from bagel.worker.parts import decode_part, part_bounds, part_generator, prepare_contribution, reduce_part
-from bagel.worker.aggregation import WeightedMean
 
 FIXTURE = Path(__file__).parent / "fixtures" / "diloco_golden.json"
 WRITE = os.environ.get("WRITE_FIXTURE", "").lower() in ("1", "true", "yes")
@@ -161,7 +162,7 @@ def run_reference() -> tuple[dict, dict, dict, list[dict]]:
     log = []
     for rnd in range(1, ROUNDS + 1):
         unflat, start = {}, 0
-        for n, k in zip(names, sizes):
+        for n, k in zip(names, sizes, strict=True):
             unflat[n] = torch.from_numpy(theta[start : start + k].reshape(SHAPES[n]).copy())
             start += k
         sent = []
@@ -171,7 +172,7 @@ def run_reference() -> tuple[dict, dict, dict, list[dict]]:
             q = Q(c)
             err[m] = c - q
             sent.append(q.astype(np.float64))
-        a = Q((sum(wi * q for wi, q in zip(w, sent)) / w.sum()).astype(np.float32))
+        a = Q((sum(wi * q for wi, q in zip(w, sent, strict=True)) / w.sum()).astype(np.float32))
         mom = mom * np.float32(0.9) + a
         theta = theta - (a + mom * np.float32(0.9)) * np.float32(0.7)
         log.append({"round": rnd, "averaged": a})
@@ -192,7 +193,7 @@ def test_golden_outer_step_and_error_feedback_match_reference_and_fixture() -> N
         got = flat({n: efs[m].residual(n) for n in names})
         np.testing.assert_allclose(got, ref_err[m], rtol=0, atol=1e-6)
         assert np.abs(got).max() > 0, "error feedback kept nothing: the test would not see a wrong update"
-    for ours, ref in zip(log, ref_log):
+    for ours, ref in zip(log, ref_log, strict=True):
         np.testing.assert_allclose(flat(ours["averaged"]), ref["averaged"], rtol=0, atol=1e-6)
 
     record = {

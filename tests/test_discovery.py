@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+
 import hivemind
 import pytest
 from hivemind.utils import get_dht_time

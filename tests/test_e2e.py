@@ -332,7 +332,9 @@ def test_late_joiner_syncs_from_a_peer_and_contributes_next_round(swarm: Swarm):
     # and then trains: a round it contributes samples to, bit-identical with the others
     weighted = s.wait(
         "the joiner contributes samples",
-        lambda: [r for r, c in s.commits("late").items() if c["samples"] > 0 and r in committed_by_all(s, ["a", "b", "late"])],
+        lambda: [
+            r for r, c in s.commits("late").items() if c["samples"] > 0 and r in committed_by_all(s, ["a", "b", "late"])
+        ],
         timeout_s=90,
     )
     assert_replicas_identical(s, ["a", "b", "late"], weighted[0])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bagel.protocol.runspec import load_spec, parse_spec
 from bagel.models import experts
+from bagel.protocol.runspec import load_spec, parse_spec
 from bagel.protocol.statehash import state_hash
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.toml")

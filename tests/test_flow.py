@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from bagel.models import flow
 def test_ranges_are_equal_probability_quantiles(count, mean, std):
     ranges = flow.timestep_ranges(count, mean, std)
     assert ranges[0][0] == 0.0 and ranges[-1][1] == 1.0
-    for (a, b), (c, _) in zip(ranges, ranges[1:]):
+    for (a, b), (c, _) in pairwise(ranges):
         assert b == c and a < b
     masses = [flow.logit_normal_cdf(hi, mean, std) - flow.logit_normal_cdf(lo, mean, std) for lo, hi in ranges]
     assert masses == pytest.approx([1.0 / count] * count, abs=1e-9)

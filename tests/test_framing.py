@@ -6,6 +6,7 @@ import asyncio
 import struct
 
 import pytest
+
 from bagel.worker.framing import FrameError, discard_frame, read_frame
 
 

@@ -35,7 +35,10 @@ def clean() -> History:
     after = _log(40.0, "after restart", {"k0.r0": 2, "router": 2})
     end = _log(80.0, "end", {"k0.r0": 6, "router": 5})
     hashes = tuple(
-        HashObservation(10.0 * r + 1, w, c, r, _h(c, r)) for c, n in (("k0.r0", 6), ("router", 5)) for r in range(1, n + 1) for w in ("a", "b")
+        HashObservation(10.0 * r + 1, w, c, r, _h(c, r))
+        for c, n in (("k0.r0", 6), ("router", 5))
+        for r in range(1, n + 1)
+        for w in ("a", "b")
     )
     return History(
         commit_logs=(before, after, end),
@@ -77,7 +80,10 @@ def test_commit_rewritten_with_other_hash_is_lost():
     h = clean()
     end = h.commit_logs[2]
     doctored = replace(
-        end, commits=tuple(replace(c, state_hash="f" * 64) if (c.cell_id, c.round) == ("k0.r0", 1) else c for c in end.commits)
+        end,
+        commits=tuple(
+            replace(c, state_hash="f" * 64) if (c.cell_id, c.round) == ("k0.r0", 1) else c for c in end.commits
+        ),
     )
     bad = replace(h, commit_logs=(h.commit_logs[0], h.commit_logs[1], doctored), hashes=())
     assert failing(bad) == {"no_committed_round_lost"}
@@ -155,9 +161,13 @@ def _rollback_history(max_rollback: int) -> History:
     """k0.r0 commits 1..4 in epoch 0, is orphaned, falls back to its round-2 checkpoint and
     re-commits 3..5 in epoch 1 (the store reads back the current epoch only)."""
     h = clean()
-    before = CommitLogRead(30.0, "before orphan", tuple(CommitEntry("k0.r0", r, _h("k0.r0", r), 5.0 * r) for r in range(1, 5)))
+    before = CommitLogRead(
+        30.0, "before orphan", tuple(CommitEntry("k0.r0", r, _h("k0.r0", r), 5.0 * r) for r in range(1, 5))
+    )
     after = CommitLogRead(
-        60.0, "after rollback", tuple(CommitEntry("k0.r0", r, f"e1-{r}".ljust(64, "0"), 40.0 + r, epoch=1) for r in range(3, 6))
+        60.0,
+        "after rollback",
+        tuple(CommitEntry("k0.r0", r, f"e1-{r}".ljust(64, "0"), 40.0 + r, epoch=1) for r in range(3, 6)),
     )
     return replace(
         h, commit_logs=(before, after), acknowledged=(), hashes=(), faults=(), max_rollback_rounds=max_rollback

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from bagel.protocol.runspec import load_spec
 from bagel.models import compose, experts, flow, train
+from bagel.protocol.runspec import load_spec
 
 RANGES = flow.timestep_ranges(2)  # [(0, 0.5), (0.5, 1)]
 
@@ -43,7 +43,9 @@ class SignRouter(nn.Module):
 
 
 def grid(clusters: int, ranges: int, missing: set[tuple[int, int]] = frozenset(), scale: float = 1.0):
-    return {(k, r): Const(scale * (10 * k + r + 1)) for k in range(clusters) for r in range(ranges) if (k, r) not in missing}
+    return {
+        (k, r): Const(scale * (10 * k + r + 1)) for k in range(clusters) for r in range(ranges) if (k, r) not in missing
+    }
 
 
 def test_switches_expert_at_the_range_boundary_and_by_router():
@@ -69,7 +71,9 @@ def test_fallback_to_the_same_clusters_nearest_range():
 
 def test_fallback_to_the_router_renormalised_over_available_clusters():
     # cluster 2 (the router's favourite) has no cell at all: its second choice, 1, answers.
-    cm = compose.ComposedModel(grid(3, 2, missing={(2, 0), (2, 1), (1, 1)}), RANGES, 3, router=SignRouter([0.0, 1.0, 2.0]))
+    cm = compose.ComposedModel(
+        grid(3, 2, missing={(2, 0), (2, 1), (1, 1)}), RANGES, 3, router=SignRouter([0.0, 1.0, 2.0])
+    )
     x = -torch.ones(2, 1, 4, 4)
     chosen = cm.choose(x, torch.tensor([0.2, 0.8]), None)
     # t=0.2 -> (1, 0); t=0.8 -> cluster 1 lacks range 1 -> its nearest range 0

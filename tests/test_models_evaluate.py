@@ -3,16 +3,16 @@ classifier, PNG grids."""
 
 from __future__ import annotations
 
-import numpy as np
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from bagel.protocol.runspec import load_spec
 from bagel.models import evaluate as ev
 from bagel.models.data import load_dataset
+from bagel.protocol.runspec import load_spec
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.toml"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from bagel.worker.aggregation import (
     CenteredClip,
     PartRejected,
@@ -63,7 +64,7 @@ def test_bad_weights_are_refused(rule: str) -> None:
 
 def test_weighted_mean_matches_numpy_float64() -> None:
     xs, ws = parts(4, 1001, seed=2), [3.0, 1.0, 7.0, 0.5]
-    ref = sum(w * x.numpy().astype(np.float64) for x, w in zip(xs, ws)) / sum(ws)
+    ref = sum(w * x.numpy().astype(np.float64) for x, w in zip(xs, ws, strict=True)) / sum(ws)
     got = WeightedMean().aggregate(xs, ws)
     np.testing.assert_array_equal(got.numpy(), ref.astype(np.float32))
 

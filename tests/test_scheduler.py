@@ -11,9 +11,8 @@ import random
 import pytest
 
 from bagel.coordinator.core.events import Leave
-from bagel.coordinator.core.records import RoundState, WorkerState
-from bagel.protocol.messages import Order
 from bagel.coordinator.core.policy import BAGEL, DILOCO_WAIT_ALL, SYNC_DP, Policy, get_policy
+from bagel.coordinator.core.records import RoundState, WorkerState
 from bagel.coordinator.core.scheduler import (
     Balance,
     Knobs,
@@ -29,8 +28,9 @@ from bagel.coordinator.core.scheduler import (
     split_batch,
     throughput_for,
 )
+from bagel.protocol.messages import Order
 
-from test_state_harness import GB, Harness, T0, h, make_cells, make_spec
+from test_state_harness import GB, T0, Harness, h, make_cells, make_spec
 
 ROUTER = "router"
 EXPERTS = ("k0.r0", "k0.r1", "k1.r0", "k1.r1")
@@ -86,8 +86,10 @@ def test_split_batch_and_batch_shape() -> None:
 
 def test_plan_round_proportional_equal_and_deadline() -> None:
     spec = make_spec(group_batch=512, max_micro_batch=32, deadline_slack=2.0, min_round_s=1.0)
-    peers = [PlanMember(f"m{i}", __import__("bagel.protocol.messages", fromlist=["PeerAddress"]).PeerAddress(f"p{i}"), s, bw)
-             for i, (s, bw) in enumerate([(100.0, 10e6), (400.0, 50e6), (50.0, 100e6)])]
+    peers = [
+        PlanMember(f"m{i}", __import__("bagel.protocol.messages", fromlist=["PeerAddress"]).PeerAddress(f"p{i}"), s, bw)
+        for i, (s, bw) in enumerate([(100.0, 10e6), (400.0, 50e6), (50.0, 100e6)])
+    ]
     p = plan_round(list(reversed(peers)), spec, T0, BAGEL, payload_bytes=20_000_000)
     assert [m.worker_id for m in p.members] == ["m0", "m1", "m2"]  # sorted
     batches = {m.worker_id: m.micro_batch * m.grad_accum for m in p.members}
@@ -164,7 +166,9 @@ def test_assign_after_departure_moves_only_what_is_needed() -> None:
                 for v in views if v.worker_id != gone]
         after = assign(rest, CELL_MEMORY, TARGETS, knobs)
         moved = [w for w in after if after[w] != first[w]]
-        scratch = assign([WorkerView(v.worker_id, v.vram_bytes, v.throughput) for v in rest], CELL_MEMORY, TARGETS, knobs)
+        scratch = assign(
+            [WorkerView(v.worker_id, v.vram_bytes, v.throughput) for v in rest], CELL_MEMORY, TARGETS, knobs
+        )
         assert len(moved) <= 3, (gone, moved)
         assert len(moved) <= sum(1 for w in scratch if scratch[w] != first[w])
         for w in moved:  # a sticky worker moves only from a cell over target to one under it
@@ -237,7 +241,9 @@ def run_round_everywhere(hz: Harness) -> None:
     for cell in hz.spec.cell_ids:
         r = hz.round(cell)
         if r is None:
-            members = [w for w, rec in hz.store.workers.items() if rec.cell_id == cell and rec.state is WorkerState.ACTIVE]
+            members = [
+                w for w, rec in hz.store.workers.items() if rec.cell_id == cell and rec.state is WorkerState.ACTIVE
+            ]
             for w in members:
                 hz.hb(w)
             r = hz.round(cell)
@@ -329,7 +335,9 @@ def test_sticky_workers_do_not_move_within_stickiness() -> None:
     mem = {"a": GB, "b": GB}
     bal = Balance(mem, {"a": 1.0, "b": 1.0}, knobs)
     speeds = [10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 5.0]
-    views = [WorkerView(f"w{i}", 24 * GB, {"a": s, "b": s}, cell_id="a" if i < 4 else "b") for i, s in enumerate(speeds)]
+    views = [
+        WorkerView(f"w{i}", 24 * GB, {"a": s, "b": s}, cell_id="a" if i < 4 else "b") for i, s in enumerate(speeds)
+    ]
     for v in views:
         bal.add_reference(v.throughput)
         bal.add(v.cell_id, v.throughput["a"])

@@ -19,14 +19,18 @@ from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
 from bagel.coordinator.daemon import start_coordinator
-from bagel.protocol.runspec import parse_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import sign_request
+from bagel.protocol.runspec import parse_spec
 from bagel.protocol.statehash import state_hash
 
 from simworkers import SimWorker, cluster_spec_text, start_workers, stop_workers, uniform_cells
 
-ONE_CELL = {"clusters = 2": "clusters = 1", "timestep_ranges = 2": "timestep_ranges = 1", "router = true": "router = false"}
+ONE_CELL = {
+    "clusters = 2": "clusters = 1",
+    "timestep_ranges = 2": "timestep_ranges = 1",
+    "router = true": "router = false",
+}
 
 
 def one_cell_spec(**kw) -> str:
@@ -103,7 +107,12 @@ async def test_bad_uploads_are_refused_and_leave_nothing(tmp_path: Path) -> None
             ("stream longer than declared", grpc.StatusCode.RESOURCE_EXHAUSTED, good, good + b"x" * 100),
             ("bytes differ from the declared sha256", grpc.StatusCode.INVALID_ARGUMENT, good, good[:-1] + b"\0"),
             ("not a safetensors file", grpc.StatusCode.INVALID_ARGUMENT, b"x" * 200, b"x" * 200),
-            ("tensors of another state", grpc.StatusCode.INVALID_ARGUMENT, save_safetensors(other), save_safetensors(other)),
+            (
+                "tensors of another state",
+                grpc.StatusCode.INVALID_ARGUMENT,
+                save_safetensors(other),
+                save_safetensors(other),
+            ),
         ]
         for name, code, declared, sent in cases:
             with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -13,12 +13,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bagel.protocol.runspec import parse_spec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.discovery import CoordinatorNotFound, resolve_coordinator
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
+from bagel.protocol.runspec import parse_spec
 
 from daemonproc import DaemonProcess
 from simworkers import cluster_spec_text

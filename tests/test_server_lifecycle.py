@@ -12,13 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bagel.coordinator.daemon import DataDirLocked, start_coordinator
 from bagel.coordinator.core.records import WorkerState
-from bagel.protocol.runspec import parse_spec
+from bagel.coordinator.daemon import DataDirLocked, start_coordinator
 from bagel.coordinator.store import SpecMismatchError
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient
 from bagel.protocol.identity import Identity
+from bagel.protocol.runspec import parse_spec
 
 from simworkers import cluster_spec_text, fake_peer_id, uniform_cells
 

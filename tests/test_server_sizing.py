@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bagel.coordinator import sizing
-from bagel.protocol.runspec import load_spec, parse_spec
 from bagel.models.experts import cell_memory_bytes
+from bagel.protocol.runspec import load_spec, parse_spec
 
 from simworkers import cluster_spec_text
 

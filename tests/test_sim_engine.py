@@ -136,7 +136,9 @@ def test_byzantine_workers_are_rejected_and_waste_is_counted():
 )
 def test_each_scenario_runs_small_and_writes_the_report(name, tmp_path):
     out = tmp_path / name
-    rc = main(["run", str(SCENARIOS / f"{name}.toml"), "--out", str(out), "--workers", "100", "--hours", "1", "--no-progress"])
+    rc = main(
+        ["run", str(SCENARIOS / f"{name}.toml"), "--out", str(out), "--workers", "100", "--hours", "1", "--no-progress"]
+    )
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
     assert set(s) == {"policies", "wall_s", "workers", "virtual_hours"}

@@ -65,8 +65,12 @@ def test_availability_draws():
     assert 0.17 < (s < 1.0).mean() < 0.23
     pre = [draw_session_s(av, True, rng) for _ in range(2000)]
     assert np.mean([p for _, p in pre]) > 0.8  # a 2/h hazard preempts most 4.5 h sessions
-    assert diurnal_acceptance(AvailabilitySpec(diurnal_amplitude=0.4, diurnal_peak_h=20), 20 * 3600) == pytest.approx(1.0)
-    assert diurnal_acceptance(AvailabilitySpec(diurnal_amplitude=0.4, diurnal_peak_h=20), 8 * 3600) == pytest.approx(0.6)
+    assert diurnal_acceptance(AvailabilitySpec(diurnal_amplitude=0.4, diurnal_peak_h=20), 20 * 3600) == pytest.approx(
+        1.0
+    )
+    assert diurnal_acceptance(AvailabilitySpec(diurnal_amplitude=0.4, diurnal_peak_h=20), 8 * 3600) == pytest.approx(
+        0.6
+    )
     assert draw_offline_s(av, 0.0, rng) > 0
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from bagel.coordinator.core.policy import DILOCO_WAIT_ALL, SYNC_DP
 from bagel.coordinator.core.records import CommitRecord, RoundRecord, RoundState, WorkerRecord, WorkerState
 from bagel.protocol.messages import LocalState, Order, Phase, Verdict
-from bagel.coordinator.core.policy import DILOCO_WAIT_ALL, SYNC_DP
 
 from test_state_harness import Harness, h, make_spec
 
@@ -408,7 +408,11 @@ def test_last_holder_that_offers_uploads_before_leaving_so_nothing_rolls_back() 
     # the last holder is asked for the state first, and stays active meanwhile
     out = hz.apply(Leave("b", "sigterm", offer_checkpoint=True))
     ins = out.instruction
-    assert ins is not None and ins.upload_checkpoint and (ins.cell_id, ins.committed_round, ins.committed_hash) == (CELL, 2, h(2))
+    assert (
+        ins is not None
+        and ins.upload_checkpoint
+        and (ins.cell_id, ins.committed_round, ins.committed_hash) == (CELL, 2, h(2))
+    )
     assert hz.store.workers["b"].state is WorkerState.ACTIVE
     assert (hz.store.cells[CELL].uploader, hz.store.cells[CELL].upload_round) == ("b", 2)  # durable
     hz.st.check_upload("b", CELL, 2, h(2))  # the server takes its upload

@@ -17,6 +17,7 @@ import grpc
 import pytest
 
 from bagel.coordinator.core import errors as E
+from bagel.coordinator.core.errors import GRPC_STATUS, grpc_status_name
 from bagel.coordinator.core.events import (
     CheckpointStored,
     Heartbeat,
@@ -28,7 +29,6 @@ from bagel.coordinator.core.events import (
 )
 from bagel.coordinator.core.records import RoundState, WorkerState
 from bagel.protocol.messages import LocalState, Order, Phase, Profile, Verdict
-from bagel.coordinator.core.errors import GRPC_STATUS, grpc_status_name
 
 from test_state_harness import GB, Harness, h, make_spec, restored
 
@@ -241,8 +241,15 @@ def test_restore_rejects_inconsistent_records() -> None:
 def big(n: int) -> Harness:
     hz = Harness(spec=make_spec(clusters=2, ranges=2, router=True, max_replicas=100_000, min_replicas=2))
     for i in range(n):
-        hz.st.apply(hz.now, Register(f"w{i:05d}", Profile(vram_bytes=(8 + i % 5 * 8) * GB,
-                                                            samples_per_s={c: 50.0 + i % 7 * 20 for c in hz.spec.cell_ids})))
+        hz.st.apply(
+            hz.now,
+            Register(
+                f"w{i:05d}",
+                Profile(
+                    vram_bytes=(8 + i % 5 * 8) * GB, samples_per_s={c: 50.0 + i % 7 * 20 for c in hz.spec.cell_ids}
+                ),
+            ),
+        )
     return hz
 
 
@@ -272,7 +279,9 @@ def test_join_and_tick_work_is_bounded() -> None:
         hz = big(n)
         st = hz.st
         ops = st.ops
-        st.apply(hz.now, Register("new", Profile(vram_bytes=24 * GB, samples_per_s={c: 90.0 for c in hz.spec.cell_ids})))
+        st.apply(
+            hz.now, Register("new", Profile(vram_bytes=24 * GB, samples_per_s={c: 90.0 for c in hz.spec.cell_ids}))
+        )
         costs[n] = st.ops - ops
         ops = st.ops
         st.apply(hz.now + 1, Tick())  # nothing expired, no deadline

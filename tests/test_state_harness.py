@@ -13,11 +13,11 @@ from dataclasses import replace
 from typing import Any
 
 from bagel.coordinator.core.events import Heartbeat, Outcome, Register, ReportRound, Tick
-from bagel.coordinator.core.records import CellConfig, CellRecord, CommitRecord, RoundRecord, WorkerRecord
-from bagel.protocol.messages import Instruction, LocalState, Order, PeerAddress, Phase, Profile
 from bagel.coordinator.core.policy import BAGEL, Policy
-from bagel.protocol.runspec import ROUTER_CELL, RunSpec, parse_spec
+from bagel.coordinator.core.records import CellConfig, CellRecord, CommitRecord, RoundRecord, WorkerRecord
 from bagel.coordinator.core.state import CoordinatorState
+from bagel.protocol.messages import Instruction, LocalState, Order, PeerAddress, Phase, Profile
+from bagel.protocol.runspec import ROUTER_CELL, RunSpec, parse_spec
 
 GB = 1 << 30
 T0 = 1_700_000_000_000
@@ -138,10 +138,17 @@ class Harness:
             self.last[wid] = out.instruction
         return out
 
-    def reg(self, wid: str, vram_gb: float = 24, speed: float = 100.0, local: LocalState | None = None,
-            bw: float = 50e6) -> Outcome:
-        return self.apply(Register(wid, profile(self.spec, vram_gb, speed, bw), PeerAddress(f"peer-{wid}", ("/ip4/127.0.0.1/tcp/1",)),
-                                   local or LocalState()))
+    def reg(
+        self, wid: str, vram_gb: float = 24, speed: float = 100.0, local: LocalState | None = None, bw: float = 50e6
+    ) -> Outcome:
+        return self.apply(
+            Register(
+                wid,
+                profile(self.spec, vram_gb, speed, bw),
+                PeerAddress(f"peer-{wid}", ("/ip4/127.0.0.1/tcp/1",)),
+                local or LocalState(),
+            )
+        )
 
     def local(self, wid: str) -> LocalState:
         return self.store.workers[wid].local

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.worker.diloco import CellState, OuterConfig, outer_step
 from bagel.worker.framing import read_message, write_frame, write_message
@@ -21,6 +22,7 @@ from bagel.worker.statesync import (
     fetch_state,
     verify_state_bytes,
 )
+
 from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
 
 CELL = "k1.r0"

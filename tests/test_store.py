@@ -20,8 +20,6 @@ from bagel.coordinator.core.records import (
     WorkerRecord,
     WorkerState,
 )
-from bagel.protocol.messages import LocalState, PeerAddress, Profile
-from bagel.coordinator.writer import AsyncWriter
 from bagel.coordinator.store import (
     DB_NAME,
     SCHEMA_VERSION,
@@ -31,6 +29,8 @@ from bagel.coordinator.store import (
     from_json,
     to_json,
 )
+from bagel.coordinator.writer import AsyncWriter
+from bagel.protocol.messages import LocalState, PeerAddress, Profile
 
 H1, H2 = "a" * 64, "b" * 64
 

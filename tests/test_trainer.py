@@ -41,7 +41,9 @@ class LinearTask:
         return ((model(x) + noise - y) ** 2).mean()
 
 
-def _run(plan: InnerPlan, key: RoundKey, task: LinearTask | None = None, **kw) -> tuple[dict[str, torch.Tensor], object]:
+def _run(
+    plan: InnerPlan, key: RoundKey, task: LinearTask | None = None, **kw
+) -> tuple[dict[str, torch.Tensor], object]:
     task = task or LinearTask()
     model = task.build_model()
     tr = InnerTrainer(task, model, torch.device("cpu"), lr=0.05, **kw)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bagel.protocol.runspec import load_spec
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.runspec import load_spec
 from bagel.protocol.validation import (
     MAX_MADDRS,
     ValidationError,

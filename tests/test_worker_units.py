@@ -152,7 +152,9 @@ def test_fresh_feedback_holds_the_committed_residuals():
 
 def test_cli_validates_flags_and_hides_byzantine(capsys, tmp_path: Path):
     p = cli.build_parser()
-    args = p.parse_args(["join", "bagel1:x", "--throttle", "2.5", "--data-dir", str(tmp_path), "--byzantine", "sign-flip", "--log-json"])
+    args = p.parse_args(
+        ["join", "bagel1:x", "--throttle", "2.5", "--data-dir", str(tmp_path), "--byzantine", "sign-flip", "--log-json"]
+    )
     cfg = cli.config_from_args(args)
     assert cfg.throttle == 2.5 and cfg.byzantine == "sign-flip" and cfg.data_dir == tmp_path
     assert cfg.dht_listen == ("/ip4/0.0.0.0/tcp/0",)

@@ -82,7 +82,7 @@ class WeightedMean(Reducer):
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
         acc = torch.zeros(parts[0].numel(), dtype=torch.float64)
-        for x, wi in zip(parts, w.tolist()):
+        for x, wi in zip(parts, w.tolist(), strict=True):
             acc += x.to(torch.float64) * wi  # one multiply, one add per element: no FMA ambiguity
         return (acc / float(w.sum())).to(torch.float32)
 
@@ -144,7 +144,7 @@ class CenteredClip(Reducer):
                 return v.to(torch.float32)
         for _ in range(self.iters):
             step = torch.zeros_like(v)
-            for xi, wi in zip(x, w.tolist()):
+            for xi, wi in zip(x, w.tolist(), strict=True):
                 diff = xi - v
                 norm = float(torch.linalg.vector_norm(diff))
                 scale = 1.0 if norm <= tau else tau / norm

@@ -315,8 +315,8 @@ class DataPlane:
                 tasks.values(), timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_EXCEPTION
             )
             for t in tasks.values():  # a definite failure (rejection, reducer failure) wins over a timeout
-                if t.done() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+                if t.done() and (exc := t.exception()) is not None:
+                    raise exc
             late = [members[j].worker_id for j, t in tasks.items() if not t.done() and j != index]
             if late or not tasks[index].done():
                 raise ExchangeTimeout(set(late) | (set(session.missing()) - {worker_id}))
@@ -336,7 +336,7 @@ class DataPlane:
         parts: dict[int, torch.Tensor] = {}
         excluded: list[Exclusion] = []
         weights: dict[int, float] = {}
-        for j, (part, reply) in zip(tasks, done):
+        for j, (part, reply) in zip(tasks, done, strict=True):
             parts[j] = part
             weights[j] = reply.total_weight
             excluded += [Exclusion(j, e.sender, e.reason) for e in reply.excluded]

@@ -37,19 +37,50 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     j = sub.add_parser("join", help="join a run and train until stopped (Ctrl-C leaves gracefully)")
     j.add_argument("join_string", metavar="JOIN_STRING", help="the run's join string (bagel1:...), from its operator")
-    j.add_argument("--device", default="auto", help="auto (first CUDA device, else CPU), cpu, or cuda:N (default: auto)")
-    j.add_argument("--data-dir", type=Path, default=None, help=f"identity key and local checkpoints (default: {default_data_dir()})")
-    j.add_argument("--max-vram-gb", type=float, default=None, help="use at most this much accelerator memory, GiB (default: all)")
+    j.add_argument(
+        "--device", default="auto", help="auto (first CUDA device, else CPU), cpu, or cuda:N (default: auto)"
+    )
+    j.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help=f"identity key and local checkpoints (default: {default_data_dir()})",
+    )
+    j.add_argument(
+        "--max-vram-gb", type=float, default=None, help="use at most this much accelerator memory, GiB (default: all)"
+    )
     j.add_argument("--name", default="", help="a display name for the operator's status view (default: host-pid)")
-    j.add_argument("--throttle", type=float, default=1.0, help="slow training down by this factor >= 1 (sleeps (X-1) x compute per step), to emulate a slower device")
-    j.add_argument("--uplink-mbps", type=float, default=DEFAULT_UPLINK_MBPS, help=f"your upload bandwidth in Mbit/s, used to plan rounds (default: {DEFAULT_UPLINK_MBPS:g})")
-    j.add_argument("--dht-listen", action="append", default=None, metavar="MULTIADDR", help="DHT/P2P listen multiaddr; repeatable (default: /ip4/0.0.0.0/tcp/0)")
+    j.add_argument(
+        "--throttle",
+        type=float,
+        default=1.0,
+        help="slow training down by this factor >= 1 (sleeps (X-1) x compute per step), to emulate a slower device",
+    )
+    j.add_argument(
+        "--uplink-mbps",
+        type=float,
+        default=DEFAULT_UPLINK_MBPS,
+        help=f"your upload bandwidth in Mbit/s, used to plan rounds (default: {DEFAULT_UPLINK_MBPS:g})",
+    )
+    j.add_argument(
+        "--dht-listen",
+        action="append",
+        default=None,
+        metavar="MULTIADDR",
+        help="DHT/P2P listen multiaddr; repeatable (default: /ip4/0.0.0.0/tcp/0)",
+    )
     out = j.add_mutually_exclusive_group()
     out.add_argument("--quiet", action="store_true", help="print only warnings and errors")
     out.add_argument("--log-json", action="store_true", help="print one JSON object per event line (for scripts)")
-    j.add_argument("--reduce-timeout-s", type=float, default=60.0, help="give up an exchange after this many seconds (default: 60)")
-    j.add_argument("--leave-grace-s", type=float, default=15.0,
-                   help="on SIGTERM, wait at most this long for a running exchange before leaving (default: 15)")
+    j.add_argument(
+        "--reduce-timeout-s", type=float, default=60.0, help="give up an exchange after this many seconds (default: 60)"
+    )
+    j.add_argument(
+        "--leave-grace-s",
+        type=float,
+        default=15.0,
+        help="on SIGTERM, wait at most this long for a running exchange before leaving (default: 15)",
+    )
     # fault injection and test hooks: documented in the module docstring, hidden from --help
     j.add_argument("--byzantine", choices=BYZANTINE_MODES, default="", help=argparse.SUPPRESS)
     j.add_argument("--keep-round-history", action="store_true", help=argparse.SUPPRESS)
@@ -107,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
         except (ValueError, OSError, AttributeError):  # stderr is not a real file (embedded, tests)
             pass
-    logging.basicConfig(level=os.environ.get("BAGEL_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("BAGEL_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     from bagel.protocol.joinstring import JoinStringError
     from bagel.worker import ddp
     from bagel.worker.display import Display

@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.workers):
                 t = throttles[i % len(throttles)]
                 name = f"worker{i + 1}"
-                w = WorkerProc.make(coord.join, out / "workers" / name, out / "logs" / f"{name}.log", name=name, throttle=t)
+                w = WorkerProc.make(
+                    coord.join, out / "workers" / name, out / "logs" / f"{name}.log", name=name, throttle=t
+                )
                 procs.append(w)
                 w.start()
                 workers.append((w, t))
@@ -160,7 +162,10 @@ def _watch(endpoint: str, workers: list, duration_s: float, stop: _Stop) -> None
         lines.append(f"{'worker':10} {'cell':8} {'phase':9} {'samples/s':>9} {'rounds':>6} {'state':>7}")
         for w in sorted(st.workers, key=lambda w: w.name):
             phase = pb.Phase.Name(w.phase).removeprefix("PHASE_").lower()
-            lines.append(f"{(w.name or w.worker_id[:10]):10} {w.cell_id or '-':8} {phase:9} {w.samples_per_s:9.0f} {w.rounds_contributed:6d} {w.state:>7}")
+            lines.append(
+                f"{(w.name or w.worker_id[:10]):10} {w.cell_id or '-':8} {phase:9} {w.samples_per_s:9.0f} "
+                f"{w.rounds_contributed:6d} {w.state:>7}"
+            )
         print("\n".join(lines), flush=True)
 
 
@@ -216,7 +221,9 @@ def _ddp_bytes(commit: dict[str, Any], params: int) -> float:
     return commit["inner_steps"] * 2.0 * (k - 1) / k * 4.0 * params
 
 
-def _report(spec: Any, out: Path, workers: list, start_losses: dict[str, float], status: Any, wall_s: float, sample_steps: int) -> dict[str, Any]:
+def _report(
+    spec: Any, out: Path, workers: list, start_losses: dict[str, float], status: Any, wall_s: float, sample_steps: int
+) -> dict[str, Any]:
     import torch
 
     from bagel.models.compose import from_cells, sample
@@ -295,18 +302,37 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _markdown(r: dict[str, Any]) -> str:
-    lines = [f"# Bagel demo: run `{r['run_id']}`", "", f"Wall time: {r['wall_s']:.0f} s.", "",
-             "## Cells", "", "| cell | committed rounds | held-out loss start | end | state used |", "|---|---:|---:|---:|---|"]
+    lines = [
+        f"# Bagel demo: run `{r['run_id']}`",
+        "",
+        f"Wall time: {r['wall_s']:.0f} s.",
+        "",
+        "## Cells",
+        "",
+        "| cell | committed rounds | held-out loss start | end | state used |",
+        "|---|---:|---:|---:|---|",
+    ]
     for cell, c in r["cells"].items():
-        lines.append(f"| {cell} | {c.get('committed_rounds', '-')} | {c['heldout_loss_start']:.4f} | "
-                     f"{c['heldout_loss_end']:.4f} | round {c['state_round']} ({c['state_source']}) |")
-    lines += ["", "## Workers", "",
-              "| worker | throttle | cells | rounds (contributed) | samples | bytes sent (exchange) | DDP fp32, same work | reduction |",
-              "|---|---:|---|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {cell} | {c.get('committed_rounds', '-')} | {c['heldout_loss_start']:.4f} | "
+            f"{c['heldout_loss_end']:.4f} | round {c['state_round']} ({c['state_source']}) |"
+        )
+    lines += [
+        "",
+        "## Workers",
+        "",
+        "| worker | throttle | cells | rounds (contributed) | samples | bytes sent (exchange) "
+        "| DDP fp32, same work | reduction |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for name, w in r["workers"].items():
         red = f"{w['reduction_vs_ddp']:.0f}x" if w["reduction_vs_ddp"] else "-"
-        lines.append(f"| {name} | {w['throttle']:g} | {', '.join(w['cells']) or '-'} | {w['rounds_committed']} ({w['rounds_contributed']}) | "
-                     f"{w['samples']} | {_fmt_bytes(w['bytes_sent_exchange'])} | {_fmt_bytes(w['ddp_fp32_bytes_same_work'])} | {red} |")
+        lines.append(
+            f"| {name} | {w['throttle']:g} | {', '.join(w['cells']) or '-'} | "
+            f"{w['rounds_committed']} ({w['rounds_contributed']}) | "
+            f"{w['samples']} | {_fmt_bytes(w['bytes_sent_exchange'])} | {_fmt_bytes(w['ddp_fp32_bytes_same_work'])} "
+            f"| {red} |"
+        )
     lines += ["", f"Held-out loss fell in every cell: **{r['loss_fell_in_every_cell']}**."]
     if r.get("samples_png"):
         lines.append(f"Samples of the composed model (one row per class): `{r['samples_png']}`.")

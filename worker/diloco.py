@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import safetensors.torch
 import torch
+
+from bagel.protocol.runspec import DilocoSection
 from bagel.protocol.statehash import state_hash
 
 WEIGHT_PREFIX = "w."
@@ -45,7 +47,7 @@ class OuterConfig:
     nesterov: bool = True
 
     @classmethod
-    def from_spec(cls, diloco: object) -> OuterConfig:
+    def from_spec(cls, diloco: DilocoSection) -> OuterConfig:
         """Read outer_lr, outer_momentum and nesterov from a `DilocoSection`."""
         return cls(
             lr=float(diloco.outer_lr),

@@ -110,7 +110,9 @@ class Display:
                 return
             if self.mode == "rich" and self._console is not None:
                 style = {"warning": "yellow", "error": "bold red"}.get(level, "")
-                self._console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}", style=style or None, markup=True, highlight=False)
+                self._console.print(
+                    f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}", style=style or None, markup=True, highlight=False
+                )
                 return
             prefix = "" if level == "info" else f"{level}: "
             self.stream.write(f"{time.strftime('%H:%M:%S')} {prefix}{text}\n")
@@ -169,7 +171,9 @@ class Display:
         t.add_column()
         t.add_row("worker", str(f.get("worker", "-")))
         t.add_row("phase", str(f.get("phase", "-")))
-        t.add_row("cell / round", f"{f.get('cell') or '-'} / {f.get('round', '-')}  (committed {f.get('committed', '-')})")
+        t.add_row(
+            "cell / round", f"{f.get('cell') or '-'} / {f.get('round', '-')}  (committed {f.get('committed', '-')})"
+        )
         steps = f.get("steps") or 0
         step = f.get("step") or 0
         bar = ""
@@ -180,7 +184,9 @@ class Display:
         loss = f.get("loss")
         t.add_row("loss", f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "-")
         t.add_row("samples/s", f"{f.get('samples_per_s', 0.0):.1f}")
-        t.add_row("bytes sent / recv", f"{human_bytes(f.get('bytes_sent', 0))} / {human_bytes(f.get('bytes_received', 0))}")
+        t.add_row(
+            "bytes sent / recv", f"{human_bytes(f.get('bytes_sent', 0))} / {human_bytes(f.get('bytes_received', 0))}"
+        )
         left = self.deadline_left_s()
         t.add_row("deadline", "-" if left is None else f"in {left:.0f} s")
         return t

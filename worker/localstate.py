@@ -17,13 +17,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bagel.protocol.atomicfile import atomic_write  # re-exported for agent/session
-
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from bagel.protocol.atomicfile import atomic_write  # re-exported for agent/session
 from bagel.worker.diloco import CellState, StateFormatError
 
 _FORMAT = "bagel-local-v1"

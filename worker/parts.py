@@ -80,7 +80,7 @@ class Layout:
 
     @property
     def digest(self) -> str:
-        text = ";".join(f"{n}:{','.join(map(str, s))}" for n, s in zip(self.names, self.shapes))
+        text = ";".join(f"{n}:{','.join(map(str, s))}" for n, s in zip(self.names, self.shapes, strict=True))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def flatten(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -92,7 +92,7 @@ class Layout:
         if flat.numel() != self.total:
             raise ValueError(f"flat vector has {flat.numel()} elements, layout has {self.total}")
         out, start = {}, 0
-        for name, shape, n in zip(self.names, self.shapes, self.numels):
+        for name, shape, n in zip(self.names, self.shapes, self.numels, strict=True):
             out[name] = flat[start : start + n].reshape(shape).clone()
             start += n
         return out
@@ -159,13 +159,13 @@ class Contribution:
     def residual(self) -> dict[str, torch.Tensor]:
         """compensated - decode(encode(compensated)): what the codec dropped (zeros when abstaining)."""
         if self.abstained:
-            return {n: torch.zeros(s) for n, s in zip(self.layout.names, self.layout.shapes)}
+            return {n: torch.zeros(s) for n, s in zip(self.layout.names, self.layout.shapes, strict=True)}
         return self.layout.unflatten(self.flat - torch.cat(self.decoded))
 
     def commit_error_feedback(self, error_feedback: Any) -> None:
         """Store the new residual per tensor name (`ErrorFeedback.update`); call only after success."""
         if self.abstained:  # what we "sent" was nothing: start over rather than carry a non-finite residual
-            for n, shape in zip(self.layout.names, self.layout.shapes):
+            for n, shape in zip(self.layout.names, self.layout.shapes, strict=True):
                 error_feedback.update(n, torch.zeros(shape), torch.zeros(shape))
             return
         decoded = self.layout.unflatten(torch.cat(self.decoded))

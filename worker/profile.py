@@ -49,10 +49,9 @@ def device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            lines = f.readlines()
-        for line in lines:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return "cpu"
@@ -74,17 +73,21 @@ def memory_bytes(device: torch.device, max_vram_gb: float | None = None) -> int:
 def _mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
-            lines = f.readlines()
-        for line in lines:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 4 << 30  # no /proc: assume a modest 4 GiB
 
 
 def benchmark_cell(
-    task: CellTaskLike, device: torch.device, *, throttle: float = 1.0, micro_batch: int = BENCH_MICRO_BATCH, steps: int = BENCH_STEPS
+    task: CellTaskLike,
+    device: torch.device,
+    *,
+    throttle: float = 1.0,
+    micro_batch: int = BENCH_MICRO_BATCH,
+    steps: int = BENCH_STEPS,
 ) -> float:
     """Samples/s of the real inner step of this cell's model on `device` (throttle included)."""
     model = task.build_model().to(device)

@@ -18,15 +18,16 @@ import asyncio
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from hivemind.p2p import PeerID
+
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.worker.aggregation import PartRejected, Reducer
 from bagel.worker.framing import LEN_NBYTES, discard_frame, read_frame, write_frame, write_message
 from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
-from bagel.worker.aggregation import PartRejected, Reducer
-from hivemind.p2p import PeerID
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class ExchangeError(Exception):
 class ExchangeTimeout(ExchangeError):
     """The deadline passed before every contribution and averaged part arrived."""
 
-    def __init__(self, missing: Sequence[str], detail: str = ""):
+    def __init__(self, missing: Iterable[str], detail: str = ""):
         self.missing = tuple(sorted(missing))
         super().__init__(f"exchange timed out waiting for {list(self.missing)}" + (f": {detail}" if detail else ""))
 
@@ -243,7 +244,9 @@ class Reduction:
                     digest = hashlib.sha256(repr(h.weight).encode() + buf).digest()
                     if h.sender in self.digests:
                         if self.digests[h.sender] != digest:
-                            raise Refused("a different contribution from this sender was already received", payload_read=True)
+                            raise Refused(
+                                "a different contribution from this sender was already received", payload_read=True
+                            )
                     elif h.sender not in self.excluded and h.sender not in self.accepted and not self.result.done():
                         self.digests[h.sender] = digest
                         try:

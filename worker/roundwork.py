@@ -194,7 +194,9 @@ async def reduce_round(
     return ReduceOutcome(new, h, residuals, res.bytes_sent, res.bytes_received, res.comm_s)
 
 
-def corrupt(delta: Mapping[str, torch.Tensor], mode: str, previous: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+def corrupt(
+    delta: Mapping[str, torch.Tensor], mode: str, previous: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
     """The pseudo-gradient a Byzantine worker contributes instead of its honest `delta`.
 
     sign-flip: -delta; scale: delta x 100; nan: all NaN (our own data plane then abstains,

@@ -23,16 +23,17 @@ import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
 
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.worker.diloco import CellState, StateFormatError
 from bagel.worker.framing import FrameError, read_frame, read_message, write_frame, write_message
-from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.utils.multiaddr import Multiaddr
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class _Entry:
     state_hash: str
     data: bytes
     sha256: str
+
+
+_NO_STATES: Mapping[int, _Entry] = {}  # what a cell with no state held reads as
 
 
 def verify_state_bytes(data: bytes, expected_hash: str) -> CellState:
@@ -183,7 +187,7 @@ class StateServer:
         loop = asyncio.get_running_loop()
         start = loop.time()
         waited = False
-        while (entry := self._states.get(cell_id, {}).get(committed_round)) is None:
+        while (entry := self._states.get(cell_id, _NO_STATES).get(committed_round)) is None:
             remaining = start + self.round_wait_s - loop.time()
             if remaining <= 0 or not self._awaited(cell_id, committed_round):
                 if waited:

@@ -42,14 +42,11 @@ class Managed:
 
     def start(self) -> Managed:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, env=self.env,
             )
-        finally:
-            log.close()
         return self
 
     @property
@@ -104,7 +101,9 @@ class Managed:
                 if line.startswith(prefix):
                     return line[len(prefix) :].strip()
             if not self.alive():
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode if self.proc else '?'}):\n{self.log_text()[-3000:]}")
+                raise RuntimeError(
+                    f"{self.name} exited ({self.proc.returncode if self.proc else '?'}):\n{self.log_text()[-3000:]}"
+                )
             time.sleep(0.1)
         raise TimeoutError(f"{self.name}: no {prefix!r} line after {timeout_s}s:\n{self.log_text()[-3000:]}")
 

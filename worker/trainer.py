@@ -278,7 +278,7 @@ class InnerTrainer:
         buf = torch.cat([flat, extra])
         self.collective.all_reduce_sum(buf)
         offset = 0
-        for p, g in zip(self._params, grads):
+        for p, g in zip(self._params, grads, strict=True):
             n = g.numel()
             reduced = buf[offset : offset + n].view_as(g).to(g.dtype)
             if p.grad is None:

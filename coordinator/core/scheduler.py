@@ -48,6 +48,8 @@ from bagel.protocol.runspec import RunSpec
 
 _EPS = 1e-12
 _DESTINATIONS = 4  # destination cells a candidate tries per repair step
+# (cell, ratio, count >= m, reference, deficit change of one more member, n, 2 * n, target, count == 0)
+_DestRow = tuple[str, float, bool, float, int, float, float, float, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,7 +500,9 @@ class Balance:
                     best, best_d, best_p = ((w.worker_id, a, b), -pd), dd, pd
         return best
 
-    def best_swap(self, candidates: Iterable[WorkerView], *, allow_two_downloads: bool = True) -> tuple[Move, Move, float] | None:
+    def best_swap(
+        self, candidates: Iterable[WorkerView], *, allow_two_downloads: bool = True
+    ) -> tuple[Move, Move, float] | None:
         """The exchange of two candidates' cells that lowers Phi the most (counts, and so
         the replica deficit, do not change). Tried when no single move helps: with few,
         uneven workers a swap often fixes what no move can. Each sticky worker of the pair
@@ -554,46 +558,27 @@ class _Derived:
     whose answers with NaN depend on order.
     """
 
-    __slots__ = (
-        "_arrays",
-        "_count_arr",
-        "_desc",
-        "_dests",
-        "_info",
-        "_n_arr",
-        "_nan",
-        "_open",
-        "_order",
-        "_order_idx",
-        "_r_arr",
-        "bal",
-        "def0",
-        "m",
-        "max_dev",
-        "n",
-        "ratio",
-        "refs",
-        "s_sum",
-        "short",
-        "total",
-    )
+    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_dests",
+                 "_desc", "_open", "_arrays", "_n_arr", "_r_arr", "_count_arr", "_order_idx", "_nan", "_info",
+                 "_refs_arr")
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal
         cells, active = bal.cells, bal.active
         k = len(cells)
-        refs = bal._refs_now
-        if refs is None:  # references change only with add_reference
+        refs, refs_arr = bal._refs_now, bal._refs_arr
+        if refs is None or refs_arr is None:  # references change only with add_reference
             # = {c: bal.ref(c) for c in cells}
             rs, rn = bal._ref_sum, bal._ref_n.astype(np.float64)
             with np.errstate(divide="ignore", invalid="ignore"):
-                bal._refs_arr = np.where((rn > 0) & (rs > 0), rs / rn, 1.0)
-            refs = bal._refs_now = dict(zip(cells, bal._refs_arr.tolist()))
+                refs_arr = bal._refs_arr = np.where((rn > 0) & (rs > 0), rs / rn, 1.0)
+            refs = bal._refs_now = dict(zip(cells, refs_arr.tolist(), strict=True))
         self.refs = refs
+        self._refs_arr = refs_arr
         # n = {c: raw[c] / refs[c]}; total = sum(n.values()) (in cell order)
-        n_arr = self._n_arr = np.fromiter(bal.raw.values(), np.float64, k) / bal._refs_arr
+        n_arr = self._n_arr = np.fromiter(bal.raw.values(), np.float64, k) / refs_arr
         n_list = n_arr.tolist()
-        self.n = dict(zip(cells, n_list))
+        self.n = dict(zip(cells, n_list, strict=True))
         self.total = total = sum(n_list)
         n_act = n_arr if bal._all_active else n_arr[bal._active_idx]
         t_act = bal._target_active
@@ -602,7 +587,7 @@ class _Derived:
         self.m = m = bal.min_replicas_now()
         # ratio = {c: (n[c] / total) / target[c] for c in active}, or 0.0 with no compute
         r_arr = self._r_arr = n_act / total / t_act if total > 0 else np.zeros(len(active))
-        self.ratio = dict(zip(active, r_arr.tolist()))
+        self.ratio = dict(zip(active, r_arr.tolist(), strict=True))
         self._nan = bool(np.isnan(r_arr).any())
         if self._nan:
             self.max_dev = max([abs(x - 1.0) for x in self.ratio.values()], default=0.0)
@@ -618,7 +603,7 @@ class _Derived:
         self._desc: tuple[str, ...] | None = None
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._count_arr: np.ndarray | None = None
-        self._info: dict[int, tuple[tuple, ...]] = {}
+        self._info: dict[int, tuple[_DestRow, ...]] = {}
 
     def _counts(self) -> np.ndarray:
         if self._count_arr is None:
@@ -628,8 +613,8 @@ class _Derived:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(references, normalised compute, counts) as arrays in cell order, for `best_cell`."""
         if self._arrays is None:
-            self._arrays = (self.bal._refs_arr, self._n_arr, self._counts())  # type: ignore[assignment]
-        return self._arrays  # type: ignore[return-value]
+            self._arrays = (self._refs_arr, self._n_arr, self._counts())
+        return self._arrays
 
     def destinations(self, vram_bytes: int) -> tuple[str, ...]:
         """`order()` less the cells that are full or do not fit `vram_bytes` (memoised
@@ -642,19 +627,20 @@ class _Derived:
                 fit = bal.eligible_set(vram_bytes)
                 got = tuple(b for b in self.order() if count[b] < max_r and b in fit)
             else:
-                if self._open is None:
+                o = self._open
+                if o is None:
                     self.order()
                     counts = self._counts()
                     oi = self._order_idx
+                    assert oi is not None  # order() sets it when no ratio is NaN
                     cells_i = oi if bal._all_active else bal._active_idx[oi]
-                    self._open = oi[counts[cells_i] < bal.knobs.max_replicas]
-                fit = bal._fit_active(vram_bytes)
-                o = self._open
-                got = tuple(bal._active_ids[o[fit[o]]].tolist())
+                    o = self._open = oi[counts[cells_i] < bal.knobs.max_replicas]
+                fit_mask = bal._fit_active(vram_bytes)
+                got = tuple(bal._active_ids[o[fit_mask[o]]].tolist())
             self._dests[vram_bytes] = got
         return got
 
-    def dest_info(self, vram_bytes: int) -> tuple[tuple, ...]:
+    def dest_info(self, vram_bytes: int) -> tuple[_DestRow, ...]:
         """What `best_move` reads of each destination it may try (the first
         _DESTINATIONS + 1 of `destinations`: one may be the candidate's own cell):
         (cell, ratio, count >= m, reference, deficit change of one more member, n,
@@ -663,7 +649,7 @@ class _Derived:
         if got is None:
             bal, m = self.bal, self.m
             count, target, n, ratio, refs = bal.count, bal.target, self.n, self.ratio, self.refs
-            rows = []
+            rows: list[_DestRow] = []
             for b in self.destinations(vram_bytes)[: _DESTINATIONS + 1]:
                 k = count[b]
                 d = m - k
@@ -882,7 +868,7 @@ def plan_round(
     batches = split_batch(spec.diloco.group_batch, weights)
     plans: list[MemberPlan] = []
     compute_s = 0.0
-    for m, b, s in zip(ms, batches, speeds):
+    for m, b, s in zip(ms, batches, speeds, strict=True):
         micro, accum = batch_shape(b, spec.diloco.max_micro_batch)
         samples = micro * accum * h
         plans.append(MemberPlan(m.worker_id, m.peer, micro, accum, samples))
