@@ -1,4 +1,4 @@
-"""Benchmark Bagel's codecs against hivemind's on the same tensors (issue 3, must-show 4).
+"""Benchmark Bagel's codecs against hivemind's on the same tensors.
 
 For every codec and data set (Gaussian, Student-t with df=3) it reports bytes per value
 (everything on the wire: header, scales, CRC), relative L2 error, and encode and decode

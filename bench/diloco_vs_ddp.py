@@ -1,4 +1,4 @@
-"""DiLoCo with compressed pseudo-gradients vs synchronous data-parallel training (issue 5, must-show 6).
+"""DiLoCo with compressed pseudo-gradients vs synchronous data-parallel training.
 
 One expert cell (`k0.r0` of a 1 cluster x 1 timestep-range run, tiny DiT, the bundled
 digits), 4 workers, the same samples for every variant (worker m sees exactly the same

@@ -4,7 +4,7 @@ monolithic DiT, trained on CPU from the same data with the same total sample-ste
 (a) monolith: one tiny-preset DiT on all training images and all t (logit-normal t);
 (b) experts: every expert cell of the run spec (default examples/digits-2x2.toml) trained
     independently on its cluster and its widened t-range, plus the router cell; the budget
-    is split over cells in proportion to cluster size x range mass (design section 5), after
+    is split over cells in proportion to cluster size x range mass, after
     a share for the router. Each expert trains with a batch of batch / (#expert cells), so it
     takes about as many optimizer steps as the monolith on a quarter of the samples per step.
 Both are sampled with the same noise, labels and ODE sampler, and compared on held-out
@@ -19,7 +19,7 @@ rule of the issue; sample; mixture; prior); `--routing` picks the one reported a
 Control (`--no-control` skips it): the monolith once more, with all its sample-steps, on a
 random 1/K of the training images, as many as one cluster's expert sees. On digits (1,617
 training images) the FD is data-limited: halving the data costs the monolith about as much
-as splitting it into experts does (see the closing note of issue 4 for the figures).
+as splitting it into experts does.
 
 Partition: the spec's; examples/digits-2x2.toml sets data.whole_classes, and
 `--pixel-clusters` measures plain PCA k-means, which splits digits 5 and 8 between the

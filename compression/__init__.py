@@ -1,4 +1,4 @@
-"""Pseudo-gradient compression for Bagel's data plane (DESIGN section 7).
+"""Pseudo-gradient compression for Bagel's data plane.
 
 Public API::
 

@@ -13,7 +13,7 @@ Usage, per tensor key (e.g. a parameter name)::
     buf = codec.encode(c, generator=g)
     ef.update(key, c, decode(buf))            # residual = c - decoded
 
-The residual lives in the worker (DESIGN section 7), never in the codec, and must be dropped
+The residual lives in the worker, never in the codec, and must be dropped
 (``reset``) when the worker's state is replaced by a resync, since it refers to updates of a
 state the worker no longer has.
 """

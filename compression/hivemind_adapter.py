@@ -24,7 +24,7 @@ call ``install`` before ``averager.start()`` (or before constructing it with
 unpickling a ``BagelCompression`` installs it there too (``__setstate__``).
 
 Bit-identity: hivemind's reducer keeps its own part unencoded while the others receive it
-encoded, so peers do not end bit-identical with a lossy codec (DESIGN section 11); the
+encoded, so peers do not end bit-identical with a lossy codec; the
 tests measure the spread. Bagel's own data plane applies identical decoded bytes instead.
 """
 

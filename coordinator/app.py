@@ -4,7 +4,7 @@
 verifier, the durable writer, the checkpoint store and the metrics bookkeeping, and every
 servicer method goes through it.
 
-Every worker request takes the same path (design sections 3, 8, 10):
+Every worker request takes the same path:
 
 1. `ErrorInterceptor` (the ONE place where exceptions become gRPC statuses) parses the
    raw request bytes itself, so even an unparseable message gets INVALID_ARGUMENT;

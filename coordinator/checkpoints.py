@@ -2,7 +2,7 @@
 
 A committed contributor streams its cell state to `UploadCheckpoint`; the coordinator keeps
 the last `checkpoint.keep` checkpoints per cell as the fallback donor for joiners and for
-orphaned cells (design section 6). Everything here distrusts its input:
+orphaned cells. Everything here distrusts its input:
 
 - an upload is written chunk by chunk to a temp file in the destination directory and is
   refused as soon as it passes its declared size or `checkpoint.max_bytes`

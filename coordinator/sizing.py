@@ -1,7 +1,7 @@
 """Per-cell sizes and compute targets for the scheduler, computed once per run by the shell.
 
 The pure core takes `CellConfig(cell_id, memory_bytes, target_share, payload_bytes)`; this
-module derives them from the run spec (design section 5):
+module derives them from the run spec:
 
 - **memory_bytes**: `bagel.models.experts.cell_memory_bytes` (closed form: parameters x the
   float32 copies a training cell keeps, plus activations) at the spec's

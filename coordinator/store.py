@@ -3,7 +3,7 @@ rounds, commits and the checkpoint index.
 
 The pure core (`bagel.coordinator.core.state`) returns, with every transition, the durable
 records that changed (`Outcome.effects`); the server writes them here in ONE transaction
-before it replies, so an acknowledged state change survives a crash (design section 3).
+before it replies, so an acknowledged state change survives a crash.
 On start the daemon loads everything back and hands it to `CoordinatorState.restore`.
 
 Durability: WAL journal with `synchronous=FULL`. In WAL mode NORMAL only syncs at
@@ -18,7 +18,7 @@ lineage of a cell a committed round is recorded once and only once, which is wha
 crash test checks. A second insert of the same key with the same hash is a no-op (a
 retried write); with another hash it is an error (`StoreError`): two different committed
 states of one round. The epoch is the cell's `rollbacks` count (`CellRecord.rollbacks`):
-an orphaned cell falls back to its last checkpoint by design (design section 6), and the
+an orphaned cell falls back to its last checkpoint by design, and the
 rounds after it are then re-run and committed again in the next epoch; the rolled-back
 commits stay in the table as history, and `commits()`/`load()` return the current
 epoch's.

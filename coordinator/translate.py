@@ -1,6 +1,6 @@
 """Protobuf <-> domain translation for the coordinator's gRPC shell.
 
-The servicer only translates and delegates (design section 10): requests become core
+The servicer only translates and delegates: requests become core
 events (`bagel.coordinator.core.domain`), outcomes become responses. Everything here is a
 pure function of its arguments. Enum numbers are shared by the proto and the domain, so
 enums translate by value. Incoming messages have already passed `bagel.protocol.validation`

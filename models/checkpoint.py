@@ -3,7 +3,7 @@
 `save(path, model)` writes `<path>.safetensors` (the state dict) and `<path>.json` (the
 architecture name, its config dataclass as plain fields, the sha256 of the weights file and
 free-form metadata), each atomically: a temp file in the same directory, fsync, os.replace,
-then fsync of the directory (design section 3). `load(path)` rebuilds the model from the
+then fsync of the directory. `load(path)` rebuilds the model from the
 JSON, checks the sha256, and loads the tensors with safetensors, which cannot execute code.
 A round trip is bit-exact.
 """

@@ -1,4 +1,4 @@
-"""Cells of a run: what one cell trains, on which data, with which loss (design section 2).
+"""Cells of a run: what one cell trains, on which data, with which loss.
 
 `cell_task(spec, cell_id)` is the one entry point the worker, the coordinator's audit and
 the benchmarks use. An expert cell `k{c}.r{r}` is a DiT or U-Net trained with rectified flow

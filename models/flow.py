@@ -1,6 +1,6 @@
 """Rectified flow: the training objective, t-sampling, timestep ranges and ODE samplers.
 
-Pure core (design section 10): no I/O, no clock, no global RNG. Every random draw takes a
+Pure core: no I/O, no clock, no global RNG. Every random draw takes a
 `torch.Generator` argument, so a worker, a test and the coordinator's audit can replay
 exactly the same noise.
 

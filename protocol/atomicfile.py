@@ -2,7 +2,7 @@
 
 A crash at any instant must leave either the old file or the new one, never a torn one:
 write a temp file in the same directory, fsync it, `os.replace` it over the target, then
-fsync the directory so the rename itself is durable (design section 3, Storage).
+fsync the directory so the rename itself is durable.
 """
 
 from __future__ import annotations

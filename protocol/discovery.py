@@ -1,6 +1,6 @@
 """Finding the coordinator through the hivemind DHT, authenticated by the join string's key.
 
-Design section 3: the coordinator publishes its gRPC endpoint and run-spec hash as a DHT
+The coordinator publishes its gRPC endpoint and run-spec hash as a DHT
 record signed with its Ed25519 key; a worker resolves it from the join string alone.
 
 Record layout. Key `bagel/<run_id>/coordinator`; subkey the hex of the publisher's public

@@ -1,6 +1,6 @@
 """Signed envelopes: build a `SignedRequest` on the sender, verify it on the coordinator.
 
-Design section 8: the signature covers exactly the payload bytes that travel, never a
+The signature covers exactly the payload bytes that travel, never a
 re-serialization (protobuf serialization is not canonical, so "parse, re-serialize,
 verify" would both reject honest messages and open malleability holes). The payload's
 `RequestHeader` binds the run id, the RPC method, the sender's time and a random nonce;

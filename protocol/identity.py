@@ -1,6 +1,6 @@
 """Ed25519 identities of workers and of the coordinator, kept in a private key file.
 
-Every control-plane request is signed by its sender (design section 8), and the worker id
+Every control-plane request is signed by its sender, and the worker id
 is derived from the public key, so an id cannot be claimed without the key: the
 coordinator recomputes `worker_id_of(public_key)` from the envelope and never trusts an id
 sent as data. The private key lives in a file created atomically with mode 0600

@@ -1,6 +1,6 @@
 """The join string: one line that carries everything a volunteer needs, nothing secret.
 
-Design section 1: `bagel-worker join <join-string>` must be enough. The string holds the
+`bagel-worker join <join-string>` must be enough. The string holds the
 run id, the coordinator's Ed25519 public key (which authenticates the coordinator's DHT
 record, see `bagel.protocol.discovery`) and one or more initial DHT peers. It is a
 versioned prefix plus unpadded base64url of a compact JSON object, so it survives shells,

@@ -1,6 +1,6 @@
 """Field-by-field validation of every worker request against the run spec.
 
-Design section 8: every RPC validates every field, and bad input gets a precise status
+Every RPC validates every field, and bad input gets a precise status
 (INVALID_ARGUMENT) naming the field, never a crash and never a state change. These are
 pure functions of (message, spec): the server calls `validate(method, message, spec)`
 after the envelope checks (`bagel.protocol.envelope.Verifier`, which owns the header)

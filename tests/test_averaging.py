@@ -1,6 +1,6 @@
 """Group all-reduce over real hivemind peers on loopback (each with its own DHT node).
 
-Issue 3, must-show 3 (via our group exchange): 3 peers average correctly within each
+Through our group exchange, 3 peers average correctly within each
 codec's bound AND end bit-identical. Plus weights, failures, validation and byte counts.
 """
 

@@ -1,4 +1,4 @@
-"""Bad input for every RPC (issue 2, must-show 4): each gets its precise gRPC status, and
+"""Bad input for every RPC: each gets its precise gRPC status, and
 the coordinator's state is unchanged afterwards: every row of every SQLite table, the
 core's in-memory snapshot and GetStatus (minus its clock field).
 

@@ -1,4 +1,4 @@
-"""End to end: `python -m bagel.sim.chaos sim/scenarios/chaos-short.toml` (issue 6, must-show 2).
+"""End to end: `python -m bagel.sim.chaos sim/scenarios/chaos-short.toml`.
 
 A real coordinator, a bootstrap DHT node and 3 real workers on loopback; worker 1 is
 SIGKILLed, then the coordinator is SIGKILLed and restarted on its data dir. The run must

@@ -1,4 +1,4 @@
-"""In-process cluster (issue 2, must-show 1 and 2): a real coordinator on port 0 and
+"""In-process cluster: a real coordinator on port 0 and
 simulated asyncio workers speaking the real protocol over real gRPC.
 
 - 20 workers register, heartbeat, get assignments, report equal hashes: rounds commit,

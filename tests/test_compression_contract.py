@@ -1,4 +1,4 @@
-"""One contract for every codec (issue 3, must-show 1).
+"""One contract for every codec.
 
 ``check_codec(make_codec, ...)`` is written once and parametrized over every codec and
 option (cf. torchft's ``run_multi_recovery_test`` and hivemind's tests/test_compression.py).

@@ -1,4 +1,4 @@
-"""Error feedback (issue 3, must-show 2): with EF the decoded running sum tracks the true
+"""Error feedback: with EF the decoded running sum tracks the true
 sum to within one step's declared error bound; without EF, a biased codec drifts away.
 
 Why the EF bound holds: with ``c_t = g_t + e_t``, ``d_t = decode(encode(c_t))`` and

@@ -1,4 +1,4 @@
-"""Our codecs inside hivemind (issue 3, must-show 3): the adapter alone, then three real
+"""Our codecs inside hivemind: the adapter alone, then three real
 ``DecentralizedAverager`` peers on loopback averaging through it.
 
 This goes through hivemind's own averager (not Bagel's data plane) on purpose: it is the
@@ -221,5 +221,5 @@ def test_three_hivemind_peers_average_within_the_codec_bound(dhts, restore_slot,
     spread = spread_between_peers(results)
     print(f"\nhivemind averager, {codec_name}: max difference between peers = {spread:.3g}")
     if codec.nominal_rel_error() > 0:
-        # Lossy codec through hivemind's reducer: peers differ (DESIGN section 11).
+        # Lossy codec through hivemind's reducer: peers differ.
         assert spread > 0

@@ -1,4 +1,4 @@
-"""Coordinator crash (issue 2, must-show 3): SIGKILL the daemon process while 20 simulated
+"""Coordinator crash: SIGKILL the daemon process while 20 simulated
 workers are mid-round, restart it on the same data dir, and check from SQLite that no
 committed round was lost or counted twice, that every commit a worker was told about
 before the crash survived it, that the workers re-attach and that the next rounds commit.

@@ -1,4 +1,4 @@
-"""DiLoCo outer step, error feedback and cell state (issue 5, must-show 4: golden outer step).
+"""DiLoCo outer step, error feedback and cell state (golden outer step).
 
 - The outer step matches torch.optim.SGD(nesterov=True) and a hand-written numpy
   reference of Douillard et al. 2023 (outer SGD + Nesterov on the averaged delta).

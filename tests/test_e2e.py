@@ -1,6 +1,6 @@
 """End to end, multi-process, on loopback: a real coordinator and real `bagel-worker` processes.
 
-Issue 5 must-show 1, 2, 3 and 5. Every process is a subprocess in its own process group
+Every process is a subprocess in its own process group
 (`bagel.worker.swarm`), so a SIGKILL takes its hivemind DHT child and p2pd daemon with it,
 and teardown stops all of them even when an assertion fails. The run is one cell
 (one cluster, one timestep range, no router) of the tiny DiT with H = 5 inner steps, int8
@@ -219,7 +219,7 @@ def stop_all_workers(s: Swarm) -> None:
             assert w.events("left"), f"{w.name} exited without Leave"
 
 
-# ---------------------------------------------------------------------------- must-show 1
+# ---------------------------------------------------------------------------- three workers, bit-identical
 
 
 @pytest.mark.timeout(240)
@@ -258,7 +258,7 @@ def test_three_workers_commit_bit_identical_rounds(swarm: Swarm):
     stop_all_workers(s)
 
 
-# ---------------------------------------------------------------------------- must-show 2
+# ---------------------------------------------------------------------------- a SIGKILLed worker
 
 
 @pytest.mark.timeout(300)
@@ -302,7 +302,7 @@ def test_sigkilled_worker_round_commits_without_it_and_it_rejoins(swarm: Swarm):
     assert reg
 
 
-# ---------------------------------------------------------------------------- must-show 3
+# ---------------------------------------------------------------------------- a late joiner
 
 
 @pytest.mark.timeout(300)
@@ -340,7 +340,7 @@ def test_late_joiner_syncs_from_a_peer_and_contributes_next_round(swarm: Swarm):
     assert_replicas_identical(s, ["a", "b", "late"], weighted[0])
 
 
-# ---------------------------------------------------------------------------- must-show 5
+# ---------------------------------------------------------------------------- a SIGKILLed coordinator
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,6 @@
 """Scheduler: VRAM fit, compute balance, redundancy, stickiness, batch split, deadlines.
 
-Includes issue 2's must-show 2 at the core level: 12 workers with 6-80 GB of VRAM and a
+Includes, through the core, a heterogeneous fleet: 12 workers with 6-80 GB of VRAM and a
 10x speed spread on the 2x2+router grid, where cell memory makes small cards router-only.
 """
 
@@ -133,7 +133,7 @@ def test_policies() -> None:
 # ---------------------------------------------------------------- assignment
 
 
-def test_must_show_2_assign_from_scratch() -> None:
+def test_assign_a_heterogeneous_fleet_from_scratch() -> None:
     knobs = Knobs(min_replicas=2, max_replicas=4, vram_headroom=0.2, stickiness=0.1)
     views = fleet_views()
     a = assign(views, CELL_MEMORY, TARGETS, knobs)
@@ -217,7 +217,7 @@ def test_balance_rejects_bad_targets() -> None:
         Balance({"a": 1}, {"a": 0.0}, Knobs())
 
 
-# ---------------------------------------------------------------- must-show 2 through the core
+# ---------------------------------------------------------------- a heterogeneous fleet through the core
 
 
 def fleet_harness(seed: int) -> Harness:
@@ -265,7 +265,7 @@ def run_round_everywhere(hz: Harness) -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_must_show_2_heterogeneous_fleet_through_the_core(seed: int) -> None:
+def test_heterogeneous_fleet_through_the_core(seed: int) -> None:
     hz = fleet_harness(seed)
     targets = hz.st.targets()
     cells = {w: rec.cell_id for w, rec in hz.store.workers.items()}

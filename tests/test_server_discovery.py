@@ -1,4 +1,4 @@
-"""Discovery end to end (issue 2, must-show 5): start the daemon process with its DHT
+"""Discovery end to end: start the daemon process with its DHT
 node, resolve the coordinator from the printed join string alone (a fresh DHT node in
 this process, bootstrapped from the string's initial peers), call GetStatus on the
 resolved endpoint; and refuse a join string that names another coordinator key, even

@@ -118,7 +118,7 @@ def test_commit_is_recorded_once(tmp_path) -> None:
 
 
 def test_rollback_starts_a_new_epoch_of_commits(tmp_path) -> None:
-    """An orphaned cell falls back to its checkpoint (design section 6) and re-commits the
+    """An orphaned cell falls back to its checkpoint and re-commits the
     rounds after it: a new lineage, not a second commit of the same one."""
     store = Store.open(tmp_path)
     store.write([CellRecord("k0.r0", 1, H1), commit(1)], now_ms=1)

@@ -1,7 +1,7 @@
 """`bagel-worker join JOIN_STRING ...` (also `python -m bagel.worker join ...`).
 
 One command for a volunteer: create or load the identity, find the coordinator from the
-join string, profile, register, and train until stopped (design section 1). Under
+join string, profile, register, and train until stopped. Under
 `torchrun --nproc-per-node N -m bagel.worker join ...` rank 0 runs the agent and the other
 ranks follow it (DDP inside the worker, `bagel.worker.ddp`).
 

@@ -5,7 +5,7 @@ After every committed round (and after a sync) the worker writes the cell state 
 the tensors `protocol.statehash` hashes) plus its error-feedback residuals (`e.<name>`,
 local to this worker and not part of the hash) to one safetensors file. The write is
 atomic: a temp file in the same directory, fsync, `os.replace`, fsync of the directory
-(design section 3), so a SIGKILL at any instant leaves either the previous or the new
+, so a SIGKILL at any instant leaves either the previous or the new
 checkpoint, never a torn one. On restart the worker re-hashes what it loaded and registers
 with that `LocalState`; the coordinator then says whether it is current or must resync.
 safetensors, never pickle (house rule).

@@ -1,7 +1,7 @@
 """The worker's measured profile: device, memory budget, training throughput per cell, uplink.
 
 The scheduler sizes each member's batch by throughput and only assigns cells that fit
-(design section 5), so these numbers come from a measurement, not a guess:
+, so these numbers come from a measurement, not a guess:
 
 - device and name: from torch (`cuda:N` or the CPU);
 - memory: the GPU's total memory, or on CPU the `MemAvailable` of /proc/meminfo; capped by

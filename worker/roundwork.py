@@ -7,7 +7,7 @@ at most one. The committed `CellState` is only read here: the round trains a sep
 model and the outer step runs on a clone, so abandoning a round at any point is a rollback
 for free, and a re-frozen exchange (higher reduce_attempt) reuses the kept delta.
 
-Also here: `corrupt`, the `--byzantine` fault modes (issue 6) applied to the
+Also here: `corrupt`, the `--byzantine` fault modes applied to the
 pseudo-gradient this worker contributes, and `follow_round` for ranks > 0 of a DDP worker.
 """
 

@@ -3,7 +3,7 @@
 The round's data and noise are a pure function of (run, cell, round, member): the sample
 indices come from `bagel.models.data.shard`, and every micro-batch draws its t, noise and
 label drops from its own CPU generator seeded by sha256 of that key plus (step, micro-batch).
-So a re-run round sees exactly the same data (design section 4.2), and a worker with N
+So a re-run round sees exactly the same data, and a worker with N
 GPUs (DDP inside the worker, `bagel.worker.ddp`) computes the same contribution as a
 single-device worker up to float summation order: micro-batches are laid out per step
 independently of the number of ranks, and rank r takes micro-batches r, r+N, ...

@@ -1,7 +1,7 @@
 """Scheduling/round policies: the knobs that make `bagel` differ from the baselines.
 
 The daemon always runs `BAGEL`. The simulator runs the same core under other policies to
-compare them side by side (design section 9):
+compare them side by side:
 
 - `bagel`: throughput-proportional batches (so H inner steps take about the same wall
   time on every card), a deadline that freezes the contributors that are ready, and

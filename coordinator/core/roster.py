@@ -269,7 +269,7 @@ class Roster:
 
         Redundancy moves (some cell below min_replicas) are made on every call. Balance
         moves only with `balance=True`, which the callers pass where a move is worth its
-        cost (design section 5, stickiness):
+        cost:
         - at a round boundary, when the cell's members have just become movable;
         - on a join while the newcomer's cell has not committed a round yet: nobody there
           holds or downloads state, so moves are free (the cold start, small fleets).

@@ -1,7 +1,7 @@
 """The scheduler: which worker trains which cell, and how a round's batch is split.
 
 Pure code (no I/O, no clock, no randomness), used unchanged by the daemon, through
-`CoordinatorState`, and by the simulator. Design section 5:
+`CoordinatorState`, and by the simulator. What it decides:
 
 - **Fit.** A worker may train a cell only if the cell's memory (params, grads, optimizer,
   outer state and one micro-batch; computed by the shell) fits its VRAM with

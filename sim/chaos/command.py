@@ -1,6 +1,6 @@
 """`bagel-sim chaos SCENARIO --out DIR`: a real coordinator and real workers, faults on a schedule.
 
-Design section 9. Everything is a real process on loopback (CPU, tiny model):
+Everything is a real process on loopback (CPU, tiny model):
 
     hivemind-dht (bootstrap)  <-DHT-  bagel-coordinator serve  <-gRPC-  FaultProxy  <-gRPC-  bagel-worker x N
                                        (--advertise-endpoint = the proxy)       (this process)

@@ -13,8 +13,7 @@ Invariants (the names are the keys of the chaos `summary.json`):
   commit log is present, with the same hash, in every later read (e.g. after a SIGKILL
   and restart of the coordinator); and every commit acknowledged to a worker
   (VERDICT_COMMITTED) is in the final log with that hash.
-  Epochs: an orphaned cell falls back to its last checkpoint by design (design section
-  6) and re-commits the rounds after it in the next epoch (`CellRecord.rollbacks`; the
+  Epochs: an orphaned cell falls back to its last checkpoint by design and re-commits the rounds after it in the next epoch (`CellRecord.rollbacks`; the
   store keys commits by (cell, epoch, round) and reads back the current epoch). A later
   read whose cell is in a newer epoch starting at round b + 1 drops the older epoch's
   rounds above b: those are rolled back, which is allowed for at most

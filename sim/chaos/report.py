@@ -1,9 +1,9 @@
 """The chaos run's report: summary.json, summary.md and timeline.png in the output directory.
 
 `summary.json` is `{"invariants": {NAME: bool}, "faults": [...], "committed_rounds": n, ...}`
-(issue 6) plus the evidence behind each verdict: violations and notes per invariant, the
+plus the evidence behind each verdict: violations and notes per invariant, the
 commit-log reads, per-worker verdicts and events, and the Byzantine workers' effect. The
-effect is measured, not asserted (robust aggregation is a later issue): for every committed
+effect is measured, not asserted (the default aggregation is a plain mean): for every committed
 round we know from the coordinator's commit record who contributed and the mean training
 loss the agreeing contributors reported; the report compares how the cell's loss moved
 after rounds a Byzantine worker contributed to with rounds it did not.
