@@ -311,7 +311,7 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
         )
     if summary["byzantine"]:
         lines += ["", "## Byzantine workers", "",
-                  "Robust aggregation is not in yet (a later issue), so a Byzantine worker's update is averaged in; "
+                  "With the plain mean (diloco.aggregation = \"mean\", the default), a Byzantine worker's update is averaged in; "
                   "compare its cell's loss with the clean cells above. Loss change = the cell's committed loss in "
                   "the next round minus this round's, averaged over the rounds it contributed to / all other rounds.", "",
                   "| worker | mode | rounds contributed | loss change after its rounds | after the others | verdicts |",
