@@ -107,7 +107,7 @@ class CoordinatorHandle:
     port: int
     endpoint: str
     identity: Identity
-    core: CoordinatorApp
+    app: CoordinatorApp
     store: Store
     server: grpc.aio.Server
     health: Any
@@ -124,7 +124,7 @@ class CoordinatorHandle:
 
     @property
     def state(self) -> CoordinatorState:
-        return self.core.state
+        return self.app.state
 
     async def stop(self, grace_s: float = DEFAULT_GRACE_S) -> None:
         """Graceful shutdown (see the module docstring); idempotent."""
@@ -135,12 +135,12 @@ class CoordinatorHandle:
             await self.health.enter_graceful_shutdown()
             await self.server.stop(grace_s)
         finally:
-            self.core.accepting = False
+            self.app.accepting = False
             if self._tick_task is not None:
                 self._tick_task.cancel()
                 await asyncio.gather(self._tick_task, return_exceptions=True)
             try:
-                await self.core.writer.close()
+                await self.app.writer.close()
             finally:
                 self.store.close()
                 if self.publisher is not None:
@@ -224,10 +224,10 @@ async def start_coordinator(
             metrics_port = metrics.serve(host or "127.0.0.1", int(port_s))
         writer = AsyncWriter(store)
         fatal = asyncio.Event()
-        core = CoordinatorApp(spec, state, writer, checkpoints, metrics, clock=clock, on_fatal=lambda e: fatal.set())
+        app = CoordinatorApp(spec, state, writer, checkpoints, metrics, clock=clock, on_fatal=lambda e: fatal.set())
 
         server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=server_options())
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(core), server)
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(app), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(
@@ -251,7 +251,7 @@ async def start_coordinator(
             port=port,
             endpoint=endpoint,
             identity=identity,
-            core=core,
+            app=app,
             store=store,
             server=server,
             health=health,
@@ -260,7 +260,7 @@ async def start_coordinator(
             _lock_fd=lock_fd,
             fatal=fatal,
         )
-        handle._tick_task = asyncio.create_task(core.tick_loop(tick_ms), name="bagel-coordinator-tick")
+        handle._tick_task = asyncio.create_task(app.tick_loop(tick_ms), name="bagel-coordinator-tick")
         if dht is not None and dht is not False:
             handle.dht, handle.own_dht = dht, own_dht is not None
             await _publish(handle)
@@ -371,7 +371,7 @@ async def _serve(
         for w in waiters:
             w.cancel()
         if handle.fatal.is_set():
-            log.critical("stopping after a fatal error: %s", handle.core.fatal)
+            log.critical("stopping after a fatal error: %s", handle.app.fatal)
             return 1
         log.info("signal received: draining and shutting down")
         return 0

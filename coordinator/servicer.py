@@ -49,49 +49,49 @@ async def _drain(chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> None:
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Translates protobuf <-> core events; no decisions are made here."""
 
-    def __init__(self, core: CoordinatorApp) -> None:
-        self.core = core
+    def __init__(self, app: CoordinatorApp) -> None:
+        self.app = app
 
     async def Register(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
-        core = self.core
-        v = core.verify(request, "Register")
-        if core.spec.security.mode == "permissioned":
+        app = self.app
+        v = app.verify(request, "Register")
+        if app.spec.security.mode == "permissioned":
             # The join-token format is not defined by the protocol layer yet.
             raise PermissionedNotSupported("permissioned runs (join tokens) are not supported by this coordinator")
-        out = await core.apply(wire.register_event(v.worker_id, v.message))
+        out = await app.apply(wire.register_event(v.worker_id, v.message))
         return pb.RegisterResponse(
             worker_id=v.worker_id,
             lease_expires_unix_ms=out.lease_expires_ms or 0,
-            heartbeat_interval_ms=core.heartbeat_interval_ms,
-            spec_toml=core.spec.source,
-            spec_hash=core.spec.spec_hash,
+            heartbeat_interval_ms=app.heartbeat_interval_ms,
+            spec_toml=app.spec.source,
+            spec_hash=app.spec.spec_hash,
             instruction=wire.instruction_to_pb(out.instruction),
         )
 
     async def Heartbeat(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
-        v = self.core.verify(request, "Heartbeat")
-        out = await self.core.apply(wire.heartbeat_event(v.worker_id, v.message))
+        v = self.app.verify(request, "Heartbeat")
+        out = await self.app.apply(wire.heartbeat_event(v.worker_id, v.message))
         return pb.HeartbeatResponse(
             lease_expires_unix_ms=out.lease_expires_ms or 0, instruction=wire.instruction_to_pb(out.instruction)
         )
 
     async def ReportRound(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.ReportRoundResponse:
-        v = self.core.verify(request, "ReportRound")
-        out = await self.core.apply(wire.report_event(v.worker_id, v.message))
+        v = self.app.verify(request, "ReportRound")
+        out = await self.app.apply(wire.report_event(v.worker_id, v.message))
         return pb.ReportRoundResponse(
             verdict=wire.verdict_to_pb(out.verdict),  # type: ignore[arg-type]
             instruction=wire.instruction_to_pb(out.instruction),
         )
 
     async def Leave(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.LeaveResponse:
-        v = self.core.verify(request, "Leave")
-        out = await self.core.apply(wire.leave_event(v.worker_id, v.message))
+        v = self.app.verify(request, "Leave")
+        out = await self.app.apply(wire.leave_event(v.worker_id, v.message))
         if out.instruction is not None:  # the last holder: upload first
             return pb.LeaveResponse(upload_first=True, instruction=wire.instruction_to_pb(out.instruction))
         return pb.LeaveResponse()
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        return self.core.status()
+        return self.app.status()
 
     async def UploadCheckpoint(
         self, request_iterator: AsyncIterator[pb.CheckpointUploadChunk], context: grpc.aio.ServicerContext
@@ -104,19 +104,19 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise
 
     async def _upload(self, chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> pb.UploadCheckpointResponse:
-        core = self.core
+        app = self.app
         try:
             first = await chunks.__anext__()
         except StopAsyncIteration:
             raise UploadProtocolError("empty upload: the first chunk must carry the signed header") from None
         if first.WhichOneof("kind") != "header":
             raise UploadProtocolError("the first chunk must carry the signed header")
-        v = core.verify(first.header, "UploadCheckpoint")
+        v = app.verify(first.header, "UploadCheckpoint")
         h: pb.UploadCheckpointHeader = v.message
-        if not core.state.check_upload(v.worker_id, h.cell_id, h.round, h.state_hash):
+        if not app.state.check_upload(v.worker_id, h.cell_id, h.round, h.state_hash):
             await _drain(chunks)  # a checkpoint of this round is stored already
             return pb.UploadCheckpointResponse(stored=False, round=h.round)
-        upload = core.checkpoints.begin_upload(h.cell_id, h.round, h.state_hash, h.total_bytes, h.sha256, v.worker_id)
+        upload = app.checkpoints.begin_upload(h.cell_id, h.round, h.state_hash, h.total_bytes, h.sha256, v.worker_id)
         try:
             async for chunk in chunks:
                 if chunk.WhichOneof("kind") != "data":
@@ -124,21 +124,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 upload.write(chunk.data)
             await asyncio.to_thread(upload.verify)
             # the index lives in SQLite: publish on the store's thread, in order with writes
-            await core.writer.run(upload.publish, core.clock())
+            await app.writer.run(upload.publish, app.clock())
         except BaseException:
             upload.abort()
             raise
-        await core.apply(CheckpointStored(cell_id=h.cell_id, round=h.round, state_hash=h.state_hash))
+        await app.apply(CheckpointStored(cell_id=h.cell_id, round=h.round, state_hash=h.state_hash))
         return pb.UploadCheckpointResponse(stored=True, round=h.round)
 
     async def DownloadCheckpoint(
         self, request: pb.SignedRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.CheckpointDownloadChunk]:
-        core = self.core
-        v = core.verify(request, "DownloadCheckpoint")
+        app = self.app
+        v = app.verify(request, "DownloadCheckpoint")
         req: pb.DownloadCheckpointRequest = v.message
-        core.state.instruction_for(v.worker_id, core.clock())  # registered workers only (else NOT_FOUND)
-        meta = core.checkpoints.get(req.cell_id, req.round)
+        app.state.instruction_for(v.worker_id, app.clock())  # registered workers only (else NOT_FOUND)
+        meta = app.checkpoints.get(req.cell_id, req.round)
         yield pb.CheckpointDownloadChunk(
             info=pb.CheckpointInfo(
                 cell_id=meta.cell_id,
@@ -148,6 +148,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 sha256=meta.sha256,
             )
         )
-        gen = core.checkpoints.iter_chunks(meta)
+        gen = app.checkpoints.iter_chunks(meta)
         while (chunk := await asyncio.to_thread(next, gen, None)) is not None:
             yield pb.CheckpointDownloadChunk(data=chunk)

@@ -95,7 +95,7 @@ class Caller:
 
 
 async def fingerprint(h: CoordinatorHandle, caller: Caller) -> tuple[Any, ...]:
-    await h.core.writer.barrier()
+    await h.app.writer.barrier()
     store = Store.open_readonly(h.data_dir)
     try:
         dump = store.dump()

@@ -55,3 +55,12 @@ def test_no_file_points_outside_the_repo() -> None:
             if needle in line:
                 found.append(f"{path.relative_to(ROOT)}:{n}")
     assert not found, f"{OUTSIDE_POINTER} is not part of a clone; found at " + ", ".join(found)
+
+
+def test_every_module_the_architecture_doc_names_exists() -> None:
+    import re
+
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    named = set(re.findall(r"`((?:%s)/[\w/]+\.py)`" % "|".join(PACKAGES), text))
+    stale = sorted(m for m in named if not (ROOT / m).is_file())
+    assert not stale, "docs/ARCHITECTURE.md names modules that no longer exist: " + ", ".join(stale)

@@ -57,7 +57,7 @@ async def test_workers_upload_and_download_checkpoints(tmp_path: Path) -> None:
         await wait_for(lambda: sum(len(w.stats.uploads) for w in workers) >= 3, 60, "three stored checkpoints")
         cell = h.state.snapshot().cells[0]
         assert cell.checkpoint_round >= 1
-        metas = h.core.checkpoints.list("k0.r0")
+        metas = h.app.checkpoints.list("k0.r0")
         assert 1 <= len(metas) <= spec.checkpoint.keep  # retention
         info, data = await workers[0].client.download_checkpoint("k0.r0")
         assert info.round == max(m.round for m in metas)
@@ -118,7 +118,7 @@ async def test_bad_uploads_are_refused_and_leave_nothing(tmp_path: Path) -> None
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await upload(declared, sent)
             assert err.value.code() == code, (name, err.value.details())
-            assert h.core.checkpoints.list() == [], name
+            assert h.app.checkpoints.list() == [], name
             assert [p for p in (h.data_dir / "checkpoints").rglob("*") if p.is_file()] == [], name
         with pytest.raises(grpc.aio.AioRpcError) as err:  # a hash that was never committed
             await upload(good, good, hash_in_header="0" * 64)
@@ -126,7 +126,7 @@ async def test_bad_uploads_are_refused_and_leave_nothing(tmp_path: Path) -> None
         # and the honest upload goes through
         resp = await upload(good, good)
         assert resp.stored and resp.round == rnd
-        assert [m.round for m in h.core.checkpoints.list(cell)] == [rnd]
+        assert [m.round for m in h.app.checkpoints.list(cell)] == [rnd]
         assert h.state.snapshot().cells[0].checkpoint_round == rnd
     finally:
         await stop_workers(workers)

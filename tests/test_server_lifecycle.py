@@ -198,10 +198,10 @@ async def test_worker_gauge_tally_matches_the_core(tmp_path: Path) -> None:
             await c.leave("done")
     counts = _nonzero(h.state.counts())
     assert counts.get("left") == 3 and counts.get("standby", 0) > 0  # some had no cell left
-    assert _nonzero(h.core.tally.counts()) == counts
+    assert _nonzero(h.app.tally.counts()) == counts
     await h.stop()
     h2 = await start(tmp_path, cluster_spec_text("lcrun", lease_s=30.0, min_replicas=1, max_replicas=1))
     try:
-        assert _nonzero(h2.core.tally.counts()) == _nonzero(h2.state.counts())
+        assert _nonzero(h2.app.tally.counts()) == _nonzero(h2.state.counts())
     finally:
         await h2.stop()
