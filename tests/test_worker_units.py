@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from bagel.protocol import bagel_pb2 as pb
 from bagel.worker import cli
 from bagel.worker.diloco import CellState
 from bagel.worker.display import Display, human_bytes
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore
-from bagel.worker.profile import benchmark_cell, measure, memory_bytes
+from bagel.worker.profile import benchmark_cell, cached_profile, measure, memory_bytes
 from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, corrupt, fresh_feedback
-from bagel.worker.profile import cached_profile
+from torch import nn
 
 
 def _state(seed: int = 0) -> CellState:
