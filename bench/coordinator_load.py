@@ -3,10 +3,11 @@
 A real coordinator process (`python -m bagel.coordinator serve`) and, in a separate
 process, a load generator: N simulated workers, each with its own Ed25519 key, register
 and then heartbeat every 5 s (phases spread uniformly), over a few shared gRPC channels.
-The workers follow the round protocol minimally so the coordinator does its real work
-(rounds open, freeze and commit, with SQLite writes, for the workers that get a cell):
-TRAIN -> READY on the next beat, REDUCE -> ReportRound with a hash all honest members
-agree on, SYNC -> adopt the committed state.
+The workers follow the round protocol with the real worker's own decisions
+(`bagel.worker.reconciler.decide`, see `Fleet`) so the coordinator does its real work
+(rounds open, freeze and commit, with SQLite writes, for the workers that get a cell);
+only the heavy parts are instant: TRAIN -> READY on the next beat, REDUCE -> ReportRound
+with a hash all honest members agree on, SYNC -> adopt the committed state.
 
 Reported per point: heartbeats/s sustained (answered heartbeats over the measurement
 window), p50/p99 heartbeat latency (client-side round trip, so it includes the
@@ -54,7 +55,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 SPEC = """
 [run]
@@ -131,22 +132,151 @@ def _server_stalls(before: dict[str, float], after: dict[str, float]) -> dict[st
 
 
 @dataclass
-class SimState:
+class LoadWork:
+    """The round one load worker works on: trained at once, then one report."""
+
+    cell_id: str
+    round: int
+    round_attempt: int
+    samples: int
+    catch_up: bool = False
+    reduce_attempt: int = 0
+    pending_hash: str | None = None
+    reporting: bool = False
+
+
+@dataclass
+class LoadWorker:
     identity: Any
-    phase: int = 1  # PHASE_IDLE
-    cell: str = ""
-    round: int = 0
-    round_attempt: int = 0
-    samples: int = 0
-    local: tuple[str, int, str] = ("", 0, "")
-    reported: set[tuple[str, int, int]] = field(default_factory=set)
+    local: Any = None  # the committed LocalState held (None: nothing)
+    work: LoadWork | None = None
+    missing: set[tuple[str, int, int, int]] = field(default_factory=set)
+
+
+class Fleet:
+    """The generator's workers following their instructions with `reconciler.decide`, the
+    real worker's decisions; training and downloads take no time, an exchange is a report."""
+
+    def __init__(self, n: int, stubs: list[Any], errors: dict[str, int], spawn: Any) -> None:
+        from bagel.protocol.identity import Identity
+
+        self.sims = [LoadWorker(Identity.generate()) for _ in range(n)]
+        self.stubs = stubs
+        self.errors = errors
+        self.spawn = spawn
+
+    def local_pb(self, i: int) -> Any:
+        from bagel.protocol import bagel_pb2 as pb
+        from bagel.protocol.convert import local_to_pb
+
+        local = self.sims[i].local
+        return local_to_pb(local) if local is not None else pb.LocalState()
+
+    def heartbeat(self, i: int) -> Any:
+        from bagel.protocol import bagel_pb2 as pb
+
+        w = self.sims[i].work
+        if w is None:
+            return pb.HeartbeatRequest(phase=pb.PHASE_IDLE, local=self.local_pb(i))
+        if w.reduce_attempt or w.pending_hash is not None:
+            return pb.HeartbeatRequest(
+                phase=pb.PHASE_REDUCING, cell_id=w.cell_id, round=w.round, local=self.local_pb(i),
+                round_attempt=w.round_attempt, reduce_attempt=w.reduce_attempt,
+            )
+        return pb.HeartbeatRequest(
+            phase=pb.PHASE_READY, cell_id=w.cell_id, round=w.round, inner_step=2, samples=w.samples,
+            local=self.local_pb(i), round_attempt=w.round_attempt,
+        )
+
+    def act(self, i: int, instruction: Any) -> None:
+        from bagel.protocol.convert import instruction_from_pb
+        from bagel.protocol.messages import LocalState
+        from bagel.worker import reconciler as rc
+
+        s = self.sims[i]
+        ins = instruction_from_pb(instruction)
+        w = s.work
+        view = rc.WorkerView(
+            s.identity.worker_id, s.local,
+            None if w is None else rc.Work(
+                w.cell_id, w.round, w.round_attempt, ready=True, catch_up=w.catch_up, reduce_attempt=w.reduce_attempt,
+                exchanging=w.reporting, pending_hash=w.pending_hash, pending_attempt=w.reduce_attempt,
+            ),
+            missing_reported=frozenset(s.missing),
+        )
+        for a in rc.decide(ins, view):
+            if isinstance(a, rc.StartTrain):
+                p = ins.plan
+                assert p is not None
+                s.work = LoadWork(ins.cell_id, ins.round, ins.round_attempt, p.micro_batch * p.grad_accum * p.inner_steps)
+            elif isinstance(a, rc.StartCatchUp):
+                s.work = LoadWork(ins.cell_id, ins.round, ins.round_attempt, 0, catch_up=True)
+            elif isinstance(a, rc.StartReduce) and s.work is not None:
+                w = s.work
+                text = f"{ins.cell_id}|{ins.round}|{ins.committed_hash}|{','.join(m.worker_id for m in ins.contributors)}"
+                w.reduce_attempt, w.pending_hash, w.reporting = a.reduce_attempt, hashlib.sha256(text.encode()).hexdigest(), True
+                self.spawn(self._report(i, w))
+            elif isinstance(a, rc.StartSync):
+                s.local = LocalState(a.cell_id, a.committed_round, a.committed_hash)
+            elif isinstance(a, rc.BuildInitialState):
+                s.local = LocalState(a.cell_id, 0, "")
+            elif isinstance(a, rc.AdoptPending) and s.work is not None:
+                s.local = LocalState(s.work.cell_id, s.work.round, s.work.pending_hash or "")
+                s.work = None
+            elif isinstance(a, rc.DropWork):
+                s.work = None
+            elif isinstance(a, rc.ReportMissing):
+                s.missing.add((a.cell_id, a.round, a.round_attempt, a.reduce_attempt))
+                self.spawn(self._report_missing(i, a))
+            # Leave, Upload, ReReport: every load worker keeps beating (no checkpoints, no outages)
+
+    async def _report(self, i: int, w: LoadWork) -> None:
+        import grpc
+        from bagel.protocol import bagel_pb2 as pb
+        from bagel.protocol.convert import verdict_from_pb
+        from bagel.protocol.envelope import sign_request
+        from bagel.protocol.messages import LocalState
+        from bagel.worker import reconciler as rc
+
+        s = self.sims[i]
+        req = pb.ReportRoundRequest(cell_id=w.cell_id, round=w.round, state_hash=w.pending_hash, samples=w.samples,
+                                    loss=0.5, compute_ms=100, comm_ms=10, reduce_attempt=w.reduce_attempt)
+        try:
+            resp = await self.stubs[i % CHANNELS].ReportRound(
+                sign_request(s.identity, req, run_id="loadrun", method="ReportRound"), timeout=30
+            )
+        except grpc.aio.AioRpcError as e:
+            self.errors[f"ReportRound:{e.code().name}"] = self.errors.get(f"ReportRound:{e.code().name}", 0) + 1
+            w.reporting = False
+            return
+        w.reporting = False
+        for a in rc.decide_verdict(verdict_from_pb(resp.verdict), reported_outcome=True, current=s.work is w):
+            if isinstance(a, rc.AdoptPending):
+                s.local, s.work = LocalState(w.cell_id, w.round, w.pending_hash or ""), None
+            elif isinstance(a, rc.DropWork):
+                s.work = None
+        self.act(i, resp.instruction)
+
+    async def _report_missing(self, i: int, a: Any) -> None:
+        import grpc
+        from bagel.protocol import bagel_pb2 as pb
+        from bagel.protocol.envelope import sign_request
+
+        req = pb.ReportRoundRequest(cell_id=a.cell_id, round=a.round, failed=True, reduce_attempt=a.reduce_attempt,
+                                    reason="this contributor lost its contribution (restarted)")
+        try:
+            await self.stubs[i % CHANNELS].ReportRound(
+                sign_request(self.sims[i].identity, req, run_id="loadrun", method="ReportRound"), timeout=30
+            )
+        except grpc.aio.AioRpcError as e:
+            self.errors[f"ReportRound:{e.code().name}"] = self.errors.get(f"ReportRound:{e.code().name}", 0) + 1
 
 
 def _percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
     return xs[k]
 
 
@@ -161,12 +291,10 @@ async def _generate(
     metrics_url: str | None = None,
 ) -> dict[str, Any]:
     import grpc
-
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol import bagel_pb2_grpc as pb_grpc
     from bagel.protocol.envelope import sign_request
     from bagel.protocol.grpc_options import channel_options
-    from bagel.protocol.identity import Identity
 
     channels = [grpc.aio.insecure_channel(target, options=channel_options()) for _ in range(CHANNELS)]
     stubs = [pb_grpc.CoordinatorStub(ch) for ch in channels]
@@ -174,7 +302,15 @@ async def _generate(
         await asyncio.wait_for(ch.channel_ready(), 60)
     rng = random.Random(0)
     measuring = {"on": False}
-    sims = [SimState(Identity.generate()) for _ in range(n)]
+    tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+
+    errors: dict[str, int] = {}
+    fleet = Fleet(n, stubs, errors, spawn)
     # the generator's own full collections (over 10k keys and states) would show up as
     # heartbeat latency; keep what exists now out of the collector's reach, as the daemon does
     import gc
@@ -193,7 +329,6 @@ async def _generate(
             own_gc["max_s"] = max(own_gc["max_s"], d)
 
     gc.callbacks.append(gc_callback)
-    errors: dict[str, int] = {}
 
     def peer(i: int) -> pb.PeerAddress:
         alphabet = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
@@ -201,63 +336,17 @@ async def _generate(
         return pb.PeerAddress(peer_id="12D3KooW" + tail, maddrs=["/ip4/127.0.0.1/tcp/1"])
 
     async def register(i: int) -> None:
-        s = sims[i]
         req = pb.RegisterRequest(
             profile=pb.WorkerProfile(
                 name=f"load{i}", device_kind="cpu", vram_bytes=8 << 30, num_devices=1,
                 link_bandwidth_bytes_per_s=1e8, software_version="bench",
             ),
             peer=peer(i),
-            local=pb.LocalState(cell_id=s.local[0], committed_round=s.local[1], state_hash=s.local[2]),
+            local=fleet.local_pb(i),
         )
-        resp = await stubs[i % CHANNELS].Register(
-            sign_request(s.identity, req, run_id="loadrun", method="Register"), timeout=30
-        )
-        act(i, resp.instruction)
-
-    def act(i: int, ins: Any) -> None:
-        s = sims[i]
-        if ins.order == pb.ORDER_TRAIN:
-            s.phase, s.cell, s.round, s.round_attempt = pb.PHASE_READY, ins.cell_id, ins.round, ins.round_attempt
-            s.samples = ins.plan.micro_batch * ins.plan.grad_accum * ins.plan.inner_steps
-        elif ins.order == pb.ORDER_REDUCE:
-            key = (ins.cell_id, ins.round, ins.reduce_attempt)
-            if key not in s.reported:
-                s.reported.add(key)
-                s.phase = pb.PHASE_REDUCING
-                text = (
-                    f"{ins.cell_id}|{ins.round}|{ins.committed_hash}|{','.join(m.worker_id for m in ins.contributors)}"
-                )
-                h = hashlib.sha256(text.encode()).hexdigest()
-                spawn(report(i, ins, h))
-        elif ins.order == pb.ORDER_SYNC:
-            s.local = (ins.cell_id, ins.committed_round, ins.committed_hash)
-            s.phase = pb.PHASE_IDLE
-        elif ins.order == pb.ORDER_WAIT and s.phase != pb.PHASE_REDUCING:
-            s.phase = pb.PHASE_IDLE
-
-    async def report(i: int, ins: Any, h: str) -> None:
-        s = sims[i]
-        req = pb.ReportRoundRequest(cell_id=ins.cell_id, round=ins.round, state_hash=h, samples=s.samples,
-                                    loss=0.5, compute_ms=100, comm_ms=10, reduce_attempt=ins.reduce_attempt)
-        try:
-            resp = await stubs[i % CHANNELS].ReportRound(
-                sign_request(s.identity, req, run_id="loadrun", method="ReportRound"), timeout=30
-            )
-            if resp.verdict == pb.VERDICT_COMMITTED:
-                s.local = (ins.cell_id, ins.round, h)
-            s.phase = pb.PHASE_IDLE
-            act(i, resp.instruction)
-        except grpc.aio.AioRpcError as e:
-            errors[f"ReportRound:{e.code().name}"] = errors.get(f"ReportRound:{e.code().name}", 0) + 1
-            s.phase = pb.PHASE_IDLE
-
-    tasks: set[asyncio.Task[None]] = set()
-
-    def spawn(coro: Any) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
+        signed = sign_request(fleet.sims[i].identity, req, run_id="loadrun", method="Register")
+        resp = await stubs[i % CHANNELS].Register(signed, timeout=30)
+        fleet.act(i, resp.instruction)
 
     # Registration runs concurrently with the heartbeat schedule: a worker starts beating
     # (from a random phase) as soon as it is registered, so registering 10k workers,
@@ -309,21 +398,11 @@ async def _generate(
             inflight.release()
 
     async def beat_once(i: int) -> None:
-        s = sims[i]
-        active = s.phase in (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING)
-        req = pb.HeartbeatRequest(
-            phase=cast(pb.Phase, s.phase),  # the stubs type enum fields by their enum class, of ints
-            cell_id=s.cell if active else "",
-            round=s.round if active else 0,
-            inner_step=2 if s.phase == pb.PHASE_READY else 0,
-            samples=s.samples if s.phase == pb.PHASE_READY else 0,
-            local=pb.LocalState(cell_id=s.local[0], committed_round=s.local[1], state_hash=s.local[2]),
-            round_attempt=s.round_attempt if s.phase == pb.PHASE_READY else 0,
-        )
+        req = fleet.heartbeat(i)
         start = time.perf_counter()
         try:
             resp = await stubs[i % CHANNELS].Heartbeat(
-                sign_request(s.identity, req, run_id="loadrun", method="Heartbeat"), timeout=10
+                sign_request(fleet.sims[i].identity, req, run_id="loadrun", method="Heartbeat"), timeout=10
             )
         except grpc.aio.AioRpcError as e:
             key = f"Heartbeat:{e.code().name}"
@@ -333,7 +412,7 @@ async def _generate(
             return
         if measuring["on"]:
             latencies.append((time.perf_counter() - start) * 1000.0)
-        act(i, resp.instruction)
+        fleet.act(i, resp.instruction)
 
     # fixed-rate schedule: each worker beats every period_s from a random phase; the
     # warm-up starts once every worker is registered, then the measurement window
@@ -432,7 +511,6 @@ def _generator_main(
 async def _serve_baseline(target: str) -> None:
     """A bare grpc.aio Coordinator: constant replies, nothing verified, parsed or stored."""
     import grpc
-
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol import bagel_pb2_grpc as pb_grpc
     from bagel.protocol.grpc_options import server_options

@@ -1,20 +1,23 @@
 """Simulated workers: asyncio clients that speak the real protocol over real gRPC, no training.
 
 Each `SimWorker` has its own Ed25519 identity, registers, heartbeats on its own task and
-follows the level-triggered instructions of the round protocol (team brief):
+follows the level-triggered instructions of the round protocol with the real worker's own
+decisions (`bagel.worker.reconciler.decide`), faking the heavy parts:
 
-- WAIT   -> heartbeat IDLE;
-- SYNC   -> "download" (a short sleep), adopt the committed (round, hash), heartbeat IDLE;
-- TRAIN  -> heartbeat TRAINING, sleep planned samples / samples_per_s (or a fixed
-  `train_s`), heartbeat READY with its planned samples;
-- REDUCE -> heartbeat REDUCING, sleep `reduce_s`, then ReportRound with a hash derived
-  deterministically from (cell, round, previous committed hash, contributors), so honest
-  contributors agree; a worker with `bad_hash=True` reports a different one;
-- NOT_FOUND -> re-register with its LocalState; UNAVAILABLE -> retry (coordinator restart).
+- SYNC   -> "download" (a short sleep), adopt the committed (round, hash);
+- TRAIN  -> sleep planned samples / samples_per_s (or a fixed `train_s`), then heartbeat
+  READY with its planned samples (round 0 is "built" at once);
+- REDUCE -> sleep `reduce_s`, then ReportRound with a hash derived deterministically from
+  (cell, round, previous committed hash, contributors), so honest contributors agree
+  (catch-up contributors too, with zero samples); a worker with `bad_hash=True` reports a
+  different one; the verdict is read with `reconciler.decide_verdict`;
+- NOT_FOUND -> re-register with its LocalState; UNAVAILABLE -> retry (coordinator restart),
+  and report a pending outcome again once the coordinator is back (it may have lost it).
 
 Faults are scripted: `crash()` stops a worker without a Leave (its lease must expire),
 `leave()` is the polite exit. Used by the in-process cluster tests, the crash test and the
-simulator's chaos mode; `bench/coordinator_load.py` has its own leaner heartbeat loop.
+checkpoint tests; `bench/coordinator_load.py` has its own leaner generator on the same
+`decide`.
 """
 
 from __future__ import annotations
@@ -23,17 +26,36 @@ import asyncio
 import hashlib
 import logging
 import random
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
-from safetensors.numpy import save as save_safetensors
-
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient
+from bagel.protocol.convert import instruction_from_pb, local_to_pb, verdict_from_pb
 from bagel.protocol.identity import Identity
+from bagel.protocol.messages import Instruction, LocalState, Order
 from bagel.protocol.statehash import state_hash
+from bagel.worker import reconciler
+from bagel.worker.reconciler import (
+    AdoptPending,
+    BuildInitialState,
+    CancelSync,
+    DropWork,
+    Leave,
+    ReportMissing,
+    ReReport,
+    StartCatchUp,
+    StartReduce,
+    StartSync,
+    StartTrain,
+    Sync,
+    Upload,
+    Work,
+    WorkerView,
+)
+from safetensors.numpy import save as save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +86,30 @@ def sim_state(cell_id: str, round: int, prev_hash: str, contributors: Sequence[s
 def honest_hash(cell_id: str, round: int, prev_hash: str, contributors: Sequence[str]) -> str:
     """What every honest contributor of a round reports: the state hash of `sim_state`."""
     return state_hash(sim_state(cell_id, round, prev_hash, contributors))
+
+
+@dataclass
+class SimWork:
+    """The round a simulated worker works on (what the real worker's RoundWork tracks)."""
+
+    cell_id: str
+    round: int
+    round_attempt: int
+    samples: int = 0  # planned (or 0: catch-up) samples, reported once trained
+    inner_steps: int = 0
+    ready: bool = False
+    catch_up: bool = False
+    reduce_attempt: int = 0
+    pending_hash: str | None = None  # reported, waiting for the commit
+    pending_attempt: int = 0
+    report_epoch: int = 0
+    train_task: asyncio.Task[None] | None = None
+    reduce_task: asyncio.Task[None] | None = None
+
+    def cancel(self) -> None:
+        for t in (self.train_task, self.reduce_task):
+            if t is not None and t is not asyncio.current_task():
+                t.cancel()
 
 
 @dataclass
@@ -114,18 +160,13 @@ class SimWorker:
         self.rng = random.Random(seed)
         self.stats = SimStats()
         # what the worker holds and does
-        self.local = pb.LocalState()
-        self.phase = pb.PHASE_IDLE
-        self.cell_id = ""
-        self.round = 0
-        self.round_attempt = 0
-        self.reduce_attempt = 0
-        self.inner_step = 0
-        self.samples = 0
-        self.pending: tuple[str, int, str] | None = None  # (cell, round, hash) computed, not yet committed
-        self.instruction = pb.Instruction()
-        self._action: asyncio.Task[None] | None = None
-        self._action_key: tuple[object, ...] = ()
+        self.local = LocalState()  # the committed state it holds ("" cell: nothing)
+        self.work: SimWork | None = None
+        self.sync: tuple[LocalState, asyncio.Task[None]] | None = None
+        self.missing_reported: set[tuple[str, int, int, int]] = set()
+        self.epoch = 0  # bumps whenever the coordinator answers again after failing
+        self._down = False
+        self.instruction = Instruction(Order.UNSPECIFIED)
         self._loop_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._registered = False
@@ -143,7 +184,10 @@ class SimWorker:
     async def crash(self) -> None:
         """Stop dead: no Leave, no more heartbeats (the coordinator must notice by lease)."""
         self.stopped = True
-        tasks = [t for t in (self._action, self._loop_task, *self._bg) if t is not None]
+        w = self.work
+        jobs = (w.train_task, w.reduce_task) if w is not None else ()
+        sync = (self.sync[1],) if self.sync is not None else ()
+        tasks = [t for t in (*jobs, *sync, self._loop_task, *self._bg) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -177,27 +221,46 @@ class SimWorker:
         return pb.PeerAddress(peer_id=fake_peer_id(self.worker_id), maddrs=["/ip4/127.0.0.1/tcp/1"])
 
     async def _register(self) -> None:
-        resp = await self.client.register(self._profile(), self._peer(), self.local)
+        resp = await self.client.register(self._profile(), self._peer(), local_to_pb(self.local))
+        self._answered()
         self.stats.registrations += 1
         self._registered = True
         if self.heartbeat_s is None:
             self.heartbeat_s = resp.heartbeat_interval_ms / 1000.0
-        self._act(resp.instruction)
+        self._act(instruction_from_pb(resp.instruction))
+
+    def _phase(self) -> int:
+        if self.sync is not None:
+            return pb.PHASE_SYNCING
+        w = self.work
+        if w is None:
+            return pb.PHASE_IDLE
+        if w.reduce_attempt or w.pending_hash is not None:
+            return pb.PHASE_REDUCING
+        return pb.PHASE_READY if w.ready else pb.PHASE_TRAINING
 
     async def _heartbeat(self) -> None:
-        req = pb.HeartbeatRequest(
-            phase=self.phase,  # type: ignore[arg-type]
-            cell_id=self.cell_id if self.phase in (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING) else "",
-            round=self.round if self.phase in (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING) else 0,
-            inner_step=self.inner_step,
-            samples=self.samples if self.phase == pb.PHASE_READY else 0,
-            local=self.local,
-            reduce_attempt=self.reduce_attempt if self.phase == pb.PHASE_REDUCING else 0,
-            round_attempt=self.round_attempt if self.phase in (pb.PHASE_TRAINING, pb.PHASE_READY) else 0,
-        )
+        # the real worker's heartbeat (worker/orders.py), without progress or loss
+        req = pb.HeartbeatRequest(phase=self._phase(), local=local_to_pb(self.local))  # type: ignore[arg-type]
+        w = self.work
+        if self.sync is not None:
+            req.cell_id = self.sync[0].cell_id
+        elif w is not None:
+            req.cell_id, req.round, req.round_attempt = w.cell_id, w.round, w.round_attempt
+            if w.ready:
+                req.inner_step, req.samples = w.inner_steps, w.samples
+            req.reduce_attempt = w.reduce_attempt
+        elif self.local.cell_id:
+            req.cell_id = self.local.cell_id
         resp: pb.HeartbeatResponse = await self.client.call("Heartbeat", req)  # type: ignore[assignment]
+        self._answered()
         self.stats.heartbeats += 1
-        self._act(resp.instruction)
+        self._act(instruction_from_pb(resp.instruction))
+
+    def _answered(self) -> None:
+        if self._down:
+            self._down = False
+            self.epoch += 1
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -211,9 +274,9 @@ class SimWorker:
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self._registered = False  # the coordinator forgot us (lease lost): re-register
-                    self._reset_activity()
                     continue
                 if e.code() in RETRY_CODES:
+                    self._down = True
                     await asyncio.sleep(backoff * (0.5 + self.rng.random()))
                     backoff = min(backoff * 2, 1.0)
                     continue
@@ -231,82 +294,117 @@ class SimWorker:
                 pass
             self._wake.clear()
 
-    def _reset_activity(self) -> None:
-        if self._action is not None:
-            self._action.cancel()
-        self._action, self._action_key = None, ()
-        self.phase = pb.PHASE_IDLE
-        self.inner_step = 0
+    # ------------------------------------------------------------------ following instructions
 
-    def _start(self, key: tuple[object, ...], make: Callable[[], Coroutine[object, object, None]]) -> None:
-        if self._action_key == key and self._action is not None:
-            return  # already doing exactly that
-        if self._action is not None:
-            self._action.cancel()
-        self._action_key = key
-        self._action = asyncio.create_task(make())
+    def _view(self) -> WorkerView:
+        w = self.work
+        work = None
+        if w is not None:
+            exchanging = w.reduce_task is not None and not w.reduce_task.done()
+            work = Work(
+                w.cell_id, w.round, w.round_attempt, ready=w.ready, catch_up=w.catch_up,
+                reduce_attempt=w.reduce_attempt, exchanging=exchanging, pending_hash=w.pending_hash,
+                pending_attempt=w.pending_attempt, report_stale=w.report_epoch != self.epoch,
+            )
+        sync = Sync(self.sync[0], running=not self.sync[1].done()) if self.sync is not None else None
+        return WorkerView(
+            self.worker_id, self.local if self.local.cell_id else None, work, sync,
+            frozenset(self._uploading), frozenset(self.missing_reported),
+        )
 
-    def _adopt_committed(self, ins: pb.Instruction) -> None:
-        """A pending result of ours matching the committed round becomes our local state."""
-        if self.pending is not None:
-            cell, rnd, h = self.pending
-            if ins.cell_id == cell and ins.committed_round == rnd and ins.committed_hash == h:
-                self.local = pb.LocalState(cell_id=cell, committed_round=rnd, state_hash=h)
-                self.pending = None
-            elif ins.cell_id != cell or ins.committed_round >= rnd:
-                self.pending = None
-
-    def _act(self, ins: pb.Instruction) -> None:
+    def _act(self, ins: Instruction) -> None:
+        """An answer's instruction: it becomes the one to follow."""
         if self.stopped:
             return
         self.instruction = ins
-        self._adopt_committed(ins)
-        if ins.upload_checkpoint and self.upload:
-            self._maybe_upload(ins.cell_id, ins.committed_round, ins.committed_hash)
-        order = ins.order
-        if order == pb.ORDER_WAIT:
-            if self._action_key[:1] not in ((pb.ORDER_REDUCE,), (pb.ORDER_SYNC,)):
-                self._reset_activity()
-        elif order == pb.ORDER_SYNC:
+        if ins.order is Order.SYNC:
             self.stats.sync_orders.append((ins.cell_id, ins.committed_round, ins.reason))
-            self._start((pb.ORDER_SYNC, ins.cell_id, ins.committed_round, ins.committed_hash), lambda: self._sync(ins))
-        elif order == pb.ORDER_TRAIN:
-            self._start((pb.ORDER_TRAIN, ins.cell_id, ins.round, ins.round_attempt), lambda: self._train(ins))
-        elif order == pb.ORDER_REDUCE:
-            self._start(
-                (pb.ORDER_REDUCE, ins.cell_id, ins.round, ins.round_attempt, ins.reduce_attempt),
-                lambda: self._reduce(ins),
-            )
-        elif order == pb.ORDER_LEAVE:
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Do what the current instruction says (again after a job ends, as the real worker)."""
+        if self.stopped:
+            return
+        ins = self.instruction
+        for a in reconciler.decide(ins, self._view()):
+            self._perform(ins, a)
+
+    def _perform(self, ins: Instruction, a: reconciler.Action) -> None:
+        """One action of `decide`, with sleeps for the heavy parts."""
+        w = self.work
+        if isinstance(a, Leave):
             self.stopped = True
+        elif isinstance(a, Upload):
+            if self.upload:
+                self._maybe_upload(a.cell_id, a.committed_round, a.committed_hash)
+        elif isinstance(a, AdoptPending):
+            assert w is not None and w.pending_hash is not None
+            self._commit(w)
+        elif isinstance(a, DropWork):
+            if w is not None:
+                w.cancel()
+            self.work = None
+        elif isinstance(a, CancelSync):
+            if self.sync is not None:
+                self.sync[1].cancel()
+            self.sync = None
+        elif isinstance(a, StartSync):
+            target = LocalState(a.cell_id, a.committed_round, a.committed_hash)
+            self.sync = (target, self._spawn(self._sync(target)))
+        elif isinstance(a, BuildInitialState):
+            self.local = LocalState(a.cell_id, 0, "")
+        elif isinstance(a, StartTrain):
+            assert ins.plan is not None
+            plan = ins.plan
+            samples = plan.micro_batch * plan.grad_accum * plan.inner_steps
+            w = self.work = SimWork(ins.cell_id, ins.round, ins.round_attempt, samples=samples, inner_steps=plan.inner_steps)
+            w.train_task = self._spawn(self._train(w))
+        elif isinstance(a, StartCatchUp):
+            self.work = SimWork(ins.cell_id, ins.round, ins.round_attempt, ready=True, catch_up=True)
+        elif isinstance(a, StartReduce):
+            assert w is not None
+            if w.reduce_task is not None and w.reduce_task is not asyncio.current_task():
+                w.reduce_task.cancel()
+            w.reduce_attempt, w.pending_hash = a.reduce_attempt, None
+            w.reduce_task = self._spawn(self._reduce(w, ins))
+        elif isinstance(a, ReReport):
+            assert w is not None
+            w.report_epoch = self.epoch
+            w.reduce_task = self._spawn(self._report(w))
+        elif isinstance(a, ReportMissing):
+            self.missing_reported.add((a.cell_id, a.round, a.round_attempt, a.reduce_attempt))
+            self._spawn(self._report_missing(a))
+        self._wake.set()  # (NotAMember: nothing to do)
 
-    async def _sync(self, ins: pb.Instruction) -> None:
-        self.phase = pb.PHASE_SYNCING
+    def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        return task
+
+    def _commit(self, w: SimWork) -> None:
+        assert w.pending_hash is not None
+        self.local = LocalState(w.cell_id, w.round, w.pending_hash)
+        if self.work is w:
+            self.work = None
+
+    async def _sync(self, target: LocalState) -> None:
         await asyncio.sleep(self.reduce_s)
-        self.local = pb.LocalState(
-            cell_id=ins.cell_id, committed_round=ins.committed_round, state_hash=ins.committed_hash
-        )
-        self.pending = None
-        self.phase = pb.PHASE_IDLE
+        self.local = target
+        self.sync = None
+        self._reconcile()
         self._wake.set()
 
-    async def _train(self, ins: pb.Instruction) -> None:
-        self.cell_id, self.round, self.round_attempt = ins.cell_id, ins.round, ins.round_attempt
-        self.phase, self.inner_step, self.samples = pb.PHASE_TRAINING, 0, 0
-        self._wake.set()
-        plan = ins.plan
-        samples = plan.micro_batch * plan.grad_accum * plan.inner_steps
-        await asyncio.sleep(self.train_s if self.train_s is not None else samples / self.samples_per_s)
-        self.inner_step = plan.inner_steps
-        self.samples = samples
-        self.stats.rounds_trained.append((ins.cell_id, ins.round, ins.round_attempt))
-        self.phase = pb.PHASE_READY
+    async def _train(self, w: SimWork) -> None:
+        await asyncio.sleep(self.train_s if self.train_s is not None else w.samples / self.samples_per_s)
+        if self.work is not w:
+            return
+        w.ready = True
+        self.stats.rounds_trained.append((w.cell_id, w.round, w.round_attempt))
+        self._reconcile()
         self._wake.set()
 
-    async def _reduce(self, ins: pb.Instruction) -> None:
-        self.cell_id, self.round, self.reduce_attempt = ins.cell_id, ins.round, ins.reduce_attempt
-        self.phase = pb.PHASE_REDUCING
-        self._wake.set()
+    async def _reduce(self, w: SimWork, ins: Instruction) -> None:
         await asyncio.sleep(self.reduce_s)
         contributors = [m.worker_id for m in ins.contributors]
         tensors = sim_state(ins.cell_id, ins.round, ins.committed_hash, contributors)
@@ -314,46 +412,52 @@ class SimWorker:
         self.states[(ins.cell_id, ins.round)] = tensors
         if self.bad_hash:
             h = hashlib.sha256(f"liar|{self.worker_id}|{ins.round}".encode()).hexdigest()
-        self.pending = (ins.cell_id, ins.round, h)
-        while not self.stopped:
+        w.pending_hash, w.pending_attempt, w.report_epoch = h, ins.reduce_attempt, self.epoch
+        await self._report(w)
+
+    async def _report(self, w: SimWork) -> None:
+        assert w.pending_hash is not None
+        while not self.stopped and self.work is w:
             try:
                 resp = await self.client.report_round(
-                    cell_id=ins.cell_id,
-                    round=ins.round,
-                    state_hash=h,
-                    samples=self.samples,
+                    cell_id=w.cell_id,
+                    round=w.round,
+                    state_hash=w.pending_hash,
+                    samples=w.samples,
                     loss=0.5,
-                    compute_ms=int(
-                        1000 * (self.train_s if self.train_s is not None else self.samples / self.samples_per_s)
-                    ),
+                    compute_ms=int(1000 * (self.train_s if self.train_s is not None else w.samples / self.samples_per_s)),
                     comm_ms=int(self.reduce_s * 1000),
-                    reduce_attempt=ins.reduce_attempt,
+                    reduce_attempt=w.reduce_attempt,
                 )
+                self._answered()
                 break
             except grpc.aio.AioRpcError as e:
                 if e.code() in RETRY_CODES:
+                    self._down = True
                     await asyncio.sleep(0.1 + 0.2 * self.rng.random())
                     continue
                 self.stats.errors.append(f"report: {e.code().name}: {e.details()}")
-                self.phase = pb.PHASE_IDLE
-                self._action, self._action_key = None, ()
-                self._wake.set()
-                return
+                return  # the next instruction says what to do
         else:
             return
         self.stats.reports += 1
-        self.stats.verdicts.append((ins.cell_id, ins.round, resp.verdict))
-        if resp.verdict == pb.VERDICT_COMMITTED:
-            self.local = pb.LocalState(cell_id=ins.cell_id, committed_round=ins.round, state_hash=h)
-            self.pending = None
-        elif resp.verdict in (pb.VERDICT_RESYNC, pb.VERDICT_ABORTED):
-            self.pending = None
-        self.phase = pb.PHASE_IDLE
-        # this task is done: the next instruction (also in this response) starts fresh
-        self._action, self._action_key = None, ()
-        self._act(resp.instruction)
+        self.stats.verdicts.append((w.cell_id, w.round, resp.verdict))
+        for a in reconciler.decide_verdict(verdict_from_pb(resp.verdict), reported_outcome=True, current=self.work is w):
+            if isinstance(a, AdoptPending):
+                self._commit(w)
+            elif isinstance(a, DropWork):
+                self.work = None
+        self._act(instruction_from_pb(resp.instruction))
         self._wake.set()
 
+    async def _report_missing(self, a: ReportMissing) -> None:
+        try:
+            await self.client.report_round(
+                cell_id=a.cell_id, round=a.round, failed=True, reduce_attempt=a.reduce_attempt,
+                reason="this contributor lost its contribution (restarted)",
+            )
+        except grpc.aio.AioRpcError as e:
+            self.stats.errors.append(f"report-missing: {e.code().name}: {e.details()}")
 
     def _maybe_upload(self, cell_id: str, round: int, committed_hash: str) -> None:
         key = (cell_id, round)
@@ -370,9 +474,7 @@ class SimWorker:
             except grpc.aio.AioRpcError as e:
                 self.stats.errors.append(f"upload: {e.code().name}: {e.details()}")
 
-        task = asyncio.get_running_loop().create_task(go())
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        self._spawn(go())
 
 
 async def start_workers(

@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from bagel.protocol import bagel_pb2 as pb
 from bagel.worker import cli
 from bagel.worker.diloco import CellState
 from bagel.worker.display import Display, human_bytes
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore
-from bagel.worker.profile import benchmark_cell, measure, memory_bytes
+from bagel.worker.profile import benchmark_cell, cached_profile, measure, memory_bytes
 from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, corrupt, fresh_feedback
-from bagel.worker.session import _cached_profile
+from torch import nn
 
 
 def _state(seed: int = 0) -> CellState:
@@ -207,11 +205,11 @@ def test_profile_measures_throughput_and_caps_memory(tmp_path: Path):
     key = {"spec_hash": "s", "device": "cpu", "throttle": 1.0}
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(prof)}))
-    back = _cached_profile(path, key, "renamed")
+    back = cached_profile(path, key, "renamed")
     assert back is not None and back.samples_per_s == prof.samples_per_s and back.name == "renamed"
-    assert _cached_profile(path, {**key, "throttle": 2.0}, "x") is None
+    assert cached_profile(path, {**key, "throttle": 2.0}, "x") is None
     path.write_text(json.dumps({"key": key, "measured_unix_s": 0, "profile": dataclasses.asdict(prof)}))
-    assert _cached_profile(path, key, "x") is None
+    assert cached_profile(path, key, "x") is None
     path.write_text("not json")
-    assert _cached_profile(path, key, "x") is None
+    assert cached_profile(path, key, "x") is None
     assert os.path.exists(path)

@@ -26,43 +26,54 @@
 5. SIGTERM/Ctrl-C: finish a running exchange (bounded) or abandon training, Leave, close
    the data plane and the DHT, exit 0.
 
-Layout: this file is the lifecycle, the control loop and the local checkpoints;
-`session.py` talks to the coordinator (register, heartbeats, RPC ordering, caches);
-`orders.py` carries out SYNC / TRAIN / REDUCE and the verdicts; `rounds.py` holds the round
-work itself (train, exchange, outer step) and the other ranks of a DDP worker.
+Layout: this file is the lifecycle, the control loop, checkpoint uploads and what a
+Register carries (profile, spec cache). `_reconcile` builds what the worker holds and does
+into a `reconciler.WorkerView`, asks the pure `reconciler.decide` what to do about the
+current instruction (the same function the simulator and the test workers follow), and
+performs the actions. The agent composes two objects: `link` (`link.py`: the coordinator
+client, RPC ordering, registration, heartbeats) and `orders` (`orders.py`: the committed
+state, the round work, and the SYNC / TRAIN / REDUCE jobs and verdicts). `roundwork.py`
+holds the round work itself (train, exchange, outer step) and the other ranks of a DDP
+worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 import signal
 import socket
+import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
-
-from bagel.protocol.runspec import RunSpec
 from bagel.protocol import bagel_pb2 as pb
-from bagel.protocol.client import CoordinatorClient, SpecMismatch
+from bagel.protocol.client import SpecMismatch
+from bagel.protocol.convert import instruction_from_pb
 from bagel.protocol.discovery import CoordinatorRecordValidator, resolve_coordinator, start_dht
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
-from bagel.worker import ddp
+from bagel.protocol.messages import Instruction
+from bagel.protocol.runspec import RunSpec, parse_spec
+from bagel.worker import ddp, reconciler
 from bagel.worker.display import Display
-from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore, atomic_write
-from bagel.worker.orders import OrderHandlers, _SyncJob
-from bagel.worker.profile import DEFAULT_UPLINK_MBPS, MeasuredProfile
-from bagel.worker.roundwork import RoundWork, ddp_follower
-from bagel.worker.session import RPC_TIMEOUT_S, CoordinatorLink
-from bagel.worker.trainer import CellRuntime, pick_device
+from bagel.worker.link import CoordinatorLink
+from bagel.worker.localstate import LocalStore, atomic_write
+from bagel.worker.orders import Orders
+from bagel.worker.profile import DEFAULT_UPLINK_MBPS, MeasuredProfile, cached_profile, measure
+from bagel.worker.roundwork import ddp_follower
+from bagel.worker.trainer import pick_device
 
 log = logging.getLogger(__name__)
 
+SOFTWARE_VERSION = "bagel-worker/0.1"
 
 
 @dataclass
@@ -85,17 +96,7 @@ class AgentConfig:
     keep_round_history: bool = False  # also keep a checkpoint per committed round (tests)
 
 
-@dataclass
-class _Counters:
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    exchange_sent: int = 0  # pseudo-gradient exchange only (what DDP's all-reduce replaces)
-    exchange_received: int = 0
-    rounds_committed: int = 0
-    samples: int = 0
-
-
-class Agent(CoordinatorLink, OrderHandlers):
+class Agent:
     """One worker process's lifecycle (rank 0). `await run()` returns the exit code."""
 
     def __init__(self, cfg: AgentConfig, display: Display | None = None, ctx: ddp.DistContext | None = None) -> None:
@@ -108,34 +109,18 @@ class Agent(CoordinatorLink, OrderHandlers):
         self.worker_id = self.identity.worker_id
         self.name = cfg.name or f"{socket.gethostname()}-{os.getpid()}"
         self.spec: RunSpec | None = None
-        self.held: LocalCheckpoint | None = None  # committed state we hold
-        self.runtime: CellRuntime | None = None
-        self.work: RoundWork | None = None
-        self.sync: _SyncJob | None = None
-        self.instr: pb.Instruction | None = None
-        self.counters = _Counters()
-        self.hb_interval_s = 2.0
+        self.instr: Instruction | None = None  # the current instruction (replaced by every answer)
         self.profile: MeasuredProfile | None = None
-        self._reset_optimizer = True
-        self._uploads: set[tuple[str, int]] = set()
-        self._missing_reported: set[tuple[str, int, int, int]] = set()
-        self._last_delta: dict[str, torch.Tensor] | None = None
+        self._uploads: set[tuple[str, int]] = set()  # (cell, committed round) uploaded or uploading
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
-        self._hb_wake = asyncio.Event()
-        self._rpc_lock = asyncio.Lock()
-        self._save_lock = asyncio.Lock()
-        self._coord_epoch = 0  # bumps whenever the coordinator answers again after failing
-        self._down_since: float | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._hb_task: asyncio.Task | None = None
-        self._train_task: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.dht: Any = None
         self.p2p: Any = None
         self.dataplane: Any = None
         self.stateserver: Any = None
-        self.client: CoordinatorClient | None = None
-        self.store: LocalStore | None = None
+        self.link = CoordinatorLink(self, self.join, self.identity, self.display, self._stop)
+        self.orders = Orders(self, self.link, cfg, self.display, self.ctx, self.device, self.join.run_id, self.worker_id)
         self.exit_reason = ""
 
     # ================================================================== lifecycle
@@ -176,17 +161,16 @@ class Agent(CoordinatorLink, OrderHandlers):
             await self.dataplane.start()
             self.stateserver = StateServer(self.p2p, self.join.run_id)
             await self.stateserver.start()
-            self.client = CoordinatorClient(
-                record.endpoint, self.identity, self.join.run_id, spec_hash=record.spec_hash, timeout_s=RPC_TIMEOUT_S
-            )
-            self.store = LocalStore(self.cfg.data_dir, self.join.run_id, record.spec_hash)
-            self._load_local()
+            self.link.connect(self.dht, record.endpoint, record.spec_hash)
+            store = LocalStore(self.cfg.data_dir, self.join.run_id, record.spec_hash)
+            self.orders.attach(self.p2p, self.dataplane, self.stateserver, store)
+            self.orders.load_local()
             self.spec = self._cached_spec(record.spec_hash)
             if self.spec is not None:
                 self._prefetch_data()
-            if not await self._register():
+            if not await self.link.register():
                 return 0
-            self._hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+            self.link.start_heartbeats()
             await self._control_loop()
             await self._leave()
             return 0
@@ -194,7 +178,7 @@ class Agent(CoordinatorLink, OrderHandlers):
             self.display.event("fatal", level="error", message=str(e))
             return 3
         finally:
-            await self._stop_heartbeats()
+            await self.link.stop_heartbeats()
             await self._close()
 
     def _install_signal_handlers(self) -> None:
@@ -225,27 +209,28 @@ class Agent(CoordinatorLink, OrderHandlers):
         return None
 
     async def _close(self) -> None:
-        if self.work is not None:
-            self.work.stop.set()
+        o = self.orders
+        if o.work is not None:
+            o.work.stop.set()
         # the training thread stops at its next inner step; it must be out of its
         # collectives before rank 0 tells the other ranks to exit
-        if self._train_task is not None and not self._train_task.done():
-            await asyncio.wait({self._train_task}, timeout=120)
+        if o.train_task is not None and not o.train_task.done():
+            await asyncio.wait({o.train_task}, timeout=120)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.ctx.enabled:
             await asyncio.to_thread(ddp.send_command, self.ctx, {"op": "exit"})
-        for closer in (self.stateserver, self.dataplane, self.client):
+        for closer in (self.stateserver, self.dataplane, self.link):
             if closer is not None:
                 try:
                     await closer.close()
-                except Exception as e:  # shutting down: report, keep closing the rest
+                except Exception as e:  # noqa: BLE001  (shutting down: report, keep closing the rest)
                     log.debug("close failed: %s", e)
         if self.p2p is not None:
             try:
                 await self.p2p.shutdown()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001
                 log.debug("p2p replica shutdown: %s", e)
         if self.dht is not None:
             await asyncio.to_thread(self.dht.shutdown)
@@ -253,7 +238,7 @@ class Agent(CoordinatorLink, OrderHandlers):
 
     async def _leave(self) -> None:
         """Finish a running exchange (bounded) or abandon training, then Leave."""
-        w = self.work
+        w = self.orders.work
         loop = asyncio.get_running_loop()
         # one grace for all of it (torchrun, systemd and Kubernetes SIGKILL after theirs)
         deadline = loop.time() + self.cfg.leave_grace_s
@@ -262,36 +247,39 @@ class Agent(CoordinatorLink, OrderHandlers):
             try:
                 grace = min(self.cfg.reduce_timeout_s, self.cfg.leave_grace_s)
                 await asyncio.wait_for(asyncio.shield(w.reduce_task), grace)
-            except (TimeoutError, asyncio.CancelledError, Exception):
+            except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001, S110  (whatever it ends with, we leave)
                 pass
-        self._drop_work("leaving")
-        await self._stop_heartbeats()  # else a heartbeat after Leave would re-register us
-        if self.client is not None:
+        self.orders.drop_work("leaving")
+        await self.link.stop_heartbeats()  # else a heartbeat after Leave would re-register us
+        client = self.link.client
+        if client is not None:
             reason = self.exit_reason or "leaving"
             try:
-                async with self._rpc_lock:
-                    resp = await self.client.leave(reason, offer_checkpoint=self.held is not None, timeout_s=5.0)
+                async with self.link.lock:
+                    resp = await client.leave(reason, offer_checkpoint=self.orders.held is not None, timeout_s=5.0)
                 if resp.upload_first:  # we are the last holder of a round with no checkpoint yet
-                    await self._upload_before_leaving(resp.instruction, deadline - loop.time())
-                    async with self._rpc_lock:
-                        await self.client.leave(reason, timeout_s=5.0)
+                    await self._upload_before_leaving(instruction_from_pb(resp.instruction), deadline - loop.time())
+                    async with self.link.lock:
+                        await client.leave(reason, timeout_s=5.0)
                 self.display.event("left", message=self.exit_reason)
             except grpc.aio.AioRpcError as e:
                 self.display.event("leave-failed", level="warning", message=e.details() or str(e.code()))
-        await self._save_local()
+        await self.orders.save_local()
 
-    async def _upload_before_leaving(self, i: pb.Instruction, budget_s: float) -> None:
+    async def _upload_before_leaving(self, i: Instruction, budget_s: float) -> None:
         """Upload the committed state the coordinator has no checkpoint of, within what is
         left of the leave grace; on failure or timeout we leave anyway (the cell then falls
         back to its checkpoint when someone needs the state)."""
-        if not self._holds(i.cell_id, i.committed_round, i.committed_hash):
+        held = self.orders.held
+        if held is None or not reconciler.holds(self.orders.held_local(), i.cell_id, i.committed_round, i.committed_hash):
             return
         if budget_s < 1.0:
             self.display.event("checkpoint-upload-failed", level="warning", message="no leave grace left to upload")
             return
         self.display.event("leaving", message=f"uploading {i.cell_id} round {i.committed_round} first: no one else holds it")
+        up = reconciler.Upload(i.cell_id, i.committed_round, i.committed_hash)
         try:
-            await asyncio.wait_for(self._upload(i, self.held.state), budget_s)  # type: ignore[union-attr]
+            await asyncio.wait_for(self._upload(up, held.state), budget_s)
         except TimeoutError:
             self.display.event("checkpoint-upload-failed", level="warning", message="timed out")
 
@@ -308,115 +296,32 @@ class Agent(CoordinatorLink, OrderHandlers):
             except Exception:
                 log.exception("reconciling the instruction failed")
                 self.display.event("error", level="error", message="internal error while following an instruction; see log")
-                await self._sleep(1.0)
+                await self.sleep(1.0)
                 self._wake.set()
 
-    async def _sleep(self, s: float) -> None:
-        try:
-            await asyncio.wait_for(self._stop.wait(), s)
-        except TimeoutError:
-            pass
-
-    def _holds(self, cell: str, committed_round: int, committed_hash: str) -> bool:
-        h = self.held
-        if h is None or h.cell_id != cell or h.committed_round != committed_round:
-            return False
-        return committed_hash == h.state_hash or (committed_round == 0 and committed_hash == "")
-
     async def _reconcile(self) -> None:
+        """Do what the current instruction says, as `reconciler.decide` decides: the actions
+        in order, until one says the rest no longer applies."""
         i = self.instr
         if i is None:
             return
-        self._check_pending(i)
-        o = i.order
-        if o == pb.ORDER_LEAVE:
-            self.request_stop(f"ordered to leave: {i.reason}")
-            return
-        if i.upload_checkpoint:
-            self._maybe_upload(i)
-        if o == pb.ORDER_WAIT:
-            self._cancel_sync()
-            self._drop_work("ordered to wait")
-        elif o == pb.ORDER_SYNC:
-            await self._on_sync(i)
-        elif o == pb.ORDER_TRAIN:
-            await self._on_train(i)
-        elif o == pb.ORDER_REDUCE:
-            await self._on_reduce(i)
-        self.display.update(phase=pb.Phase.Name(self._phase()).removeprefix("PHASE_").lower())
+        for a in reconciler.decide(i, self.orders.view(frozenset(self._uploads))):
+            if isinstance(a, reconciler.Leave):
+                self.request_stop(f"ordered to leave: {a.reason}")
+                return
+            if isinstance(a, reconciler.Upload):
+                self._maybe_upload(a)
+            elif not await self.orders.perform(i, a):
+                break
+        self.display.update(phase=pb.Phase.Name(self.orders.phase()).removeprefix("PHASE_").lower())
 
-    def _check_pending(self, i: pb.Instruction) -> None:
-        """A reported round commits when the instructions show it as the committed one."""
-        w = self.work
-        if w is None or w.pending is None or i.cell_id != w.cell_id:
-            return
-        if i.committed_round == w.round and i.committed_hash == w.pending.state_hash:
-            self._commit(w)
-        elif i.committed_round >= w.round:
-            self._drop_work(f"round {w.round} committed with another hash")
+    # ------------------------------------------------------------------ what Orders and the link ask of the agent
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def _maybe_upload(self, i: pb.Instruction) -> None:
-        key = (i.cell_id, i.committed_round)
-        if key in self._uploads or not i.committed_hash or not self._holds(i.cell_id, i.committed_round, i.committed_hash):
-            return
-        self._uploads.add(key)
-        state = self.held.state  # type: ignore[union-attr]  # now: held moves on with the next commit
-
-        async def upload() -> None:
-            if not await self._upload(i, state):
-                self._uploads.discard(key)
-
-        self._spawn(upload(), "upload")
-
-    async def _upload(self, i: pb.Instruction, state: Any) -> bool:
-        """Stream `state` as the checkpoint of (cell, committed round) `i` names; True if
-        the coordinator took it (or had it already), False after an RPC error."""
-        data = await asyncio.to_thread(state.to_safetensors)
-        try:
-            resp = await self.client.upload_checkpoint(i.cell_id, i.committed_round, i.committed_hash, data)  # type: ignore[union-attr]
-        except grpc.aio.AioRpcError as e:
-            self.display.event("checkpoint-upload-failed", level="warning", message=f"{e.code().name}: {e.details()}")
-            return False
-        self.counters.bytes_sent += len(data)
-        self.display.event("checkpoint-uploaded", cell=i.cell_id, round=i.committed_round, stored=resp.stored, nbytes=len(data))
-        return True
-
-    def _load_local(self) -> None:
-        assert self.store is not None
-        try:
-            cp = self.store.load()
-        except LocalStateError as e:
-            self.display.event("local-checkpoint-ignored", level="warning", message=str(e))
-            return
-        if cp is not None:
-            self.held = cp
-            self._reset_optimizer = True
-            self.display.event("resumed", cell=cp.cell_id, round=cp.committed_round, hash=cp.state_hash[:12])
-            self.display.update(committed=cp.committed_round, cell=cp.cell_id)
-
-    async def _save_local(self, cp: LocalCheckpoint | None = None, event: str = "", fields: dict[str, Any] | None = None) -> None:
-        """Write `cp` (default: the held state) atomically, then announce `event`: a
-        "committed" event is only emitted once the state it names is on disk."""
-        cp = cp or self.held
-        if cp is None or self.store is None:
-            return
-        async with self._save_lock:
-            await asyncio.to_thread(self.store.save, cp)
-            if self.cfg.keep_round_history:
-                hist = self.store.path.parent / "history" / f"{cp.cell_id}.r{cp.committed_round}.safetensors"
-                await asyncio.to_thread(atomic_write, hist, self.store.path.read_bytes())
-        if event:
-            self.display.event(event, **(fields or {}))
-
-    # ------------------------------------------------------------------ tasks
-
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
 
-        def done(t: asyncio.Task) -> None:
+        def done(t: asyncio.Task[Any]) -> None:
             self._tasks.discard(t)
             if not t.cancelled() and t.exception() is not None:
                 log.error("task %s failed", name, exc_info=t.exception())
@@ -426,12 +331,153 @@ class Agent(CoordinatorLink, OrderHandlers):
         task.add_done_callback(done)
         return task
 
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def sleep(self, s: float) -> None:
+        try:
+            await asyncio.wait_for(self._stop.wait(), s)
+        except TimeoutError:
+            pass
+
+    def still_current(self, i: Instruction) -> bool:
+        return not self._stop.is_set() and self.instr is i
+
+    def on_instruction(self, instr: pb.Instruction) -> None:
+        self.instr = instruction_from_pb(instr)
+        self._wake.set()
+
+    def heartbeat_request(self) -> pb.HeartbeatRequest:
+        return self.orders.heartbeat_request()
+
+    async def hello(self) -> tuple[pb.WorkerProfile, pb.PeerAddress, pb.LocalState]:
+        if self.spec is not None and self.profile is None:
+            await self._measure_profile()
+        return self._profile_pb(), self._peer_pb(), self.orders.local_pb()
+
+    async def registered(self, resp: pb.RegisterResponse) -> bool:
+        """The profile needs the run spec (samples/s of each cell's model), which the
+        coordinator sends in its Register answer. The spec is cached per spec hash in the
+        data dir, so only the first contact with a run registers twice (first without
+        throughput)."""
+        if self.spec is None:
+            self.spec = parse_spec(resp.spec_toml)
+            self._cache_spec(resp.spec_toml, resp.spec_hash)
+            self._prefetch_data()
+            await self._send_spec_to_ranks(resp.spec_toml)
+            return False  # registered without throughput: measure, then register again
+        self.display.event("registered", worker_id=resp.worker_id, cell=resp.instruction.cell_id or "-")
+        self.on_instruction(resp.instruction)
+        return True
+
+    # ------------------------------------------------------------------ checkpoint uploads
+
+    def _maybe_upload(self, a: reconciler.Upload) -> None:
+        held = self.orders.held
+        assert held is not None  # decide uploads only what we hold
+        key = (a.cell_id, a.committed_round)
+        self._uploads.add(key)
+        state = held.state  # now: held moves on with the next commit
+
+        async def upload() -> None:
+            if not await self._upload(a, state):
+                self._uploads.discard(key)
+
+        self.spawn(upload(), "upload")
+
+    async def _upload(self, a: reconciler.Upload, state: Any) -> bool:
+        """Stream `state` as the checkpoint of (cell, committed round) `a` names; True if
+        the coordinator took it (or had it already), False after an RPC error."""
+        client = self.link.client
+        assert client is not None
+        data = await asyncio.to_thread(state.to_safetensors)
+        try:
+            resp = await client.upload_checkpoint(a.cell_id, a.committed_round, a.committed_hash, data)
+        except grpc.aio.AioRpcError as e:
+            self.display.event("checkpoint-upload-failed", level="warning", message=f"{e.code().name}: {e.details()}")
+            return False
+        self.orders.counters.bytes_sent += len(data)
+        self.display.event("checkpoint-uploaded", cell=a.cell_id, round=a.committed_round, stored=resp.stored, nbytes=len(data))
+        return True
+
+    # ------------------------------------------------------------------ what a Register carries
+
+    def _profile_pb(self) -> pb.WorkerProfile:
+        p = self.profile
+        if p is None:  # before the spec is known: everything but the per-cell throughput
+            from bagel.worker.profile import device_name, memory_bytes
+
+            return pb.WorkerProfile(
+                name=self.name, device_kind=self.device.type, device_name=device_name(self.device),
+                vram_bytes=memory_bytes(self.device, self.cfg.max_vram_gb), num_devices=self.ctx.world_size,
+                link_bandwidth_bytes_per_s=self.cfg.uplink_mbps * 1e6 / 8, software_version=SOFTWARE_VERSION,
+            )
+        return pb.WorkerProfile(
+            name=p.name, device_kind=p.device_kind, device_name=p.device_name, vram_bytes=p.vram_bytes,
+            num_devices=p.num_devices, link_bandwidth_bytes_per_s=p.link_bandwidth_bytes_per_s,
+            samples_per_s=p.samples_per_s, software_version=SOFTWARE_VERSION,
+        )
+
+    def _peer_pb(self) -> pb.PeerAddress:
+        return pb.PeerAddress(
+            peer_id=self.p2p.peer_id.to_base58(), maddrs=[str(m) for m in self.dht.get_visible_maddrs()]
+        )
+
+    async def _measure_profile(self) -> None:
+        """Benchmark every cell of the run, or reuse this worker's recent measurement (a
+        restart after a crash should not spend its first seconds re-benchmarking)."""
+        from bagel.models.experts import cell_task
+
+        spec = self.spec
+        assert spec is not None
+        cache = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "profile.json"
+        key = {
+            "spec_hash": spec.spec_hash, "device": str(self.device), "throttle": self.cfg.throttle,
+            "world": self.ctx.world_size, "max_vram_gb": self.cfg.max_vram_gb, "uplink_mbps": self.cfg.uplink_mbps,
+        }
+        self.profile = cached_profile(cache, key, self.name)
+        if self.profile is None:
+            self.display.update(phase="profiling")
+            tasks = [(c, (lambda c=c: cell_task(spec, c))) for c in spec.cell_ids]
+            self.profile = await asyncio.to_thread(
+                measure, self.name, self.device, tasks, max_vram_gb=self.cfg.max_vram_gb, throttle=self.cfg.throttle,
+                num_devices=self.ctx.world_size, uplink_mbps=self.cfg.uplink_mbps,
+            )
+            body = {"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(self.profile)}
+            await asyncio.to_thread(atomic_write, cache, json.dumps(body).encode())
+        sps = ", ".join(f"{c} {v:.0f}" for c, v in self.profile.samples_per_s.items())
+        self.display.event("profile", device=self.profile.device_name, vram_gb=round(self.profile.vram_bytes / 2**30, 1), samples_per_s=sps)
+
+    def _prefetch_data(self) -> None:
+        """Load (and cluster) the run's dataset in the background: the first round needs it."""
+        from bagel.models.data import load_dataset
+
+        self.spawn(asyncio.to_thread(load_dataset, self.spec), "prefetch-data")
+
+    async def _send_spec_to_ranks(self, spec_toml: str) -> None:
+        if self.ctx.enabled:
+            await asyncio.to_thread(ddp.send_command, self.ctx, {"op": "spec", "spec_toml": spec_toml})
+
+    def _spec_cache_path(self, spec_hash: str) -> Path:
+        return Path(self.cfg.data_dir) / "runs" / self.join.run_id / f"spec-{spec_hash[:16]}.toml"
+
+    def _cached_spec(self, spec_hash: str) -> RunSpec | None:
+        p = self._spec_cache_path(spec_hash)
+        try:
+            text = p.read_text()
+        except OSError:
+            return None
+        if hashlib.sha256(text.encode()).hexdigest() != spec_hash:
+            return None
+        return parse_spec(text)
+
+    def _cache_spec(self, text: str, spec_hash: str) -> None:
+        atomic_write(self._spec_cache_path(spec_hash), text.encode())
+
 
 def ensure_dirs(data_dir: Path) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
     os.chmod(data_dir, 0o700)
-
-
 
 
 __all__ = ["Agent", "AgentConfig", "ddp_follower", "ensure_dirs"]

@@ -13,21 +13,27 @@ The scheduler sizes each member's batch by throughput and only assigns cells tha
   it would say gigabytes per second, which is no estimate of anything. We report
   `--uplink-mbps` (default 100 Mbit/s, a conservative figure for a home fibre/cable
   uplink), which the scheduler uses to predict communication time.
+
+A measurement is cached in the data dir (`cached_profile`, written by the agent), so a
+restart after a crash does not spend its first seconds re-benchmarking.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
-
 from bagel.worker.trainer import CellTaskLike, InnerPlan, InnerTrainer, RoundKey
 
 DEFAULT_UPLINK_MBPS = 100.0
 BENCH_MICRO_BATCH = 32
 BENCH_STEPS = 3
+PROFILE_MAX_AGE_S = 24 * 3600.0
 
 
 @dataclass
@@ -131,3 +137,20 @@ def measure(
         link_bandwidth_bytes_per_s=uplink_mbps * 1e6 / 8,
         samples_per_s=sps,
     )
+
+
+def cached_profile(path: Path, key: dict[str, Any], name: str) -> MeasuredProfile | None:
+    """A profile measured earlier under the same key (run spec, device, throttle, ...)."""
+    try:
+        body = json.loads(path.read_text())
+        if body.get("key") != key or time.time() - float(body["measured_unix_s"]) > PROFILE_MAX_AGE_S:
+            return None
+        p = body["profile"]
+        return MeasuredProfile(
+            name=name, device_kind=str(p["device_kind"]), device_name=str(p["device_name"]),
+            vram_bytes=int(p["vram_bytes"]), num_devices=int(p["num_devices"]),
+            link_bandwidth_bytes_per_s=float(p["link_bandwidth_bytes_per_s"]),
+            samples_per_s={str(k): float(v) for k, v in p["samples_per_s"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

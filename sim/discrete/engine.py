@@ -9,12 +9,13 @@ through the very same `CoordinatorState.apply(now_ms, event)` the daemon's gRPC 
 calls, with the same events (Register, Heartbeat with phases, ReportRound, Leave, Tick,
 CheckpointStored).
 
-Workers follow their instructions the way the real worker does (level-triggered, see the
-round protocol): TRAIN -> compute for the cost model's time -> heartbeat READY; REDUCE
--> exchange over the contributors' links -> ReportRound with the state hash (honest
-members derive the same deterministic hash from the exchange, Byzantine ones report
-another); SYNC -> download over the joiner's link -> heartbeat IDLE with the new
-LocalState. Dead workers simply stop sending; the core notices through its own leases.
+Workers follow their instructions with the real worker's own decisions (level-triggered,
+`bagel.worker.reconciler.decide`, see workers.py): TRAIN -> compute for the cost model's
+time -> heartbeat READY; REDUCE -> exchange over the contributors' links -> ReportRound
+with the state hash (honest members derive the same deterministic hash from the
+exchange, Byzantine ones report another); SYNC -> download over the joiner's link ->
+heartbeat IDLE with the new LocalState. Dead workers simply stop sending; the core
+notices through its own leases.
 
 The heartbeat approximation (what makes 10,000 workers x 24 h affordable):
 - A real worker heartbeats every `schedule.heartbeat_s`. Most heartbeats change nothing;
@@ -58,11 +59,12 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
-
+from bagel.coordinator import sizing
+from bagel.coordinator.core.errors import Banned, CoordinatorError, UnknownWorker
 from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Register, Tick
 from bagel.coordinator.core.records import (
     CellConfig,
@@ -72,22 +74,44 @@ from bagel.coordinator.core.records import (
     WorkerRecord,
     WorkerState,
 )
-from bagel.protocol.messages import PeerAddress, Phase, Profile
-from bagel.coordinator import sizing
-from bagel.coordinator.core.errors import Banned, CoordinatorError, UnknownWorker
-from bagel.protocol.runspec import ROUTER_CELL, RunSpec
 from bagel.coordinator.core.state import CoordinatorState
-
+from bagel.protocol.messages import PeerAddress, Phase, Profile
+from bagel.protocol.runspec import ROUTER_CELL, RunSpec
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import population as popmod
-from bagel.sim.discrete.workers import (
-    ACT_BUCKET, ARRIVE, CONT, DEPART, FAULT, HEAL, LEASE, OFF, POLL, PTICK, READY, REDUCE, RENEW, SAMPLE,
-    STALL, SYNC, SYNC_DONE, TICK, TRAIN, TRAIN_DONE, REDUCE_DONE, UPLOAD, WAITV, XTIMEOUT,
-    Exchange, Lockstep, W, WorkerBehaviour,
-)
 from bagel.sim.discrete.ledger import Ledger
 from bagel.sim.discrete.policies import SimPolicy
 from bagel.sim.discrete.scenario import Scenario
+from bagel.sim.discrete.workers import (
+    ACT_BUCKET,
+    ARRIVE,
+    CONT,
+    DEPART,
+    FAULT,
+    HEAL,
+    LEASE,
+    OFF,
+    POLL,
+    PTICK,
+    READY,
+    REDUCE,
+    REDUCE_DONE,
+    RENEW,
+    SAMPLE,
+    STALL,
+    SYNC,
+    SYNC_DONE,
+    TICK,
+    TRAIN,
+    TRAIN_DONE,
+    UPLOAD,
+    WAITV,
+    XTIMEOUT,
+    Exchange,
+    Lockstep,
+    W,
+    WorkerBehaviour,
+)
 
 T0_MS = 1_767_225_600_000  # virtual epoch: 2026-01-01T00:00:00Z (the core works in unix ms)
 DECLARED_CORE_LEASE_S = 10_000_000.0  # declared lease mode: longer than any simulation
@@ -385,11 +409,10 @@ class Engine(WorkerBehaviour):
                 self._on_round_record(r, caller)
             elif isinstance(r, CommitRecord):
                 self._on_commit(r)
-            elif isinstance(r, WorkerRecord):
-                if r.worker_id != caller:
-                    w = self.by_id.get(r.worker_id)
-                    if w is not None and w.online and (r.state is not WorkerState.ACTIVE or r.cell_id != self._believed_cell(w)):
-                        self._poll_later(w)
+            elif isinstance(r, WorkerRecord) and r.worker_id != caller:
+                w = self.by_id.get(r.worker_id)
+                if w is not None and w.online and (r.state is not WorkerState.ACTIVE or r.cell_id != self._believed_cell(w)):
+                    self._poll_later(w)
 
     def _believed_cell(self, w: W) -> str:
         if w.key is not None and w.act in (TRAIN, READY, STALL):

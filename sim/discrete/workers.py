@@ -1,11 +1,19 @@
 """What a synthetic worker does: the worker half of the discrete-event engine.
 
-`WorkerBehaviour` is mixed into `engine.Engine`; it reacts to instructions the way the
-real worker agent does (follow the level-triggered order; start training, reducing or
-syncing when the order says so and it is not already doing it) and to the population's
-events (arrive, depart, get cut off, get stopped). It relies on the engine for the clock
-(`self.now`), the heap (`self.push`), sending to the core (`self._send`) and accounting
-(`self._set_act`, `self.ledger`).
+`WorkerBehaviour` is mixed into `engine.Engine`; it reacts to instructions with the real
+worker's own decisions (`bagel.worker.reconciler.decide`: follow the level-triggered
+order; start training, reducing or syncing when the order says so and it is not already
+doing it), mapping each action onto virtual time (a job on the heap), and to the
+population's events (arrive, depart, get cut off, get stopped). It relies on the engine
+for the clock (`self.now`), the heap (`self.push`), sending to the core (`self._send`)
+and accounting (`self._set_act`, `self.ledger`).
+
+What `decide` sees of a synthetic worker (`_view`): its activity gives the work (TRAIN and
+STALL: training; READY: ready; REDUCE: exchanging; WAITV: reported) and the sync in
+flight. The simulator's `local` is what the worker's heartbeats report: after an exchange
+it already names the outcome (the candidate), so while that report awaits its verdict
+the view holds the state before the outer step (`prev_local`) with the candidate as the
+pending outcome, as the real worker holds them.
 """
 
 from __future__ import annotations
@@ -14,14 +22,31 @@ import hashlib
 from typing import TYPE_CHECKING
 
 import numpy as np
-
+from bagel.coordinator.core.errors import CoordinatorError
 from bagel.coordinator.core.events import CheckpointStored, LeaseExpired, Leave, ReportRound
 from bagel.protocol.messages import Instruction, LocalState, Order, Verdict
-from bagel.coordinator.core.errors import CoordinatorError
-
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import population as popmod
 from bagel.sim.faults import Fault, FaultKind
+from bagel.worker import reconciler
+from bagel.worker.reconciler import (
+    AdoptPending,
+    BuildInitialState,
+    CancelSync,
+    DropWork,
+    ReportMissing,
+    StartCatchUp,
+    StartReduce,
+    StartSync,
+    StartTrain,
+    Sync,
+    Upload,
+    Work,
+    WorkerView,
+)
+from bagel.worker.reconciler import (
+    Leave as LeaveOrder,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from bagel.sim.discrete.engine import Engine
@@ -42,15 +67,60 @@ def honest_hash(key: tuple) -> str:
     return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
+_NOTHING: frozenset[tuple[str, int]] = frozenset()
+_NONE_MISSING: frozenset[tuple[str, int, int, int]] = frozenset()
+
+
 class W:
     """One synthetic worker's live state (slots: there are 10,000 of them)."""
 
     __slots__ = (
-        "i", "wid", "profile", "flops", "rate_e", "rate_r", "bw", "lat", "byz", "spot", "hb_phase",
-        "online", "gen", "job", "act", "since", "key", "rkey", "samples", "own_s", "dur_s",
-        "job_due", "job_kind", "local", "prev_local", "poll", "renew_due", "renew_armed",
-        "cut", "stopped", "banned", "ever", "sent", "recv", "ex", "lock", "sync_target",
-        "uploaded", "report", "lease_until", "epoch", "waited", "h",
+        "act",
+        "banned",
+        "bw",
+        "byz",
+        "cut",
+        "dur_s",
+        "epoch",
+        "ever",
+        "ex",
+        "flops",
+        "gen",
+        "h",
+        "hb_phase",
+        "i",
+        "job",
+        "job_due",
+        "job_kind",
+        "key",
+        "lat",
+        "lease_until",
+        "local",
+        "lock",
+        "missing",
+        "online",
+        "own_s",
+        "pending",
+        "poll",
+        "prev_local",
+        "profile",
+        "rate_e",
+        "rate_r",
+        "rattempt",
+        "recv",
+        "renew_armed",
+        "renew_due",
+        "report",
+        "rkey",
+        "samples",
+        "sent",
+        "since",
+        "spot",
+        "stopped",
+        "sync_target",
+        "uploaded",
+        "waited",
+        "wid",
     )
 
     def __init__(self, i: int) -> None:
@@ -88,12 +158,15 @@ class W:
         self.epoch = 0  # bumps whenever the worker (re)gains contact: invalidates LEASE events
         self.waited: tuple | None = None  # (cell, committed round) of the WAIT it last got
         self.h = 0  # inner steps of the round it trains
+        self.pending: str | None = None  # hash it reported for rkey, awaiting the commit
+        self.rattempt = 0  # round_attempt of a catch-up contribution (no training key)
+        self.missing: set[tuple[str, int, int, int]] | None = None  # lost contributions it reported
 
 
 class Exchange:
     """One all-reduce over a frozen contributor set: completes once all joined, unless broken."""
 
-    __slots__ = ("key", "members", "joined", "broken", "dur_ms", "done_at", "hash", "nbytes")
+    __slots__ = ("broken", "done_at", "dur_ms", "hash", "joined", "key", "members", "nbytes")
 
     def __init__(self, key: tuple, members: tuple[str, ...], dur_ms: int, h: str, nbytes: int) -> None:
         self.key = key
@@ -109,7 +182,7 @@ class Exchange:
 class Lockstep:
     """A lock-stepped (sync_dp) round attempt: one dead member stalls everyone."""
 
-    __slots__ = ("key", "dur_s", "broken")
+    __slots__ = ("broken", "dur_s", "key")
 
     def __init__(self, key: tuple, dur_s: float) -> None:
         self.key = key
@@ -198,49 +271,96 @@ class WorkerBehaviour:
         w.key = None
         w.rkey = None
         w.report = None
+        w.pending = None
 
     # ------------------------------------------------------------ instructions
 
+    def _view(self: Engine, w: W) -> WorkerView:
+        """What the real worker's reconciler would see of this worker (module docstring)."""
+        a = w.act
+        held = w.local
+        work = sync = None
+        if a == SYNC and w.sync_target is not None:
+            sync = Sync(LocalState(*w.sync_target))
+        elif a in (TRAIN, STALL) and w.key is not None:
+            work = Work(*w.key)
+        elif a == READY and w.key is not None:
+            work = Work(*w.key, ready=True)
+        elif a in (REDUCE, WAITV) and w.rkey is not None:
+            cell, rnd, ra = w.rkey
+            catch_up = w.key is None
+            if w.pending is not None:
+                held = w.prev_local
+            work = Work(
+                cell, rnd, w.rattempt if w.key is None else w.key[2], ready=True, catch_up=catch_up,
+                reduce_attempt=ra, exchanging=a == REDUCE or w.report is not None,
+                pending_hash=w.pending, pending_attempt=ra,
+            )
+        uploaded = frozenset((w.uploaded[:2],)) if w.uploaded is not None else _NOTHING
+        missing = frozenset(w.missing) if w.missing else _NONE_MISSING
+        return WorkerView(w.wid, held, work, sync, uploaded, missing)
+
     def _react(self: Engine, w: W, ins: Instruction | None) -> None:
+        """Follow `ins` as the real worker decides to, each action as a virtual-time effect."""
         if ins is None or not w.online:
             return
         o = ins.order
         if o is not Order.WAIT:
             w.waited = None
-        if o is Order.TRAIN:
-            if w.key != (ins.cell_id, ins.round, ins.round_attempt) or w.act not in (TRAIN, READY, STALL):
-                if ins.plan is not None:
+        upload: Upload | None = None
+        for a in reconciler.decide(ins, self._view(w)):
+            t = type(a)
+            if t is StartTrain:
+                self._abandon(w, "")
+                self._start_train(w, ins)
+            elif t is StartReduce:
+                if w.key is None:  # a re-frozen catch-up contribution: a fresh job record
                     self._abandon(w, "")
-                    self._start_train(w, ins)
-        elif o is Order.REDUCE:
-            rkey = (ins.cell_id, ins.round, ins.reduce_attempt)
-            if w.rkey != rkey:
-                self._start_reduce(w, ins, rkey)
-        elif o is Order.SYNC:
-            target = (ins.cell_id, ins.committed_round, ins.committed_hash)
-            if w.act != SYNC or w.sync_target != target:
+                self._start_reduce(w, ins)
+            elif t is StartCatchUp:
+                self._catch_up(w, ins)
+            elif t is StartSync:
                 self._abandon(w, "")
-                self._start_sync(w, ins, target)
-        elif o is Order.WAIT:
-            if w.act != IDLE:
+                self._start_sync(w, ins, (ins.cell_id, ins.committed_round, ins.committed_hash))
+            elif t is DropWork or t is CancelSync or t is AdoptPending:
+                # the round's job ends (an adopted outcome is already the worker's `local`)
                 self._abandon(w, "")
+            elif t is BuildInitialState:
+                w.local = LocalState(ins.cell_id, 0, "")
+            elif t is Upload:
+                upload = a  # type: ignore[assignment]
+            elif t is ReportMissing:
+                self._report_missing(w, a)  # type: ignore[arg-type]
+            elif t is LeaveOrder:
+                self._ban(w)
+                return
+            # NotAMember: nothing to do; ReReport: the engine never restarts the coordinator
+            # (a lost report is resent at the next heartbeat that gets through)
+        if o is Order.WAIT:
             wait = (ins.cell_id, ins.committed_round)
             if ins.cell_id and w.waited != wait:
                 # a waiting worker keeps heartbeating, and a heartbeat of a synced worker is
                 # what opens a cell's next round: deliver the next one (once per new wait)
                 self._poll_later(w)
             w.waited = wait
-        elif o is Order.LEAVE:
-            self._ban(w)
-            return
-        if ins.upload_checkpoint and ins.committed_round > 0:
-            up = (ins.cell_id, ins.committed_round, ins.committed_hash)
-            if w.uploaded != up:
-                w.uploaded = up
-                nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
-                w.sent += nbytes
-                self.uploads[w.i] = up
-                self.push(self.now + int(1000 * nbytes / min(w.bw, COORDINATOR_BW)) + 1, UPLOAD, w.i, w.gen)
+        if upload is not None:  # (after the order's own job: heap ties break by push order)
+            up = (upload.cell_id, upload.committed_round, upload.committed_hash)
+            w.uploaded = up
+            nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
+            w.sent += nbytes
+            self.uploads[w.i] = up
+            self.push(self.now + int(1000 * nbytes / min(w.bw, COORDINATOR_BW)) + 1, UPLOAD, w.i, w.gen)
+
+    def _report_missing(self: Engine, w: W, a: ReportMissing) -> None:
+        """A weighted contributor that lost its contribution (it re-registered before its
+        lease ran out) says so with a failed report; the answer's instruction is not read."""
+        if w.missing is None:
+            w.missing = set()
+        w.missing.add((a.cell_id, a.round, a.round_attempt, a.reduce_attempt))
+        self._send(w, ReportRound(
+            w.wid, a.cell_id, a.round, failed=True, reason="this contributor lost its contribution (restarted)",
+            reduce_attempt=a.reduce_attempt,
+        ))
 
     def _start_sync(self: Engine, w: W, ins: Instruction, target: tuple) -> None:
         donor = self.by_id.get(ins.donor.worker_id) if ins.donor is not None and ins.donor.worker_id else None
@@ -303,17 +423,20 @@ class WorkerBehaviour:
         if out is not None:
             self._react(w, out.instruction)
 
-    def _start_reduce(self: Engine, w: W, ins: Instruction, rkey: tuple) -> None:
-        """Join the exchange. A member that trained this round contributes its samples; any
-        other contributor is a zero-weight catch-up (a straggler cut at the freeze, or a
-        synced worker that was not a member): it drops its training and exchanges a zero
-        pseudo-gradient to receive the new state without a download."""
-        trained = w.key is not None and w.key[:2] == rkey[:2] and w.act in (READY, REDUCE, WAITV)
-        if not trained:
-            self._abandon(w, "")
-            w.samples = 0
-            w.own_s = 0.0
-            w.local = LocalState(ins.cell_id, ins.committed_round, ins.committed_hash)
+    def _catch_up(self: Engine, w: W, ins: Instruction) -> None:
+        """Become a zero-weight catch-up contributor (a straggler cut at the freeze, or a
+        synced worker that was not a member): drop any training and exchange a zero
+        pseudo-gradient, to receive the new state without a download."""
+        self._abandon(w, "")
+        w.samples = 0
+        w.own_s = 0.0
+        w.local = LocalState(ins.cell_id, ins.committed_round, ins.committed_hash)
+        w.rattempt = ins.round_attempt
+
+    def _start_reduce(self: Engine, w: W, ins: Instruction) -> None:
+        """Join the exchange of (cell, round, reduce_attempt). A member that trained this
+        round contributes its samples; a catch-up contributor (`_catch_up`) none."""
+        rkey = (ins.cell_id, ins.round, ins.reduce_attempt)
         ex = self.exchanges.get(rkey)
         if ex is None:
             by = self.by_id
@@ -332,6 +455,7 @@ class WorkerBehaviour:
         w.ex = ex
         w.rkey = rkey
         w.report = None
+        w.pending = None
         w.job += 1
         if w.act == TRAIN:  # cannot happen for a contributor, but never lose its training time
             self._set_act(w, READY)
@@ -370,6 +494,7 @@ class WorkerBehaviour:
             h = ex.hash if not w.byz else honest_hash((ex.hash, w.wid))
             w.prev_local = w.local
             w.local = LocalState(cell, rnd, h)
+            w.pending = h
             ev = ReportRound(
                 w.wid, cell, rnd, h, samples=w.samples, compute_ms=int(w.own_s * 1000), comm_ms=ex.dur_ms,
                 bytes_sent=ex.nbytes, bytes_received=ex.nbytes, reduce_attempt=attempt,
@@ -385,6 +510,8 @@ class WorkerBehaviour:
                 w.report = None  # refused (stale): the next instruction tells it what to do
             return  # lost: resent at the next heartbeat that gets through
         w.report = None
+        for _ in reconciler.decide_verdict(out.verdict, reported_outcome=not ev.failed, current=True):
+            self._abandon(w, "")  # adopted (already the worker's `local`) or dropped: the job ends
         if out.verdict is Verdict.ABORTED and not ev.failed:
             w.local = w.prev_local  # roll back the outer step to the committed state
         self._react(w, out.instruction)
@@ -440,7 +567,7 @@ class WorkerBehaviour:
         if f.workers:
             targets = [self.ws[i] for i in f.workers if i < len(self.ws)]
         else:
-            k = f.count if f.count > 0 else int(round(f.fraction * len(online)))
+            k = f.count if f.count > 0 else round(f.fraction * len(online))
             k = min(k, len(online))
             idx = self.frng.choice(len(online), size=k, replace=False) if k else np.array([], dtype=int)
             targets = [online[int(j)] for j in sorted(idx)]

@@ -1,0 +1,157 @@
+"""Protobuf <-> `bagel.protocol.messages`, for the messages both sides of the wire read.
+
+The coordinator's gRPC shell (`coordinator/translate.py`) turns requests into core events
+and instructions into responses; the worker turns the instructions it receives into the
+domain `Instruction` its reconciler reads (`worker/reconciler.py`). Both use these pure
+functions, so the two directions of each message live in one place. Enum numbers are
+shared by the proto and the domain, so enums translate by value; a number this side
+does not know becomes UNSPECIFIED.
+"""
+
+from __future__ import annotations
+
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.messages import (
+    Donor,
+    Instruction,
+    LocalState,
+    Member,
+    Order,
+    PeerAddress,
+    Profile,
+    RoundPlan,
+    Verdict,
+)
+
+# ---------------------------------------------------------------- proto -> domain
+
+
+def peer_from_pb(p: pb.PeerAddress) -> PeerAddress:
+    return PeerAddress(peer_id=p.peer_id, maddrs=tuple(p.maddrs))
+
+
+def profile_from_pb(p: pb.WorkerProfile) -> Profile:
+    return Profile(
+        name=p.name,
+        device_kind=p.device_kind,
+        device_name=p.device_name,
+        vram_bytes=p.vram_bytes,
+        num_devices=p.num_devices,
+        link_bandwidth_bytes_per_s=p.link_bandwidth_bytes_per_s,
+        samples_per_s=dict(sorted(p.samples_per_s.items())),
+        software_version=p.software_version,
+    )
+
+
+def local_from_pb(p: pb.LocalState) -> LocalState:
+    return LocalState(cell_id=p.cell_id, committed_round=p.committed_round, state_hash=p.state_hash)
+
+
+def member_from_pb(m: pb.Member) -> Member:
+    return Member(worker_id=m.worker_id, peer=peer_from_pb(m.peer), max_samples=m.max_samples)
+
+
+def instruction_from_pb(p: pb.Instruction) -> Instruction:
+    """The inverse of `instruction_to_pb`: absent plan and donor messages become None."""
+    plan = None
+    if p.HasField("plan"):
+        q = p.plan
+        plan = RoundPlan(
+            inner_steps=q.inner_steps,
+            micro_batch=q.micro_batch,
+            grad_accum=q.grad_accum,
+            deadline_unix_ms=q.deadline_unix_ms,
+            members=tuple(member_from_pb(m) for m in q.members),
+        )
+    donor = None
+    if p.HasField("donor"):
+        d = p.donor
+        donor = Donor(worker_id=d.worker_id, peer=peer_from_pb(d.peer), checkpoint_round=d.checkpoint_round)
+    return Instruction(
+        order=order_from_pb(p.order),
+        cell_id=p.cell_id,
+        round=p.round,
+        committed_round=p.committed_round,
+        committed_hash=p.committed_hash,
+        plan=plan,
+        contributors=tuple(member_from_pb(m) for m in p.contributors),
+        donor=donor,
+        upload_checkpoint=p.upload_checkpoint,
+        reason=p.reason,
+        reduce_attempt=p.reduce_attempt,
+        round_attempt=p.round_attempt,
+    )
+
+
+def order_from_pb(o: int) -> Order:
+    return Order(o) if o in _ORDERS else Order.UNSPECIFIED
+
+
+def verdict_from_pb(v: int) -> Verdict:
+    return Verdict(v) if v in _VERDICTS else Verdict.UNSPECIFIED
+
+
+_ORDERS = frozenset(int(o) for o in Order)
+_VERDICTS = frozenset(int(v) for v in Verdict)
+
+
+# ---------------------------------------------------------------- domain -> proto
+
+
+def peer_to_pb(p: PeerAddress) -> pb.PeerAddress:
+    return pb.PeerAddress(peer_id=p.peer_id, maddrs=p.maddrs)
+
+
+def local_to_pb(s: LocalState) -> pb.LocalState:
+    return pb.LocalState(cell_id=s.cell_id, committed_round=s.committed_round, state_hash=s.state_hash)
+
+
+def member_to_pb(m: Member) -> pb.Member:
+    return pb.Member(worker_id=m.worker_id, peer=peer_to_pb(m.peer), max_samples=m.max_samples)
+
+
+def instruction_to_pb(ins: Instruction | None) -> pb.Instruction:
+    if ins is None:
+        return pb.Instruction(order=pb.ORDER_WAIT)
+    out = pb.Instruction(
+        order=int(ins.order),  # type: ignore[arg-type]
+        cell_id=ins.cell_id,
+        round=ins.round,
+        committed_round=ins.committed_round,
+        committed_hash=ins.committed_hash,
+        upload_checkpoint=ins.upload_checkpoint,
+        reason=ins.reason,
+        reduce_attempt=ins.reduce_attempt,
+        round_attempt=ins.round_attempt,
+    )
+    if ins.plan is not None:
+        p = ins.plan
+        out.plan.CopyFrom(
+            pb.RoundPlan(
+                inner_steps=p.inner_steps,
+                micro_batch=p.micro_batch,
+                grad_accum=p.grad_accum,
+                deadline_unix_ms=p.deadline_unix_ms,
+                members=[member_to_pb(m) for m in p.members],
+            )
+        )
+    if ins.contributors:
+        out.contributors.extend(member_to_pb(m) for m in ins.contributors)
+    if ins.donor is not None:
+        dn = ins.donor
+        out.donor.CopyFrom(
+            pb.Donor(worker_id=dn.worker_id, peer=peer_to_pb(dn.peer), checkpoint_round=dn.checkpoint_round)
+        )
+    return out
+
+
+VERDICTS = {
+    Verdict.PENDING: pb.VERDICT_PENDING,
+    Verdict.COMMITTED: pb.VERDICT_COMMITTED,
+    Verdict.RESYNC: pb.VERDICT_RESYNC,
+    Verdict.ABORTED: pb.VERDICT_ABORTED,
+}
+
+
+def verdict_to_pb(v: Verdict | None) -> int:
+    return VERDICTS.get(v, pb.VERDICT_UNSPECIFIED) if v is not None else pb.VERDICT_UNSPECIFIED

@@ -1,0 +1,211 @@
+"""The worker's link to the coordinator: every call, registration, and the heartbeat loop.
+
+`CoordinatorLink` is one object the agent composes (`Agent.link`). It owns the gRPC
+client and what talking to the coordinator needs to remember: the RPC lock, whether the
+coordinator is down (and since when), how often it came back, the heartbeat interval it
+asked for. What a request carries and what an answer means belong to the worker it
+serves, a `LinkOwner` (the agent): the link asks it for the Register contents and the
+heartbeat request, and hands it every instruction that comes back.
+
+- `rpc`: every call goes through one lock, so answers are processed in the order the
+  requests were made (an old heartbeat answer can never overtake a newer ReportRound
+  answer); UNAVAILABLE / DEADLINE_EXCEEDED mark the coordinator down (the caller retries
+  with full-jitter backoff, and after a few seconds the DHT record is looked up again in
+  case the coordinator moved); `epoch` counts the returns, so a report answered before an
+  outage can be sent again after it. NOT_FOUND means "register again" (with our LocalState).
+- `register`: retried while the coordinator is down. The owner may ask for another
+  Register right away (the first contact with a run: the profile needs the run spec the
+  coordinator sends in its answer, see `Agent.registered`).
+- the heartbeat loop: its own task, every `heartbeat_interval`, every 250 ms while READY
+  or REDUCING (the freeze and the verdict arrive sooner), and at once when woken (a phase
+  change).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import grpc
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.client import CoordinatorClient, backoff_delay_s, is_retryable
+from bagel.protocol.discovery import lookup_coordinator
+from bagel.protocol.identity import Identity
+from bagel.protocol.joinstring import JoinInfo
+from bagel.worker.display import Display
+
+log = logging.getLogger(__name__)
+
+FAST_HEARTBEAT_S = 0.25  # while READY/REDUCING: the freeze and the verdict come sooner
+RPC_TIMEOUT_S = 10.0
+RERESOLVE_AFTER_S = 3.0  # look the coordinator's DHT record up again after this long without it
+
+
+class LinkOwner(Protocol):
+    """What the link needs from the worker it serves."""
+
+    async def hello(self) -> tuple[pb.WorkerProfile, pb.PeerAddress, pb.LocalState]:
+        """The profile, peer address and LocalState a Register carries now."""
+        ...
+
+    async def registered(self, resp: pb.RegisterResponse) -> bool:
+        """Take a Register answer; False to register again at once."""
+        ...
+
+    def heartbeat_request(self) -> pb.HeartbeatRequest: ...
+
+    def on_instruction(self, instr: pb.Instruction) -> None: ...
+
+
+class CoordinatorLink:
+    """The coordinator, as the worker reaches it (see the module docstring)."""
+
+    def __init__(self, owner: LinkOwner, join: JoinInfo, identity: Identity, display: Display, stop: asyncio.Event) -> None:
+        self.owner = owner
+        self.join = join
+        self.identity = identity
+        self.display = display
+        self.stop = stop  # set when the worker leaves: registration stops retrying
+        self.dht: Any = None  # the worker's DHT node (re-resolving the coordinator's record)
+        self.client: CoordinatorClient | None = None
+        self.lock = asyncio.Lock()  # one call at a time: answers in request order
+        self.hb_interval_s = 2.0
+        self.epoch = 0  # bumps whenever the coordinator answers again after failing
+        self.down_since: float | None = None
+        self._hb_wake = asyncio.Event()
+        self._hb_task: asyncio.Task[None] | None = None
+
+    def connect(self, dht: Any, endpoint: str, spec_hash: str) -> None:
+        self.dht = dht
+        self.client = self._client(endpoint, spec_hash)
+
+    def _client(self, endpoint: str, spec_hash: str) -> CoordinatorClient:
+        return CoordinatorClient(endpoint, self.identity, self.join.run_id, spec_hash=spec_hash, timeout_s=RPC_TIMEOUT_S)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    # ------------------------------------------------------------------ calls
+
+    async def rpc(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """One coordinator call under the RPC lock. Returns None (after noting the outage)
+        if it is unavailable; raises other errors (NOT_FOUND included: the caller
+        re-registers)."""
+        assert self.client is not None
+        async with self.lock:
+            try:
+                resp = await fn()
+            except grpc.aio.AioRpcError as e:
+                if is_retryable(e):
+                    if self.down_since is None:
+                        self.down_since = time.monotonic()
+                        self.display.event("coordinator-unreachable", level="warning", message=str(e.code().name))
+                    return None
+                raise
+        if self.down_since is not None:
+            self.down_since = None
+            self.epoch += 1
+            self.display.event("coordinator-back")
+        return resp
+
+    async def maybe_reresolve(self) -> None:
+        """After a few seconds without the coordinator, look its record up again (new endpoint?)."""
+        if self.down_since is None or time.monotonic() - self.down_since < RERESOLVE_AFTER_S or self.client is None:
+            return
+        try:
+            record, _ = await lookup_coordinator(self.dht, self.join)
+        except Exception as e:  # noqa: BLE001  (the DHT may be unreachable too; try later)
+            log.debug("re-resolving the coordinator failed: %s", e)
+            return
+        if record is not None and record.endpoint != self.client.target:
+            self.display.event("coordinator-moved", endpoint=record.endpoint)
+            old = self.client
+            self.client = self._client(record.endpoint, record.spec_hash)
+            await old.close()
+
+    async def _sleep(self, s: float) -> None:
+        try:
+            await asyncio.wait_for(self.stop.wait(), s)
+        except TimeoutError:
+            pass
+
+    # ------------------------------------------------------------------ registration
+
+    async def register(self) -> bool:
+        """Register (retrying while the coordinator is down); False if stopped meanwhile."""
+        assert self.client is not None
+        attempt = 0
+        while not self.stop.is_set():
+            profile, peer, local = await self.owner.hello()
+            try:
+                resp = await self.rpc(functools.partial(self._register_call, profile, peer, local))
+            except grpc.aio.AioRpcError as e:
+                self.display.event("register-refused", level="error", message=f"{e.code().name}: {e.details()}")
+                resp = None
+            if resp is None:
+                attempt += 1
+                await self._sleep(backoff_delay_s(attempt, max_s=self.hb_interval_s * 2))
+                await self.maybe_reresolve()
+                continue
+            self.hb_interval_s = max(0.05, resp.heartbeat_interval_ms / 1000.0) if resp.heartbeat_interval_ms else 2.0
+            if await self.owner.registered(resp):
+                return True
+        return False
+
+    def _current(self) -> CoordinatorClient:
+        assert self.client is not None
+        return self.client
+
+    # (the client is looked up when the call is made: a re-resolve may have replaced it)
+    def _register_call(self, profile: pb.WorkerProfile, peer: pb.PeerAddress, local: pb.LocalState) -> Awaitable[Any]:
+        return self._current().register(profile, peer, local)
+
+    def _heartbeat_call(self, req: pb.HeartbeatRequest) -> Awaitable[Any]:
+        return self._current().call("Heartbeat", req)
+
+    # ------------------------------------------------------------------ heartbeats
+
+    def start_heartbeats(self) -> None:
+        self._hb_task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def stop_heartbeats(self) -> None:
+        if self._hb_task is not None:
+            self._hb_task.cancel()
+            await asyncio.gather(self._hb_task, return_exceptions=True)
+            self._hb_task = None
+
+    def wake_heartbeat(self) -> None:
+        """Heartbeat now (the phase changed)."""
+        self._hb_wake.set()
+
+    async def _heartbeat_loop(self) -> None:
+        failures = 0
+        while True:
+            req = self.owner.heartbeat_request()
+            try:
+                resp = await self.rpc(functools.partial(self._heartbeat_call, req))
+            except grpc.aio.AioRpcError as e:
+                resp = None
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    self.display.event("re-register", level="warning", message=e.details() or "unknown worker")
+                    await self.register()
+                else:
+                    self.display.event("heartbeat-refused", level="warning", message=f"{e.code().name}: {e.details()}")
+            if resp is not None:
+                failures = 0
+                self.owner.on_instruction(resp.instruction)
+                delay = FAST_HEARTBEAT_S if req.phase in (pb.PHASE_READY, pb.PHASE_REDUCING) else self.hb_interval_s
+            else:
+                failures += 1
+                await self.maybe_reresolve()
+                delay = min(self.hb_interval_s, backoff_delay_s(failures, base_s=0.2, max_s=self.hb_interval_s) + 0.1)
+            self._hb_wake.clear()
+            try:
+                await asyncio.wait_for(self._hb_wake.wait(), delay)
+            except TimeoutError:
+                pass

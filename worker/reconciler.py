@@ -1,0 +1,339 @@
+"""What a worker does about the coordinator's current instruction: one pure function.
+
+The round protocol is level-triggered: every Register/Heartbeat/ReportRound answer carries
+the worker's current `Instruction`, and the worker compares it with what it holds and is
+doing, then acts. A lost message or a coordinator restart changes nothing, because the
+next answer says the same thing again. `decide` is that comparison, and nothing else: no
+I/O, no clock, no asyncio, no torch. It is shared by everything that plays a worker:
+
+- the real worker (`worker/agent.py`), which performs the actions with real training,
+  exchanges and downloads;
+- the discrete-event simulator's synthetic workers (`sim/discrete/workers.py`);
+- the test suite's gRPC workers (`tests/simworkers.py`) and the coordinator load
+  generator (`bench/coordinator_load.py`), which fake the heavy parts with sleeps.
+
+`decide(instruction, view)` returns the actions in the order they are to be performed;
+the later ones assume the earlier ones happened (after `AdoptPending` the view holds the
+new state, after `DropWork` there is no work). A caller that fails to perform one (a
+failed local build, an instruction replaced while a model was being built) skips the
+rest: the next instruction is reconciled afresh. `decide_verdict` is the same for the
+answer to a ReportRound.
+
+The committed state is only replaced by a verified sync or a commit (`AdoptPending`), so
+dropping work at any point (WAIT, a new attempt, ABORTED, RESYNC) is a rollback for free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bagel.protocol.messages import Donor, Instruction, LocalState, Order, Verdict
+
+# ---------------------------------------------------------------- what the worker holds and does
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """The one round the worker is working on: training, ready, exchanging or reported."""
+
+    cell_id: str
+    round: int
+    round_attempt: int
+    ready: bool = False  # trained: its pseudo-gradient exists (catch-up work is ready at once)
+    catch_up: bool = False  # a zero-weight contribution: trained nothing, only applies the average
+    reduce_attempt: int = 0  # the contributor set being / last exchanged over (0 = none yet)
+    exchanging: bool = False  # the exchange, or the report of its outcome, is still running
+    pending_hash: str | None = None  # reported outcome waiting for the commit
+    pending_attempt: int = 0  # the reduce_attempt that outcome was exchanged over
+    report_stale: bool = False  # the coordinator came back after an outage since that report
+
+    def matches(self, cell_id: str, round: int, round_attempt: int) -> bool:
+        return self.cell_id == cell_id and self.round == round and self.round_attempt == round_attempt
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """A download of (cell, committed round, committed hash) in flight."""
+
+    target: LocalState
+    running: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """Everything `decide` looks at: the worker's committed state, its work, its sync, and
+    what it already did about earlier instructions (so it does not do it twice)."""
+
+    worker_id: str
+    held: LocalState | None = None  # committed state held locally (its real hash, also at round 0)
+    work: Work | None = None
+    sync: Sync | None = None
+    uploaded: frozenset[tuple[str, int]] = field(default_factory=frozenset)  # (cell, round) uploaded / uploading
+    missing_reported: frozenset[tuple[str, int, int, int]] = field(default_factory=frozenset)
+
+
+def holds(held: LocalState | None, cell_id: str, committed_round: int, committed_hash: str) -> bool:
+    """Does the worker hold that committed state? Round 0 is the deterministic initial
+    state, whose committed hash is "" on the wire."""
+    if held is None or held.cell_id != cell_id or held.committed_round != committed_round:
+        return False
+    return committed_hash == held.state_hash or (committed_round == 0 and committed_hash == "")
+
+
+# ---------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """Banned, or the run is over: leave gracefully and exit."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """Stream the committed state held to UploadCheckpoint (in the background)."""
+
+    cell_id: str
+    committed_round: int
+    committed_hash: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdoptPending:
+    """The reported round committed with our hash: its outcome becomes the committed state."""
+
+
+@dataclass(frozen=True, slots=True)
+class DropWork:
+    """Abandon the current round (training, ready, exchanging or reported)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class CancelSync:
+    """Stop the download in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartSync:
+    """Fetch (cell, committed round) from the donor, else the coordinator's checkpoint, and
+    verify the committed hash; round 0 (hash "") is built locally instead."""
+
+    cell_id: str
+    committed_round: int
+    committed_hash: str
+    donor: Donor | None
+
+
+@dataclass(frozen=True, slots=True)
+class BuildInitialState:
+    """Round 0 of a TRAIN: build the deterministic initial state locally, at once (the
+    actions after it assume it is held; if the build fails, skip them)."""
+
+    cell_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartTrain:
+    """Train the instruction's round per its plan, as data shard `member_index`."""
+
+    member_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class NotAMember:
+    """Told to train a round whose plan does not list us (a stale answer): warn, wait."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartCatchUp:
+    """Become a catch-up contributor of the instruction's round: we hold its base state but
+    trained nothing, so we exchange a zero pseudo-gradient (weight 0) and apply the same
+    outer step, and hold the new state without a download."""
+
+
+@dataclass(frozen=True, slots=True)
+class StartReduce:
+    """Exchange the pseudo-gradient with exactly the instruction's contributors, then the
+    outer step and ReportRound. A re-freeze redoes only the exchange, with the kept delta."""
+
+    reduce_attempt: int
+    contributors: int  # weighted contributors (catch-up ones excluded)
+
+
+@dataclass(frozen=True, slots=True)
+class ReReport:
+    """Send the pending report again: the coordinator restarted since, and may have lost it."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReportMissing:
+    """We are a weighted contributor but lost our contribution (restart): report it failed,
+    so the coordinator re-freezes without us instead of waiting for its deadline."""
+
+    cell_id: str
+    round: int
+    round_attempt: int
+    reduce_attempt: int
+
+
+Action = (
+    Leave | Upload | AdoptPending | DropWork | CancelSync | StartSync | BuildInitialState | StartTrain | NotAMember
+    | StartCatchUp | StartReduce | ReReport | ReportMissing
+)
+
+
+# ---------------------------------------------------------------- the decisions
+
+
+class _Plan:
+    """The actions so far, and the view as they leave it."""
+
+    __slots__ = ("actions", "held", "sync", "work")
+
+    def __init__(self, view: WorkerView) -> None:
+        self.actions: list[Action] = []
+        self.held = view.held
+        self.work = view.work
+        self.sync = view.sync
+
+    def drop_work(self, why: str) -> None:
+        if self.work is not None:
+            self.actions.append(DropWork(why))
+            self.work = None
+
+    def cancel_sync(self) -> None:
+        if self.sync is not None:
+            self.actions.append(CancelSync())
+            self.sync = None
+
+
+def decide(i: Instruction, view: WorkerView) -> tuple[Action, ...]:
+    """The actions that make what the worker does match instruction `i` (see the module
+    docstring); () when it already does."""
+    p = _Plan(view)
+    _check_pending(i, p)
+    o = i.order
+    if o is Order.LEAVE:
+        p.actions.append(Leave(i.reason))
+        return tuple(p.actions)
+    if i.upload_checkpoint:
+        key = (i.cell_id, i.committed_round)
+        if key not in view.uploaded and i.committed_hash and holds(p.held, i.cell_id, i.committed_round, i.committed_hash):
+            p.actions.append(Upload(i.cell_id, i.committed_round, i.committed_hash))
+    if o is Order.WAIT:
+        p.cancel_sync()
+        p.drop_work("ordered to wait")
+    elif o is Order.SYNC:
+        _on_sync(i, p)
+    elif o is Order.TRAIN:
+        _on_train(i, view, p)
+    elif o is Order.REDUCE:
+        _on_reduce(i, view, p)
+    return tuple(p.actions)
+
+
+def _check_pending(i: Instruction, p: _Plan) -> None:
+    """A reported round commits when the instructions show it as the committed one."""
+    w = p.work
+    if w is None or w.pending_hash is None or i.cell_id != w.cell_id:
+        return
+    if i.committed_round == w.round and i.committed_hash == w.pending_hash:
+        p.actions.append(AdoptPending())
+        p.held = LocalState(w.cell_id, w.round, w.pending_hash)
+        p.work = None
+    elif i.committed_round >= w.round:
+        p.drop_work(f"round {w.round} committed with another hash")
+
+
+def _on_sync(i: Instruction, p: _Plan) -> None:
+    target = LocalState(i.cell_id, i.committed_round, i.committed_hash)
+    if holds(p.held, i.cell_id, i.committed_round, i.committed_hash):
+        p.cancel_sync()
+        p.drop_work("synced")
+        return
+    if p.sync is not None and p.sync.target == target and p.sync.running:
+        return
+    p.cancel_sync()
+    p.drop_work("resync")
+    p.actions.append(StartSync(i.cell_id, i.committed_round, i.committed_hash, i.donor))
+
+
+def _on_train(i: Instruction, view: WorkerView, p: _Plan) -> None:
+    if p.sync is not None:
+        return  # finishing a sync; the coordinator will see our new LocalState
+    if not holds(p.held, i.cell_id, i.committed_round, i.committed_hash):
+        if i.committed_round == 0 and not i.committed_hash:
+            # round 0: build the initial state locally (instant), then train it
+            p.actions.append(BuildInitialState(i.cell_id))
+            p.held = LocalState(i.cell_id, 0, "")
+        else:
+            p.drop_work("told to train from a state we do not hold")
+            return
+    w = p.work
+    if w is not None and w.matches(i.cell_id, i.round, i.round_attempt):
+        return
+    ids = [m.worker_id for m in i.plan.members] if i.plan is not None else []
+    if view.worker_id not in ids:
+        p.actions.append(NotAMember())
+        return
+    p.drop_work("a new round")
+    p.actions.append(StartTrain(ids.index(view.worker_id)))
+
+
+def _on_reduce(i: Instruction, view: WorkerView, p: _Plan) -> None:
+    me = next((m for m in i.contributors if m.worker_id == view.worker_id), None)
+    if me is None:
+        return  # not ours (a stale answer): the next heartbeat corrects it
+    w = p.work
+    ours = w is not None and w.matches(i.cell_id, i.round, i.round_attempt)
+    if me.max_samples == 0 and not (ours and w is not None and w.catch_up):
+        # catch-up contributor: we hold the round's base state but trained nothing (we
+        # synced during the round, or missed the freeze): exchange a zero pseudo-gradient
+        # (weight 0) and apply the same outer step, so we hold the new state without a sync
+        if p.sync is not None or not holds(p.held, i.cell_id, i.committed_round, i.committed_hash):
+            return
+        p.drop_work("catching up through the exchange")
+        p.actions.append(StartCatchUp())
+        w = Work(i.cell_id, i.round, i.round_attempt, ready=True, catch_up=True)
+    elif not ours:
+        key = (i.cell_id, i.round, i.round_attempt, i.reduce_attempt)
+        h = p.held
+        already = h is not None and h.cell_id == i.cell_id and h.committed_round >= i.round
+        if not already and key not in view.missing_reported and p.sync is None:
+            # we are a weighted contributor but lost our contribution (restart): say so,
+            # so the coordinator re-freezes without us instead of waiting for its deadline
+            p.actions.append(ReportMissing(*key))
+        return
+    assert w is not None
+    if not w.ready:
+        return  # still training: a freeze names us only once we are ready
+    if w.pending_hash is not None and w.pending_attempt == i.reduce_attempt:
+        if w.report_stale and not w.exchanging:
+            p.actions.append(ReReport())  # the coordinator restarted: our report may be lost
+        return
+    if i.reduce_attempt <= w.reduce_attempt:
+        return  # this attempt is running, done, or failed (wait for a re-freeze or abort)
+    p.actions.append(StartReduce(i.reduce_attempt, sum(1 for m in i.contributors if m.max_samples > 0)))
+
+
+def decide_verdict(verdict: Verdict | None, *, reported_outcome: bool, current: bool) -> tuple[Action, ...]:
+    """What the answer to a ReportRound means for the work that reported. `reported_outcome`:
+    the report carried an outcome (not a failed exchange); `current`: that work is still
+    the worker's current work. COMMITTED adopts the outcome; PENDING waits until an
+    instruction shows our hash committed (or another one: `decide` drops it then);
+    RESYNC and ABORTED drop the work (the committed state was never touched)."""
+    if verdict is Verdict.COMMITTED and reported_outcome and current:
+        return (AdoptPending(),)
+    if verdict in (Verdict.RESYNC, Verdict.ABORTED) and current:
+        return (DropWork(f"VERDICT_{verdict.name}"),)
+    return ()
+
+
+__all__ = [
+    "Action", "AdoptPending", "BuildInitialState", "CancelSync", "DropWork", "Leave", "NotAMember", "ReReport",
+    "ReportMissing", "StartCatchUp", "StartReduce", "StartSync", "StartTrain", "Sync", "Upload", "Work",
+    "WorkerView", "decide", "decide_verdict", "holds",
+]
