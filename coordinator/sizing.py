@@ -26,31 +26,10 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from bagel.coordinator.core.records import CellConfig
-from bagel.protocol.runspec import RunSpec, parse_cell
+from bagel.coordinator.core.scheduler import ROUTER_SHARE, cell_targets
+from bagel.protocol.runspec import RunSpec
 
 log = logging.getLogger(__name__)
-
-ROUTER_SHARE = 0.1  # of total compute, when the run trains a router
-
-
-def cell_targets(spec: RunSpec, cluster_sizes: Sequence[int] | None) -> dict[str, float]:
-    """Target compute shares (sum 1): cluster size x range mass; the router gets ROUTER_SHARE."""
-    k, r = spec.data.clusters, spec.cells.timestep_ranges
-    sizes = list(cluster_sizes) if cluster_sizes is not None else [1] * k
-    if len(sizes) != k or sum(sizes) <= 0 or min(sizes) < 0:
-        raise ValueError(f"cluster sizes {sizes} do not fit data.clusters={k}")
-    expert_total = 1.0 - (ROUTER_SHARE if spec.cells.router else 0.0)
-    total = float(sum(sizes))
-    out: dict[str, float] = {}
-    for cell in spec.cell_ids:
-        parsed = parse_cell(cell)
-        if parsed is None:
-            out[cell] = ROUTER_SHARE
-        else:
-            cluster, _range = parsed
-            out[cell] = expert_total * (sizes[cluster] / total) / r
-    return out
-
 
 def cluster_sizes(spec: RunSpec) -> list[int]:
     """Training samples per cluster, from the run's k-means manifest (loads the dataset)."""

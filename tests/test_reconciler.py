@@ -128,8 +128,9 @@ EXPECTED: dict[str, dict[str, tuple[object, ...]]] = {
         "training-same": (), "training-other-attempt": (NEW_ROUND, TRAIN), "ready": (),
         "reducing-same": (), "reducing-older": (), "pending-here": (),
         "pending-committed": (ADOPT, TRAIN), "pending-other-hash": (OTHER_HASH,),
-        # finishing a sync first: the coordinator will see the new LocalState
-        "syncing-same": (), "syncing-other": (),
+        # finishing a sync of the committed state first: the coordinator will see the new
+        # LocalState; a sync of anything else is dropped (nothing to train from yet: round 3)
+        "syncing-same": (), "syncing-other": (CANCEL,),
     },
     "reduce": {
         # a weighted contributor without its contribution says so
@@ -221,10 +222,16 @@ ROUND0 = {"cell_id": CELL, "round": 1, "committed_round": 0, "committed_hash": "
          (REDUCE_1,)),
         (INSTRUCTIONS["reduce-catch-up"], WorkerView(ME, HOLD, Work(CELL, 4, 2, ready=True, catch_up=True, reduce_attempt=2)),
          ()),
-        # a catch-up at round 0 needs the cell's initial state held: the real worker builds it
-        # for TRAIN and SYNC, not here (the coordinator counts every worker as holding round 0)
+        # a catch-up at round 0: the coordinator counts every worker of the cell as holding
+        # the initial state, so the worker builds it (instant) and joins the exchange
         (Instruction(Order.REDUCE, **ROUND0, plan=PLAN, contributors=(member("w-a"), member(ME, 0)), reduce_attempt=1),
-         WorkerView(ME), ()),
+         WorkerView(ME), (BuildInitialState(CELL), CATCH, StartReduce(1, 1))),
+        # ... but not while it syncs (a sync names the state it will hold)
+        (Instruction(Order.REDUCE, **ROUND0, plan=PLAN, contributors=(member("w-a"), member(ME, 0)), reduce_attempt=1),
+         WorkerView(ME, sync=Sync(LocalState("k1", 5, "y5"))), ()),
+        # TRAIN at round 0 while syncing another cell: the stale sync goes, the initial state is built
+        (Instruction(Order.TRAIN, **ROUND0, plan=PLAN, round_attempt=1),
+         WorkerView(ME, sync=Sync(LocalState("k1", 5, "y5"))), (CANCEL, BuildInitialState(CELL), TRAIN)),
         # uploads: once per (cell, round), only what we hold, never round 0
         (INSTRUCTIONS["upload"], replace(STATES["holds-committed"], uploaded=frozenset({(CELL, 3)})), ()),
         (Instruction(Order.WAIT, **ROUND0, upload_checkpoint=True), WorkerView(ME, LocalState(CELL, 0, "real")), ()),

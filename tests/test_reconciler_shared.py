@@ -27,7 +27,7 @@ from bagel.protocol.convert import instruction_to_pb
 from bagel.protocol.messages import Instruction, Member, Order, PeerAddress, RoundPlan
 from bagel.sim.discrete import policies
 from bagel.sim.discrete.engine import Engine
-from bagel.sim.discrete.scenario import load_scenario
+from bagel.sim.discrete.scenario import load_sim_scenario
 from bagel.worker import reconciler
 from bagel.worker.display import Display
 from simworkers import SimWorker
@@ -85,7 +85,7 @@ def test_the_simulator_reacts_only_through_decide(calls: Counter[str], monkeypat
         real_react(self, w, ins)
 
     monkeypatch.setattr(sim_workers.WorkerBehaviour, "_react", react)
-    sc = load_scenario(ROOT / "sim" / "scenarios" / "heterogeneity-10x.toml")
+    sc = load_sim_scenario(ROOT / "sim" / "scenarios" / "heterogeneity-10x.toml")
     res = Engine(sc, policies.get("bagel"), workers=40, hours=0.3).run()
     assert res.ledger.committed_rounds > 0
     assert reactions["n"] > 0 and calls["simulator"] == reactions["n"]  # every reaction, none of its own

@@ -44,7 +44,7 @@ import numpy as np
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import MemberPlan
 from bagel.protocol.messages import PeerAddress
-from bagel.protocol.runspec import RunSpec
+from bagel.protocol.runspec import RunSpec, parse_cell
 
 _EPS = 1e-12
 _DESTINATIONS = 4  # destination cells a candidate tries per repair step
@@ -114,6 +114,30 @@ def reputation_weight(reputation: float, ban_reputation: float) -> float:
 
 
 Move = tuple[str, str, str]  # (worker_id, from_cell, to_cell)
+
+
+ROUTER_SHARE = 0.1  # of total compute, when the run trains a router
+
+
+def cell_targets(spec: RunSpec, cluster_sizes: Sequence[int] | None) -> dict[str, float]:
+    """Target compute shares (sum 1): cluster size x range mass; the router gets ROUTER_SHARE.
+
+    `cluster_sizes` None means equal clusters (the simulator; the shell counts the real ones)."""
+    k, r = spec.data.clusters, spec.cells.timestep_ranges
+    sizes = list(cluster_sizes) if cluster_sizes is not None else [1] * k
+    if len(sizes) != k or sum(sizes) <= 0 or min(sizes) < 0:
+        raise ValueError(f"cluster sizes {sizes} do not fit data.clusters={k}")
+    expert_total = 1.0 - (ROUTER_SHARE if spec.cells.router else 0.0)
+    total = float(sum(sizes))
+    out: dict[str, float] = {}
+    for cell in spec.cell_ids:
+        parsed = parse_cell(cell)
+        if parsed is None:
+            out[cell] = ROUTER_SHARE
+        else:
+            cluster, _range = parsed
+            out[cell] = expert_total * (sizes[cluster] / total) / r
+    return out
 
 
 class Balance:

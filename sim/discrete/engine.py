@@ -63,7 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from bagel.coordinator import sizing
+from bagel.coordinator.core.scheduler import cell_targets
 from bagel.coordinator.core.errors import Banned, CoordinatorError, UnknownWorker
 from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Register, Tick
 from bagel.coordinator.core.records import (
@@ -187,7 +187,7 @@ class Engine(WorkerBehaviour):
         self.cells = self.spec.cell_ids
         self.flops_per_sample = {c: cm.cell_flops_per_sample(self.work, c) for c in self.cells}
         # the daemon's own per-cell compute targets (uniform cluster sizes: no dataset here)
-        self.targets = sizing.cell_targets(self.spec, None)
+        self.targets = cell_targets(self.spec, None)
         codec = self.spec.diloco.codec
         k = self.policy.core.inner_steps if self.policy.comm_every_step else 1
         self.comm_rounds = k or 1
