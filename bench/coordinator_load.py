@@ -180,12 +180,21 @@ class Fleet:
             return pb.HeartbeatRequest(phase=pb.PHASE_IDLE, local=self.local_pb(i))
         if w.reduce_attempt or w.pending_hash is not None:
             return pb.HeartbeatRequest(
-                phase=pb.PHASE_REDUCING, cell_id=w.cell_id, round=w.round, local=self.local_pb(i),
-                round_attempt=w.round_attempt, reduce_attempt=w.reduce_attempt,
+                phase=pb.PHASE_REDUCING,
+                cell_id=w.cell_id,
+                round=w.round,
+                local=self.local_pb(i),
+                round_attempt=w.round_attempt,
+                reduce_attempt=w.reduce_attempt,
             )
         return pb.HeartbeatRequest(
-            phase=pb.PHASE_READY, cell_id=w.cell_id, round=w.round, inner_step=2, samples=w.samples,
-            local=self.local_pb(i), round_attempt=w.round_attempt,
+            phase=pb.PHASE_READY,
+            cell_id=w.cell_id,
+            round=w.round,
+            inner_step=2,
+            samples=w.samples,
+            local=self.local_pb(i),
+            round_attempt=w.round_attempt,
         )
 
     def act(self, i: int, instruction: Any) -> None:
@@ -197,10 +206,20 @@ class Fleet:
         ins = instruction_from_pb(instruction)
         w = s.work
         view = rc.WorkerView(
-            s.identity.worker_id, s.local,
-            None if w is None else rc.Work(
-                w.cell_id, w.round, w.round_attempt, ready=True, catch_up=w.catch_up, reduce_attempt=w.reduce_attempt,
-                exchanging=w.reporting, pending_hash=w.pending_hash, pending_attempt=w.reduce_attempt,
+            s.identity.worker_id,
+            s.local,
+            None
+            if w is None
+            else rc.Work(
+                w.cell_id,
+                w.round,
+                w.round_attempt,
+                ready=True,
+                catch_up=w.catch_up,
+                reduce_attempt=w.reduce_attempt,
+                exchanging=w.reporting,
+                pending_hash=w.pending_hash,
+                pending_attempt=w.reduce_attempt,
             ),
             missing_reported=frozenset(s.missing),
         )
@@ -208,13 +227,21 @@ class Fleet:
             if isinstance(a, rc.StartTrain):
                 p = ins.plan
                 assert p is not None
-                s.work = LoadWork(ins.cell_id, ins.round, ins.round_attempt, p.micro_batch * p.grad_accum * p.inner_steps)
+                s.work = LoadWork(
+                    ins.cell_id, ins.round, ins.round_attempt, p.micro_batch * p.grad_accum * p.inner_steps
+                )
             elif isinstance(a, rc.StartCatchUp):
                 s.work = LoadWork(ins.cell_id, ins.round, ins.round_attempt, 0, catch_up=True)
             elif isinstance(a, rc.StartReduce) and s.work is not None:
                 w = s.work
-                text = f"{ins.cell_id}|{ins.round}|{ins.committed_hash}|{','.join(m.worker_id for m in ins.contributors)}"
-                w.reduce_attempt, w.pending_hash, w.reporting = a.reduce_attempt, hashlib.sha256(text.encode()).hexdigest(), True
+                text = (
+                    f"{ins.cell_id}|{ins.round}|{ins.committed_hash}|{','.join(m.worker_id for m in ins.contributors)}"
+                )
+                w.reduce_attempt, w.pending_hash, w.reporting = (
+                    a.reduce_attempt,
+                    hashlib.sha256(text.encode()).hexdigest(),
+                    True,
+                )
                 self.spawn(self._report(i, w))
             elif isinstance(a, rc.StartSync):
                 s.local = LocalState(a.cell_id, a.committed_round, a.committed_hash)
@@ -232,6 +259,7 @@ class Fleet:
 
     async def _report(self, i: int, w: LoadWork) -> None:
         import grpc
+
         from bagel.protocol import bagel_pb2 as pb
         from bagel.protocol.convert import verdict_from_pb
         from bagel.protocol.envelope import sign_request
@@ -239,8 +267,16 @@ class Fleet:
         from bagel.worker import reconciler as rc
 
         s = self.sims[i]
-        req = pb.ReportRoundRequest(cell_id=w.cell_id, round=w.round, state_hash=w.pending_hash, samples=w.samples,
-                                    loss=0.5, compute_ms=100, comm_ms=10, reduce_attempt=w.reduce_attempt)
+        req = pb.ReportRoundRequest(
+            cell_id=w.cell_id,
+            round=w.round,
+            state_hash=w.pending_hash,
+            samples=w.samples,
+            loss=0.5,
+            compute_ms=100,
+            comm_ms=10,
+            reduce_attempt=w.reduce_attempt,
+        )
         try:
             resp = await self.stubs[i % CHANNELS].ReportRound(
                 sign_request(s.identity, req, run_id="loadrun", method="ReportRound"), timeout=30
@@ -259,11 +295,17 @@ class Fleet:
 
     async def _report_missing(self, i: int, a: Any) -> None:
         import grpc
+
         from bagel.protocol import bagel_pb2 as pb
         from bagel.protocol.envelope import sign_request
 
-        req = pb.ReportRoundRequest(cell_id=a.cell_id, round=a.round, failed=True, reduce_attempt=a.reduce_attempt,
-                                    reason="this contributor lost its contribution (restarted)")
+        req = pb.ReportRoundRequest(
+            cell_id=a.cell_id,
+            round=a.round,
+            failed=True,
+            reduce_attempt=a.reduce_attempt,
+            reason="this contributor lost its contribution (restarted)",
+        )
         try:
             await self.stubs[i % CHANNELS].ReportRound(
                 sign_request(self.sims[i].identity, req, run_id="loadrun", method="ReportRound"), timeout=30
@@ -287,10 +329,17 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _generate(
-    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, max_inflight: int,
+    target: str,
+    n: int,
+    period_s: float,
+    warmup_s: float,
+    measure_s: float,
+    server_pid: int,
+    max_inflight: int,
     metrics_url: str | None = None,
 ) -> dict[str, Any]:
     import grpc
+
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol import bagel_pb2_grpc as pb_grpc
     from bagel.protocol.envelope import sign_request
@@ -338,8 +387,12 @@ async def _generate(
     async def register(i: int) -> None:
         req = pb.RegisterRequest(
             profile=pb.WorkerProfile(
-                name=f"load{i}", device_kind="cpu", vram_bytes=8 << 30, num_devices=1,
-                link_bandwidth_bytes_per_s=1e8, software_version="bench",
+                name=f"load{i}",
+                device_kind="cpu",
+                vram_bytes=8 << 30,
+                num_devices=1,
+                link_bandwidth_bytes_per_s=1e8,
+                software_version="bench",
             ),
             peer=peer(i),
             local=fleet.local_pb(i),
@@ -497,8 +550,15 @@ async def _generate(
 
 
 def _generator_main(
-    target: str, n: int, period_s: float, warmup_s: float, measure_s: float, server_pid: int, max_inflight: int,
-    metrics_url: str | None, out: Any,
+    target: str,
+    n: int,
+    period_s: float,
+    warmup_s: float,
+    measure_s: float,
+    server_pid: int,
+    max_inflight: int,
+    metrics_url: str | None,
+    out: Any,
 ) -> None:
     import uvloop
 
@@ -511,6 +571,7 @@ def _generator_main(
 async def _serve_baseline(target: str) -> None:
     """A bare grpc.aio Coordinator: constant replies, nothing verified, parsed or stored."""
     import grpc
+
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol import bagel_pb2_grpc as pb_grpc
     from bagel.protocol.grpc_options import server_options
@@ -538,7 +599,12 @@ async def _serve_baseline(target: str) -> None:
 
 
 def run_point(
-    n: int, period_s: float, warmup_s: float, measure_s: float, workdir: Path, max_inflight: int = 256,
+    n: int,
+    period_s: float,
+    warmup_s: float,
+    measure_s: float,
+    workdir: Path,
+    max_inflight: int = 256,
     server: str = "coordinator",
 ) -> dict[str, Any]:
     spec = workdir / f"load-{n}.toml"
@@ -619,13 +685,22 @@ def main(argv: list[str] | None = None) -> int:
         "--measure-s", type=float, default=None, help="measurement window in seconds (default 30; --quick 8)"
     )
     p.add_argument("--quick", action="store_true", help="short run: 200 and 1000 workers, 8 s windows")
-    p.add_argument("--max-inflight", type=int, default=256,
-                   help="most heartbeats in flight at once (closed loop beyond it); default %(default)s")
-    p.add_argument("--no-baseline", dest="baseline", action="store_false",
-                   help="skip the bare grpc.aio peer measured at each point")
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=256,
+        help="most heartbeats in flight at once (closed loop beyond it); default %(default)s",
+    )
+    p.add_argument(
+        "--no-baseline",
+        dest="baseline",
+        action="store_false",
+        help="skip the bare grpc.aio peer measured at each point",
+    )
     p.add_argument("--serve-baseline", metavar="HOST:PORT", help=argparse.SUPPRESS)
-    p.add_argument("--json", type=Path, default=None, metavar="FILE",
-                   help="write {'points': [...], 'baseline': [...]} to FILE")
+    p.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="write {'points': [...], 'baseline': [...]} to FILE"
+    )
     args = p.parse_args(argv)
     if args.serve_baseline:
         import uvloop

@@ -340,9 +340,13 @@ async def run_diloco_all(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default="", help="write the results to this JSON file")
-    p.add_argument("--samples", type=int, default=64000,
-                   help="training samples per variant, over all workers; rounded down to whole rounds "
-                        "of workers x H x batch (default: 10 rounds at batch 32)")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=64000,
+        help="training samples per variant, over all workers; rounded down to whole rounds "
+        "of workers x H x batch (default: 10 rounds at batch 32)",
+    )
     p.add_argument("--workers", type=int, default=4, help="workers (data-parallel ranks / DiLoCo members)")
     p.add_argument("--H", type=int, default=50, help="DiLoCo inner steps per round")
     p.add_argument("--batch", type=int, default=32, help="samples per worker per inner step")
@@ -379,9 +383,11 @@ def fmt_bytes(b: float) -> str:
 
 def print_report(result: dict[str, Any]) -> None:
     s = result["setup"]
-    print(f"\nDiLoCo vs DDP: cell {CELL}, tiny DiT ({s['params']} params), {s['workers']} workers, "
-          f"{s['samples']} samples each variant ({s['rounds']} rounds x H={s['H']} x batch {s['batch']} x "
-          f"{s['workers']}), initial held-out loss {s['initial_heldout_loss']:.4f}")
+    print(
+        f"\nDiLoCo vs DDP: cell {CELL}, tiny DiT ({s['params']} params), {s['workers']} workers, "
+        f"{s['samples']} samples each variant ({s['rounds']} rounds x H={s['H']} x batch {s['batch']} x "
+        f"{s['workers']}), initial held-out loss {s['initial_heldout_loss']:.4f}"
+    )
     print("\nlearning-rate sweep (held-out loss):")
     print(f"  {'lr':>8}  {'ddp':>8}  {'diloco_fp32':>12}")
     for d, f in zip(result["lr_sweep"]["ddp"], result["lr_sweep"]["diloco_fp32"], strict=True):
@@ -393,18 +399,26 @@ def print_report(result: dict[str, Any]) -> None:
         lr = v.get("lr", v.get("inner_lr"))
         rel = v["heldout_loss"] / ddp["heldout_loss"] - 1
         ratio = ddp["bytes_per_worker"] / v["bytes_per_worker"]
-        print(f"  {v['name']:<12} {lr:>8.1e} {v['heldout_loss']:>9.4f} {rel:>+7.1%} "
-              f"{fmt_bytes(v['bytes_per_worker']):>13} {ratio:>8.1f}x {v['wall_s']:>7.0f}")
+        print(
+            f"  {v['name']:<12} {lr:>8.1e} {v['heldout_loss']:>9.4f} {rel:>+7.1%} "
+            f"{fmt_bytes(v['bytes_per_worker']):>13} {ratio:>8.1f}x {v['wall_s']:>7.0f}"
+        )
     print("\n  held-out loss (seed 0) after each round of H steps:")
     for v in result["variants"]:
         print(f"  {v['name']:<12} " + " ".join(f"{x:.3f}" for x in v["heldout_curve"]))
     t = result["targets"]
-    print(f"\n  int4+EF vs ddp: {t['bytes_ratio']:.1f}x fewer bytes (target >= {BYTES_TARGET:.0f}x): "
-          f"{'MET' if t['bytes_met'] else 'MISSED'}; bound ~ H x 4 / 0.53 = {t['bytes_ratio_bound']:.0f}x")
-    print(f"  int4+EF held-out loss {t['loss_rel']:+.1%} vs ddp (target <= +{LOSS_TARGET:.0%}): "
-          f"{'MET' if t['loss_met'] else 'MISSED'}")
-    print("  replicas bit-identical every round: "
-          + ", ".join(f"{v['name']}={v['replicas_identical']}" for v in result["variants"][1:]))
+    print(
+        f"\n  int4+EF vs ddp: {t['bytes_ratio']:.1f}x fewer bytes (target >= {BYTES_TARGET:.0f}x): "
+        f"{'MET' if t['bytes_met'] else 'MISSED'}; bound ~ H x 4 / 0.53 = {t['bytes_ratio_bound']:.0f}x"
+    )
+    print(
+        f"  int4+EF held-out loss {t['loss_rel']:+.1%} vs ddp (target <= +{LOSS_TARGET:.0%}): "
+        f"{'MET' if t['loss_met'] else 'MISSED'}"
+    )
+    print(
+        "  replicas bit-identical every round: "
+        + ", ".join(f"{v['name']}={v['replicas_identical']}" for v in result["variants"][1:])
+    )
     print(f"  total wall time {result['wall_s']:.0f} s")
 
 
@@ -420,18 +434,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     init = task.build_model()
     params = sum(p.numel() for p in trainable(init).values())
     setup = {
-        "cell": CELL, "preset": spec.model.preset, "params": params, "workers": budget.workers, "H": budget.H,
-        "batch": budget.batch, "rounds": budget.rounds, "steps": budget.steps, "samples": budget.samples,
-        "train_images": int(task.train_data()[0].shape[0]), "heldout_images": int(task.heldout_data()[0].shape[0]),
-        "eval_seeds": args.eval_seeds, "threads": args.threads,
+        "cell": CELL,
+        "preset": spec.model.preset,
+        "params": params,
+        "workers": budget.workers,
+        "H": budget.H,
+        "batch": budget.batch,
+        "rounds": budget.rounds,
+        "steps": budget.steps,
+        "samples": budget.samples,
+        "train_images": int(task.train_data()[0].shape[0]),
+        "heldout_images": int(task.heldout_data()[0].shape[0]),
+        "eval_seeds": args.eval_seeds,
+        "threads": args.threads,
         "outer": {"lr": spec.diloco.outer_lr, "momentum": spec.diloco.outer_momentum, "nesterov": spec.diloco.nesterov},
         "initial_heldout_loss": heldout_loss(task, init, args.eval_seeds),
         "ddp_mode": "in-process exact average of the workers' fp32 gradients; bytes = ring all-reduce "
-                    "2(W-1)/W x 4 B x params per step per worker, no framing",
+        "2(W-1)/W x 4 B x params per step per worker, no framing",
         "diloco_bytes": "ExchangeResult.bytes_sent of DataPlane.all_reduce over hivemind P2P, mean over workers",
     }
-    log.info("%d params, %d rounds x H=%d x batch %d x %d workers = %d samples per variant",
-             params, budget.rounds, budget.H, budget.batch, budget.workers, budget.samples)
+    log.info(
+        "%d params, %d rounds x H=%d x batch %d x %d workers = %d samples per variant",
+        params,
+        budget.rounds,
+        budget.H,
+        budget.batch,
+        budget.workers,
+        budget.samples,
+    )
 
     ddp_sweep = []
     for lr in args.lr_list:
@@ -454,9 +484,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "variants": variants,
         "targets": {
-            "bytes_ratio": ratio, "bytes_target": BYTES_TARGET, "bytes_met": ratio >= BYTES_TARGET,
+            "bytes_ratio": ratio,
+            "bytes_target": BYTES_TARGET,
+            "bytes_met": ratio >= BYTES_TARGET,
             "bytes_ratio_bound": budget.H * 4 / 0.53125,
-            "loss_rel": loss_rel, "loss_target": LOSS_TARGET, "loss_met": loss_rel <= LOSS_TARGET,
+            "loss_rel": loss_rel,
+            "loss_target": LOSS_TARGET,
+            "loss_met": loss_rel <= LOSS_TARGET,
         },
         "wall_s": time.perf_counter() - t_start,
     }

@@ -26,7 +26,11 @@ SPEC = load_spec(Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.
 
 def _heartbeat() -> pb.HeartbeatRequest:
     return pb.HeartbeatRequest(
-        phase=pb.PHASE_TRAINING, cell_id="k0.r1", round=12, inner_step=7, loss=0.25,
+        phase=pb.PHASE_TRAINING,
+        cell_id="k0.r1",
+        round=12,
+        inner_step=7,
+        loss=0.25,
         local=pb.LocalState(cell_id="k0.r1", committed_round=11, state_hash="ab" * 32),
     )
 

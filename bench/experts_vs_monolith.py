@@ -69,22 +69,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=128, help="monolith batch; sample-steps = steps x batch")
     p.add_argument("--router-share", type=float, default=0.1, help="share of the sample-steps for the router")
     p.add_argument("--lr", type=float, default=4e-3, help="AdamW peak learning rate of the monolith and router")
-    p.add_argument("--expert-lr", type=float, default=6e-3,
-                   help="AdamW peak learning rate of the expert cells (0 = --lr)")
+    p.add_argument(
+        "--expert-lr", type=float, default=6e-3, help="AdamW peak learning rate of the expert cells (0 = --lr)"
+    )
     p.add_argument("--ema", type=float, default=0.995, help="EMA decay of the sampled weights (0 = none)")
     p.add_argument("--expert-ema", type=float, default=-1.0, help="EMA decay of the expert cells (-1 = --ema)")
     p.add_argument("--sampler", choices=["euler", "heun"], default="euler")
     p.add_argument("--sampler-steps", type=int, default=32, help="ODE steps per sample")
     p.add_argument("--guidance", type=float, default=1.0, help="classifier-free guidance scale (1 = none)")
-    p.add_argument("--routing", choices=ROUTING_RULES, default="top1",
-                   help="routing rule of the reported experts figures (top1: Decentralized Diffusion Models)")
-    p.add_argument("--no-compare-routing", dest="compare_routing", action="store_false",
-                   help="evaluate only --routing, not the other rules as well")
-    p.add_argument("--pixel-clusters", action="store_true",
-                   help="cluster on PCA features alone (data.whole_classes = false): k-means then splits some "
-                   "digit classes between clusters, which top-1 routing handles badly")
-    p.add_argument("--no-control", dest="control", action="store_false",
-                   help="skip the control: the monolith on a random 1/K of the training images")
+    p.add_argument(
+        "--routing",
+        choices=ROUTING_RULES,
+        default="top1",
+        help="routing rule of the reported experts figures (top1: Decentralized Diffusion Models)",
+    )
+    p.add_argument(
+        "--no-compare-routing",
+        dest="compare_routing",
+        action="store_false",
+        help="evaluate only --routing, not the other rules as well",
+    )
+    p.add_argument(
+        "--pixel-clusters",
+        action="store_true",
+        help="cluster on PCA features alone (data.whole_classes = false): k-means then splits some "
+        "digit classes between clusters, which top-1 routing handles badly",
+    )
+    p.add_argument(
+        "--no-control",
+        dest="control",
+        action="store_false",
+        help="skip the control: the monolith on a random 1/K of the training images",
+    )
     p.add_argument("--save-dir", default="", help="also save every trained model here (safetensors + JSON)")
     p.add_argument("--load-dir", default="", help="skip training: evaluate the models a --save-dir run saved")
     p.add_argument(
@@ -119,22 +135,36 @@ def _cell_shares(spec, ds) -> dict[str, float]:
     return shares
 
 
-def _train_monolith(args: argparse.Namespace, spec, x: torch.Tensor, y: torch.Tensor, log,
-                    name: str = "monolith") -> tuple[torch.nn.Module, int]:
+def _train_monolith(
+    args: argparse.Namespace, spec, x: torch.Tensor, y: torch.Tensor, log, name: str = "monolith"
+) -> tuple[torch.nn.Module, int]:
     """(a): the expert architecture on all training images (x, y) and all t."""
     nc, c = spec.model.num_classes, spec.cells
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed("init", spec.run.seed, "monolith"))
-        mono = experts.build(experts.expert_config(spec.model.arch, spec.model.preset, spec.model.image_size,
-                                                   spec.model.channels, nc))
+        mono = experts.build(
+            experts.expert_config(spec.model.arch, spec.model.preset, spec.model.image_size, spec.model.channels, nc)
+        )
 
     def mono_loss(model, x, y, gen):
-        return flow.rf_loss(model, x, y, gen, t_mean=c.t_mean, t_std=c.t_std,
-                            label_dropout=experts.LABEL_DROPOUT, null_label=nc)
+        return flow.rf_loss(
+            model, x, y, gen, t_mean=c.t_mean, t_std=c.t_std, label_dropout=experts.LABEL_DROPOUT, null_label=nc
+        )
 
-    res = train.train(mono, mono_loss, x, y, steps=args.steps, batch_size=args.batch,
-                      lr=args.lr, ema=args.ema, warmup=100, seed=args.seed, log_every=max(1, args.steps // 5),
-                      log=lambda m: log(f"  {name} {m}"))
+    res = train.train(
+        mono,
+        mono_loss,
+        x,
+        y,
+        steps=args.steps,
+        batch_size=args.batch,
+        lr=args.lr,
+        ema=args.ema,
+        warmup=100,
+        seed=args.seed,
+        log_every=max(1, args.steps // 5),
+        log=lambda m: log(f"  {name} {m}"),
+    )
     return res.model, res.sample_steps
 
 
@@ -163,18 +193,44 @@ def _train_cells(args: argparse.Namespace, spec, ds, log) -> tuple[dict[str, tor
         def cell_log(m: str, cell: str = cell) -> None:
             log(f"  {cell} {m}")
 
-        r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=expert_batch,
-                        lr=args.expert_lr or args.lr, ema=ema, warmup=100, seed=derive_seed(args.seed, cell) % 2**31,
-                        log_every=max(1, steps // 2), log=cell_log)
+        r = train.train(
+            task.build_model(),
+            task.loss,
+            x,
+            y,
+            steps=steps,
+            batch_size=expert_batch,
+            lr=args.expert_lr or args.lr,
+            ema=ema,
+            warmup=100,
+            seed=derive_seed(args.seed, cell) % 2**31,
+            log_every=max(1, steps // 2),
+            log=cell_log,
+        )
         models[cell] = r.model
-        report[cell] = {"train_images": len(x), "steps": steps, "batch": expert_batch,
-                        "sample_steps": r.sample_steps, "t_range": list(task.train_range)}
+        report[cell] = {
+            "train_images": len(x),
+            "steps": steps,
+            "batch": expert_batch,
+            "sample_steps": r.sample_steps,
+            "t_range": list(task.train_range),
+        }
     if spec.cells.router:
         task = experts.cell_task(spec, ROUTER_CELL)
         x, y = task.train_data()
         steps = max(1, round(budget * args.router_share / args.batch))
-        r = train.train(task.build_model(), task.loss, x, y, steps=steps, batch_size=args.batch, lr=args.lr,
-                        seed=args.seed, log_every=max(1, steps // 2), log=lambda m: log(f"  router {m}"))
+        r = train.train(
+            task.build_model(),
+            task.loss,
+            x,
+            y,
+            steps=steps,
+            batch_size=args.batch,
+            lr=args.lr,
+            seed=args.seed,
+            log_every=max(1, steps // 2),
+            log=lambda m: log(f"  router {m}"),
+        )
         models[ROUTER_CELL] = r.model
         report[ROUTER_CELL] = {"steps": steps, "batch": args.batch, "sample_steps": r.sample_steps}
     return models, report
@@ -231,8 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
         task = experts.cell_task(spec, cell)
         xh, yh = task.heldout_data()
         by_t = ev.loss_per_bucket(trained[cell], xh, yh, BUCKETS, seed=2)
-        cell_report[cell].update(heldout_loss=task.eval_loss(trained[cell], xh, yh, seed=1),
-                                 heldout_loss_by_t=dict(zip(_bucket_names(), by_t, strict=True)))
+        cell_report[cell].update(
+            heldout_loss=task.eval_loss(trained[cell], xh, yh, seed=1),
+            heldout_loss_by_t=dict(zip(_bucket_names(), by_t, strict=True)),
+        )
     if ROUTER_CELL in trained:
         task = experts.cell_task(spec, ROUTER_CELL)
         xh, yh = task.heldout_data()
@@ -257,8 +315,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     def evaluate(model: compose.ComposedModel, grid_name: str) -> dict:
         s0 = time.perf_counter()
-        samples = compose.sample(model, noise, labels, steps=args.sampler_steps, method=args.sampler,
-                                 guidance=args.guidance)
+        samples = compose.sample(
+            model, noise, labels, steps=args.sampler_steps, method=args.sampler, guidance=args.guidance
+        )
         sample_s = time.perf_counter() - s0
         usage: dict[str, int] = {}
         for _, chosen in model.trace or []:  # which cells answered, during sampling only
@@ -266,11 +325,17 @@ def main(argv: list[str] | None = None) -> dict:
                 usage[f"k{k}.r{r}"] = usage.get(f"k{k}.r{r}", 0) + 1
         model.trace = None
         rep = ev.evaluate_samples(samples, labels, clf, ds.x_train, ds.x_heldout)
-        buckets = ev.loss_per_bucket(lambda x, t, y: model.velocity(x, t, y), ds.x_heldout, ds.y_heldout,
-                                     BUCKETS, seed=2)
+        buckets = ev.loss_per_bucket(
+            lambda x, t, y: model.velocity(x, t, y), ds.x_heldout, ds.y_heldout, BUCKETS, seed=2
+        )
         grid = ev.save_grid(samples[grid_idx], out_dir / f"{grid_name}.png", nrow=min(10, args.per_class))
-        return {**rep.as_dict(), "heldout_loss_by_t": dict(zip(_bucket_names(), buckets, strict=True)),
-                "grid": str(grid), "sample_s": sample_s, "routing_counts": dict(sorted(usage.items()))}
+        return {
+            **rep.as_dict(),
+            "heldout_loss_by_t": dict(zip(_bucket_names(), buckets, strict=True)),
+            "grid": str(grid),
+            "sample_s": sample_s,
+            "routing_counts": dict(sorted(usage.items())),
+        }
 
     results = {"monolith": evaluate(mono_composed, "monolith")}
     control: dict | None = None
@@ -279,8 +344,11 @@ def main(argv: list[str] | None = None) -> dict:
         sub = _control_subset(spec, ds)
         ctl_model, ctl_steps = _train_monolith(args, spec, ds.x_train[sub], ds.y_train[sub], log, "control")
         timings["control_train_s"] = time.perf_counter() - t1
-        control = {"train_images": len(sub), "sample_steps": ctl_steps,
-                   **evaluate(compose.single(ctl_model, null_label=nc), "monolith-subset")}
+        control = {
+            "train_images": len(sub),
+            "sample_steps": ctl_steps,
+            **evaluate(compose.single(ctl_model, null_label=nc), "monolith-subset"),
+        }
         log(f"control monolith on {len(sub)} of {len(ds.x_train)} images: digits-FD {control['digits_fd']:.3f}")
     by_rule: dict[str, dict] = {}
     for rule in [args.routing] + [r for r in ROUTING_RULES if r != args.routing and args.compare_routing]:
@@ -288,19 +356,27 @@ def main(argv: list[str] | None = None) -> dict:
         composed.generator = torch.Generator().manual_seed(derive_seed("bench-routing", args.seed) % 2**31)
         composed.trace = []
         by_rule[rule] = evaluate(composed, "experts" if rule == args.routing else f"experts-{rule}")
-        log(f"experts, {rule} routing: digits-FD {by_rule[rule]['digits_fd']:.3f}, "
-            f"class accuracy {by_rule[rule]['class_acc']:.3f}")
+        log(
+            f"experts, {rule} routing: digits-FD {by_rule[rule]['digits_fd']:.3f}, "
+            f"class accuracy {by_rule[rule]['class_acc']:.3f}"
+        )
     results["experts"] = by_rule[args.routing]
     timings["evaluation_s"] = time.perf_counter() - t0 - timings.get("control_train_s", 0.0)
 
     doc = {
         "monolith": results["monolith"],
         "experts": {**results["experts"], "routing": args.routing, "cells": cell_report},
-        "experts_by_routing": {rule: {"digits_fd": r["digits_fd"], "class_acc": r["class_acc"],
-                                      "fd_ratio": r["digits_fd"] / results["monolith"]["digits_fd"],
-                                      "nn_ratio": r["nn_ratio"], "grid": r["grid"],
-                                      "heldout_loss_by_t": r["heldout_loss_by_t"]}
-                               for rule, r in by_rule.items()},
+        "experts_by_routing": {
+            rule: {
+                "digits_fd": r["digits_fd"],
+                "class_acc": r["class_acc"],
+                "fd_ratio": r["digits_fd"] / results["monolith"]["digits_fd"],
+                "nn_ratio": r["nn_ratio"],
+                "grid": r["grid"],
+                "heldout_loss_by_t": r["heldout_loss_by_t"],
+            }
+            for rule, r in by_rule.items()
+        },
         "sample_steps": mono_steps,
         "experts_sample_steps": expert_steps,
         "monolith_subset": control,
@@ -348,18 +424,26 @@ def _print_table(doc: dict) -> None:
         print(f"  {c} t in [{lo:.2f}, {hi:.2f}]: " + "  ".join(f"{x:.3f}" for x in v["heldout_loss_by_t"].values()))
     print(f"routing (cell: sampler calls x samples), {e['routing']}: {e['routing_counts']}")
     for rule, r in doc["experts_by_routing"].items():
-        print(f"  experts with {rule:<8} routing: digits-FD {r['digits_fd']:.4f} ({r['fd_ratio']:.3f}x monolith), "
-              f"class accuracy {r['class_acc']:.4f}, grid {r['grid']}")
+        print(
+            f"  experts with {rule:<8} routing: digits-FD {r['digits_fd']:.4f} ({r['fd_ratio']:.3f}x monolith), "
+            f"class accuracy {r['class_acc']:.4f}, grid {r['grid']}"
+        )
     if doc["monolith_subset"]:
         c = doc["monolith_subset"]
-        print(f"control, the monolith on {c['train_images']} random training images (1/K) with the same sample-steps: "
-              f"digits-FD {c['digits_fd']:.4f} ({c['digits_fd'] / m['digits_fd']:.3f}x monolith), "
-              f"class accuracy {c['class_acc']:.4f}, grid {c['grid']}")
+        print(
+            f"control, the monolith on {c['train_images']} random training images (1/K) with the same sample-steps: "
+            f"digits-FD {c['digits_fd']:.4f} ({c['digits_fd'] / m['digits_fd']:.3f}x monolith), "
+            f"class accuracy {c['class_acc']:.4f}, grid {c['grid']}"
+        )
     print(f"partition: {doc['partition']}")
-    print(f"experts / monolith digits-FD: {doc['fd_ratio']:.3f}   (reference FD, real held-out vs train: "
-          f"{m['reference_fd']:.2f})")
-    print(f"grids: {m['grid']}  {e['grid']}   wall: {doc['wall_s']:.0f}s  cpu: {doc['cpu_s']:.0f}s  timings: "
-          + ", ".join(f"{k}={v:.0f}" for k, v in doc["timings_s"].items()))
+    print(
+        f"experts / monolith digits-FD: {doc['fd_ratio']:.3f}   (reference FD, real held-out vs train: "
+        f"{m['reference_fd']:.2f})"
+    )
+    print(
+        f"grids: {m['grid']}  {e['grid']}   wall: {doc['wall_s']:.0f}s  cpu: {doc['cpu_s']:.0f}s  timings: "
+        + ", ".join(f"{k}={v:.0f}" for k, v in doc["timings_s"].items())
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ non-zero, so a restart reloads the durable truth (`CoordinatorApp.fatal`).
 
 """
 
-
 from __future__ import annotations
 
 import asyncio
@@ -277,5 +276,3 @@ class CoordinatorApp:
                 samples_committed=rec.samples_committed,
             )
         return out
-
-

@@ -168,9 +168,7 @@ class Upload:
     def write(self, chunk: bytes) -> None:
         if self.received + len(chunk) > self.total_bytes:
             self.abort()
-            raise CheckpointTooLarge(
-                f"upload passed its declared size of {self.total_bytes} bytes"
-            )
+            raise CheckpointTooLarge(f"upload passed its declared size of {self.total_bytes} bytes")
         self._f.write(chunk)
         self._hash.update(chunk)
         self.received += len(chunk)
@@ -182,9 +180,7 @@ class Upload:
         """
         try:
             if self.received != self.total_bytes:
-                raise CheckpointRejected(
-                    f"upload has {self.received} bytes, declared {self.total_bytes}"
-                )
+                raise CheckpointRejected(f"upload has {self.received} bytes, declared {self.total_bytes}")
             if self._hash.hexdigest() != self.sha256:
                 raise CheckpointRejected("upload bytes do not match the declared sha256")
             self._f.flush()
@@ -194,8 +190,7 @@ class Upload:
             got = safetensors_state_hash(self._tmp)
             if got != self.state_hash:
                 raise CheckpointRejected(
-                    f"state hash of the uploaded tensors is {got[:12]}..., "
-                    f"committed is {self.state_hash[:12]}..."
+                    f"state hash of the uploaded tensors is {got[:12]}..., committed is {self.state_hash[:12]}..."
                 )
             self._verified = True
         except BaseException:
@@ -260,9 +255,7 @@ class CheckpointStore:
         uploader: str = "",
     ) -> Upload:
         if total_bytes > self.max_bytes:
-            raise CheckpointTooLarge(
-                f"checkpoint of {total_bytes} bytes exceeds checkpoint.max_bytes={self.max_bytes}"
-            )
+            raise CheckpointTooLarge(f"checkpoint of {total_bytes} bytes exceeds checkpoint.max_bytes={self.max_bytes}")
         return Upload(self, cell_id, round, state_hash_hex, total_bytes, sha256_hex, uploader)
 
     def _publish(self, up: Upload, now_ms: int) -> CheckpointMeta:

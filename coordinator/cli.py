@@ -247,9 +247,15 @@ def _render(doc: dict[str, Any]) -> None:
         cells.add_column(col)
     for c in doc.get("cells", []):
         cells.add_row(
-            c["cell_id"], str(c.get("round", 0)), str(c.get("round_state", "")), str(c.get("committed_round", 0)),
-            str(c.get("committed_hash", ""))[:12], str(len(c.get("members", []))), str(c.get("samples_committed", 0)),
-            f"{float(c.get('last_loss', 0.0)):.4f}", str(c.get("latest_checkpoint_round", -1)),
+            c["cell_id"],
+            str(c.get("round", 0)),
+            str(c.get("round_state", "")),
+            str(c.get("committed_round", 0)),
+            str(c.get("committed_hash", ""))[:12],
+            str(len(c.get("members", []))),
+            str(c.get("samples_committed", 0)),
+            f"{float(c.get('last_loss', 0.0)):.4f}",
+            str(c.get("latest_checkpoint_round", -1)),
         )
     console.print(cells)
     workers = Table(title=f"workers ({len(doc.get('workers', []))})")
@@ -257,9 +263,14 @@ def _render(doc: dict[str, Any]) -> None:
         workers.add_column(col)
     for w in doc.get("workers", [])[:200]:
         workers.add_row(
-            w["worker_id"], str(w.get("name", "")), str(w.get("state", "")), str(w.get("cell_id", "")),
-            f"{float(w.get('samples_per_s', 0.0)):.1f}", f"{int(w.get('vram_bytes', 0)) / 2**30:.1f}",
-            f"{float(w.get('reputation', 0.0)):.2f}", str(w.get("rounds_contributed", 0)),
+            w["worker_id"],
+            str(w.get("name", "")),
+            str(w.get("state", "")),
+            str(w.get("cell_id", "")),
+            f"{float(w.get('samples_per_s', 0.0)):.1f}",
+            f"{int(w.get('vram_bytes', 0)) / 2**30:.1f}",
+            f"{float(w.get('reputation', 0.0)):.2f}",
+            str(w.get("rounds_contributed", 0)),
         )
     console.print(workers)
     if doc.get("rounds"):
@@ -268,8 +279,13 @@ def _render(doc: dict[str, Any]) -> None:
             rounds.add_column(col)
         for r in doc["rounds"]:
             rounds.add_row(
-                r["cell_id"], str(r["round"]), str(r["attempt"]), str(r["state"]), str(len(r["members"])),
-                str(len(r["contributors"])), str(r.get("reason", ""))[:40],
+                r["cell_id"],
+                str(r["round"]),
+                str(r["attempt"]),
+                str(r["state"]),
+                str(len(r["members"])),
+                str(len(r["contributors"])),
+                str(r.get("reason", ""))[:40],
             )
         console.print(rounds)
 

@@ -33,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
 from bagel.coordinator import sizing
 from bagel.coordinator.app import CoordinatorApp
 from bagel.coordinator.checkpoints import CheckpointStore
@@ -49,9 +53,6 @@ from bagel.protocol.envelope import wall_clock_ms
 from bagel.protocol.grpc_options import server_options
 from bagel.protocol.identity import Identity
 from bagel.protocol.runspec import RunSpec
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 

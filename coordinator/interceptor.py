@@ -7,7 +7,6 @@ only sees the handler *lookup*, not its exceptions, but it may return a differen
 ours wraps each method's behaviour (text-generation-inference's interceptor does the same).
 """
 
-
 from __future__ import annotations
 
 import logging
@@ -17,6 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
+
 from bagel.coordinator.checkpoints import (
     CheckpointCorrupt,
     CheckpointNotFound,
@@ -27,7 +28,6 @@ from bagel.coordinator.core.errors import CoordinatorError, grpc_status_name
 from bagel.coordinator.metrics import Metrics
 from bagel.protocol.envelope import EnvelopeError
 from bagel.protocol.validation import ValidationError
-from google.protobuf.message import DecodeError, Message
 
 log = logging.getLogger(__name__)
 
@@ -213,5 +213,3 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 stream_unary, request_deserializer=None, response_serializer=handler.response_serializer
             )
         return handler  # no stream-stream methods in the Coordinator service
-
-

@@ -42,9 +42,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.workers = Gauge("bagel_workers", "Workers by state", ["state"], registry=r)
-        self.committed_rounds = Counter(
-            "bagel_committed_rounds", "Committed outer rounds", ["cell"], registry=r
-        )
+        self.committed_rounds = Counter("bagel_committed_rounds", "Committed outer rounds", ["cell"], registry=r)
         self.round_duration = Histogram(
             "bagel_round_duration_seconds",
             "Outer round duration from open to commit",
@@ -60,12 +58,8 @@ class Metrics:
             registry=r,
         )
         self.rpc_total = Counter("bagel_rpc", "Coordinator RPCs by status", ["method", "code"], registry=r)
-        self.rejected = Counter(
-            "bagel_rejected_messages", "Requests refused, by reason", ["reason"], registry=r
-        )
-        self.store_writes = Counter(
-            "bagel_store_writes", "Durable SQLite transactions", registry=r
-        )
+        self.rejected = Counter("bagel_rejected_messages", "Requests refused, by reason", ["reason"], registry=r)
+        self.store_writes = Counter("bagel_store_writes", "Durable SQLite transactions", registry=r)
         self.loop_lag = Histogram(
             "bagel_event_loop_lag_seconds",
             "How late the coordinator's periodic timer fired (event loop busy or stalled)",

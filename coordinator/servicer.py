@@ -5,7 +5,6 @@ into a core event (`bagel.coordinator.translate`), applies it and translates the
 back. Checkpoint uploads and downloads stream through the app's checkpoint store.
 """
 
-
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+
 from bagel.coordinator import translate as wire
 from bagel.coordinator.app import CoordinatorApp
 from bagel.coordinator.core.events import CheckpointStored

@@ -31,6 +31,7 @@ from bagel.protocol.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
+
 def cluster_sizes(spec: RunSpec) -> list[int]:
     """Training samples per cluster, from the run's k-means manifest (loads the dataset)."""
     import numpy as np
@@ -77,8 +78,12 @@ def cell_configs(spec: RunSpec, *, sizes: Sequence[int] | None = None, fallback:
 
 def configs_to_json(configs: Sequence[CellConfig]) -> list[dict[str, object]]:
     return [
-        {"cell_id": c.cell_id, "memory_bytes": c.memory_bytes, "target_share": c.target_share,
-         "payload_bytes": c.payload_bytes}
+        {
+            "cell_id": c.cell_id,
+            "memory_bytes": c.memory_bytes,
+            "target_share": c.target_share,
+            "payload_bytes": c.payload_bytes,
+        }
         for c in configs
     ]
 

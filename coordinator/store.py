@@ -310,9 +310,7 @@ class Store:
 
     # ------------------------------------------------------------------ reading
 
-    _CURRENT = (
-        " FROM commits m LEFT JOIN cells c ON c.cell_id = m.cell_id WHERE m.epoch = COALESCE(c.epoch, 0)"
-    )
+    _CURRENT = " FROM commits m LEFT JOIN cells c ON c.cell_id = m.cell_id WHERE m.epoch = COALESCE(c.epoch, 0)"
 
     def commits(self) -> list[tuple[str, int, str]]:
         """(cell_id, round, state_hash) of the committed rounds of each cell's current epoch."""
@@ -473,8 +471,11 @@ def _apply_effect(c: sqlite3.Connection, effect: Any, now_ms: int, epochs: Mappi
         _upsert(c, "workers", {"worker_id": effect.worker_id}, body, now_ms)
         if effect.cell_id:
             _upsert(
-                c, "assignments", {"worker_id": effect.worker_id},
-                {"worker_id": effect.worker_id, "cell_id": effect.cell_id}, now_ms,
+                c,
+                "assignments",
+                {"worker_id": effect.worker_id},
+                {"worker_id": effect.worker_id, "cell_id": effect.cell_id},
+                now_ms,
             )
         else:
             _delete(c, "assignments", {"worker_id": effect.worker_id})

@@ -75,6 +75,16 @@ def leave_event(worker_id: str, req: pb.LeaveRequest) -> Leave:
 
 
 __all__ = [
-    "VERDICTS", "heartbeat_event", "instruction_to_pb", "leave_event", "local_from_pb", "member_to_pb",
-    "peer_from_pb", "peer_to_pb", "profile_from_pb", "register_event", "report_event", "verdict_to_pb",
+    "VERDICTS",
+    "heartbeat_event",
+    "instruction_to_pb",
+    "leave_event",
+    "local_from_pb",
+    "member_to_pb",
+    "peer_from_pb",
+    "peer_to_pb",
+    "profile_from_pb",
+    "register_event",
+    "report_event",
+    "verdict_to_pb",
 ]

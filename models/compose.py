@@ -231,8 +231,12 @@ class ComposedModel:
                 if cell is None:
                     continue
                 idx = torch.tensor(
-                    [i for i, ti in enumerate(t.tolist())
-                     if self._cell_for(k, flow.range_index(ti, self.ranges), ti) == cell], device=x.device
+                    [
+                        i
+                        for i, ti in enumerate(t.tolist())
+                        if self._cell_for(k, flow.range_index(ti, self.ranges), ti) == cell
+                    ],
+                    device=x.device,
                 )
                 yi = y[idx] if y is not None else None
                 vk = self._expert_velocity(cell, x[idx], t[idx], yi, guidance).to(v.dtype)

@@ -356,8 +356,16 @@ def build_dataset(
 
 @functools.lru_cache(maxsize=8)
 def _load_cached(
-    source: str, path: str, channels: int, image_size: int, clusters: int,
-    holdout_fraction: float, seed: int, features: str, features_path: str, whole_classes: bool,
+    source: str,
+    path: str,
+    channels: int,
+    image_size: int,
+    clusters: int,
+    holdout_fraction: float,
+    seed: int,
+    features: str,
+    features_path: str,
+    whole_classes: bool,
 ) -> Dataset:
     if source == "digits":
         x, y = load_digits_source()
@@ -375,8 +383,14 @@ def _load_cached(
             raise DataError(f"data.features_path {features_path!r} is not a file")
         feats = np.load(fp, allow_pickle=False)
     return build_dataset(
-        x, y, clusters=clusters, holdout_fraction=holdout_fraction, seed=seed,
-        image_size=image_size, features=feats, whole_classes=whole_classes,
+        x,
+        y,
+        clusters=clusters,
+        holdout_fraction=holdout_fraction,
+        seed=seed,
+        image_size=image_size,
+        features=feats,
+        whole_classes=whole_classes,
     )
 
 
@@ -384,8 +398,16 @@ def load_dataset(spec: RunSpec) -> Dataset:
     """The run's dataset (cached per process; the tensors are shared, do not modify them)."""
     d, m = spec.data, spec.model
     return _load_cached(
-        d.source, d.path, m.channels, m.image_size, d.clusters,
-        d.holdout_fraction, spec.run.seed, d.features, d.features_path, d.whole_classes,
+        d.source,
+        d.path,
+        m.channels,
+        m.image_size,
+        d.clusters,
+        d.holdout_fraction,
+        spec.run.seed,
+        d.features,
+        d.features_path,
+        d.whole_classes,
     )
 
 

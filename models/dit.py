@@ -111,6 +111,7 @@ def timestep_embedding(t: torch.Tensor, dim: int = FREQ_DIM, max_period: float =
 
 def sincos_pos_embed(dim: int, grid: int) -> torch.Tensor:
     """Fixed 2-D sin-cos position embedding, [grid * grid, dim] (MAE / DiT)."""
+
     def one_axis(d: int, pos: torch.Tensor) -> torch.Tensor:
         omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2.0))
         out = pos.reshape(-1)[:, None].double() * omega[None]
@@ -253,4 +254,3 @@ class DiT(nn.Module):
         for block in self.blocks:
             h = block(h, c)
         return self.unpatchify(self.final(h, c))
-

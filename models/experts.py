@@ -182,9 +182,15 @@ class CellTask:
             return router_loss(model, x, y, generator, c.t_mean, c.t_std)
         nc = self.spec.model.num_classes
         return flow.rf_loss(
-            model, x, y if nc > 0 else None, generator,
-            t_range=self.train_range, t_mean=c.t_mean, t_std=c.t_std,
-            label_dropout=LABEL_DROPOUT if nc > 0 else 0.0, null_label=nc,
+            model,
+            x,
+            y if nc > 0 else None,
+            generator,
+            t_range=self.train_range,
+            t_mean=c.t_mean,
+            t_std=c.t_std,
+            label_dropout=LABEL_DROPOUT if nc > 0 else 0.0,
+            null_label=nc,
         )
 
     @torch.no_grad()
@@ -206,8 +212,13 @@ class CellTask:
                 else:
                     nc = self.spec.model.num_classes
                     batch = flow.rf_loss(
-                        model, xb, yb if nc > 0 else None, gen,
-                        t_range=self.train_range, t_mean=c.t_mean, t_std=c.t_std,
+                        model,
+                        xb,
+                        yb if nc > 0 else None,
+                        gen,
+                        t_range=self.train_range,
+                        t_mean=c.t_mean,
+                        t_std=c.t_std,
                     )
                 total += float(batch) * len(xb)
         finally:
@@ -220,8 +231,12 @@ class CellTask:
 
 
 def router_loss(
-    model: nn.Module, x: torch.Tensor, clusters: torch.Tensor, generator: torch.Generator,
-    t_mean: float = 0.0, t_std: float = 1.0,
+    model: nn.Module,
+    x: torch.Tensor,
+    clusters: torch.Tensor,
+    generator: torch.Generator,
+    t_mean: float = 0.0,
+    t_std: float = 1.0,
 ) -> torch.Tensor:
     """Cross-entropy of the router on x_t, t drawn from the run's logit-normal over [0, 1]."""
     t = flow.sample_t(x.shape[0], generator, 0.0, 1.0, t_mean, t_std)

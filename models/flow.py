@@ -243,4 +243,3 @@ def heun_sample(velocity: Velocity, noise: torch.Tensor, steps: int, shift: floa
         else:
             x = x_pred
     return x
-

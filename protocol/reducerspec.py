@@ -79,7 +79,7 @@ def _float(rule: str, params: dict[str, str], key: str) -> float:
 
 
 def parse_reducer_spec(text: str = "mean") -> ReducerSpec:
-    """"mean", "trimmed_mean:0.2", "centered_clip:rel=1,iters=10" -> ReducerSpec, or ReducerSpecError."""
+    """ "mean", "trimmed_mean:0.2", "centered_clip:rel=1,iters=10" -> ReducerSpec, or ReducerSpecError."""
     rule, _, rest = text.strip().partition(":")
     if rule == "mean":
         if rest:

@@ -143,11 +143,7 @@ class RunSpec:
 
     @property
     def expert_cells(self) -> tuple[str, ...]:
-        return tuple(
-            cell_name(k, r)
-            for k in range(self.data.clusters)
-            for r in range(self.cells.timestep_ranges)
-        )
+        return tuple(cell_name(k, r) for k in range(self.data.clusters) for r in range(self.cells.timestep_ranges))
 
     @property
     def cell_ids(self) -> tuple[str, ...]:
@@ -196,8 +192,10 @@ def _validate(spec: RunSpec) -> None:
     need(spec.model.num_classes >= 0, "model.num_classes: 0 (unconditional) or more")
     need(1 <= spec.data.clusters <= 64, "data.clusters: between 1 and 64")
     need(0.0 < spec.data.holdout_fraction < 0.5, "data.holdout_fraction: in (0, 0.5)")
-    need(not spec.data.whole_classes or spec.model.num_classes >= spec.data.clusters,
-         "data.whole_classes: needs model.num_classes >= data.clusters")
+    need(
+        not spec.data.whole_classes or spec.model.num_classes >= spec.data.clusters,
+        "data.whole_classes: needs model.num_classes >= data.clusters",
+    )
     need(spec.data.source == "digits" or bool(spec.data.path), "data.path: required for folder and npy sources")
     need(1 <= spec.cells.timestep_ranges <= 16, "cells.timestep_ranges: between 1 and 16")
     need(0.0 <= spec.cells.overlap < 0.5, "cells.overlap: in [0, 0.5)")
@@ -208,7 +206,10 @@ def _validate(spec: RunSpec) -> None:
     need(0.0 <= spec.diloco.outer_momentum < 1.0, "diloco.outer_momentum: in [0, 1)")
     need(spec.diloco.group_batch >= 1, "diloco.group_batch: at least 1")
     need(spec.diloco.max_micro_batch >= 1, "diloco.max_micro_batch: at least 1")
-    need(1 <= spec.schedule.min_replicas <= spec.schedule.max_replicas, "schedule.min_replicas: between 1 and max_replicas")
+    need(
+        1 <= spec.schedule.min_replicas <= spec.schedule.max_replicas,
+        "schedule.min_replicas: between 1 and max_replicas",
+    )
     need(spec.schedule.lease_s > spec.schedule.heartbeat_s > 0, "schedule.lease_s must exceed schedule.heartbeat_s > 0")
     need(spec.schedule.deadline_slack >= 1.0, "schedule.deadline_slack: at least 1")
     need(0.0 < spec.schedule.quorum <= 1.0, "schedule.quorum: in (0, 1]")

@@ -34,7 +34,9 @@ from bagel.sim.discrete.scenario import Scenario, SimScenarioError, load_sim_sce
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bagel-sim", description="Discrete-event simulation of Bagel's coordinator at scale.")
+    p = argparse.ArgumentParser(
+        prog="bagel-sim", description="Discrete-event simulation of Bagel's coordinator at scale."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="simulate a scenario under several policies and write a report")
     r.add_argument("scenario", type=Path, help="scenario TOML (see sim/scenarios/)")
@@ -55,10 +57,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument(
-        "--profile", type=Path, default=None, help="write cProfile stats of the whole run to this file (implies --jobs 1)"
+        "--profile",
+        type=Path,
+        default=None,
+        help="write cProfile stats of the whole run to this file (implies --jobs 1)",
     )
     r.add_argument(
-        "--jobs", type=int, default=None,
+        "--jobs",
+        type=int,
+        default=None,
         help="policies simulated at once, one process each (default: all of them on a multi-core machine, else 1)",
     )
     from bagel.sim.chaos.command import add_chaos_parser
@@ -84,7 +91,12 @@ def run_scenario(
     if progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-        with Progress(TextColumn("{task.description:<16}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"), TimeElapsedColumn()) as bar:
+        with Progress(
+            TextColumn("{task.description:<16}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>5.1f}%"),
+            TimeElapsedColumn(),
+        ) as bar:
             tasks = [bar.add_task(p.name, total=1.0) for p in pols]
             results = run_policies(scenario, pols, progress=lambda k, f: bar.update(tasks[k], completed=f), **kw)
     else:

@@ -25,10 +25,10 @@ Byzantine worker behaviours (`--byzantine MODE` on a worker) are listed in
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any
-from collections.abc import Mapping, Sequence
 
 
 class FaultError(ValueError):
@@ -115,7 +115,9 @@ def parse_fault(table: Mapping[str, Any], where: str = "faults[0]") -> Fault:
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise FaultError(f"{where}.count: expected a non-negative integer")
     workers = table.get("workers", [])
-    if not isinstance(workers, list) or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in workers):
+    if not isinstance(workers, list) or not all(
+        isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in workers
+    ):
         raise FaultError(f"{where}.workers: expected a list of worker indices")
     fraction = _num(where, "fraction", table.get("fraction", 0.0))
     if fraction > 1.0:

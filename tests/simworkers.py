@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+from safetensors.numpy import save as save_safetensors
+
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient
 from bagel.protocol.convert import instruction_from_pb, local_to_pb, verdict_from_pb
@@ -55,7 +57,6 @@ from bagel.worker.reconciler import (
     Work,
     WorkerView,
 )
-from safetensors.numpy import save as save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -302,14 +303,25 @@ class SimWorker:
         if w is not None:
             exchanging = w.reduce_task is not None and not w.reduce_task.done()
             work = Work(
-                w.cell_id, w.round, w.round_attempt, ready=w.ready, catch_up=w.catch_up,
-                reduce_attempt=w.reduce_attempt, exchanging=exchanging, pending_hash=w.pending_hash,
-                pending_attempt=w.pending_attempt, report_stale=w.report_epoch != self.epoch,
+                w.cell_id,
+                w.round,
+                w.round_attempt,
+                ready=w.ready,
+                catch_up=w.catch_up,
+                reduce_attempt=w.reduce_attempt,
+                exchanging=exchanging,
+                pending_hash=w.pending_hash,
+                pending_attempt=w.pending_attempt,
+                report_stale=w.report_epoch != self.epoch,
             )
         sync = Sync(self.sync[0], running=not self.sync[1].done()) if self.sync is not None else None
         return WorkerView(
-            self.worker_id, self.local if self.local.cell_id else None, work, sync,
-            frozenset(self._uploading), frozenset(self.missing_reported),
+            self.worker_id,
+            self.local if self.local.cell_id else None,
+            work,
+            sync,
+            frozenset(self._uploading),
+            frozenset(self.missing_reported),
         )
 
     def _act(self, ins: Instruction) -> None:
@@ -357,7 +369,9 @@ class SimWorker:
             assert ins.plan is not None
             plan = ins.plan
             samples = plan.micro_batch * plan.grad_accum * plan.inner_steps
-            w = self.work = SimWork(ins.cell_id, ins.round, ins.round_attempt, samples=samples, inner_steps=plan.inner_steps)
+            w = self.work = SimWork(
+                ins.cell_id, ins.round, ins.round_attempt, samples=samples, inner_steps=plan.inner_steps
+            )
             w.train_task = self._spawn(self._train(w))
         elif isinstance(a, StartCatchUp):
             self.work = SimWork(ins.cell_id, ins.round, ins.round_attempt, ready=True, catch_up=True)
@@ -425,7 +439,9 @@ class SimWorker:
                     state_hash=w.pending_hash,
                     samples=w.samples,
                     loss=0.5,
-                    compute_ms=int(1000 * (self.train_s if self.train_s is not None else w.samples / self.samples_per_s)),
+                    compute_ms=int(
+                        1000 * (self.train_s if self.train_s is not None else w.samples / self.samples_per_s)
+                    ),
                     comm_ms=int(self.reduce_s * 1000),
                     reduce_attempt=w.reduce_attempt,
                 )
@@ -442,7 +458,9 @@ class SimWorker:
             return
         self.stats.reports += 1
         self.stats.verdicts.append((w.cell_id, w.round, resp.verdict))
-        for a in reconciler.decide_verdict(verdict_from_pb(resp.verdict), reported_outcome=True, current=self.work is w):
+        for a in reconciler.decide_verdict(
+            verdict_from_pb(resp.verdict), reported_outcome=True, current=self.work is w
+        ):
             if isinstance(a, AdoptPending):
                 self._commit(w)
             elif isinstance(a, DropWork):
@@ -453,7 +471,10 @@ class SimWorker:
     async def _report_missing(self, a: ReportMissing) -> None:
         try:
             await self.client.report_round(
-                cell_id=a.cell_id, round=a.round, failed=True, reduce_attempt=a.reduce_attempt,
+                cell_id=a.cell_id,
+                round=a.round,
+                failed=True,
+                reduce_attempt=a.reduce_attempt,
                 reason="this contributor lost its contribution (restarted)",
             )
         except grpc.aio.AioRpcError as e:

@@ -233,7 +233,8 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
             reduce_attempt=1,
             contributors=[
                 SimpleNamespace(
-                    worker_id=c.worker_id, peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
+                    worker_id=c.worker_id,
+                    peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
                     max_samples=c.max_samples,
                 )
                 for c in cs
@@ -248,10 +249,12 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
                 w.result = TrainResult(samples=10, mean_loss=0.0, steps=1, compute_s=0.0, completed=True)
                 w.delta = deltas[p.worker_id]
                 works[p.worker_id] = w
-            outs = await asyncio.gather(*(
-                reduce_round(p.plane, spec, p.worker_id, committed, works[p.worker_id], order, None, 30.0)
-                for p in ps
-            ))
+            outs = await asyncio.gather(
+                *(
+                    reduce_round(p.plane, spec, p.worker_id, committed, works[p.worker_id], order, None, 30.0)
+                    for p in ps
+                )
+            )
             return dict(zip((p.worker_id for p in ps), outs))
 
         def expected(avg: torch.Tensor, spec_text: str) -> CellState:
@@ -274,9 +277,9 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
             for k in want.weights:
                 assert torch.allclose(got.weights[k], want.weights[k], atol=1e-5), (spec_text, k)
         mean_state = expected(stacked.double().mean(dim=0).float(), SPEC_TEXT)
-        assert any(
-            not torch.allclose(got.weights[k], mean_state.weights[k], atol=1e-2) for k in got.weights
-        ), "the trimmed mean gave the mean's result"
+        assert any(not torch.allclose(got.weights[k], mean_state.weights[k], atol=1e-2) for k in got.weights), (
+            "the trimmed mean gave the mean's result"
+        )
 
 
 @pytest.mark.timeout(120)
@@ -394,7 +397,8 @@ async def test_nan_part_is_excluded_and_nonfinite_member_abstains() -> None:
                         )
                     ),
                     60,
-                ), strict=True
+                ),
+                strict=True,
             )
         )
         assert_bit_identical(results)

@@ -75,8 +75,11 @@ class Caller:
     async def send(self, method: str, signed: pb.SignedRequest | bytes) -> None:
         """Send one request; drain a streaming answer."""
         if isinstance(signed, bytes):  # raw bytes, not even a SignedRequest
-            rpc = self.channel.unary_unary(f"/bagel.v1.Coordinator/{method}") if method != "DownloadCheckpoint" \
+            rpc = (
+                self.channel.unary_unary(f"/bagel.v1.Coordinator/{method}")
+                if method != "DownloadCheckpoint"
                 else self.channel.unary_stream(f"/bagel.v1.Coordinator/{method}")
+            )
             call = rpc(signed, timeout=10)
         else:
             call = getattr(self.stub, method)(signed, timeout=10)
@@ -144,10 +147,16 @@ async def test_every_signed_rpc_rejects_bad_input_without_state_change(coordinat
     def case(name: str, code: grpc.StatusCode, fn: Callable[[], Awaitable[None]]) -> None:
         cases.append((name, code, fn))
 
-    case("invalid fields", grpc.StatusCode.INVALID_ARGUMENT,
-         lambda: caller.send(method, signed(me, method, invalid_payload(method), run_id)))
-    case("wrong run id", grpc.StatusCode.FAILED_PRECONDITION,
-         lambda: caller.send(method, signed(me, method, good_payload(method), "another-run")))
+    case(
+        "invalid fields",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: caller.send(method, signed(me, method, invalid_payload(method), run_id)),
+    )
+    case(
+        "wrong run id",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        lambda: caller.send(method, signed(me, method, good_payload(method), "another-run")),
+    )
 
     def bad_signature() -> pb.SignedRequest:
         s = signed(me, method, good_payload(method), run_id)
@@ -175,8 +184,11 @@ async def test_every_signed_rpc_rejects_bad_input_without_state_change(coordinat
         ),
     )
     other_method = "Leave" if method != "Leave" else "Heartbeat"
-    case("payload signed for another RPC", grpc.StatusCode.INVALID_ARGUMENT,
-         lambda: caller.send(method, signed(me, other_method, good_payload(other_method), run_id)))
+    case(
+        "payload signed for another RPC",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: caller.send(method, signed(me, other_method, good_payload(other_method), run_id)),
+    )
     case("malformed bytes", grpc.StatusCode.INVALID_ARGUMENT, lambda: caller.send(method, b"\xff\xff\xff\xff"))
     case(
         "garbage payload",
@@ -196,8 +208,11 @@ async def test_every_signed_rpc_rejects_bad_input_without_state_change(coordinat
         ),
     )
     if method != "Register":
-        case("unknown worker", grpc.StatusCode.NOT_FOUND,
-             lambda: caller.send(method, signed(Identity.generate(), method, good_payload(method), run_id)))
+        case(
+            "unknown worker",
+            grpc.StatusCode.NOT_FOUND,
+            lambda: caller.send(method, signed(Identity.generate(), method, good_payload(method), run_id)),
+        )
 
     for name, code, fn in cases:
         await expect(code, fn)
@@ -252,8 +267,11 @@ async def test_upload_checkpoint_rejects_bad_input_without_state_change(coordina
         ("upload nobody asked for", grpc.StatusCode.FAILED_PRECONDITION, [replay, data_chunk]),
         ("replayed header", grpc.StatusCode.UNAUTHENTICATED, [replay, data_chunk]),
         # (a too-long stream of an accepted upload: tests/test_server_checkpoints.py)
-        ("oversized message", grpc.StatusCode.RESOURCE_EXHAUSTED,
-         [pb.CheckpointUploadChunk(data=os.urandom(MAX_MESSAGE_BYTES + 1024))]),
+        (
+            "oversized message",
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            [pb.CheckpointUploadChunk(data=os.urandom(MAX_MESSAGE_BYTES + 1024))],
+        ),
     ]
     for name, code, chunks in cases:
         await expect(code, lambda chunks=chunks: caller.upload(chunks))
@@ -284,5 +302,3 @@ async def test_rejections_are_counted_by_reason(coordinator) -> None:
     text = h.metrics.text()
     assert 'bagel_rejected_messages_total{reason="wrong_run"} 1.0' in text
     assert 'bagel_rejected_messages_total{reason="malformed_message"} 1.0' in text
-
-

@@ -23,7 +23,10 @@ def test_ctrl_c_stops_everything_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "chaos"
     proc = subprocess.Popen(
         [sys.executable, "-m", "bagel.sim.chaos", str(ROOT / "sim/scenarios/chaos-short.toml"), "--out", str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 240

@@ -23,7 +23,7 @@ from bagel.sim.chaos.supervisor import Supervisor, listening_ports, pid_alive, p
 from bagel.sim.faults import Fault, FaultKind
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = '''
+SPEC = """
 [run]
 id = "unit"
 [data]
@@ -31,7 +31,7 @@ clusters = 1
 [cells]
 timestep_ranges = 1
 router = false
-'''
+"""
 
 
 def scenario(extra: str = "", chaos: str = "", workers: str = "count = 3") -> str:
@@ -42,7 +42,8 @@ def scenario(extra: str = "", chaos: str = "", workers: str = "count = 3") -> st
 
 
 def test_parse_minimal_and_faults_sorted():
-    sc = parse_chaos_scenario(scenario("""
+    sc = parse_chaos_scenario(
+        scenario("""
         [[faults]]
         kind = "coordinator-kill"
         at_s = 20
@@ -51,7 +52,8 @@ def test_parse_minimal_and_faults_sorted():
         kind = "kill"
         at_s = 5
         workers = [2]
-        """))
+        """)
+    )
     assert sc.workers == 3 and sc.spec.cell_ids == ("k0.r0",)
     assert [f.kind for f in sc.faults] == [FaultKind.KILL, FaultKind.COORDINATOR_KILL]
     assert sc.last_fault_end_s == 22
@@ -161,8 +163,14 @@ def test_byzantine_effect_compares_loss_after_its_rounds(tmp_path):
     assert eff["mean_loss_change_after_other_rounds"] == pytest.approx(-0.25)
     assert eff["rounds_compared"] == [2, 2]
     cells = loss_by_cell(run)["k0.r0"]
-    assert cells == {"rounds": 5, "rounds_with_byzantine_contributor": 2, "first_loss": 1.0, "best_loss": 1.0,
-                     "worst_loss": 1.6, "last_loss": 1.4}
+    assert cells == {
+        "rounds": 5,
+        "rounds_with_byzantine_contributor": 2,
+        "first_loss": 1.0,
+        "best_loss": 1.0,
+        "worst_loss": 1.6,
+        "last_loss": 1.4,
+    }
 
 
 # ---------------------------------------------------------------------------- supervision
@@ -299,7 +307,10 @@ def test_local_checkpoints_are_rehashed_and_a_corrupt_one_breaks_the_replica_inv
         dirs.append(d)
     obs = local_hashes([("wa", dirs[0]), ("wb", dirs[1])], spec, t=9.0)
     assert sorted((o.worker_id, o.cell_id, o.round, o.state_hash) for o in obs) == [
-        ("wa", "k0.r0", 3, h), ("wa", "k0.r0", 3, h), ("wb", "k0.r0", 3, h), ("wb", "k0.r0", 3, h)
+        ("wa", "k0.r0", 3, h),
+        ("wa", "k0.r0", 3, h),
+        ("wb", "k0.r0", 3, h),
+        ("wb", "k0.r0", 3, h),
     ]
     log = inv.CommitLogRead(
         10.0,

@@ -87,7 +87,7 @@ def test_rejected_uploads_leave_nothing_visible(ckpts, case) -> None:
     elif case == "state_hash":
         sh = blob(2)[1]
     elif case == "not_safetensors":
-        data = b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\": 1}" + b"x" * 40
+        data = b'\x08\x00\x00\x00\x00\x00\x00\x00{"a": 1}' + b"x" * 40
     with pytest.raises(CheckpointRejected):
         upload(cs, "k0.r0", 3, data, sh, **kw)
     assert visible_files(cs) == [] and store.list_checkpoints() == []

@@ -57,13 +57,19 @@ class EchoServicer(pb_grpc.CoordinatorServicer):
     async def Register(self, request, context):
         got = await self._check(request, "Register", context)
         text = SPEC.source
-        return pb.RegisterResponse(worker_id=got.worker_id, spec_toml=text, spec_hash=SPEC.spec_hash,
-                                   instruction=pb.Instruction(order=pb.ORDER_WAIT))
+        return pb.RegisterResponse(
+            worker_id=got.worker_id,
+            spec_toml=text,
+            spec_hash=SPEC.spec_hash,
+            instruction=pb.Instruction(order=pb.ORDER_WAIT),
+        )
 
     async def Heartbeat(self, request, context):
         got = await self._check(request, "Heartbeat", context)
-        return pb.HeartbeatResponse(lease_expires_unix_ms=got.timestamp_unix_ms + 10_000,
-                                    instruction=pb.Instruction(order=pb.ORDER_WAIT, cell_id=got.message.cell_id))
+        return pb.HeartbeatResponse(
+            lease_expires_unix_ms=got.timestamp_unix_ms + 10_000,
+            instruction=pb.Instruction(order=pb.ORDER_WAIT, cell_id=got.message.cell_id),
+        )
 
     async def ReportRound(self, request, context):
         await self._check(request, "ReportRound", context)
@@ -96,8 +102,13 @@ class EchoServicer(pb_grpc.CoordinatorServicer):
     async def DownloadCheckpoint(self, request, context):
         req = (await self._check(request, "DownloadCheckpoint", context)).message
         blob, mode = self.blob, self.download_mode
-        info = pb.CheckpointInfo(cell_id=req.cell_id, round=req.round or 4, state_hash="ab" * 32,
-                                 total_bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+        info = pb.CheckpointInfo(
+            cell_id=req.cell_id,
+            round=req.round or 4,
+            state_hash="ab" * 32,
+            total_bytes=len(blob),
+            sha256=hashlib.sha256(blob).hexdigest(),
+        )
         if mode == "bad_sha":
             info.sha256 = "00" * 32
         if mode == "huge":
@@ -136,8 +147,9 @@ async def client(server):
 
 
 def profile() -> pb.WorkerProfile:
-    return pb.WorkerProfile(name="t", device_kind="cpu", vram_bytes=1 << 30, num_devices=1,
-                            samples_per_s={"k0.r0": 100.0})
+    return pb.WorkerProfile(
+        name="t", device_kind="cpu", vram_bytes=1 << 30, num_devices=1, samples_per_s={"k0.r0": 100.0}
+    )
 
 
 def peer() -> pb.PeerAddress:
@@ -150,8 +162,9 @@ async def test_unary_rpcs_are_signed_and_accepted(server, client):
     assert resp.worker_id == client.worker_id and resp.spec_hash == SPEC.spec_hash
     hb = await client.heartbeat(pb.PHASE_TRAINING, cell_id="k0.r0", round=1, inner_step=3, loss=0.5)
     assert hb.instruction.cell_id == "k0.r0"
-    rep = await client.report_round(cell_id="k0.r0", round=1, state_hash="ab" * 32, samples=64, loss=0.4,
-                                    reduce_attempt=1)
+    rep = await client.report_round(
+        cell_id="k0.r0", round=1, state_hash="ab" * 32, samples=64, loss=0.4, reduce_attempt=1
+    )
     assert rep.verdict == pb.VERDICT_PENDING
     await client.leave("done")
     status = await client.status()
@@ -360,8 +373,7 @@ async def test_tls_channel():
             resp = await c.heartbeat(pb.PHASE_IDLE)
             assert resp.instruction.order == pb.ORDER_WAIT
         _, other_cert = _self_signed_cert()  # a client that trusts another certificate refuses
-        async with CoordinatorClient(f"127.0.0.1:{port}", Identity.generate(), RUN, tls=other_cert,
-                                     timeout_s=3.0) as c:
+        async with CoordinatorClient(f"127.0.0.1:{port}", Identity.generate(), RUN, tls=other_cert, timeout_s=3.0) as c:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await c.heartbeat(pb.PHASE_IDLE)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -134,9 +134,12 @@ async def test_twenty_workers_commit_rounds(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 async def test_member_with_another_hash_is_resynced(tmp_path: Path) -> None:
     # one cell, so the liar certainly shares a round with honest members
-    text = cluster_spec_text(min_replicas=1, max_replicas=8).replace("clusters = 2", "clusters = 1").replace(
-        "timestep_ranges = 2", "timestep_ranges = 1"
-    ).replace("router = true", "router = false")
+    text = (
+        cluster_spec_text(min_replicas=1, max_replicas=8)
+        .replace("clusters = 2", "clusters = 1")
+        .replace("timestep_ranges = 2", "timestep_ranges = 1")
+        .replace("router = true", "router = false")
+    )
     h = await start(tmp_path, text)
     target = f"127.0.0.1:{h.port}"
     honest = await start_workers(target, h.spec.run.id, 3, cells=h.spec.cell_ids)
@@ -145,8 +148,11 @@ async def test_member_with_another_hash_is_resynced(tmp_path: Path) -> None:
     try:
         # the liar hears it either as VERDICT_RESYNC (its report came after the commit) or,
         # having got PENDING, as ORDER_SYNC in its next instruction
-        await wait_for(lambda: liar.stats.reports > 0 and len(liar.stats.sync_orders) > 0, 45,
-                       "the liar reports and is ordered to SYNC")
+        await wait_for(
+            lambda: liar.stats.reports > 0 and len(liar.stats.sync_orders) > 0,
+            45,
+            "the liar reports and is ordered to SYNC",
+        )
         print("liar verdicts", liar.stats.verdicts, "syncs", liar.stats.sync_orders)
         assert any(v == pb.VERDICT_COMMITTED for w in honest for _c, _r, v in w.stats.verdicts)
         # the liar's reputation dropped; the honest ones' did not
@@ -180,8 +186,11 @@ async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: 
 
         # (a contributor whose report lands after the quorum joins the next round as a
         # zero-weight catch-up contributor, so an open round has 3 or 4 members)
-        await wait_for(lambda: training_round() is not None and len(training_round().members) >= 3, 30,
-                       "a round with at least 3 members open")
+        await wait_for(
+            lambda: training_round() is not None and len(training_round().members) >= 3,
+            30,
+            "a round with at least 3 members open",
+        )
         r = training_round()
         victim = next(w for w in workers if w.worker_id == r.members[-1].worker_id)
         await victim.crash()
@@ -193,8 +202,11 @@ async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: 
 
         await wait_for(lambda: victim_state() is WorkerState.LOST, 20, "the victim's lease expires")
         lost_after = time.monotonic() - killed_at
-        await wait_for(lambda: h.state.snapshot().cells[0].committed_round >= r.round, 30,
-                       f"round {r.round} commits without the victim")
+        await wait_for(
+            lambda: h.state.snapshot().cells[0].committed_round >= r.round,
+            30,
+            f"round {r.round} commits without the victim",
+        )
     finally:
         await stop_workers(workers)
         await h.stop()
@@ -225,8 +237,15 @@ async def test_heterogeneous_workers_fit_and_proportional_batches(tmp_path: Path
     vram_gb = [6, 8, 12, 16, 24, 32, 40, 48, 48, 64, 80, 80]
     speeds = [10.0 * (1 + 9 * i / 11) for i in range(12)]  # 10x spread
     workers = [
-        SimWorker(target, spec.run.id, name=f"het{i}", cells=spec.cell_ids, vram_bytes=vram_gb[i] * gib,
-                  samples_per_s=speeds[i], seed=i)
+        SimWorker(
+            target,
+            spec.run.id,
+            name=f"het{i}",
+            cells=spec.cell_ids,
+            vram_bytes=vram_gb[i] * gib,
+            samples_per_s=speeds[i],
+            seed=i,
+        )
         for i in range(12)
     ]
     for w in workers:

@@ -56,9 +56,17 @@ async def wait_status(target: str, pred, timeout_s: float, what: str) -> pb.Stat
 @pytest.mark.timeout(240)
 async def test_sigkill_mid_round_loses_no_commit_and_rounds_continue(tmp_path: Path) -> None:
     spec_path = tmp_path / "crash.toml"
-    spec_path.write_text(cluster_spec_text(
-        "crashrun", lease_s=6.0, heartbeat_s=0.3, min_replicas=2, max_replicas=4, deadline_slack=4.0, min_round_s=3.0
-    ))
+    spec_path.write_text(
+        cluster_spec_text(
+            "crashrun",
+            lease_s=6.0,
+            heartbeat_s=0.3,
+            min_replicas=2,
+            max_replicas=4,
+            deadline_slack=4.0,
+            min_round_s=3.0,
+        )
+    )
     data = tmp_path / "data"
     port = free_port()
     target = f"127.0.0.1:{port}"
@@ -89,6 +97,7 @@ async def test_sigkill_mid_round_loses_no_commit_and_rounds_continue(tmp_path: P
         await asyncio.sleep(1.0)  # workers keep trying (and failing) meanwhile
         second = DaemonProcess(spec_path, data, *args)
         second.wait_line("listening:", timeout_s=120)
+
         # the workers re-attach and every cell that was committing commits again. (On a
         # heavily loaded machine a worker may miss enough deadlines to be banned: that is
         # the scheduler's reputation rule, not a lost worker, so banned ones are allowed.)

@@ -20,8 +20,8 @@ import pytest
 
 from bagel.coordinator.core.errors import CoreFault
 from bagel.coordinator.core.events import Heartbeat, Register, Tick
-from bagel.coordinator.core.rounds import IllegalTransition
 from bagel.coordinator.core.records import RoundState
+from bagel.coordinator.core.rounds import IllegalTransition
 from bagel.coordinator.core.state import CoordinatorState
 from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
@@ -41,7 +41,9 @@ def _state() -> CoordinatorState:
 
 
 def _register(st: CoordinatorState, wid: str, now: int) -> None:
-    prof = Profile(name=wid, device_kind="cuda", vram_bytes=24 << 30, samples_per_s={c: 100.0 for c in st.spec.cell_ids})
+    prof = Profile(
+        name=wid, device_kind="cuda", vram_bytes=24 << 30, samples_per_s={c: 100.0 for c in st.spec.cell_ids}
+    )
     st.apply(now, Register(wid, prof, PeerAddress(f"peer-{wid}"), LocalState()))
 
 
@@ -75,7 +77,7 @@ def test_an_illegal_round_transition_is_a_core_fault() -> None:
     assert c.round.state is RoundState.OPEN  # refused before anything changed
 
 
-LAUNCHER = '''
+LAUNCHER = """
 import sys
 from bagel.coordinator.core import rounds
 
@@ -94,7 +96,7 @@ rounds.Rounds.commit = commit
 from bagel.coordinator.cli import main
 
 sys.exit(main(sys.argv[1:]))
-'''
+"""
 
 
 async def _status(target: str) -> pb.StatusResponse:

@@ -144,8 +144,14 @@ def test_shards_with_unequal_counts_and_cycling_stay_disjoint():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(member=2, members=2), dict(member=-1, members=2), dict(members=0, member=0),
-     dict(count=-1), dict(round=-1), dict(n=1, members=2)],
+    [
+        dict(member=2, members=2),
+        dict(member=-1, members=2),
+        dict(members=0, member=0),
+        dict(count=-1),
+        dict(round=-1),
+        dict(n=1, members=2),
+    ],
 )
 def test_shard_rejects_bad_arguments(kwargs):
     args = dict(run_id="r", cell_id="k0.r0", round=0, member=0, members=2, n=10, count=3)

@@ -92,6 +92,7 @@ def _rank_main(out: Path) -> None:
         results["stopped_steps"] = res.steps
         ddp.send_command(ctx, {"op": "exit"})
     else:
+
         def on_train_and_save(cmd):
             on_train(cmd)
             save_file(
@@ -116,8 +117,18 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(port), str(Path(__file__))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        str(Path(__file__)),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r0 = load_file(str(tmp_path / "rank0.safetensors"))
@@ -141,7 +152,6 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path):
     for k in r0:
         torch.testing.assert_close(r0[k], single[k], rtol=1e-5, atol=1e-6)
     assert not torch.equal(r0["0.weight"], task.build_model().state_dict()["0.weight"])
-
 
 
 DDP_SPEC = """
@@ -193,9 +203,19 @@ def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path):
         procs.append(single)
         single.start()
         ddp_w = WorkerProc.make(coord.join, tmp_path / "ddp", tmp_path / "ddp.log", name="ddp")
-        ddp_w.argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                      "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                      "-m", *ddp_w.argv[ddp_w.argv.index("bagel.worker"):]]
+        ddp_w.argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            *ddp_w.argv[ddp_w.argv.index("bagel.worker") :],
+        ]
         procs.append(ddp_w)
         ddp_w.start()
 

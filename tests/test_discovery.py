@@ -90,8 +90,14 @@ def test_truncated_join_string_rejected():
 
 
 def _record(ident: Identity, now: float, **kw) -> CoordinatorRecord:
-    fields = dict(endpoint="127.0.0.1:7000", run_id=RUN, spec_hash=SPEC_HASH, public_key=ident.public_key,
-                  issued_at=now, expires_at=now + 60.0)
+    fields = dict(
+        endpoint="127.0.0.1:7000",
+        run_id=RUN,
+        spec_hash=SPEC_HASH,
+        public_key=ident.public_key,
+        issued_at=now,
+        expires_at=now + 60.0,
+    )
     fields.update(kw)
     return CoordinatorRecord(**fields)
 
@@ -109,15 +115,20 @@ def test_record_sign_verify_and_refusals():
     with pytest.raises(RecordError, match="signature"):
         verify_record(tampered, public_key=coord.public_key, run_id=RUN, now=now)
     with pytest.raises(RecordError, match="for run"):
-        verify_record(sign_record(_record(coord, now, run_id="other"), coord),
-                      public_key=coord.public_key, run_id=RUN, now=now)
+        verify_record(
+            sign_record(_record(coord, now, run_id="other"), coord), public_key=coord.public_key, run_id=RUN, now=now
+        )
     with pytest.raises(RecordError, match="expired"):
         verify_record(value, public_key=coord.public_key, run_id=RUN, now=now + 61)
     with pytest.raises(RecordError, match="future"):
         verify_record(value, public_key=coord.public_key, run_id=RUN, now=now - 3600)
     with pytest.raises(RecordError, match="longer than a day"):
-        verify_record(sign_record(_record(coord, now, expires_at=now + 2 * 86400), coord),
-                      public_key=coord.public_key, run_id=RUN, now=now)
+        verify_record(
+            sign_record(_record(coord, now, expires_at=now + 2 * 86400), coord),
+            public_key=coord.public_key,
+            run_id=RUN,
+            now=now,
+        )
     for junk in (None, b"x", {"body": b"x"}, {"body": "s", "sig": b""}):
         with pytest.raises(RecordError):
             verify_record(junk, public_key=coord.public_key, run_id=RUN, now=now)
@@ -179,14 +190,20 @@ async def test_resolve_from_join_string_skips_forged_records():
         attacker = _start(_maddrs(coord_dht))
         dhts.append(attacker)
 
-        async with CoordinatorPublisher(coord_dht, coord, run_id=RUN, endpoint="127.0.0.1:7000",
-                                        spec_hash=SPEC_HASH, ttl_s=60.0) as publisher:
+        async with CoordinatorPublisher(
+            coord_dht, coord, run_id=RUN, endpoint="127.0.0.1:7000", spec_hash=SPEC_HASH, ttl_s=60.0
+        ) as publisher:
             assert publisher.publishes == 1
             now = get_dht_time()
             forged = sign_record(_record(evil, now, endpoint="6.6.6.6:1", expires_at=now + 300), evil)
             # (the coordinator's node refuses it; the attacker keeps it in its own storage)
-            await attacker.store(coordinator_key(RUN), forged, expiration_time=now + 300,
-                                 subkey=evil.public_key.hex(), return_future=True)
+            await attacker.store(
+                coordinator_key(RUN),
+                forged,
+                expiration_time=now + 300,
+                subkey=evil.public_key.hex(),
+                return_future=True,
+            )
             seen = await attacker.get(coordinator_key(RUN), latest=True, return_future=True)
             assert evil.public_key.hex() in seen.value
 
@@ -199,8 +216,13 @@ async def test_resolve_from_join_string_skips_forged_records():
             assert record is not None and record.endpoint == "127.0.0.1:7000"
             assert any("signature does not verify" in r for r in refused), refused
 
-            await attacker.store(coordinator_key(RUN), forged, expiration_time=now + 300,
-                                 subkey=coord.public_key.hex(), return_future=True)
+            await attacker.store(
+                coordinator_key(RUN),
+                forged,
+                expiration_time=now + 300,
+                subkey=coord.public_key.hex(),
+                return_future=True,
+            )
             # The attack is real: without a validator the later-expiring forgery shadows
             # the genuine entry (refused, so still no forgery is ever returned) ...
             record, refused = await lookup_coordinator(plain_worker, info)
@@ -230,8 +252,9 @@ async def test_only_forged_records_are_refused():
         # own subkey), and also plants a forgery under the coordinator's subkey.
         await publish_coordinator(bootstrap, evil, run_id=RUN, endpoint="6.6.6.6:1", spec_hash=SPEC_HASH)
         forged = sign_record(_record(evil, now, endpoint="6.6.6.6:1"), evil)
-        await bootstrap.store(coordinator_key(RUN), forged, expiration_time=now + 60,
-                              subkey=coord.public_key.hex(), return_future=True)
+        await bootstrap.store(
+            coordinator_key(RUN), forged, expiration_time=now + 60, subkey=coord.public_key.hex(), return_future=True
+        )
         worker = _start(_maddrs(bootstrap))
         dhts.append(worker)
         with pytest.raises(CoordinatorNotFound, match="signature does not verify"):
@@ -239,8 +262,7 @@ async def test_only_forged_records_are_refused():
         # A resolver that starts its own DHT installs the validator: the poisoned answer
         # is dropped by the DHT itself, so nothing is found at all.
         with pytest.raises(CoordinatorNotFound, match="no record found"):
-            await resolve_coordinator(join, timeout_s=1.0, retry_interval_s=0.2,
-                                      host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+            await resolve_coordinator(join, timeout_s=1.0, retry_interval_s=0.2, host_maddrs=("/ip4/127.0.0.1/tcp/0",))
     finally:
         for dht in reversed(dhts):
             dht.shutdown()
@@ -252,11 +274,13 @@ async def test_resolve_from_join_string_alone():
     coord = Identity.generate()
     coord_dht = _start(validators=[CoordinatorRecordValidator(RUN, coord.public_key)])
     try:
-        published = await publish_coordinator(coord_dht, coord, run_id=RUN, endpoint="127.0.0.1:7001",
-                                              spec_hash=SPEC_HASH, ttl_s=30.0)
+        published = await publish_coordinator(
+            coord_dht, coord, run_id=RUN, endpoint="127.0.0.1:7001", spec_hash=SPEC_HASH, ttl_s=30.0
+        )
         join = make_join_string(RUN, coord.public_key, _maddrs(coord_dht))
-        record = await resolve_coordinator(join, timeout_s=20, retry_interval_s=0.2,
-                                           host_maddrs=("/ip4/127.0.0.1/tcp/0",))
+        record = await resolve_coordinator(
+            join, timeout_s=20, retry_interval_s=0.2, host_maddrs=("/ip4/127.0.0.1/tcp/0",)
+        )
         assert record == published
     finally:
         coord_dht.shutdown()
@@ -271,16 +295,19 @@ async def test_validator_refuses_forgery_under_coordinator_subkey():
         dhts.append(guarded)
         now = get_dht_time()
         forged = sign_record(_record(evil, now), evil)
-        ok = await guarded.store(coordinator_key(RUN), forged, expiration_time=now + 60,
-                                 subkey=coord.public_key.hex(), return_future=True)
+        ok = await guarded.store(
+            coordinator_key(RUN), forged, expiration_time=now + 60, subkey=coord.public_key.hex(), return_future=True
+        )
         assert not ok
         genuine = sign_record(_record(coord, now), coord)
         # A genuine record pinned beyond its signed expiry is refused too.
-        ok = await guarded.store(coordinator_key(RUN), genuine, expiration_time=now + 3600,
-                                 subkey=coord.public_key.hex(), return_future=True)
+        ok = await guarded.store(
+            coordinator_key(RUN), genuine, expiration_time=now + 3600, subkey=coord.public_key.hex(), return_future=True
+        )
         assert not ok
-        ok = await guarded.store(coordinator_key(RUN), genuine, expiration_time=now + 60,
-                                 subkey=coord.public_key.hex(), return_future=True)
+        ok = await guarded.store(
+            coordinator_key(RUN), genuine, expiration_time=now + 60, subkey=coord.public_key.hex(), return_future=True
+        )
         assert ok
         # Other keys are not affected.
         assert await guarded.store("unrelated", b"x", expiration_time=now + 60, return_future=True)
@@ -296,8 +323,9 @@ async def test_publisher_refreshes_before_expiry():
     dht = _start(validators=[CoordinatorRecordValidator(RUN, coord.public_key)])
     try:
         info = parse_join_string(make_join_string(RUN, coord.public_key, _maddrs(dht)))
-        async with CoordinatorPublisher(dht, coord, run_id=RUN, endpoint="127.0.0.1:7002",
-                                        spec_hash=SPEC_HASH, ttl_s=0.9) as publisher:
+        async with CoordinatorPublisher(
+            dht, coord, run_id=RUN, endpoint="127.0.0.1:7002", spec_hash=SPEC_HASH, ttl_s=0.9
+        ) as publisher:
             first = publisher.record
             await asyncio.sleep(2.0)
             record, refused = await lookup_coordinator(dht, info)

@@ -102,7 +102,11 @@ class Swarm:
         n = self.restarts.get(name, -1) + 1
         self.restarts[name] = n
         w = WorkerProc.make(
-            self.coordinator.join, self.root / name, self.root / f"{name}.{n}.log", name=name, throttle=throttle,
+            self.coordinator.join,
+            self.root / name,
+            self.root / f"{name}.{n}.log",
+            name=name,
+            throttle=throttle,
             extra=["--keep-round-history", "--reduce-timeout-s", "20", *extra],
         )
         self.procs.append(w)
@@ -229,6 +233,7 @@ def test_three_workers_commit_bit_identical_rounds(swarm: Swarm):
     names = ["a", "b", "c"]
     for n in names:
         s.start_worker(n)
+
     # 3 consecutive rounds that all 3 replicas committed (a member that misses a freeze
     # still applies the round as a zero-weight catch-up contributor), one of them with
     # all 3 contributing samples
@@ -282,7 +287,8 @@ def test_sigkilled_worker_round_commits_without_it_and_it_rejoins(swarm: Swarm):
     # that round (or its re-run) commits with the two survivors
     survivors = s.wait(
         "a round >= the killed one committed by a and b only",
-        lambda: [r for r in full_rounds(s, ["a", "b"]) if r >= killed_round], timeout_s=60,
+        lambda: [r for r in full_rounds(s, ["a", "b"]) if r >= killed_round],
+        timeout_s=60,
     )
     assert_replicas_identical(s, ["a", "b"], survivors[0])
     assert killed_round not in s.commits("c")
@@ -363,8 +369,11 @@ def test_coordinator_sigkill_mid_round_loses_no_committed_round(swarm: Swarm):
     seen = {n: dict(s.commits(n)) for n in names}
     time.sleep(2.0)  # workers keep training and retry with backoff meanwhile
     s.start_coordinator()  # same data dir and port
-    after = s.wait("the restarted coordinator commits 2 more rounds",
-                   lambda: s.committed_round() >= before + 2 and s.committed_round(), timeout_s=120)
+    after = s.wait(
+        "the restarted coordinator commits 2 more rounds",
+        lambda: s.committed_round() >= before + 2 and s.committed_round(),
+        timeout_s=120,
+    )
     assert after >= before + 2
     for n in names:
         commits = s.commits(n)

@@ -84,8 +84,9 @@ def test_fallback_to_the_router_renormalised_over_available_clusters():
 
 def test_class_prior_routes_conditional_samples_without_a_router():
     table = torch.tensor([[0.9, 0.1], [0.1, 0.9]])  # p(y | k): class 0 lives in cluster 0
-    cm = compose.ComposedModel(grid(2, 1), [(0.0, 1.0)], 2, cluster_prior=torch.tensor([0.3, 0.7]),
-                               class_given_cluster=table, null_label=2)
+    cm = compose.ComposedModel(
+        grid(2, 1), [(0.0, 1.0)], 2, cluster_prior=torch.tensor([0.3, 0.7]), class_given_cluster=table, null_label=2
+    )
     x = torch.zeros(3, 1, 4, 4)
     chosen = cm.choose(x, torch.full((3,), 0.5), torch.tensor([0, 1, 2]))
     # y=2 is the null label: the cluster prior alone decides
@@ -194,8 +195,14 @@ def test_mixture_routing_is_the_router_weighted_sum_of_experts():
 
 def test_sampled_routing_follows_the_router_distribution_and_the_generator():
     def make(seed):
-        return compose.ComposedModel(grid(2, 1), [(0.0, 1.0)], 2, router=SignRouter([0.0, 1.0]),
-                                     routing="sample", generator=torch.Generator().manual_seed(seed))
+        return compose.ComposedModel(
+            grid(2, 1),
+            [(0.0, 1.0)],
+            2,
+            router=SignRouter([0.0, 1.0]),
+            routing="sample",
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     x = -torch.ones(4000, 1, 2, 2)
     t = torch.full((4000,), 0.5)
@@ -212,9 +219,18 @@ def test_sampled_routing_follows_the_router_distribution_and_the_generator():
 def test_prior_routing_draws_each_trajectorys_cluster_once_from_p_k_given_y():
     table = torch.tensor([[0.8, 0.2], [0.2, 0.8]])  # p(y | k)
     trace: list = []
-    cm = compose.ComposedModel(grid(2, 2, scale=0.0), RANGES, 2, router=SignRouter([5.0, 0.0]),
-                               cluster_prior=torch.tensor([1.0, 1.0]), class_given_cluster=table, null_label=2,
-                               routing="prior", generator=torch.Generator().manual_seed(0), trace=trace)
+    cm = compose.ComposedModel(
+        grid(2, 2, scale=0.0),
+        RANGES,
+        2,
+        router=SignRouter([5.0, 0.0]),
+        cluster_prior=torch.tensor([1.0, 1.0]),
+        class_given_cluster=table,
+        null_label=2,
+        routing="prior",
+        generator=torch.Generator().manual_seed(0),
+        trace=trace,
+    )
     y = torch.tensor([0, 1]).repeat(2000)
     compose.sample(cm, torch.zeros(4000, 1, 2, 2), y, steps=6)
     first = trace[0][1][:, 0]

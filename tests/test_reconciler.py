@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.convert import instruction_from_pb, instruction_to_pb, order_from_pb, verdict_from_pb
 from bagel.protocol.messages import Donor, Instruction, LocalState, Member, Order, PeerAddress, RoundPlan, Verdict
@@ -109,54 +110,106 @@ CATCHING_UP = DropWork("catching up through the exchange")
 # expected actions: instruction -> state -> actions (in order)
 EXPECTED: dict[str, dict[str, tuple[object, ...]]] = {
     "wait": {
-        "nothing": (), "holds-committed": (), "holds-older": (), "holds-other-cell": (),
-        "training-same": (WAIT_DROP,), "training-other-attempt": (WAIT_DROP,), "ready": (WAIT_DROP,),
-        "reducing-same": (WAIT_DROP,), "reducing-older": (WAIT_DROP,), "pending-here": (WAIT_DROP,),
-        "pending-committed": (ADOPT,), "pending-other-hash": (OTHER_HASH,),
-        "syncing-same": (CANCEL,), "syncing-other": (CANCEL,),
+        "nothing": (),
+        "holds-committed": (),
+        "holds-older": (),
+        "holds-other-cell": (),
+        "training-same": (WAIT_DROP,),
+        "training-other-attempt": (WAIT_DROP,),
+        "ready": (WAIT_DROP,),
+        "reducing-same": (WAIT_DROP,),
+        "reducing-older": (WAIT_DROP,),
+        "pending-here": (WAIT_DROP,),
+        "pending-committed": (ADOPT,),
+        "pending-other-hash": (OTHER_HASH,),
+        "syncing-same": (CANCEL,),
+        "syncing-other": (CANCEL,),
     },
     "sync": {
-        "nothing": (SYNC,), "holds-committed": (), "holds-older": (SYNC,), "holds-other-cell": (SYNC,),
-        "training-same": (SYNCED,), "training-other-attempt": (SYNCED,), "ready": (SYNCED,),
-        "reducing-same": (SYNCED,), "reducing-older": (SYNCED,), "pending-here": (SYNCED,),
-        "pending-committed": (ADOPT,), "pending-other-hash": (OTHER_HASH, SYNC),
-        "syncing-same": (), "syncing-other": (CANCEL, SYNC),
+        "nothing": (SYNC,),
+        "holds-committed": (),
+        "holds-older": (SYNC,),
+        "holds-other-cell": (SYNC,),
+        "training-same": (SYNCED,),
+        "training-other-attempt": (SYNCED,),
+        "ready": (SYNCED,),
+        "reducing-same": (SYNCED,),
+        "reducing-older": (SYNCED,),
+        "pending-here": (SYNCED,),
+        "pending-committed": (ADOPT,),
+        "pending-other-hash": (OTHER_HASH, SYNC),
+        "syncing-same": (),
+        "syncing-other": (CANCEL, SYNC),
     },
     "train": {
         # not holding the committed state (round > 0): nothing to train from
-        "nothing": (), "holds-committed": (TRAIN,), "holds-older": (), "holds-other-cell": (),
-        "training-same": (), "training-other-attempt": (NEW_ROUND, TRAIN), "ready": (),
-        "reducing-same": (), "reducing-older": (), "pending-here": (),
-        "pending-committed": (ADOPT, TRAIN), "pending-other-hash": (OTHER_HASH,),
+        "nothing": (),
+        "holds-committed": (TRAIN,),
+        "holds-older": (),
+        "holds-other-cell": (),
+        "training-same": (),
+        "training-other-attempt": (NEW_ROUND, TRAIN),
+        "ready": (),
+        "reducing-same": (),
+        "reducing-older": (),
+        "pending-here": (),
+        "pending-committed": (ADOPT, TRAIN),
+        "pending-other-hash": (OTHER_HASH,),
         # finishing a sync of the committed state first: the coordinator will see the new
         # LocalState; a sync of anything else is dropped (nothing to train from yet: round 3)
-        "syncing-same": (), "syncing-other": (CANCEL,),
+        "syncing-same": (),
+        "syncing-other": (CANCEL,),
     },
     "reduce": {
         # a weighted contributor without its contribution says so
-        "nothing": (MISSING,), "holds-committed": (MISSING,), "holds-older": (MISSING,),
+        "nothing": (MISSING,),
+        "holds-committed": (MISSING,),
+        "holds-older": (MISSING,),
         "holds-other-cell": (MISSING,),
-        "training-same": (), "training-other-attempt": (MISSING,), "ready": (REDUCE,),
-        "reducing-same": (), "reducing-older": (REDUCE,), "pending-here": (),
-        "pending-committed": (ADOPT, MISSING), "pending-other-hash": (OTHER_HASH, MISSING),
-        "syncing-same": (), "syncing-other": (),
+        "training-same": (),
+        "training-other-attempt": (MISSING,),
+        "ready": (REDUCE,),
+        "reducing-same": (),
+        "reducing-older": (REDUCE,),
+        "pending-here": (),
+        "pending-committed": (ADOPT, MISSING),
+        "pending-other-hash": (OTHER_HASH, MISSING),
+        "syncing-same": (),
+        "syncing-other": (),
     },
     "reduce-catch-up": {
-        "nothing": (), "holds-committed": (CATCH, REDUCE_1), "holds-older": (), "holds-other-cell": (),
-        "training-same": (CATCHING_UP, CATCH, REDUCE_1), "training-other-attempt": (CATCHING_UP, CATCH, REDUCE_1),
-        "ready": (CATCHING_UP, CATCH, REDUCE_1), "reducing-same": (CATCHING_UP, CATCH, REDUCE_1),
-        "reducing-older": (CATCHING_UP, CATCH, REDUCE_1), "pending-here": (CATCHING_UP, CATCH, REDUCE_1),
-        "pending-committed": (ADOPT, CATCH, REDUCE_1), "pending-other-hash": (OTHER_HASH,),
-        "syncing-same": (), "syncing-other": (),
+        "nothing": (),
+        "holds-committed": (CATCH, REDUCE_1),
+        "holds-older": (),
+        "holds-other-cell": (),
+        "training-same": (CATCHING_UP, CATCH, REDUCE_1),
+        "training-other-attempt": (CATCHING_UP, CATCH, REDUCE_1),
+        "ready": (CATCHING_UP, CATCH, REDUCE_1),
+        "reducing-same": (CATCHING_UP, CATCH, REDUCE_1),
+        "reducing-older": (CATCHING_UP, CATCH, REDUCE_1),
+        "pending-here": (CATCHING_UP, CATCH, REDUCE_1),
+        "pending-committed": (ADOPT, CATCH, REDUCE_1),
+        "pending-other-hash": (OTHER_HASH,),
+        "syncing-same": (),
+        "syncing-other": (),
     },
     # (a LEAVE names no cell: no pending round can be settled by it)
     "leave": {state: (LEAVE,) for state in STATES},
     "upload": {
-        "nothing": (), "holds-committed": (UPLOAD,), "holds-older": (), "holds-other-cell": (),
-        "training-same": (UPLOAD, WAIT_DROP), "training-other-attempt": (UPLOAD, WAIT_DROP),
-        "ready": (UPLOAD, WAIT_DROP), "reducing-same": (UPLOAD, WAIT_DROP), "reducing-older": (UPLOAD, WAIT_DROP),
-        "pending-here": (UPLOAD, WAIT_DROP), "pending-committed": (ADOPT, UPLOAD), "pending-other-hash": (OTHER_HASH,),
-        "syncing-same": (CANCEL,), "syncing-other": (CANCEL,),
+        "nothing": (),
+        "holds-committed": (UPLOAD,),
+        "holds-older": (),
+        "holds-other-cell": (),
+        "training-same": (UPLOAD, WAIT_DROP),
+        "training-other-attempt": (UPLOAD, WAIT_DROP),
+        "ready": (UPLOAD, WAIT_DROP),
+        "reducing-same": (UPLOAD, WAIT_DROP),
+        "reducing-older": (UPLOAD, WAIT_DROP),
+        "pending-here": (UPLOAD, WAIT_DROP),
+        "pending-committed": (ADOPT, UPLOAD),
+        "pending-other-hash": (OTHER_HASH,),
+        "syncing-same": (CANCEL,),
+        "syncing-other": (CANCEL,),
     },
 }
 
@@ -167,9 +220,7 @@ def test_the_table_covers_every_instruction_and_state() -> None:
         assert set(row) == set(STATES), name
 
 
-@pytest.mark.parametrize(
-    ("instruction", "state"), [(i, s) for i in INSTRUCTIONS for s in STATES], ids=lambda x: x
-)
+@pytest.mark.parametrize(("instruction", "state"), [(i, s) for i in INSTRUCTIONS for s in STATES], ids=lambda x: x)
 def test_decide(instruction: str, state: str) -> None:
     view = STATES[state]
     assert decide(INSTRUCTIONS[instruction], view) == EXPECTED[instruction][state]
@@ -199,7 +250,8 @@ ROUND0 = {"cell_id": CELL, "round": 1, "committed_round": 0, "committed_hash": "
         # a plan that does not list us (a stale answer): warn, do nothing
         (
             Instruction(Order.TRAIN, **BASE, plan=replace(PLAN, members=(member("w-a"),)), round_attempt=2),
-            WorkerView(ME, HOLD), (NotAMember(),),
+            WorkerView(ME, HOLD),
+            (NotAMember(),),
         ),
         (Instruction(Order.TRAIN, **BASE, round_attempt=2), WorkerView(ME, HOLD), (NotAMember(),)),
         # a REDUCE that does not name us: not ours
@@ -208,30 +260,55 @@ ROUND0 = {"cell_id": CELL, "round": 1, "committed_round": 0, "committed_hash": "
         (INSTRUCTIONS["reduce"], replace(STATES["holds-committed"], missing_reported=frozenset({(CELL, 4, 2, 2)})), ()),
         (INSTRUCTIONS["reduce"], WorkerView(ME, LocalState(CELL, 4, "h4")), ()),
         # the coordinator came back after an outage: the pending report may be lost, send it again
-        (INSTRUCTIONS["reduce"], WorkerView(ME, HOLD, replace(STATES["pending-here"].work, report_stale=True)),
-         (ReReport(),)),
+        (
+            INSTRUCTIONS["reduce"],
+            WorkerView(ME, HOLD, replace(STATES["pending-here"].work, report_stale=True)),
+            (ReReport(),),
+        ),
         # ... unless that report is still being sent
-        (INSTRUCTIONS["reduce"],
-         WorkerView(ME, HOLD, replace(STATES["pending-here"].work, report_stale=True, exchanging=True)), ()),
+        (
+            INSTRUCTIONS["reduce"],
+            WorkerView(ME, HOLD, replace(STATES["pending-here"].work, report_stale=True, exchanging=True)),
+            (),
+        ),
         # a re-freeze names us again: only the exchange is redone
         (replace(INSTRUCTIONS["reduce"], reduce_attempt=3), STATES["pending-here"], (StartReduce(3, 2),)),
         # a failed exchange (no pending outcome) waits for a re-freeze or an abort
         (INSTRUCTIONS["reduce"], WorkerView(ME, HOLD, Work(CELL, 4, 2, ready=True, reduce_attempt=2)), ()),
         # a catch-up contribution, re-frozen: the kept zero delta is exchanged again
-        (INSTRUCTIONS["reduce-catch-up"], WorkerView(ME, HOLD, Work(CELL, 4, 2, ready=True, catch_up=True, reduce_attempt=1)),
-         (REDUCE_1,)),
-        (INSTRUCTIONS["reduce-catch-up"], WorkerView(ME, HOLD, Work(CELL, 4, 2, ready=True, catch_up=True, reduce_attempt=2)),
-         ()),
+        (
+            INSTRUCTIONS["reduce-catch-up"],
+            WorkerView(ME, HOLD, Work(CELL, 4, 2, ready=True, catch_up=True, reduce_attempt=1)),
+            (REDUCE_1,),
+        ),
+        (
+            INSTRUCTIONS["reduce-catch-up"],
+            WorkerView(ME, HOLD, Work(CELL, 4, 2, ready=True, catch_up=True, reduce_attempt=2)),
+            (),
+        ),
         # a catch-up at round 0: the coordinator counts every worker of the cell as holding
         # the initial state, so the worker builds it (instant) and joins the exchange
-        (Instruction(Order.REDUCE, **ROUND0, plan=PLAN, contributors=(member("w-a"), member(ME, 0)), reduce_attempt=1),
-         WorkerView(ME), (BuildInitialState(CELL), CATCH, StartReduce(1, 1))),
+        (
+            Instruction(
+                Order.REDUCE, **ROUND0, plan=PLAN, contributors=(member("w-a"), member(ME, 0)), reduce_attempt=1
+            ),
+            WorkerView(ME),
+            (BuildInitialState(CELL), CATCH, StartReduce(1, 1)),
+        ),
         # ... but not while it syncs (a sync names the state it will hold)
-        (Instruction(Order.REDUCE, **ROUND0, plan=PLAN, contributors=(member("w-a"), member(ME, 0)), reduce_attempt=1),
-         WorkerView(ME, sync=Sync(LocalState("k1", 5, "y5"))), ()),
+        (
+            Instruction(
+                Order.REDUCE, **ROUND0, plan=PLAN, contributors=(member("w-a"), member(ME, 0)), reduce_attempt=1
+            ),
+            WorkerView(ME, sync=Sync(LocalState("k1", 5, "y5"))),
+            (),
+        ),
         # TRAIN at round 0 while syncing another cell: the stale sync goes, the initial state is built
-        (Instruction(Order.TRAIN, **ROUND0, plan=PLAN, round_attempt=1),
-         WorkerView(ME, sync=Sync(LocalState("k1", 5, "y5"))), (CANCEL, BuildInitialState(CELL), TRAIN)),
+        (
+            Instruction(Order.TRAIN, **ROUND0, plan=PLAN, round_attempt=1),
+            WorkerView(ME, sync=Sync(LocalState("k1", 5, "y5"))),
+            (CANCEL, BuildInitialState(CELL), TRAIN),
+        ),
         # uploads: once per (cell, round), only what we hold, never round 0
         (INSTRUCTIONS["upload"], replace(STATES["holds-committed"], uploaded=frozenset({(CELL, 3)})), ()),
         (Instruction(Order.WAIT, **ROUND0, upload_checkpoint=True), WorkerView(ME, LocalState(CELL, 0, "real")), ()),
@@ -240,7 +317,11 @@ ROUND0 = {"cell_id": CELL, "round": 1, "committed_round": 0, "committed_hash": "
         (Instruction(Order.UNSPECIFIED, **BASE), STATES["training-same"], ()),
         (Instruction(Order.UNSPECIFIED, **BASE), STATES["pending-committed"], (ADOPT,)),
         # a pending round of another cell is not settled by this cell's instruction
-        (INSTRUCTIONS["wait"], WorkerView(ME, OLD, replace(STATES["pending-committed"].work, cell_id="k9")), (WAIT_DROP,)),
+        (
+            INSTRUCTIONS["wait"],
+            WorkerView(ME, OLD, replace(STATES["pending-committed"].work, cell_id="k9")),
+            (WAIT_DROP,),
+        ),
     ],
 )
 def test_decide_edges(instruction: Instruction, view: WorkerView, expected: tuple[object, ...]) -> None:
@@ -265,7 +346,9 @@ def test_decide_edges(instruction: Instruction, view: WorkerView, expected: tupl
         (None, True, True, ()),
     ],
 )
-def test_decide_verdict(verdict: Verdict | None, reported_outcome: bool, current: bool, expected: tuple[object, ...]) -> None:
+def test_decide_verdict(
+    verdict: Verdict | None, reported_outcome: bool, current: bool, expected: tuple[object, ...]
+) -> None:
     assert decide_verdict(verdict, reported_outcome=reported_outcome, current=current) == expected
 
 

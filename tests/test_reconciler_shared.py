@@ -18,10 +18,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import bagel.sim.discrete.workers as sim_workers
 import bagel.worker.agent as agent_mod
 import bagel.worker.orders as orders_mod
-import pytest
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.convert import instruction_to_pb
 from bagel.protocol.messages import Instruction, Member, Order, PeerAddress, RoundPlan
@@ -30,6 +31,7 @@ from bagel.sim.discrete.engine import Engine
 from bagel.sim.discrete.scenario import load_sim_scenario
 from bagel.worker import reconciler
 from bagel.worker.display import Display
+
 from simworkers import SimWorker
 
 ROOT = Path(__file__).resolve().parent.parent

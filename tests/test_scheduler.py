@@ -38,8 +38,20 @@ CELL_MEMORY = {**{c: 9 * GB for c in EXPERTS}, ROUTER: 2 * GB}
 TARGETS = {**{c: 1.0 for c in EXPERTS}, ROUTER: 0.2}
 # (VRAM GB, relative speed): 6 and 8 GB cards fit only the router (9 GB experts need 11.25 GB
 # with 20% headroom); speeds spread 10x.
-FLEET = [(6, 1.0), (8, 1.6), (12, 2.0), (16, 2.5), (24, 3.0), (24, 4.0), (24, 4.5), (32, 5.0),
-         (40, 6.0), (48, 7.0), (80, 8.0), (80, 10.0)]
+FLEET = [
+    (6, 1.0),
+    (8, 1.6),
+    (12, 2.0),
+    (16, 2.5),
+    (24, 3.0),
+    (24, 4.0),
+    (24, 4.5),
+    (32, 5.0),
+    (40, 6.0),
+    (48, 7.0),
+    (80, 8.0),
+    (80, 10.0),
+]
 UNIT = 20.0  # samples/s of speed 1.0 on an expert cell; the router is 5x cheaper per sample
 
 
@@ -152,8 +164,12 @@ def test_assign_keeps_a_balanced_assignment() -> None:
     knobs = Knobs(min_replicas=2, max_replicas=4)
     views = fleet_views()
     first = assign(views, CELL_MEMORY, TARGETS, knobs)
-    again = assign([WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=first[v.worker_id]) for v in views],
-                   CELL_MEMORY, TARGETS, knobs)
+    again = assign(
+        [WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=first[v.worker_id]) for v in views],
+        CELL_MEMORY,
+        TARGETS,
+        knobs,
+    )
     assert again == first
 
 
@@ -162,8 +178,11 @@ def test_assign_after_departure_moves_only_what_is_needed() -> None:
     views = fleet_views()
     first = assign(views, CELL_MEMORY, TARGETS, knobs)
     for gone in [v.worker_id for v in views]:
-        rest = [WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=first[v.worker_id])
-                for v in views if v.worker_id != gone]
+        rest = [
+            WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=first[v.worker_id])
+            for v in views
+            if v.worker_id != gone
+        ]
         after = assign(rest, CELL_MEMORY, TARGETS, knobs)
         moved = [w for w in after if after[w] != first[w]]
         scratch = assign(
@@ -199,8 +218,11 @@ def test_reputation_lowers_weight_in_balance() -> None:
     tgt = {"k0.r0": 1.0, "k0.r1": 1.0}
 
     def fleet(rep: float) -> list[WorkerView]:
-        return [WorkerView("g1", 24 * GB, {c: 10.0 for c in mem}), WorkerView("g2", 24 * GB, {c: 10.0 for c in mem}),
-                WorkerView("big", 24 * GB, {c: 20.0 for c in mem}, reputation=rep)]
+        return [
+            WorkerView("g1", 24 * GB, {c: 10.0 for c in mem}),
+            WorkerView("g2", 24 * GB, {c: 10.0 for c in mem}),
+            WorkerView("big", 24 * GB, {c: 20.0 for c in mem}, reputation=rep),
+        ]
 
     trusted = assign(fleet(0.0), mem, tgt, knobs)
     assert [w for w in trusted if trusted[w] == trusted["big"]] == ["big"]  # 20 vs 10 + 10
@@ -221,8 +243,17 @@ def test_balance_rejects_bad_targets() -> None:
 
 
 def fleet_harness(seed: int) -> Harness:
-    spec = make_spec(clusters=2, ranges=2, router=True, min_replicas=2, max_replicas=4,
-                     group_batch=256, max_micro_batch=32, stickiness=0.1, vram_headroom=0.2)
+    spec = make_spec(
+        clusters=2,
+        ranges=2,
+        router=True,
+        min_replicas=2,
+        max_replicas=4,
+        group_batch=256,
+        max_micro_batch=32,
+        stickiness=0.1,
+        vram_headroom=0.2,
+    )
     hz = Harness(spec=spec, cells=make_cells(spec, expert_gb=9, router_gb=2, targets=TARGETS))
     order = list(range(len(FLEET)))
     random.Random(seed).shuffle(order)  # arrival order must not matter
@@ -259,8 +290,15 @@ def run_round_everywhere(hz: Harness) -> None:
                 continue  # moved at another cell's boundary: its late report would be WrongCell
             samples = caps.get(x, 0) if x not in r.catch_up else 0
             compute_ms = int(1000 * samples / speed_of(x, cell)) if samples else 0
-            hz.report(x, h(r.round), cell_id=cell, round=r.round, reduce_attempt=r.reduce_attempt,
-                      samples=samples, compute_ms=compute_ms)
+            hz.report(
+                x,
+                h(r.round),
+                cell_id=cell,
+                round=r.round,
+                reduce_attempt=r.reduce_attempt,
+                samples=samples,
+                compute_ms=compute_ms,
+            )
         assert hz.cell(cell).committed_round == r.round
 
 

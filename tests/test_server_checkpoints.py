@@ -90,7 +90,10 @@ async def test_bad_uploads_are_refused_and_leave_nothing(tmp_path: Path) -> None
 
         async def upload(declared: bytes, sent: bytes, hash_in_header: str = committed) -> pb.UploadCheckpointResponse:
             header = pb.UploadCheckpointHeader(
-                cell_id=cell, round=rnd, state_hash=hash_in_header, total_bytes=len(declared),
+                cell_id=cell,
+                round=rnd,
+                state_hash=hash_in_header,
+                total_bytes=len(declared),
                 sha256=hashlib.sha256(declared).hexdigest(),
             )
             signed = sign_request(uploader.identity, header, run_id=spec.run.id, method="UploadCheckpoint")

@@ -108,6 +108,7 @@ async def test_unexpected_exception_is_internal_and_serving_continues(tmp_path: 
 async def test_store_failure_stops_acknowledging(tmp_path: Path, monkeypatch) -> None:
     h = await start(tmp_path)
     try:
+
         def broken(batches):
             raise OSError("disk full")
 

@@ -115,7 +115,7 @@ def test_spot_storm_kills_the_stated_fraction():
     sc = load_sim_scenario(SCENARIOS / "spot-storm.toml")
     storm = replace(sc, faults=(replace(sc.faults[0], at_s=1800.0),))
     res = Engine(storm, policies.get("bagel"), workers=150, hours=1.0).run()
-    (t, kind, hit), = res.ledger.faults
+    ((t, kind, hit),) = res.ledger.faults
     assert kind == "kill" and t == 1800.0
     online = res.online_timeline
     assert hit == pytest.approx(0.3 * online[len(online) // 2], rel=0.2)
@@ -131,9 +131,7 @@ def test_byzantine_workers_are_rejected_and_waste_is_counted():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "name", ["steady", "churn", "spot-storm", "heterogeneity-10x", "byzantine-10pct", "partition"]
-)
+@pytest.mark.parametrize("name", ["steady", "churn", "spot-storm", "heterogeneity-10x", "byzantine-10pct", "partition"])
 def test_each_scenario_runs_small_and_writes_the_report(name, tmp_path):
     out = tmp_path / name
     rc = main(

@@ -149,11 +149,11 @@ def test_inline_run_spec_and_policy_overrides_give_real_run_specs():
     "text, key",
     [
         (_INLINE + "\n[workload]\nmfu = 0.3\nflops = 1\n", "workload.flops"),
-        (_INLINE.replace('hours = 0.5', 'hours = 0.5\nhoursz = 1'), "scenario.hoursz"),
+        (_INLINE.replace("hours = 0.5", "hours = 0.5\nhoursz = 1"), "scenario.hoursz"),
         (_INLINE + "\n[population.availability]\nsession_shape = 1.0\n", "population.availability.session_shape"),
-        (_INLINE.replace('[run_spec.run]', '[run_spec.runz]'), "runz"),
+        (_INLINE.replace("[run_spec.run]", "[run_spec.runz]"), "runz"),
         (_INLINE + "\n[bogus]\nx = 1\n", "bogus"),
-        (_INLINE.replace('workers = 50', 'workers = "50"'), "scenario.workers"),
+        (_INLINE.replace("workers = 50", 'workers = "50"'), "scenario.workers"),
         (_INLINE + '\n[[faults]]\nkind = "hang"\nat_s = 5\nduration_s = 3\n', "faults[0].kind"),
     ],
 )

@@ -269,8 +269,11 @@ def test_refreeze_impossible_aborts_then_reruns() -> None:
     r = hz.round()
     assert (r.round, r.attempt, r.state) == (1, 2, RoundState.OPEN) and [m.worker_id for m in r.members] == ["a"]
     # a late report of the aborted contributor set: VERDICT_ABORTED, a harmless no-op
-    out = hz.apply(__import__("bagel.coordinator.core.events", fromlist=["ReportRound"]).ReportRound(
-        "a", CELL, 1, h(1), samples=1, reduce_attempt=1))
+    out = hz.apply(
+        __import__("bagel.coordinator.core.events", fromlist=["ReportRound"]).ReportRound(
+            "a", CELL, 1, h(1), samples=1, reduce_attempt=1
+        )
+    )
     assert out.verdict is Verdict.ABORTED and out.effects == ()
 
 

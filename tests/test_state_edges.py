@@ -77,7 +77,15 @@ def frozen_view(hz: Harness) -> tuple[object, ...]:
     for w in hz.store.workers.values():
         if w.state in (WorkerState.ACTIVE, WorkerState.BANNED):
             ins[w.worker_id] = st.instruction_for(w.worker_id)
-    return (st.snapshot(), ins, st.next_wakeup_ms(), st.shares(), st.counts(), sorted(st.roster.leases), sorted(st.rounds.deadlines))
+    return (
+        st.snapshot(),
+        ins,
+        st.next_wakeup_ms(),
+        st.shares(),
+        st.counts(),
+        sorted(st.roster.leases),
+        sorted(st.rounds.deadlines),
+    )
 
 
 def bad_events(hz: Harness) -> list[tuple[object, type[E.CoordinatorError]]]:
@@ -231,8 +239,14 @@ def test_restore_rejects_inconsistent_records() -> None:
     hz = rich_state()
     snap = hz.st.snapshot()
     with pytest.raises(ValueError):
-        type(hz.st).restore(hz.spec, hz.cells, workers=snap.workers, cell_records=snap.cells,
-                            rounds=snap.rounds + snap.rounds, now_ms=hz.now)
+        type(hz.st).restore(
+            hz.spec,
+            hz.cells,
+            workers=snap.workers,
+            cell_records=snap.cells,
+            rounds=snap.rounds + snap.rounds,
+            now_ms=hz.now,
+        )
 
 
 # ---------------------------------------------------------------- cost of the hot paths
@@ -266,8 +280,18 @@ def test_noop_heartbeat_does_no_work_and_writes_nothing() -> None:
         ops = st.ops
         for k in range(100):
             ins = st.instruction_for(wid)
-            out = st.apply(hz.now + k, Heartbeat(wid, Phase.TRAINING, ins.cell_id, ins.round, inner_step=k,
-                                                 local=LocalState(), round_attempt=ins.round_attempt))
+            out = st.apply(
+                hz.now + k,
+                Heartbeat(
+                    wid,
+                    Phase.TRAINING,
+                    ins.cell_id,
+                    ins.round,
+                    inner_step=k,
+                    local=LocalState(),
+                    round_attempt=ins.round_attempt,
+                ),
+            )
             assert out.effects == ()
         assert st.ops == ops, f"{n} workers: a no-op heartbeat looped over something"
         assert len(st.roster.leases) <= n  # lease renewals do not grow the heap
@@ -306,8 +330,10 @@ def test_ready_is_volatile_and_relearned_after_restore() -> None:
     assert st2.next_wakeup_ms() is not None and st2.next_wakeup_ms() >= hz.now + 10_000  # type: ignore[operator]
     ins = st2.instruction_for("a")
     for w in "abc":  # ready workers keep saying so; c finishes now
-        out = st2.apply(hz.now + 1, Heartbeat(w, Phase.READY, CELL, 1, samples=100, local=LocalState(),
-                                             round_attempt=ins.round_attempt))
+        out = st2.apply(
+            hz.now + 1,
+            Heartbeat(w, Phase.READY, CELL, 1, samples=100, local=LocalState(), round_attempt=ins.round_attempt),
+        )
     rec = st2.cell_view(CELL)[1]
     assert rec is not None and rec.state is RoundState.REDUCING and rec.contributors == ("a", "b", "c")
     assert rec.ready == {"a": 100, "b": 100, "c": 100}

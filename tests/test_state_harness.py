@@ -23,10 +23,24 @@ GB = 1 << 30
 T0 = 1_700_000_000_000
 
 
-def make_spec(clusters: int = 1, ranges: int = 1, router: bool = False, group_batch: int = 64,
-              max_micro_batch: int = 16, **schedule: Any) -> RunSpec:
-    sched = dict(min_replicas=1, max_replicas=8, lease_s=10.0, heartbeat_s=2.0, deadline_slack=2.0,
-                 min_round_s=5.0, quorum=0.5, stickiness=0.1)
+def make_spec(
+    clusters: int = 1,
+    ranges: int = 1,
+    router: bool = False,
+    group_batch: int = 64,
+    max_micro_batch: int = 16,
+    **schedule: Any,
+) -> RunSpec:
+    sched = dict(
+        min_replicas=1,
+        max_replicas=8,
+        lease_s=10.0,
+        heartbeat_s=2.0,
+        deadline_slack=2.0,
+        min_round_s=5.0,
+        quorum=0.5,
+        stickiness=0.1,
+    )
     checkpoint_every = schedule.pop("every_rounds", 2)
     sched.update(schedule)
     lines = "\n".join(f"{k} = {v!r}".replace("True", "true").replace("False", "false") for k, v in sched.items())
@@ -50,8 +64,9 @@ every_rounds = {checkpoint_every}
     return parse_spec(text)
 
 
-def make_cells(spec: RunSpec, expert_gb: float = 9, router_gb: float = 2,
-               targets: dict[str, float] | None = None) -> list[CellConfig]:
+def make_cells(
+    spec: RunSpec, expert_gb: float = 9, router_gb: float = 2, targets: dict[str, float] | None = None
+) -> list[CellConfig]:
     out = []
     for c in spec.cell_ids:
         mem = int((router_gb if c == ROUTER_CELL else expert_gb) * GB)
@@ -63,7 +78,10 @@ def make_cells(spec: RunSpec, expert_gb: float = 9, router_gb: float = 2,
 def profile(spec: RunSpec, vram_gb: float = 24, speed: float = 100.0, bw: float = 50e6) -> Profile:
     """A worker `speed` samples/s on an expert cell and 5x that on the router."""
     return Profile(
-        name="t", device_kind="cuda", vram_bytes=int(vram_gb * GB), link_bandwidth_bytes_per_s=bw,
+        name="t",
+        device_kind="cuda",
+        vram_bytes=int(vram_gb * GB),
+        link_bandwidth_bytes_per_s=bw,
         samples_per_s={c: speed * (5.0 if c == ROUTER_CELL else 1.0) for c in spec.cell_ids},
     )
 
@@ -109,16 +127,23 @@ class FakeStore:
 
     def restore(self, spec: RunSpec, cells: list[CellConfig], now: int, **kw: Any) -> CoordinatorState:
         return CoordinatorState.restore(
-            spec, cells, workers=self.workers.values(), cell_records=self.cells.values(),
-            rounds=self.rounds.values(), commits=self.commits, now_ms=now, **kw,
+            spec,
+            cells,
+            workers=self.workers.values(),
+            cell_records=self.cells.values(),
+            rounds=self.rounds.values(),
+            commits=self.commits,
+            now_ms=now,
+            **kw,
         )
 
 
 class Harness:
     """A CoordinatorState under fake time; every apply is checked against a FakeStore."""
 
-    def __init__(self, spec: RunSpec | None = None, policy: Policy = BAGEL, cells: list[CellConfig] | None = None,
-                 **kw: Any) -> None:
+    def __init__(
+        self, spec: RunSpec | None = None, policy: Policy = BAGEL, cells: list[CellConfig] | None = None, **kw: Any
+    ) -> None:
         self.spec = spec or make_spec()
         self.cells = cells or make_cells(self.spec)
         self.now = T0

@@ -89,6 +89,7 @@ def test_loss_goes_down_across_rounds():
 def test_grad_accum_matches_one_big_micro_batch():
     """Accumulation weights each micro-batch by its size: 2x8 == 1x16 up to float order."""
     key = KEY
+
     # the noise differs by micro-batch layout, so compare with noise-free gradients:
     class NoNoise(LinearTask):
         def loss(self, model, x, y, generator):

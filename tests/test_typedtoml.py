@@ -55,8 +55,10 @@ def parse(text: str) -> Outer:
 
 
 def test_builds_with_types_defaults_and_nesting() -> None:
-    o = parse('name = "n"\ncount = 4\nword = "hi"\ntags = ["x", "y"]\nsizes = [1, 2]\n'
-              'mix = { b = 1, a = 0.5 }\n[inner]\nrate = 3\nmode = "b"\n')
+    o = parse(
+        'name = "n"\ncount = 4\nword = "hi"\ntags = ["x", "y"]\nsizes = [1, 2]\n'
+        'mix = { b = 1, a = 0.5 }\n[inner]\nrate = 3\nmode = "b"\n'
+    )
     assert o == Outer("n", 4, "HI", False, ("x", "y"), (1, 2), (("b", 1.0), ("a", 0.5)), Inner(3.0, "b"))
     assert isinstance(o.inner.rate, float) and isinstance(o.mix[0][1], float)
     assert parse('name = "n"') == Outer("n")
@@ -71,7 +73,7 @@ def test_builds_with_types_defaults_and_nesting() -> None:
         ('name = "n"\ncount = 1.0', "outer.count: expected an integer, got float"),
         ('name = "n"\ncount = true', "outer.count: expected an integer, got bool"),
         ('name = "n"\nflag = 1', "outer.flag: expected true or false, got int"),
-        ('name = 3', "outer.name: expected a string, got int"),
+        ("name = 3", "outer.name: expected a string, got int"),
         ('name = "n"\n[inner]\nrate = "x"', "outer.inner.rate: expected a number, got str"),
         ('name = "n"\n[inner]\nrate = false', "outer.inner.rate: expected a number, got bool"),
         ('name = "n"\n[inner]\nmode = "c"', "outer.inner.mode: 'c' is not one of ['a', 'b']"),

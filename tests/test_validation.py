@@ -41,15 +41,29 @@ def good_register() -> pb.RegisterRequest:
 
 def good_heartbeat() -> pb.HeartbeatRequest:
     return pb.HeartbeatRequest(
-        phase=pb.PHASE_READY, cell_id="k1.r0", round=4, inner_step=50, loss=0.3, samples=640,
-        local=pb.LocalState(cell_id="k1.r0", committed_round=3, state_hash=H), reduce_attempt=0,
+        phase=pb.PHASE_READY,
+        cell_id="k1.r0",
+        round=4,
+        inner_step=50,
+        loss=0.3,
+        samples=640,
+        local=pb.LocalState(cell_id="k1.r0", committed_round=3, state_hash=H),
+        reduce_attempt=0,
     )
 
 
 def good_report() -> pb.ReportRoundRequest:
     return pb.ReportRoundRequest(
-        cell_id="router", round=7, state_hash=H, samples=640, loss=1.2, compute_ms=5000, comm_ms=300,
-        bytes_sent=1 << 20, bytes_received=1 << 20, reduce_attempt=1,
+        cell_id="router",
+        round=7,
+        state_hash=H,
+        samples=640,
+        loss=1.2,
+        compute_ms=5000,
+        comm_ms=300,
+        bytes_sent=1 << 20,
+        bytes_received=1 << 20,
+        reduce_attempt=1,
     )
 
 

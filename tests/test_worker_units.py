@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+
 from bagel.protocol import bagel_pb2 as pb
 from bagel.worker import cli
 from bagel.worker.diloco import CellState
@@ -16,7 +18,6 @@ from bagel.worker.display import Display, human_bytes
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore
 from bagel.worker.profile import benchmark_cell, cached_profile, measure, memory_bytes
 from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, corrupt, fresh_feedback
-from torch import nn
 
 
 def _state(seed: int = 0) -> CellState:
@@ -91,8 +92,17 @@ def test_plain_display_and_progress_line():
     out = io.StringIO()
     d = Display("auto", stream=out)  # not a TTY: plain lines
     assert d.mode == "plain"
-    d.update(phase="training", cell="k0.r0", round=2, step=4, steps=10, loss=0.5, samples_per_s=120.0,
-             bytes_sent=2_500_000, bytes_received=0)
+    d.update(
+        phase="training",
+        cell="k0.r0",
+        round=2,
+        step=4,
+        steps=10,
+        loss=0.5,
+        samples_per_s=120.0,
+        bytes_sent=2_500_000,
+        bytes_received=0,
+    )
     line = d.progress_line()
     assert "cell k0.r0 round 2" in line and "step 4/10" in line and "2.5 MB" in line
     assert human_bytes(999) == "999 B" and human_bytes(1_200_000_000) == "1.2 GB"

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import SpecMismatch
 from bagel.protocol.convert import instruction_from_pb
@@ -120,7 +121,9 @@ class Agent:
         self.dataplane: Any = None
         self.stateserver: Any = None
         self.link = CoordinatorLink(self, self.join, self.identity, self.display, self._stop)
-        self.orders = Orders(self, self.link, cfg, self.display, self.ctx, self.device, self.join.run_id, self.worker_id)
+        self.orders = Orders(
+            self, self.link, cfg, self.display, self.ctx, self.device, self.join.run_id, self.worker_id
+        )
         self.exit_reason = ""
 
     # ================================================================== lifecycle
@@ -271,12 +274,16 @@ class Agent:
         left of the leave grace; on failure or timeout we leave anyway (the cell then falls
         back to its checkpoint when someone needs the state)."""
         held = self.orders.held
-        if held is None or not reconciler.holds(self.orders.held_local(), i.cell_id, i.committed_round, i.committed_hash):
+        if held is None or not reconciler.holds(
+            self.orders.held_local(), i.cell_id, i.committed_round, i.committed_hash
+        ):
             return
         if budget_s < 1.0:
             self.display.event("checkpoint-upload-failed", level="warning", message="no leave grace left to upload")
             return
-        self.display.event("leaving", message=f"uploading {i.cell_id} round {i.committed_round} first: no one else holds it")
+        self.display.event(
+            "leaving", message=f"uploading {i.cell_id} round {i.committed_round} first: no one else holds it"
+        )
         up = reconciler.Upload(i.cell_id, i.committed_round, i.committed_hash)
         try:
             await asyncio.wait_for(self._upload(up, held.state), budget_s)
@@ -295,7 +302,9 @@ class Agent:
                 await self._reconcile()
             except Exception:
                 log.exception("reconciling the instruction failed")
-                self.display.event("error", level="error", message="internal error while following an instruction; see log")
+                self.display.event(
+                    "error", level="error", message="internal error while following an instruction; see log"
+                )
                 await self.sleep(1.0)
                 self._wake.set()
 
@@ -325,7 +334,9 @@ class Agent:
             self._tasks.discard(t)
             if not t.cancelled() and t.exception() is not None:
                 log.error("task %s failed", name, exc_info=t.exception())
-                self.display.event("error", level="error", message=f"{name}: {type(t.exception()).__name__}: {t.exception()}")
+                self.display.event(
+                    "error", level="error", message=f"{name}: {type(t.exception()).__name__}: {t.exception()}"
+                )
             self._wake.set()
 
         task.add_done_callback(done)
@@ -397,7 +408,9 @@ class Agent:
             self.display.event("checkpoint-upload-failed", level="warning", message=f"{e.code().name}: {e.details()}")
             return False
         self.orders.counters.bytes_sent += len(data)
-        self.display.event("checkpoint-uploaded", cell=a.cell_id, round=a.committed_round, stored=resp.stored, nbytes=len(data))
+        self.display.event(
+            "checkpoint-uploaded", cell=a.cell_id, round=a.committed_round, stored=resp.stored, nbytes=len(data)
+        )
         return True
 
     # ------------------------------------------------------------------ what a Register carries
@@ -408,14 +421,23 @@ class Agent:
             from bagel.worker.profile import device_name, memory_bytes
 
             return pb.WorkerProfile(
-                name=self.name, device_kind=self.device.type, device_name=device_name(self.device),
-                vram_bytes=memory_bytes(self.device, self.cfg.max_vram_gb), num_devices=self.ctx.world_size,
-                link_bandwidth_bytes_per_s=self.cfg.uplink_mbps * 1e6 / 8, software_version=SOFTWARE_VERSION,
+                name=self.name,
+                device_kind=self.device.type,
+                device_name=device_name(self.device),
+                vram_bytes=memory_bytes(self.device, self.cfg.max_vram_gb),
+                num_devices=self.ctx.world_size,
+                link_bandwidth_bytes_per_s=self.cfg.uplink_mbps * 1e6 / 8,
+                software_version=SOFTWARE_VERSION,
             )
         return pb.WorkerProfile(
-            name=p.name, device_kind=p.device_kind, device_name=p.device_name, vram_bytes=p.vram_bytes,
-            num_devices=p.num_devices, link_bandwidth_bytes_per_s=p.link_bandwidth_bytes_per_s,
-            samples_per_s=p.samples_per_s, software_version=SOFTWARE_VERSION,
+            name=p.name,
+            device_kind=p.device_kind,
+            device_name=p.device_name,
+            vram_bytes=p.vram_bytes,
+            num_devices=p.num_devices,
+            link_bandwidth_bytes_per_s=p.link_bandwidth_bytes_per_s,
+            samples_per_s=p.samples_per_s,
+            software_version=SOFTWARE_VERSION,
         )
 
     def _peer_pb(self) -> pb.PeerAddress:
@@ -432,21 +454,36 @@ class Agent:
         assert spec is not None
         cache = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "profile.json"
         key = {
-            "spec_hash": spec.spec_hash, "device": str(self.device), "throttle": self.cfg.throttle,
-            "world": self.ctx.world_size, "max_vram_gb": self.cfg.max_vram_gb, "uplink_mbps": self.cfg.uplink_mbps,
+            "spec_hash": spec.spec_hash,
+            "device": str(self.device),
+            "throttle": self.cfg.throttle,
+            "world": self.ctx.world_size,
+            "max_vram_gb": self.cfg.max_vram_gb,
+            "uplink_mbps": self.cfg.uplink_mbps,
         }
         self.profile = cached_profile(cache, key, self.name)
         if self.profile is None:
             self.display.update(phase="profiling")
             tasks = [(c, (lambda c=c: cell_task(spec, c))) for c in spec.cell_ids]
             self.profile = await asyncio.to_thread(
-                measure, self.name, self.device, tasks, max_vram_gb=self.cfg.max_vram_gb, throttle=self.cfg.throttle,
-                num_devices=self.ctx.world_size, uplink_mbps=self.cfg.uplink_mbps,
+                measure,
+                self.name,
+                self.device,
+                tasks,
+                max_vram_gb=self.cfg.max_vram_gb,
+                throttle=self.cfg.throttle,
+                num_devices=self.ctx.world_size,
+                uplink_mbps=self.cfg.uplink_mbps,
             )
             body = {"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(self.profile)}
             await asyncio.to_thread(atomic_write, cache, json.dumps(body).encode())
         sps = ", ".join(f"{c} {v:.0f}" for c, v in self.profile.samples_per_s.items())
-        self.display.event("profile", device=self.profile.device_name, vram_gb=round(self.profile.vram_bytes / 2**30, 1), samples_per_s=sps)
+        self.display.event(
+            "profile",
+            device=self.profile.device_name,
+            vram_gb=round(self.profile.vram_bytes / 2**30, 1),
+            samples_per_s=sps,
+        )
 
     def _prefetch_data(self) -> None:
         """Load (and cluster) the run's dataset in the background: the first round needs it."""

@@ -278,9 +278,7 @@ class DataPlane:
         # Reducers give up on missing contributions a little before the caller's deadline, so
         # every contributor learns *who* was missing instead of just timing out on each other.
         reduce_deadline = deadline - min(1.0, 0.2 * timeout_s)
-        session = Reduction(
-            tag, worker_id, members, index, bounds, codec_obj, rule, layout, deadline, reduce_deadline
-        )
+        session = Reduction(tag, worker_id, members, index, bounds, codec_obj, rule, layout, deadline, reduce_deadline)
         self._sessions[key] = session
         self._finished.pop(key, None)
         self._latest[cell_id] = max(self._latest.get(cell_id, key[1:]), key[1:])

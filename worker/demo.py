@@ -41,8 +41,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("demo-out"), help="output directory (default: demo-out)")
     p.add_argument("--duration-s", type=float, default=300.0, help="training time in seconds (default: 300)")
     p.add_argument("--workers", type=int, default=4, help="number of workers (default: 4)")
-    p.add_argument("--throttles", default=",".join(f"{t:g}" for t in DEFAULT_THROTTLES),
-                   help="comma-separated --throttle per worker, cycled (default: 1,1.5,2,3)")
+    p.add_argument(
+        "--throttles",
+        default=",".join(f"{t:g}" for t in DEFAULT_THROTTLES),
+        help="comma-separated --throttle per worker, cycled (default: 1,1.5,2,3)",
+    )
     p.add_argument("--sample-steps", type=int, default=32, help="Euler steps of the composed sampler (default: 32)")
     return p
 
@@ -239,8 +242,12 @@ def _report(
         model = task.build_model()
         params[cell] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         x, y = task.heldout_data()
-        entry: dict[str, Any] = {"heldout_loss_start": start_losses[cell], "heldout_loss_end": None,
-                                 "state_round": 0, "state_source": "none (never trained)"}
+        entry: dict[str, Any] = {
+            "heldout_loss_start": start_losses[cell],
+            "heldout_loss_end": None,
+            "state_round": 0,
+            "state_source": "none (never trained)",
+        }
         if status is not None:
             c = next((c for c in status.cells if c.cell_id == cell), None)
             if c is not None:

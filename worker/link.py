@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import grpc
+
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient, backoff_delay_s, is_retryable
 from bagel.protocol.discovery import lookup_coordinator
@@ -64,7 +65,9 @@ class LinkOwner(Protocol):
 class CoordinatorLink:
     """The coordinator, as the worker reaches it (see the module docstring)."""
 
-    def __init__(self, owner: LinkOwner, join: JoinInfo, identity: Identity, display: Display, stop: asyncio.Event) -> None:
+    def __init__(
+        self, owner: LinkOwner, join: JoinInfo, identity: Identity, display: Display, stop: asyncio.Event
+    ) -> None:
         self.owner = owner
         self.join = join
         self.identity = identity
@@ -84,7 +87,9 @@ class CoordinatorLink:
         self.client = self._client(endpoint, spec_hash)
 
     def _client(self, endpoint: str, spec_hash: str) -> CoordinatorClient:
-        return CoordinatorClient(endpoint, self.identity, self.join.run_id, spec_hash=spec_hash, timeout_s=RPC_TIMEOUT_S)
+        return CoordinatorClient(
+            endpoint, self.identity, self.join.run_id, spec_hash=spec_hash, timeout_s=RPC_TIMEOUT_S
+        )
 
     async def close(self) -> None:
         if self.client is not None:

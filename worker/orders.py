@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import grpc
 import torch
+
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import backoff_delay_s
 from bagel.protocol.convert import verdict_from_pb
@@ -109,8 +110,15 @@ class Orders:
     """The worker's committed state and round work, and the jobs that change them."""
 
     def __init__(
-        self, host: OrdersHost, link: CoordinatorLink, cfg: Any, display: Display, ctx: ddp.DistContext,
-        device: torch.device, run_id: str, worker_id: str,
+        self,
+        host: OrdersHost,
+        link: CoordinatorLink,
+        cfg: Any,
+        display: Display,
+        ctx: ddp.DistContext,
+        device: torch.device,
+        run_id: str,
+        worker_id: str,
     ) -> None:
         self.host = host
         self.link = link
@@ -150,11 +158,16 @@ class Orders:
         w = self.work
         if w is not None:
             work = Work(
-                w.cell_id, w.round, w.round_attempt, ready=w.result is not None and w.delta is not None,
-                catch_up=w.catch_up, reduce_attempt=w.reduce_attempt,
+                w.cell_id,
+                w.round,
+                w.round_attempt,
+                ready=w.result is not None and w.delta is not None,
+                catch_up=w.catch_up,
+                reduce_attempt=w.reduce_attempt,
                 exchanging=w.reduce_task is not None and not w.reduce_task.done(),
                 pending_hash=w.pending.state_hash if w.pending is not None else None,
-                pending_attempt=w.pending_attempt, report_stale=w.report_epoch != self.link.epoch,
+                pending_attempt=w.pending_attempt,
+                report_stale=w.report_epoch != self.link.epoch,
             )
         sync = None
         if self.sync is not None:
@@ -223,9 +236,15 @@ class Orders:
                 if donor is not None and donor.worker_id and donor.peer.peer_id:
                     try:
                         synced = await fetch_state(
-                            self.p2p, donor.peer.peer_id, run_id=self.run_id, cell_id=cell, committed_round=rnd,
-                            state_hash=want, max_nbytes=spec.checkpoint.max_bytes,
-                            donor_maddrs=list(donor.peer.maddrs), timeout_s=self.cfg.sync_timeout_s,
+                            self.p2p,
+                            donor.peer.peer_id,
+                            run_id=self.run_id,
+                            cell_id=cell,
+                            committed_round=rnd,
+                            state_hash=want,
+                            max_nbytes=spec.checkpoint.max_bytes,
+                            donor_maddrs=list(donor.peer.maddrs),
+                            timeout_s=self.cfg.sync_timeout_s,
                         )
                         state, source = synced.state, f"donor {donor.worker_id} ({synced.nbytes} bytes)"
                         self.counters.bytes_received += synced.nbytes
@@ -283,8 +302,18 @@ class Orders:
         self.reset_optimizer = False
         w = RoundWork.from_instruction(i, member_index)
         self.work = w
-        self.display.update(cell=i.cell_id, round=i.round, step=0, steps=i.plan.inner_steps, deadline_unix_ms=i.plan.deadline_unix_ms)
-        self.display.event("train", cell=i.cell_id, round=i.round, attempt=i.round_attempt, micro_batch=i.plan.micro_batch, grad_accum=i.plan.grad_accum, members=len(i.plan.members))
+        self.display.update(
+            cell=i.cell_id, round=i.round, step=0, steps=i.plan.inner_steps, deadline_unix_ms=i.plan.deadline_unix_ms
+        )
+        self.display.event(
+            "train",
+            cell=i.cell_id,
+            round=i.round,
+            attempt=i.round_attempt,
+            micro_batch=i.plan.micro_batch,
+            grad_accum=i.plan.grad_accum,
+            members=len(i.plan.members),
+        )
         w.task = self.train_task = self.host.spawn(self._train(w, rt, reset), "train")
         self.link.wake_heartbeat()
         return True
@@ -324,7 +353,14 @@ class Orders:
             self._last_delta = honest
         w.result, w.delta = res, delta
         self.counters.samples += res.samples
-        self.display.event("ready", cell=w.cell_id, round=w.round, samples=res.samples, loss=round(res.mean_loss, 5), compute_s=round(res.compute_s, 2))
+        self.display.event(
+            "ready",
+            cell=w.cell_id,
+            round=w.round,
+            samples=res.samples,
+            loss=round(res.mean_loss, 5),
+            compute_s=round(res.compute_s, 2),
+        )
         self.link.wake_heartbeat()
         self.host.wake()
 
@@ -369,7 +405,14 @@ class Orders:
             if w.catch_up or not spec.diloco.error_feedback:
                 out.residuals = dict(held.residuals) if w.catch_up else {}
         except ExchangeError as e:
-            self.display.event("exchange-failed", level="warning", round=w.round, round_attempt=w.round_attempt, reduce_attempt=i.reduce_attempt, message=str(e))
+            self.display.event(
+                "exchange-failed",
+                level="warning",
+                round=w.round,
+                round_attempt=w.round_attempt,
+                reduce_attempt=i.reduce_attempt,
+                message=str(e),
+            )
             await self._report(w, failed=True, reason=str(e)[:500])
             return
         c = self.counters
@@ -386,12 +429,22 @@ class Orders:
         assert w.result is not None
         out = w.pending
         kw: dict[str, Any] = {
-            "cell_id": w.cell_id, "round": w.round, "samples": w.result.samples, "loss": w.result.mean_loss,
-            "compute_ms": int(w.result.compute_s * 1000), "reduce_attempt": w.reduce_attempt, "failed": failed,
+            "cell_id": w.cell_id,
+            "round": w.round,
+            "samples": w.result.samples,
+            "loss": w.result.mean_loss,
+            "compute_ms": int(w.result.compute_s * 1000),
+            "reduce_attempt": w.reduce_attempt,
+            "failed": failed,
             "reason": reason,
         }
         if out is not None and not failed:
-            kw.update(state_hash=out.state_hash, comm_ms=int(out.comm_s * 1000), bytes_sent=out.bytes_sent, bytes_received=out.bytes_received)
+            kw.update(
+                state_hash=out.state_hash,
+                comm_ms=int(out.comm_s * 1000),
+                bytes_sent=out.bytes_sent,
+                bytes_received=out.bytes_received,
+            )
         attempt = 0
         while self.work is w:
             try:
@@ -411,8 +464,13 @@ class Orders:
             return
         v = resp.verdict
         self.display.event(
-            "verdict", cell=w.cell_id, round=w.round, round_attempt=w.round_attempt, reduce_attempt=w.reduce_attempt,
-            verdict=pb.Verdict.Name(v).removeprefix("VERDICT_").lower(), failed=failed,
+            "verdict",
+            cell=w.cell_id,
+            round=w.round,
+            round_attempt=w.round_attempt,
+            reduce_attempt=w.reduce_attempt,
+            verdict=pb.Verdict.Name(v).removeprefix("VERDICT_").lower(),
+            failed=failed,
             next=pb.Order.Name(resp.instruction.order).removeprefix("ORDER_").lower(),
         )
         for a in reconciler.decide_verdict(
@@ -427,10 +485,15 @@ class Orders:
 
     async def _report_missing(self, a: ReportMissing) -> None:
         try:
-            await self.link.rpc(lambda: self.link.client.report_round(  # type: ignore[union-attr]
-                cell_id=a.cell_id, round=a.round, failed=True, reduce_attempt=a.reduce_attempt,
-                reason="this contributor lost its contribution (restarted)",
-            ))
+            await self.link.rpc(
+                lambda: self.link.client.report_round(  # type: ignore[union-attr]
+                    cell_id=a.cell_id,
+                    round=a.round,
+                    failed=True,
+                    reduce_attempt=a.reduce_attempt,
+                    reason="this contributor lost its contribution (restarted)",
+                )
+            )
         except grpc.aio.AioRpcError as e:
             log.info("reporting a lost contribution: %s", e.details())
 
@@ -445,12 +508,22 @@ class Orders:
         self.stateserver.publish(w.cell_id, w.round, out.state)  # keeps the last few per cell
         self.display.update(committed=w.round, step=0)
         event = {
-            "cell": w.cell_id, "round": w.round, "hash": out.state_hash, "loss": round(w.result.mean_loss, 5),
-            "samples": w.result.samples, "contributors": w.contributors, "inner_steps": w.plan.inner_steps,
-            "micro_batch": w.plan.micro_batch, "grad_accum": w.plan.grad_accum, "catch_up": w.catch_up,
-            "bytes_sent": out.bytes_sent, "bytes_received": out.bytes_received,
-            "exchange_sent_total": c.exchange_sent, "exchange_received_total": c.exchange_received,
-            "bytes_sent_total": c.bytes_sent, "bytes_received_total": c.bytes_received,
+            "cell": w.cell_id,
+            "round": w.round,
+            "hash": out.state_hash,
+            "loss": round(w.result.mean_loss, 5),
+            "samples": w.result.samples,
+            "contributors": w.contributors,
+            "inner_steps": w.plan.inner_steps,
+            "micro_batch": w.plan.micro_batch,
+            "grad_accum": w.plan.grad_accum,
+            "catch_up": w.catch_up,
+            "bytes_sent": out.bytes_sent,
+            "bytes_received": out.bytes_received,
+            "exchange_sent_total": c.exchange_sent,
+            "exchange_received_total": c.exchange_received,
+            "bytes_sent_total": c.bytes_sent,
+            "bytes_received_total": c.bytes_received,
         }
         self.host.spawn(self.save_local(cp, "committed", event), "save")
 
@@ -469,7 +542,9 @@ class Orders:
             self.display.event("resumed", cell=cp.cell_id, round=cp.committed_round, hash=cp.state_hash[:12])
             self.display.update(committed=cp.committed_round, cell=cp.cell_id)
 
-    async def save_local(self, cp: LocalCheckpoint | None = None, event: str = "", fields: dict[str, Any] | None = None) -> None:
+    async def save_local(
+        self, cp: LocalCheckpoint | None = None, event: str = "", fields: dict[str, Any] | None = None
+    ) -> None:
         """Write `cp` (default: the held state) atomically, then announce `event`: a
         "committed" event is only emitted once the state it names is on disk."""
         cp = cp or self.held
@@ -491,7 +566,9 @@ class Orders:
         if h is None:
             return pb.LocalState()
         # round 0 is the deterministic initial state, whose committed hash is "" on the wire
-        return pb.LocalState(cell_id=h.cell_id, committed_round=h.committed_round, state_hash=h.state_hash if h.committed_round else "")
+        return pb.LocalState(
+            cell_id=h.cell_id, committed_round=h.committed_round, state_hash=h.state_hash if h.committed_round else ""
+        )
 
     def phase(self) -> int:
         if self.sync is not None:

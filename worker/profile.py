@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from bagel.worker.trainer import CellTaskLike, InnerPlan, InnerTrainer, RoundKey
 
 DEFAULT_UPLINK_MBPS = 100.0
@@ -147,8 +148,11 @@ def cached_profile(path: Path, key: dict[str, Any], name: str) -> MeasuredProfil
             return None
         p = body["profile"]
         return MeasuredProfile(
-            name=name, device_kind=str(p["device_kind"]), device_name=str(p["device_name"]),
-            vram_bytes=int(p["vram_bytes"]), num_devices=int(p["num_devices"]),
+            name=name,
+            device_kind=str(p["device_kind"]),
+            device_name=str(p["device_name"]),
+            vram_bytes=int(p["vram_bytes"]),
+            num_devices=int(p["num_devices"]),
             link_bandwidth_bytes_per_s=float(p["link_bandwidth_bytes_per_s"]),
             samples_per_s={str(k): float(v) for k, v in p["samples_per_s"].items()},
         )

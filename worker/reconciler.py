@@ -180,8 +180,19 @@ class ReportMissing:
 
 
 Action = (
-    Leave | Upload | AdoptPending | DropWork | CancelSync | StartSync | BuildInitialState | StartTrain | NotAMember
-    | StartCatchUp | StartReduce | ReReport | ReportMissing
+    Leave
+    | Upload
+    | AdoptPending
+    | DropWork
+    | CancelSync
+    | StartSync
+    | BuildInitialState
+    | StartTrain
+    | NotAMember
+    | StartCatchUp
+    | StartReduce
+    | ReReport
+    | ReportMissing
 )
 
 
@@ -221,7 +232,11 @@ def decide(i: Instruction, view: WorkerView) -> tuple[Action, ...]:
         return tuple(p.actions)
     if i.upload_checkpoint:
         key = (i.cell_id, i.committed_round)
-        if key not in view.uploaded and i.committed_hash and holds(p.held, i.cell_id, i.committed_round, i.committed_hash):
+        if (
+            key not in view.uploaded
+            and i.committed_hash
+            and holds(p.held, i.cell_id, i.committed_round, i.committed_hash)
+        ):
             p.actions.append(Upload(i.cell_id, i.committed_round, i.committed_hash))
     if o is Order.WAIT:
         p.cancel_sync()
@@ -344,7 +359,24 @@ def decide_verdict(verdict: Verdict | None, *, reported_outcome: bool, current: 
 
 
 __all__ = [
-    "Action", "AdoptPending", "BuildInitialState", "CancelSync", "DropWork", "Leave", "NotAMember", "ReReport",
-    "ReportMissing", "StartCatchUp", "StartReduce", "StartSync", "StartTrain", "Sync", "Upload", "Work",
-    "WorkerView", "decide", "decide_verdict", "holds",
+    "Action",
+    "AdoptPending",
+    "BuildInitialState",
+    "CancelSync",
+    "DropWork",
+    "Leave",
+    "NotAMember",
+    "ReReport",
+    "ReportMissing",
+    "StartCatchUp",
+    "StartReduce",
+    "StartSync",
+    "StartTrain",
+    "Sync",
+    "Upload",
+    "Work",
+    "WorkerView",
+    "decide",
+    "decide_verdict",
+    "holds",
 ]

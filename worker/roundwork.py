@@ -78,8 +78,12 @@ class RoundWork:
     def from_instruction(cls, i: Any, member_index: int) -> RoundWork:
         p = i.plan
         return cls(
-            cell_id=i.cell_id, round=i.round, round_attempt=i.round_attempt, member_index=member_index,
-            members=len(p.members), plan=InnerPlan(p.inner_steps, p.micro_batch, p.grad_accum),
+            cell_id=i.cell_id,
+            round=i.round,
+            round_attempt=i.round_attempt,
+            member_index=member_index,
+            members=len(p.members),
+            plan=InnerPlan(p.inner_steps, p.micro_batch, p.grad_accum),
             deadline_unix_ms=p.deadline_unix_ms,
         )
 
@@ -87,8 +91,14 @@ class RoundWork:
     def for_catch_up(cls, i: Any, committed: CellState) -> RoundWork:
         """Work for a catch-up contributor: a zero delta with zero samples (weight 0)."""
         w = cls(
-            cell_id=i.cell_id, round=i.round, round_attempt=i.round_attempt, member_index=0, members=1,
-            plan=InnerPlan(1, 1, 1), deadline_unix_ms=0, catch_up=True,
+            cell_id=i.cell_id,
+            round=i.round,
+            round_attempt=i.round_attempt,
+            member_index=0,
+            members=1,
+            plan=InnerPlan(1, 1, 1),
+            deadline_unix_ms=0,
+            catch_up=True,
         )
         w.result = TrainResult(samples=0, mean_loss=0.0, steps=0, compute_s=0.0, completed=True)
         w.delta = {n: torch.zeros_like(t) for n, t in committed.weights.items()}
@@ -120,10 +130,16 @@ def train_round(
     committed.load_into(rt.model)
     key = w.key(run_id)
     if ctx.enabled:
-        ddp.send_command(ctx, {
-            "op": "train", "cell_id": w.cell_id, "key": asdict(key), "plan": asdict(w.plan),
-            "reset_optimizer": reset_optimizer,
-        })
+        ddp.send_command(
+            ctx,
+            {
+                "op": "train",
+                "cell_id": w.cell_id,
+                "key": asdict(key),
+                "plan": asdict(w.plan),
+                "reset_optimizer": reset_optimizer,
+            },
+        )
         ddp.broadcast_model(ctx, rt.model)
     idx = round_indices(shard, key, rt.trainer.num_train, w.plan)
     res = rt.trainer.run(key, w.plan, idx, on_step=on_step, stop=w.stop)
@@ -172,10 +188,18 @@ async def reduce_round(
         for m in i.contributors
     ]
     res = await dataplane.all_reduce(
-        worker_id=worker_id, cell_id=w.cell_id, round=w.round, round_attempt=w.round_attempt,
-        reduce_attempt=i.reduce_attempt, contributors=contributors,
-        delta=w.delta, weight=float(w.result.samples), codec=spec.diloco.codec, timeout_s=timeout_s,
-        error_feedback=ef, reducer=spec.diloco.aggregation,
+        worker_id=worker_id,
+        cell_id=w.cell_id,
+        round=w.round,
+        round_attempt=w.round_attempt,
+        reduce_attempt=i.reduce_attempt,
+        contributors=contributors,
+        delta=w.delta,
+        weight=float(w.result.samples),
+        codec=spec.diloco.codec,
+        timeout_s=timeout_s,
+        error_feedback=ef,
+        reducer=spec.diloco.aggregation,
     )
     cfg = OuterConfig.from_spec(spec.diloco)
 

@@ -191,8 +191,12 @@ class StateServer:
             remaining = start + self.round_wait_s - loop.time()
             if remaining <= 0 or not self._awaited(cell_id, committed_round):
                 if waited:
-                    log.info("%s round %d: not published within %.1fs of the request; refused", cell_id,
-                             committed_round, loop.time() - start)
+                    log.info(
+                        "%s round %d: not published within %.1fs of the request; refused",
+                        cell_id,
+                        committed_round,
+                        loop.time() - start,
+                    )
                 return None
             waited = True
             self.waiting += 1
@@ -203,8 +207,12 @@ class StateServer:
             finally:
                 self.waiting -= 1
         if waited:
-            log.info("%s round %d: asked for before it was published here; served after %.2fs", cell_id,
-                     committed_round, loop.time() - start)
+            log.info(
+                "%s round %d: asked for before it was published here; served after %.2fs",
+                cell_id,
+                committed_round,
+                loop.time() - start,
+            )
         return entry
 
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -44,8 +44,12 @@ class Managed:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, env=self.env,
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=self.env,
             )
         return self
 
@@ -115,12 +119,35 @@ class CoordinatorProc(Managed):
 
     @classmethod
     def make(
-        cls, spec: Path, data_dir: Path, log_path: Path, *, port: int = 0, tick_ms: int = 100,
-        python: str = sys.executable, extra: Sequence[str] = (), module: Sequence[str] = ("-m", "bagel.coordinator"),
+        cls,
+        spec: Path,
+        data_dir: Path,
+        log_path: Path,
+        *,
+        port: int = 0,
+        tick_ms: int = 100,
+        python: str = sys.executable,
+        extra: Sequence[str] = (),
+        module: Sequence[str] = ("-m", "bagel.coordinator"),
     ) -> CoordinatorProc:
-        argv = [python, *module, "serve", "--run", str(spec), "--data-dir", str(data_dir),
-                "--listen", f"127.0.0.1:{port}", "--dht-listen", "/ip4/127.0.0.1/tcp/0",
-                "--tick-ms", str(tick_ms), "--log-level", "WARNING", *extra]
+        argv = [
+            python,
+            *module,
+            "serve",
+            "--run",
+            str(spec),
+            "--data-dir",
+            str(data_dir),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--dht-listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--tick-ms",
+            str(tick_ms),
+            "--log-level",
+            "WARNING",
+            *extra,
+        ]
         return cls("coordinator", argv, log_path, env=_env())
 
     def start_and_wait(self, timeout_s: float = 60.0) -> CoordinatorProc:
@@ -136,11 +163,31 @@ class WorkerProc(Managed):
 
     @classmethod
     def make(
-        cls, join: str, data_dir: Path, log_path: Path, *, name: str = "", throttle: float = 1.0,
-        python: str = sys.executable, extra: Sequence[str] = (),
+        cls,
+        join: str,
+        data_dir: Path,
+        log_path: Path,
+        *,
+        name: str = "",
+        throttle: float = 1.0,
+        python: str = sys.executable,
+        extra: Sequence[str] = (),
     ) -> WorkerProc:
-        argv = [python, "-m", "bagel.worker", "join", join, "--data-dir", str(data_dir),
-                "--dht-listen", "/ip4/127.0.0.1/tcp/0", "--log-json", "--throttle", str(throttle), *extra]
+        argv = [
+            python,
+            "-m",
+            "bagel.worker",
+            "join",
+            join,
+            "--data-dir",
+            str(data_dir),
+            "--dht-listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--log-json",
+            "--throttle",
+            str(throttle),
+            *extra,
+        ]
         if name:
             argv += ["--name", name]
         return cls(name or data_dir.name, argv, log_path, env=_env(), data_dir=data_dir)

@@ -289,9 +289,7 @@ class InnerTrainer:
         return float(buf[-2]), bool(buf[-1] > 0)
 
 
-def round_indices(
-    shard_fn: Callable[..., Any], key: RoundKey, n: int, plan: InnerPlan
-) -> torch.Tensor:
+def round_indices(shard_fn: Callable[..., Any], key: RoundKey, n: int, plan: InnerPlan) -> torch.Tensor:
     """This member's `plan.samples` sample indices for the round, from `shard(...)`."""
     idx = shard_fn(key.run_id, key.cell_id, key.round, key.member, key.members, n, plan.samples)
     out = torch.as_tensor(idx, dtype=torch.long)

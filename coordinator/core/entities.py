@@ -31,10 +31,26 @@ COMMIT_WINDOW = 64
 
 class Worker:
     __slots__ = (
-        "id", "profile", "peer", "state", "cell", "local", "reputation", "throughput",
-        "rounds_contributed", "registered_ms", "reason",
+        "id",
+        "profile",
+        "peer",
+        "state",
+        "cell",
+        "local",
+        "reputation",
+        "throughput",
+        "rounds_contributed",
+        "registered_ms",
+        "reason",
         # volatile (not in the record)
-        "lease_ms", "lease_entry", "phase", "round", "inner_step", "loss", "donor", "raw",
+        "lease_ms",
+        "lease_entry",
+        "phase",
+        "round",
+        "inner_step",
+        "loss",
+        "donor",
+        "raw",
     )
 
     def __init__(self, worker_id: str, profile: Profile, peer: PeerAddress, now_ms: int) -> None:
@@ -90,14 +106,45 @@ class Round:
     """The open attempt of a cell's next round."""
 
     __slots__ = (
-        "cell", "round", "attempt", "state", "opened_ms", "deadline_ms", "inner_steps", "plans",
-        "dropped", "ready", "contributors", "reduce_attempt", "first_reduce_attempt", "frozen_ms",
-        "reduce_deadline_ms", "reports", "predicted_compute_ms", "predicted_comm_ms", "ended_ms",
-        "reason", "members_wire", "contributors_wire", "catch_up", "frozen", "member_plans",
+        "cell",
+        "round",
+        "attempt",
+        "state",
+        "opened_ms",
+        "deadline_ms",
+        "inner_steps",
+        "plans",
+        "dropped",
+        "ready",
+        "contributors",
+        "reduce_attempt",
+        "first_reduce_attempt",
+        "frozen_ms",
+        "reduce_deadline_ms",
+        "reports",
+        "predicted_compute_ms",
+        "predicted_comm_ms",
+        "ended_ms",
+        "reason",
+        "members_wire",
+        "contributors_wire",
+        "catch_up",
+        "frozen",
+        "member_plans",
     )
 
-    def __init__(self, cell: str, round: int, attempt: int, opened_ms: int, deadline_ms: int,
-                 inner_steps: int, plans: tuple[MemberPlan, ...], compute_ms: int, comm_ms: int) -> None:
+    def __init__(
+        self,
+        cell: str,
+        round: int,
+        attempt: int,
+        opened_ms: int,
+        deadline_ms: int,
+        inner_steps: int,
+        plans: tuple[MemberPlan, ...],
+        compute_ms: int,
+        comm_ms: int,
+    ) -> None:
         self.cell = cell
         self.round = round
         self.attempt = attempt
@@ -158,7 +205,8 @@ class Round:
         self.frozen = dict.fromkeys(ids)
         self.catch_up = dict.fromkeys(catch_up)
         self.contributors_wire = tuple(
-            Member(i, self.plans[i].peer if i in self.plans else peers[i], 0) if i in self.catch_up
+            Member(i, self.plans[i].peer if i in self.plans else peers[i], 0)
+            if i in self.catch_up
             else self.plans[i].member()
             for i in ids
         )
@@ -190,9 +238,17 @@ class Round:
 
     @classmethod
     def from_record(cls, rec: RoundRecord, peers: dict[str, PeerAddress]) -> Round:
-        r = cls(rec.cell_id, rec.round, rec.attempt, rec.opened_ms, rec.deadline_ms, rec.inner_steps,
-                tuple(sorted(rec.members, key=lambda p: p.worker_id)),
-                rec.predicted_compute_ms, rec.predicted_comm_ms)
+        r = cls(
+            rec.cell_id,
+            rec.round,
+            rec.attempt,
+            rec.opened_ms,
+            rec.deadline_ms,
+            rec.inner_steps,
+            tuple(sorted(rec.members, key=lambda p: p.worker_id)),
+            rec.predicted_compute_ms,
+            rec.predicted_comm_ms,
+        )
         r.state = rec.state
         r.dropped = dict.fromkeys(rec.dropped)
         r.ready = dict(rec.ready)
@@ -209,11 +265,26 @@ class Round:
 
 class Cell:
     __slots__ = (
-        "id", "config", "committed_round", "committed_hash", "samples_committed", "last_loss",
-        "checkpoint_round", "checkpoint_hash", "upload_round", "uploader", "round_attempt",
-        "reduce_attempt", "rollbacks",
+        "id",
+        "config",
+        "committed_round",
+        "committed_hash",
+        "samples_committed",
+        "last_loss",
+        "checkpoint_round",
+        "checkpoint_hash",
+        "upload_round",
+        "uploader",
+        "round_attempt",
+        "reduce_attempt",
+        "rollbacks",
         # derived / volatile
-        "workers", "synced", "idle", "round", "commits", "donor_load",
+        "workers",
+        "synced",
+        "idle",
+        "round",
+        "commits",
+        "donor_load",
     )
 
     def __init__(self, config: CellConfig) -> None:

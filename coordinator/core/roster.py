@@ -317,7 +317,9 @@ class Roster:
             for wid, _, to in swap[:2]:
                 self._move(self.workers[wid], to, now)
 
-    def _candidates(self, ratios: Mapping[str, float], limit: int = 0, *, over_only: bool = False) -> Iterator[WorkerView]:
+    def _candidates(
+        self, ratios: Mapping[str, float], limit: int = 0, *, over_only: bool = False
+    ) -> Iterator[WorkerView]:
         """Idle workers, from the most over-target cell down, at most `limit` (default:
         the `candidates` knob); with over_only, only from cells over their target.
         `ratios` is the balance's current `ratio_view()`."""
@@ -338,5 +340,12 @@ class Roster:
                 self.changes.ops += 1
                 # sticky: once its cell has trained, a worker holding any cell's state (this
                 # one's, or another's while it downloads this one) would pay a download
-                yield WorkerView(wid, w.profile.vram_bytes, w.throughput, w.reputation, cid, True,
-                                 c.committed_round > 0 and w.local.cell_id != "")
+                yield WorkerView(
+                    wid,
+                    w.profile.vram_bytes,
+                    w.throughput,
+                    w.reputation,
+                    cid,
+                    True,
+                    c.committed_round > 0 and w.local.cell_id != "",
+                )

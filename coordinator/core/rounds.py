@@ -35,17 +35,18 @@ from bagel.coordinator.core.roster import Roster
 from bagel.coordinator.core.scheduler import PlanMember, plan_round, throughput_for
 from bagel.protocol.runspec import RunSpec
 
-
-_LEGAL = frozenset({
-    (RoundState.OPEN, RoundState.TRAINING),
-    (RoundState.OPEN, RoundState.REDUCING),
-    (RoundState.TRAINING, RoundState.REDUCING),
-    (RoundState.REDUCING, RoundState.REDUCING),
-    (RoundState.REDUCING, RoundState.COMMITTED),
-    (RoundState.OPEN, RoundState.ABORTED),
-    (RoundState.TRAINING, RoundState.ABORTED),
-    (RoundState.REDUCING, RoundState.ABORTED),
-})
+_LEGAL = frozenset(
+    {
+        (RoundState.OPEN, RoundState.TRAINING),
+        (RoundState.OPEN, RoundState.REDUCING),
+        (RoundState.TRAINING, RoundState.REDUCING),
+        (RoundState.REDUCING, RoundState.REDUCING),
+        (RoundState.REDUCING, RoundState.COMMITTED),
+        (RoundState.OPEN, RoundState.ABORTED),
+        (RoundState.TRAINING, RoundState.ABORTED),
+        (RoundState.REDUCING, RoundState.ABORTED),
+    }
+)
 
 TRAIN_DEADLINE, REDUCE_DEADLINE = "train", "reduce"
 
@@ -109,12 +110,23 @@ class Rounds:
         members = []
         for wid in ids:
             w = self.roster.workers[wid]
-            members.append(PlanMember(wid, w.peer, throughput_for(w.throughput, c.id), w.profile.link_bandwidth_bytes_per_s))
+            members.append(
+                PlanMember(wid, w.peer, throughput_for(w.throughput, c.id), w.profile.link_bandwidth_bytes_per_s)
+            )
         payload = c.config.payload_bytes or c.config.memory_bytes // 16
         plan = plan_round(members, self.spec, now, self.policy, payload)
         c.round_attempt += 1
-        r = Round(c.id, c.committed_round + 1, c.round_attempt, now, plan.deadline_ms, plan.inner_steps,
-                  plan.members, plan.predicted_compute_ms, plan.predicted_comm_ms)
+        r = Round(
+            c.id,
+            c.committed_round + 1,
+            c.round_attempt,
+            now,
+            plan.deadline_ms,
+            plan.inner_steps,
+            plan.members,
+            plan.predicted_compute_ms,
+            plan.predicted_comm_ms,
+        )
         c.round = r
         for wid in ids:
             c.idle.pop(wid, None)
@@ -187,7 +199,9 @@ class Rounds:
         # and charging reputation for it would ban honest workers (seen in chaos runs).
         if frozen:
             for wid in late:
-                self.roster.reputation(self.roster.workers[wid], self.policy.rep_missed_deadline, now, "missed a round deadline")
+                self.roster.reputation(
+                    self.roster.workers[wid], self.policy.rep_missed_deadline, now, "missed a round deadline"
+                )
 
     def evaluate(self, c: Cell, r: Round, now: int) -> RoundState | None:
         """Commit on a quorum of equal hashes, abort once a quorum is impossible."""
@@ -238,7 +252,9 @@ class Rounds:
             self.roster.reputation(self.roster.workers[x], self.policy.rep_commit, now, "")
         self._boundary(c, now)
         for x in disagreeing:
-            self.roster.reputation(self.roster.workers[x], self.policy.rep_bad_hash, now, "reported a hash the quorum rejected")
+            self.roster.reputation(
+                self.roster.workers[x], self.policy.rep_bad_hash, now, "reported a hash the quorum rejected"
+            )
 
     def abort(self, c: Cell, r: Round, now: int, reason: str) -> None:
         """End the attempt; its members roll back locally and the round is re-run at once."""
@@ -314,4 +330,3 @@ class Rounds:
         c.upload_round, c.uploader = -1, ""
         c.synced = {wid: None for wid in c.workers if c.holds_committed(self.roster.workers[wid].local)}
         self.changes.cell(c.id)
-

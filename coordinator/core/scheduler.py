@@ -344,9 +344,7 @@ class Balance:
 
     # ---- decisions
 
-    def best_cell(
-        self, vram_bytes: int, throughput: Mapping[str, float], reputation: float
-    ) -> str:
+    def best_cell(self, vram_bytes: int, throughput: Mapping[str, float], reputation: float) -> str:
         """The cell a newcomer should join ("" = none fits or all are full): the least
         (replica deficit, Phi) after it joins, ties to the first eligible cell.
 
@@ -396,8 +394,9 @@ class Balance:
             i = int(np.flatnonzero(cand)[0])
         return el[i]
 
-    def _best_cell_loop(self, el: tuple[str, ...], throughput: Mapping[str, float], rw: float, m_after: int,
-                        base: int) -> str:
+    def _best_cell_loop(
+        self, el: tuple[str, ...], throughput: Mapping[str, float], rw: float, m_after: int, base: int
+    ) -> str:
         """`best_cell`'s scalar loop (kept for the NaN corner, where order decides)."""
         n, total, s_sum, _ = self._stats()
         refs, count, target = self._refs, self.count, self.target
@@ -420,8 +419,9 @@ class Balance:
                 best, best_d, best_phi = c, deficit, phi
         return best
 
-    def _worth_it(self, a: str, b: str, na: float, nb: float, total: float, ratio: Mapping[str, float],
-                  downloads: int) -> bool:
+    def _worth_it(
+        self, a: str, b: str, na: float, nb: float, total: float, ratio: Mapping[str, float], downloads: int
+    ) -> bool:
         """Stickiness: a change that costs `downloads` state downloads must cut the worse
         relative deviation |share/target - 1| of the two cells it touches by more than
         `stickiness` per download. Scale-free (a 10,000-worker run and a 12-worker one
@@ -549,7 +549,7 @@ class Balance:
         fits = [self.eligible_set(w.vram_bytes) for w in cands]
         for i, w in enumerate(cands):
             a = w.cell_id
-            for j, v in enumerate(cands[i + 1:]):
+            for j, v in enumerate(cands[i + 1 :]):
                 b = v.cell_id
                 if a == b or b not in fits[i] or a not in fits[i + 1 + j]:
                     continue
@@ -582,9 +582,30 @@ class _Derived:
     whose answers with NaN depend on order.
     """
 
-    __slots__ = ("bal", "refs", "n", "total", "s_sum", "m", "ratio", "max_dev", "short", "def0", "_order", "_dests",
-                 "_desc", "_open", "_arrays", "_n_arr", "_r_arr", "_count_arr", "_order_idx", "_nan", "_info",
-                 "_refs_arr")
+    __slots__ = (
+        "bal",
+        "refs",
+        "n",
+        "total",
+        "s_sum",
+        "m",
+        "ratio",
+        "max_dev",
+        "short",
+        "def0",
+        "_order",
+        "_dests",
+        "_desc",
+        "_open",
+        "_arrays",
+        "_n_arr",
+        "_r_arr",
+        "_count_arr",
+        "_order_idx",
+        "_nan",
+        "_info",
+        "_refs_arr",
+    )
 
     def __init__(self, bal: Balance) -> None:
         self.bal = bal
@@ -769,8 +790,9 @@ def assign(
 
     def view(w: WorkerView) -> WorkerView:
         c = cur[w.worker_id]
-        return WorkerView(w.worker_id, w.vram_bytes, w.throughput, w.reputation, c, w.movable,
-                          w.sticky and c == w.cell_id)
+        return WorkerView(
+            w.worker_id, w.vram_bytes, w.throughput, w.reputation, c, w.movable, w.sticky and c == w.cell_id
+        )
 
     for w in workers:
         if cur[w.worker_id]:

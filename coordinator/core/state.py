@@ -98,8 +98,8 @@ from bagel.coordinator.core.records import (
     WorkerRecord,
     WorkerState,
 )
-from bagel.coordinator.core.rounds import REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
 from bagel.coordinator.core.roster import Roster
+from bagel.coordinator.core.rounds import REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
 from bagel.coordinator.core.scheduler import Balance, Knobs
 from bagel.protocol.messages import Instruction, LocalState, Order, Phase, Verdict
 from bagel.protocol.runspec import RunSpec
@@ -272,7 +272,9 @@ class CoordinatorState:
                 for k in sorted(self._cells)
                 if self._cells[k].round is not None
             ),
-            commits=tuple(sorted((m for c in self._cells.values() for m in c.commits), key=lambda m: (m.cell_id, m.round))),
+            commits=tuple(
+                sorted((m for c in self._cells.values() for m in c.commits), key=lambda m: (m.cell_id, m.round))
+            ),
         )
 
     @classmethod
@@ -350,7 +352,12 @@ class CoordinatorState:
         p = ev.profile
         if not isinstance(ev.worker_id, str) or not ev.worker_id:
             raise InvalidEvent("worker_id: required")
-        if p.vram_bytes < 0 or p.num_devices < 0 or not _finite(p.link_bandwidth_bytes_per_s) or p.link_bandwidth_bytes_per_s < 0:
+        if (
+            p.vram_bytes < 0
+            or p.num_devices < 0
+            or not _finite(p.link_bandwidth_bytes_per_s)
+            or p.link_bandwidth_bytes_per_s < 0
+        ):
             raise InvalidEvent("profile: vram_bytes, num_devices and link bandwidth must be non-negative")
         if not _plain_rates(p.samples_per_s):  # the common case is checked in C, the rest here
             for cid, v in p.samples_per_s.items():
@@ -445,7 +452,10 @@ class CoordinatorState:
         c = self._cells.get(ev.cell_id)
         if c is None:
             raise InvalidEvent(f"cell_id: unknown cell {ev.cell_id!r}")
-        if ev.round < 1 or min(ev.samples, ev.compute_ms, ev.comm_ms, ev.bytes_sent, ev.bytes_received, ev.reduce_attempt) < 0:
+        if (
+            ev.round < 1
+            or min(ev.samples, ev.compute_ms, ev.comm_ms, ev.bytes_sent, ev.bytes_received, ev.reduce_attempt) < 0
+        ):
             raise InvalidEvent("round must be >= 1; samples, times, bytes and reduce_attempt >= 0")
         if not ev.failed and not ev.state_hash:
             raise InvalidEvent("state_hash: required unless failed")
@@ -529,8 +539,19 @@ class CoordinatorState:
                 c.uploader, c.upload_round = w.id, c.committed_round
                 self.changes.cell(c.id)
             why = "the last holder of the committed state: upload it, then leave"
-            return Instruction(Order.WAIT, c.id, c.committed_round + 1, c.committed_round, c.committed_hash,
-                               upload_checkpoint=True, reason=why), None, None
+            return (
+                Instruction(
+                    Order.WAIT,
+                    c.id,
+                    c.committed_round + 1,
+                    c.committed_round,
+                    c.committed_hash,
+                    upload_checkpoint=True,
+                    reason=why,
+                ),
+                None,
+                None,
+            )
         self.roster.detach(w, now, fail_fast=True)
         w.state, w.reason = WorkerState.LEFT, ev.reason
         self.roster.rebalance(now, balance=False)  # redundancy only: the next joiner fills the hole
@@ -589,21 +610,59 @@ class CoordinatorState:
         if r is not None:
             if r.state is RoundState.REDUCING and r.is_contributor(w.id):
                 why = "catch up: exchange a zero pseudo-gradient, apply the outer step" if w.id in r.catch_up else ""
-                return Instruction(Order.REDUCE, c.id, nxt, c.committed_round, c.committed_hash,
-                                   plan=r.plan_for(w.id), contributors=r.contributors_wire,
-                                   upload_checkpoint=upload, reason=why, reduce_attempt=r.reduce_attempt,
-                                   round_attempt=r.attempt)
+                return Instruction(
+                    Order.REDUCE,
+                    c.id,
+                    nxt,
+                    c.committed_round,
+                    c.committed_hash,
+                    plan=r.plan_for(w.id),
+                    contributors=r.contributors_wire,
+                    upload_checkpoint=upload,
+                    reason=why,
+                    reduce_attempt=r.reduce_attempt,
+                    round_attempt=r.attempt,
+                )
             if r.state is not RoundState.REDUCING and r.is_live_member(w.id):
-                return Instruction(Order.TRAIN, c.id, nxt, c.committed_round, c.committed_hash,
-                                   plan=r.plan_for(w.id), upload_checkpoint=upload, round_attempt=r.attempt)
+                return Instruction(
+                    Order.TRAIN,
+                    c.id,
+                    nxt,
+                    c.committed_round,
+                    c.committed_hash,
+                    plan=r.plan_for(w.id),
+                    upload_checkpoint=upload,
+                    round_attempt=r.attempt,
+                )
             if r.is_live_member(w.id):
-                return Instruction(Order.WAIT, c.id, nxt, c.committed_round, c.committed_hash,
-                                   upload_checkpoint=upload, reason="not ready at the freeze: sit this round out")
+                return Instruction(
+                    Order.WAIT,
+                    c.id,
+                    nxt,
+                    c.committed_round,
+                    c.committed_hash,
+                    upload_checkpoint=upload,
+                    reason="not ready at the freeze: sit this round out",
+                )
         if w.id in c.synced:
-            return Instruction(Order.WAIT, c.id, nxt, c.committed_round, c.committed_hash, upload_checkpoint=upload,
-                               reason="holds the committed state: joins the next exchange or round")
-        return Instruction(Order.SYNC, c.id, nxt, c.committed_round, c.committed_hash,
-                           donor=self.roster.donor(w, c), reason="fetch the committed state")
+            return Instruction(
+                Order.WAIT,
+                c.id,
+                nxt,
+                c.committed_round,
+                c.committed_hash,
+                upload_checkpoint=upload,
+                reason="holds the committed state: joins the next exchange or round",
+            )
+        return Instruction(
+            Order.SYNC,
+            c.id,
+            nxt,
+            c.committed_round,
+            c.committed_hash,
+            donor=self.roster.donor(w, c),
+            reason="fetch the committed state",
+        )
 
     # ================================================================ effects
 

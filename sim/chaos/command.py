@@ -59,12 +59,23 @@ def add_chaos_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("scenario", type=Path, metavar="SCENARIO", help="chaos scenario TOML (e.g. sim/scenarios/chaos-default.toml)")
-    p.add_argument("--out", required=True, type=Path, metavar="DIR",
-                   help="output directory: summary.json, summary.md, timeline.png, logs/, data dirs; must be new or empty")
-    p.add_argument("--force", action="store_true", help="reuse DIR from an earlier chaos run (its run data is deleted first)")
+    p.add_argument(
+        "scenario", type=Path, metavar="SCENARIO", help="chaos scenario TOML (e.g. sim/scenarios/chaos-default.toml)"
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="output directory: summary.json, summary.md, timeline.png, logs/, data dirs; must be new or empty",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="reuse DIR from an earlier chaos run (its run data is deleted first)"
+    )
     p.add_argument("--workers", type=int, default=None, metavar="N", help="override the scenario's worker count")
-    p.add_argument("--seed", type=int, default=None, help="override the scenario's seed (victims of count/fraction faults)")
+    p.add_argument(
+        "--seed", type=int, default=None, help="override the scenario's seed (victims of count/fraction faults)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -97,8 +108,14 @@ def run_chaos(args: argparse.Namespace) -> int:
         print(f"bagel-sim chaos: {args.scenario}: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.workers is not None:
-        if args.workers < 1 or any(w >= args.workers for f in sc.faults for w in f.workers) or any(i >= args.workers for i in sc.byzantine):
-            print(f"bagel-sim chaos: --workers {args.workers}: too few for the scenario's worker indices", file=sys.stderr)
+        if (
+            args.workers < 1
+            or any(w >= args.workers for f in sc.faults for w in f.workers)
+            or any(i >= args.workers for i in sc.byzantine)
+        ):
+            print(
+                f"bagel-sim chaos: --workers {args.workers}: too few for the scenario's worker indices", file=sys.stderr
+            )
             return EXIT_USAGE
         sc = dataclasses.replace(sc, workers=args.workers)
     if args.seed is not None:
@@ -134,7 +151,11 @@ def run_chaos(args: argparse.Namespace) -> int:
     ok = all(summary["invariants"].values())
     if not args.quiet:
         print(f"bagel-sim chaos: {args.out / 'summary.md'}", file=sys.stderr)
-    print(json.dumps({"invariants": summary["invariants"], "committed_rounds": summary["committed_rounds"]}, sort_keys=True))
+    print(
+        json.dumps(
+            {"invariants": summary["invariants"], "committed_rounds": summary["committed_rounds"]}, sort_keys=True
+        )
+    )
     return EXIT_OK if ok else EXIT_INVARIANT
 
 

@@ -71,7 +71,9 @@ class WorkerSlot:
 class ChaosRun:
     """One chaos run: `await ChaosRun(scenario, out).run()` returns the result document."""
 
-    def __init__(self, scenario: ChaosScenario, out_dir: Path, *, python: str = sys.executable, echo: bool = True) -> None:
+    def __init__(
+        self, scenario: ChaosScenario, out_dir: Path, *, python: str = sys.executable, echo: bool = True
+    ) -> None:
         self.sc = scenario
         self.out = Path(out_dir)
         self.python = python
@@ -128,9 +130,13 @@ class ChaosRun:
 
     async def start_bootstrap(self) -> None:
         argv = [
-            self.python, "-m", "hivemind.hivemind_cli.run_dht",
-            "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
-            "--identity_path", str(self.out / "bootstrap.key"),
+            self.python,
+            "-m",
+            "hivemind.hivemind_cli.run_dht",
+            "--host_maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--identity_path",
+            str(self.out / "bootstrap.key"),
         ]
         boot_log = self.out / "logs" / "bootstrap.err"
         # hivemind logs to stderr; read the announce line from its log file
@@ -151,11 +157,26 @@ class ChaosRun:
         listen = f"127.0.0.1:{self.coord_port}"
         advertise = self.proxy.address if self.proxy is not None else listen
         return [
-            self.python, "-m", "bagel.coordinator", "serve",
-            "--run", str(self.spec_path), "--data-dir", str(self.coord_dir),
-            "--listen", listen, "--advertise-endpoint", advertise,
-            "--initial-peers", self.bootstrap_maddr,
-            "--tick-ms", str(self.sc.tick_ms), "--grace-s", "2", "--log-level", "WARNING",
+            self.python,
+            "-m",
+            "bagel.coordinator",
+            "serve",
+            "--run",
+            str(self.spec_path),
+            "--data-dir",
+            str(self.coord_dir),
+            "--listen",
+            listen,
+            "--advertise-endpoint",
+            advertise,
+            "--initial-peers",
+            self.bootstrap_maddr,
+            "--tick-ms",
+            str(self.sc.tick_ms),
+            "--grace-s",
+            "2",
+            "--log-level",
+            "WARNING",
         ]
 
     def make_join(self) -> str:
@@ -198,18 +219,34 @@ class ChaosRun:
     async def start_worker(self, slot: WorkerSlot) -> None:
         slot.starts += 1
         argv = [
-            self.python, "-m", "bagel.worker", "join", self.join,
-            "--data-dir", str(slot.data_dir), "--device", "cpu", "--log-json",
-            "--name", slot.label, "--throttle", str(slot.throttle),
-            "--dht-listen", "/ip4/127.0.0.1/tcp/0", "--keep-round-history",
-            "--reduce-timeout-s", str(self.sc.reduce_timeout_s),
+            self.python,
+            "-m",
+            "bagel.worker",
+            "join",
+            self.join,
+            "--data-dir",
+            str(slot.data_dir),
+            "--device",
+            "cpu",
+            "--log-json",
+            "--name",
+            slot.label,
+            "--throttle",
+            str(slot.throttle),
+            "--dht-listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--keep-round-history",
+            "--reduce-timeout-s",
+            str(self.sc.reduce_timeout_s),
         ]
         if slot.byzantine:
             argv += ["--byzantine", slot.byzantine]
         argv += list(self.sc.extra_worker_args)
         slot.data_dir.mkdir(parents=True, exist_ok=True)
         name = f"{slot.label}-{slot.starts}"
-        slot.proc = await self.sup.spawn(name, argv, env=self._env(), on_line=lambda p, line: self._on_worker_line(slot, line))
+        slot.proc = await self.sup.spawn(
+            name, argv, env=self._env(), on_line=lambda p, line: self._on_worker_line(slot, line)
+        )
         slot.expected_exit = False
         self._watch(slot.proc, lambda p: self._on_worker_exit(slot, p))
 
@@ -328,7 +365,9 @@ class ChaosRun:
         elif kind is FaultKind.LATENCY:
             before = proxy.latency_s * 1000.0
             proxy.set_latency(f.latency_ms)
-            ff.detail = f"+{f.latency_ms:g} ms each direction" + (f" for {f.duration_s:g}s" if f.duration_s else " until the end")
+            ff.detail = f"+{f.latency_ms:g} ms each direction" + (
+                f" for {f.duration_s:g}s" if f.duration_s else " until the end"
+            )
             self.say(f"proxy latency +{f.latency_ms:g} ms")
             if f.duration_s > 0:
                 await asyncio.sleep(f.duration_s)
@@ -339,7 +378,9 @@ class ChaosRun:
         elif kind is FaultKind.BANDWIDTH:
             before = proxy.bandwidth_bytes_per_s
             proxy.set_bandwidth(f.bandwidth_bytes_per_s)
-            ff.detail = f"cap {f.bandwidth_bytes_per_s:g} B/s per direction per connection" + (f" for {f.duration_s:g}s" if f.duration_s else " until the end")
+            ff.detail = f"cap {f.bandwidth_bytes_per_s:g} B/s per direction per connection" + (
+                f" for {f.duration_s:g}s" if f.duration_s else " until the end"
+            )
             self.say(ff.detail)
             if f.duration_s > 0:
                 await asyncio.sleep(f.duration_s)
@@ -456,7 +497,9 @@ class ChaosRun:
                 await asyncio.wait_for(self._commit_event.wait(), 1.0)
         self.t_zero = self.obs.first_commit_s
         self.say(f"first round committed: t = 0 of the fault schedule (run time {self.t_zero:.1f}s)")
-        pending = [self._spawn(self._after(self.t_zero + ff.fault.at_s - self.now(), self.fire, ff)) for ff in self.fired]
+        pending = [
+            self._spawn(self._after(self.t_zero + ff.fault.at_s - self.now(), self.fire, ff)) for ff in self.fired
+        ]
         cap = self.t_zero + self.sc.max_duration_s
         last_progress = 0.0
         while True:
@@ -487,7 +530,9 @@ class ChaosRun:
                 last_progress = now
                 rounds = len({(c.cell_id, c.round) for c in self.obs.acknowledged})
                 fired = sum(ff.fired_s is not None for ff in self.fired)
-                self.say(f"t={now - self.t_zero:+.0f}s committed rounds {rounds}, faults fired {fired}/{len(self.fired)}")
+                self.say(
+                    f"t={now - self.t_zero:+.0f}s committed rounds {rounds}, faults fired {fired}/{len(self.fired)}"
+                )
             await asyncio.sleep(0.5)
         for t in pending:
             t.cancel()

@@ -28,8 +28,8 @@ from typing import Any
 
 from bagel.protocol.runspec import RunSpec
 from bagel.sim.chaos import invariants as inv
-from bagel.sim.faults import Fault, fault_as_dict
 from bagel.sim.chaos.supervisor import Supervisor, listening_ports, port_owners
+from bagel.sim.faults import Fault, fault_as_dict
 
 
 @dataclass
@@ -45,7 +45,7 @@ class FiredFault:
     error: str = ""
 
     def as_dict(self, t_zero: float | None) -> dict[str, Any]:
-        rel = (lambda t: None if t is None or t_zero is None else round(t - t_zero, 3))
+        rel = lambda t: None if t is None or t_zero is None else round(t - t_zero, 3)
         return {
             "index": self.index,
             "scheduled": fault_as_dict(self.fault),
@@ -92,7 +92,9 @@ class Observations:
             self.verdicts[worker][str(ev.get("verdict"))] += 1
             if ev.get("hash") and ev.get("verdict") in ("committed", "pending", "resync"):
                 # the hash this worker computed and reported for the round
-                self.hashes.append(inv.HashObservation(t, worker_id, str(ev["cell"]), int(ev["round"]), str(ev["hash"]), "report"))
+                self.hashes.append(
+                    inv.HashObservation(t, worker_id, str(ev["cell"]), int(ev["round"]), str(ev["hash"]), "report")
+                )
         elif name == "committed":
             cell, rnd, h = str(ev.get("cell")), int(ev.get("round", 0)), str(ev.get("hash", ""))
             self.acknowledged.append(inv.CommitEntry(cell, rnd, h, t))
@@ -112,7 +114,9 @@ def read_commit_log(coord_dir: Path, label: str, t: float, origin: float) -> tup
         snap = store.load(recent_commits=1 << 30)
     finally:
         store.close()
-    entries = tuple(inv.CommitEntry(c.cell_id, c.round, c.state_hash, c.committed_ms / 1000.0 - origin) for c in snap.commits)
+    entries = tuple(
+        inv.CommitEntry(c.cell_id, c.round, c.state_hash, c.committed_ms / 1000.0 - origin) for c in snap.commits
+    )
     return inv.CommitLogRead(t, label, entries), snap.commits
 
 
@@ -143,7 +147,9 @@ def local_hashes(workers: list[tuple[str, Path]], spec: RunSpec, t: float) -> li
             try:
                 cp = store.load()
             except LocalStateError as e:
-                out.append(inv.HashObservation(t, worker_id, _cell_of(path), _round_of(path), f"unreadable: {e}", "local"))
+                out.append(
+                    inv.HashObservation(t, worker_id, _cell_of(path), _round_of(path), f"unreadable: {e}", "local")
+                )
                 continue
             if cp is None or cp.committed_round <= 0:
                 continue
@@ -224,7 +230,10 @@ def runner_checks(fired: list[FiredFault], unexpected_exits: list[str], error: s
         "all_faults_fired": inv.InvariantResult(
             "all_faults_fired",
             not not_fired and not error,
-            tuple(f"fault {ff.index} ({ff.fault.kind.value} at {ff.fault.at_s:g}s): {ff.error or 'did not fire'}" for ff in not_fired)
+            tuple(
+                f"fault {ff.index} ({ff.fault.kind.value} at {ff.fault.at_s:g}s): {ff.error or 'did not fire'}"
+                for ff in not_fired
+            )
             + ((f"run ended early: {error}",) if error else ()),
         ),
         "no_unexpected_exit": inv.InvariantResult("no_unexpected_exit", not unexpected_exits, tuple(unexpected_exits)),

@@ -36,8 +36,8 @@ Invariants (the names are the keys of the chaos `summary.json`):
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,9 @@ def check_no_committed_round_lost(h: History) -> InvariantResult:
         key = (ack.cell_id, ack.epoch, ack.round)
         if key in final:
             if final[key] != ack.state_hash:
-                out.append(f"{ack.cell_id} round {ack.round}: acknowledged with hash {ack.state_hash[:12]}, final log has {final[key][:12]}")
+                out.append(
+                    f"{ack.cell_id} round {ack.round}: acknowledged with hash {ack.state_hash[:12]}, final log has {final[key][:12]}"
+                )
         elif ack.state_hash not in by_round.get((ack.cell_id, ack.round), set()):
             out.append(f"{ack.cell_id} round {ack.round}: acknowledged as committed but not in the final log")
     return _result("no_committed_round_lost", dict.fromkeys(out), dict.fromkeys(notes))

@@ -83,7 +83,9 @@ class _Pipe:
                     break
                 async with self._space:  # bounded buffer: back-pressure the sender
                     n = len(data)
-                    await self._space.wait_for(lambda n=n: self.buffered + n <= self.proxy.max_buffer_bytes or self.buffered == 0)
+                    await self._space.wait_for(
+                        lambda n=n: self.buffered + n <= self.proxy.max_buffer_bytes or self.buffered == 0
+                    )
                     self.buffered += len(data)
                 self._queue.put_nowait((time.monotonic(), data))
         finally:
@@ -286,14 +288,18 @@ class FaultProxy:
                     asyncio.open_connection(self.target_host, self.target_port), self.connect_timeout_s
                 )
             except (TimeoutError, OSError) as e:
-                log.debug("proxy %s: upstream %s:%d unreachable: %r", self.address, self.target_host, self.target_port, e)
+                log.debug(
+                    "proxy %s: upstream %s:%d unreachable: %r", self.address, self.target_host, self.target_port, e
+                )
                 conn.abort()  # the client sees a reset, as it would without the proxy
                 return
             conn.target_w = target_w
             up = _Pipe(self, client_r, target_w, up=True)
             down = _Pipe(self, target_r, client_w, up=False)
             conn.pipes = [up, down]
-            tasks = [asyncio.create_task(coro) for coro in (up.pump_in(), up.pump_out(), down.pump_in(), down.pump_out())]
+            tasks = [
+                asyncio.create_task(coro) for coro in (up.pump_in(), up.pump_out(), down.pump_in(), down.pump_out())
+            ]
             try:
                 # any error (reset by a peer, by reset()) ends the whole connection
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -175,7 +175,9 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
         "byzantine": byzantine_effect(run),
         "cells": loss_by_cell(run),
         "loss_per_cell": dict(sorted(loss.items())),
-        "commit_log_reads": [{"label": r.label, "run_time_s": round(r.t_s, 3), "commits": len(r.commits)} for r in run.commit_logs],
+        "commit_log_reads": [
+            {"label": r.label, "run_time_s": round(r.t_s, 3), "commits": len(r.commits)} for r in run.commit_logs
+        ],
         "evidence": {
             "acknowledged_commits": len(h.acknowledged),
             "hash_observations": len(h.hashes),
@@ -185,8 +187,13 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
         },
         "proxy": None
         if run.proxy is None
-        else {"address": run.proxy.address, "connections": run.proxy.stats.connections, "resets": run.proxy.stats.resets,
-              "bytes_up": run.proxy.stats.bytes_up, "bytes_down": run.proxy.stats.bytes_down},
+        else {
+            "address": run.proxy.address,
+            "connections": run.proxy.stats.connections,
+            "resets": run.proxy.stats.resets,
+            "bytes_up": run.proxy.stats.bytes_up,
+            "bytes_down": run.proxy.stats.bytes_down,
+        },
     }
     out = Path(run.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
@@ -226,7 +233,16 @@ def plot_timeline(run: ChaosRun, final: inv.CommitLogRead, path: Path) -> None:
             axis.axvline(start, color=color, linestyle="--", linewidth=1.2, label=None)
             if end > start:
                 axis.axvspan(start, end, color=color, alpha=0.12)
-        ax.annotate(kind, (start, 1.0), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=8, color=color)
+        ax.annotate(
+            kind,
+            (start, 1.0),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color=color,
+        )
         if kind not in seen:
             seen.add(kind)
             ax.plot([], [], color=color, linestyle="--", label=f"fault: {kind}")
@@ -248,7 +264,11 @@ def plot_timeline(run: ChaosRun, final: inv.CommitLogRead, path: Path) -> None:
         pts = [(t - t0, loss) for t, w, _c, _r, loss in run.obs.ready_loss if w == idx and math.isfinite(loss)]
         if not pts:
             continue
-        style = {"color": "red", "marker": "x", "s": 18} if idx in byz else {"color": "gray", "marker": ".", "s": 8, "alpha": 0.6}
+        style = (
+            {"color": "red", "marker": "x", "s": 18}
+            if idx in byz
+            else {"color": "gray", "marker": ".", "s": 8, "alpha": 0.6}
+        )
         label = f"w{idx} {run.workers[idx].byzantine} (Byzantine)" if idx in byz else None
         bx.scatter([p[0] for p in pts], [p[1] for p in pts], label=label, **style)
     lo, hi = bx.get_ylim()
@@ -282,16 +302,25 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
     lines += ["", f"Progress bound: {summary['progress_bound_s']:g} s after each fault ends."]
     if summary.get("findings"):
         lines += ["", "## Findings (not invariants, worth a look)", ""] + [f"- {f}" for f in summary["findings"]]
-    lines += ["", "## Faults", "",
-              "| # | kind | at (s) | ended (s) | targets | detail |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "## Faults",
+        "",
+        "| # | kind | at (s) | ended (s) | targets | detail |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for f in summary["faults"]:
         at = "not fired" if f["at_s"] is None else f"{f['at_s']:.1f}"
         end = "-" if f["end_s"] is None else f"{f['end_s']:.1f}"
         detail = f["detail"] + (f" ERROR: {f['error']}" if f["error"] else "")
         lines.append(f"| {f['index']} | {f['kind']} | {at} | {end} | {', '.join(f['targets'])} | {detail} |")
-    lines += ["", "## Committed rounds per cell", "",
-              "| cell | rounds | with a Byzantine contributor | loss first | best | worst | last |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "## Committed rounds per cell",
+        "",
+        "| cell | rounds | with a Byzantine contributor | loss first | best | worst | last |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     cells = summary.get("cells", {})
     for c, n in summary["committed_rounds_per_cell"].items():
         x = cells.get(c, {})
@@ -299,8 +328,13 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
             f"| {c} | {n} | {x.get('rounds_with_byzantine_contributor', '-')} | {x.get('first_loss')} | "
             f"{x.get('best_loss')} | {x.get('worst_loss')} | {x.get('last_loss')} |"
         )
-    lines += ["", "## Workers", "", "| worker | id | Byzantine | starts | rounds contributed | verdicts | banned | errors |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "## Workers",
+        "",
+        "| worker | id | Byzantine | starts | rounds contributed | verdicts | banned | errors |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for w in summary["workers"]:
         verdicts = ", ".join(f"{k} {v}" for k, v in sorted(w["verdicts"].items()))
         banned = "yes" if w.get("banned") else "-"
@@ -310,12 +344,17 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
             f"{verdicts} | {banned} | {errors} |"
         )
     if summary["byzantine"]:
-        lines += ["", "## Byzantine workers", "",
-                  "With the plain mean (diloco.aggregation = \"mean\", the default), a Byzantine worker's update is averaged in; "
-                  "compare its cell's loss with the clean cells above. Loss change = the cell's committed loss in "
-                  "the next round minus this round's, averaged over the rounds it contributed to / all other rounds.", "",
-                  "| worker | mode | rounds contributed | loss change after its rounds | after the others | verdicts |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## Byzantine workers",
+            "",
+            'With the plain mean (diloco.aggregation = "mean", the default), a Byzantine worker\'s update is averaged in; '
+            "compare its cell's loss with the clean cells above. Loss change = the cell's committed loss in "
+            "the next round minus this round's, averaged over the rounds it contributed to / all other rounds.",
+            "",
+            "| worker | mode | rounds contributed | loss change after its rounds | after the others | verdicts |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for label, b in summary["byzantine"].items():
             verdicts = ", ".join(f"{k} {v}" for k, v in sorted(b["verdicts"].items()))
             lines.append(

@@ -28,9 +28,9 @@ Join / resync
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from collections.abc import Sequence
 
 # Documented bytes per value of each codec family, used only when `bagel.compression`
 # cannot answer: fp32/fp16/bf16 raw; blockwise int8/int4 with one fp32 absmax scale per block

@@ -63,7 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from bagel.coordinator.core.scheduler import cell_targets
+
 from bagel.coordinator.core.errors import Banned, CoordinatorError, UnknownWorker
 from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Register, Tick
 from bagel.coordinator.core.records import (
@@ -74,6 +74,7 @@ from bagel.coordinator.core.records import (
     WorkerRecord,
     WorkerState,
 )
+from bagel.coordinator.core.scheduler import cell_targets
 from bagel.coordinator.core.state import CoordinatorState
 from bagel.protocol.messages import PeerAddress, Phase, Profile
 from bagel.protocol.runspec import ROUTER_CELL, RunSpec
@@ -196,7 +197,9 @@ class Engine(WorkerBehaviour):
             CellConfig(c, cm.cell_memory_bytes(self.work, c), self.targets[c], self.payload[c] * self.comm_rounds)
             for c in self.cells
         ]
-        self.core = CoordinatorState(self.spec, cfgs, policy=self.policy.core, rng=random.Random(self.seed), now_ms=T0_MS)
+        self.core = CoordinatorState(
+            self.spec, cfgs, policy=self.policy.core, rng=random.Random(self.seed), now_ms=T0_MS
+        )
         self.hb_ms = int(self.spec.schedule.heartbeat_s * 1000)
         self.end_ms = int(self.hours * 3600_000)
         self.heap: list[tuple[int, int, int, int, int]] = []
@@ -276,10 +279,17 @@ class Engine(WorkerBehaviour):
         ptick = int(self.sc.engine.tick_s * 1000)
         self.push(ptick, PTICK)
         handlers = {
-            ARRIVE: self._on_arrive, DEPART: self._on_depart, SYNC_DONE: self._on_sync_done,
-            TRAIN_DONE: self._on_train_done, REDUCE_DONE: self._on_reduce_done, POLL: self._on_poll,
-            RENEW: self._on_renew, UPLOAD: self._on_upload, LEASE: self._on_lease,
-            HEAL: self._on_heal, CONT: self._on_cont,
+            ARRIVE: self._on_arrive,
+            DEPART: self._on_depart,
+            SYNC_DONE: self._on_sync_done,
+            TRAIN_DONE: self._on_train_done,
+            REDUCE_DONE: self._on_reduce_done,
+            POLL: self._on_poll,
+            RENEW: self._on_renew,
+            UPLOAD: self._on_upload,
+            LEASE: self._on_lease,
+            HEAL: self._on_heal,
+            CONT: self._on_cont,
         }
         heap = self.heap
         pop = heapq.heappop
@@ -411,7 +421,11 @@ class Engine(WorkerBehaviour):
                 self._on_commit(r)
             elif isinstance(r, WorkerRecord) and r.worker_id != caller:
                 w = self.by_id.get(r.worker_id)
-                if w is not None and w.online and (r.state is not WorkerState.ACTIVE or r.cell_id != self._believed_cell(w)):
+                if (
+                    w is not None
+                    and w.online
+                    and (r.state is not WorkerState.ACTIVE or r.cell_id != self._believed_cell(w))
+                ):
                     self._poll_later(w)
 
     def _believed_cell(self, w: W) -> str:
@@ -505,7 +519,6 @@ class Engine(WorkerBehaviour):
         w.act = act
         w.since = now
 
-
     # ------------------------------------------------------------ observation
 
     def _sample(self) -> None:
@@ -555,7 +568,13 @@ def sync_steps_per_round(scenario: Scenario, spec: RunSpec, pop: popmod.Populati
     work = scenario.workload
     n = len(pop)
     cells = len(spec.cell_ids)
-    g = int(min(max(1, round(n * scenario.population.availability.initial_online_fraction / cells)), spec.schedule.max_replicas, n))
+    g = int(
+        min(
+            max(1, round(n * scenario.population.availability.initial_online_fraction / cells)),
+            spec.schedule.max_replicas,
+            n,
+        )
+    )
     nbytes = cm.encoded_nbytes("fp32", int(work.expert_params))
     rates = pop.tflops * 1e12 * work.mfu / cm.cell_flops_per_sample(work, spec.expert_cells[0])
     gb = spec.diloco.group_batch
@@ -563,7 +582,9 @@ def sync_steps_per_round(scenario: Scenario, spec: RunSpec, pop: popmod.Populati
     for _ in range(32):
         idx = rng.choice(n, size=g, replace=False)
         compute = (gb / g) / float(rates[idx].min())
-        steps.append(compute + cm.allreduce_s(nbytes, pop.bandwidth_bytes_per_s[idx].tolist(), pop.latency_s[idx].tolist()))
+        steps.append(
+            compute + cm.allreduce_s(nbytes, pop.bandwidth_bytes_per_s[idx].tolist(), pop.latency_s[idx].tolist())
+        )
     step = float(np.median(steps))
     return int(min(1000, max(1, math.ceil(scenario.engine.sync_dp_min_round_s / step - 1e-9))))
 

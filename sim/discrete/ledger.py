@@ -29,7 +29,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-BUCKETS = ("committed", "aborted", "straggler", "preempted", "rejected", "resync", "comm", "barrier", "idle", "unresolved")
+BUCKETS = (
+    "committed",
+    "aborted",
+    "straggler",
+    "preempted",
+    "rejected",
+    "resync",
+    "comm",
+    "barrier",
+    "idle",
+    "unresolved",
+)
 WASTE = ("aborted", "straggler", "preempted", "rejected", "resync", "comm", "barrier", "idle")
 TRAINING = ("committed", "aborted", "straggler", "preempted", "rejected", "unresolved")
 

@@ -32,9 +32,9 @@ Register a new policy with `register(SimPolicy(...))`; `get(name)` looks one up.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
-from collections.abc import Mapping
 
 from bagel.coordinator.core import policy as core_policy
 from bagel.coordinator.core.policy import Policy

@@ -162,18 +162,29 @@ def sample_population(spec: PopulationSpec, n: int, rng: np.random.Generator) ->
     vram = np.array([GPU_CLASSES[names[i]].vram_bytes for i in idx], dtype=np.int64)
     dc = np.array([GPU_CLASSES[names[i]].datacenter for i in idx], dtype=bool)
     L = spec.links
-    home = np.clip(
-        np.exp(rng.normal(math.log(L.home_mbit_median), L.home_mbit_sigma, size=n)), L.home_mbit_min, L.home_mbit_max
-    ) * 1e6 / 8
-    dcbw = np.clip(
-        np.exp(rng.normal(math.log(L.dc_gbit_median), L.dc_gbit_sigma, size=n)), L.dc_gbit_min, L.dc_gbit_max
-    ) * 1e9 / 8
+    home = (
+        np.clip(
+            np.exp(rng.normal(math.log(L.home_mbit_median), L.home_mbit_sigma, size=n)),
+            L.home_mbit_min,
+            L.home_mbit_max,
+        )
+        * 1e6
+        / 8
+    )
+    dcbw = (
+        np.clip(np.exp(rng.normal(math.log(L.dc_gbit_median), L.dc_gbit_sigma, size=n)), L.dc_gbit_min, L.dc_gbit_max)
+        * 1e9
+        / 8
+    )
     bw = np.where(dc, dcbw, home)
-    lat = np.where(
-        dc,
-        rng.uniform(L.dc_latency_ms_min, L.dc_latency_ms_max, size=n),
-        rng.uniform(L.home_latency_ms_min, L.home_latency_ms_max, size=n),
-    ) / 1000.0
+    lat = (
+        np.where(
+            dc,
+            rng.uniform(L.dc_latency_ms_min, L.dc_latency_ms_max, size=n),
+            rng.uniform(L.home_latency_ms_min, L.home_latency_ms_max, size=n),
+        )
+        / 1000.0
+    )
     spot = rng.random(n) < spec.availability.spot_fraction
     byz = rng.random(n) < spec.byzantine_fraction
     return Population(gpu, tflops, vram, bw, lat, spot, byz)

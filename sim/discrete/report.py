@@ -12,9 +12,9 @@ target samples per cell, bytes per worker and Jain's fairness across cells.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,7 +24,13 @@ from bagel.sim.discrete.ledger import BUCKETS, TRAINING, WASTE, jain
 
 def _time_to_target(r: EngineResult, target_samples: float) -> dict[str, Any]:
     if target_samples <= 0:
-        return {"target_samples_per_cell": 0, "cells": len(r.cells), "cells_reached": 0, "median_h": None, "max_h": None}
+        return {
+            "target_samples_per_cell": 0,
+            "cells": len(r.cells),
+            "cells_reached": 0,
+            "median_h": None,
+            "max_h": None,
+        }
     expert = next(c for c in r.cells if c != "router")
     ref_share = r.cell_targets[expert]
     ref_flops = r.cell_flops_per_sample[expert]
@@ -187,13 +193,21 @@ def plot(results: Sequence[EngineResult], out: Path) -> list[Path]:
             ex = rt[:, experts]
             for j in range(ex.shape[1]):
                 ax.plot(r.timeline_h, ex[:, j], lw=0.5, alpha=0.25, color="tab:blue")
-            ax.fill_between(r.timeline_h, np.percentile(ex, 10, axis=1), np.percentile(ex, 90, axis=1),
-                            color="tab:blue", alpha=0.2, label="experts p10-p90")
+            ax.fill_between(
+                r.timeline_h,
+                np.percentile(ex, 10, axis=1),
+                np.percentile(ex, 90, axis=1),
+                color="tab:blue",
+                alpha=0.2,
+                label="experts p10-p90",
+            )
             ax.plot(r.timeline_h, np.median(ex, axis=1), lw=2.0, color="black", label="experts median")
             ax.set_ylim(0, max(1.0, float(ex.max()) * 1.05))
         if "router" in r.cells:
             ax2 = ax.twinx()
-            ax2.plot(r.timeline_h, rt[:, r.cells.index("router")], color="tab:orange", ls="--", label="router (right axis)")
+            ax2.plot(
+                r.timeline_h, rt[:, r.cells.index("router")], color="tab:orange", ls="--", label="router (right axis)"
+            )
             ax2.tick_params(axis="y", colors="tab:orange")
             ax2.legend(loc="lower right", fontsize=8)
         ax.set_title(f"{r.policy} (H = {r.steps_per_round})")

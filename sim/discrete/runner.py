@@ -66,7 +66,9 @@ def run_policies(
         while pending or procs:
             while pending and len(procs) < jobs:
                 k = pending.pop(0)
-                procs[k] = ctx.Process(target=_child, args=(q, k, scenario, pols[k], kw, progress is not None), daemon=True)
+                procs[k] = ctx.Process(
+                    target=_child, args=(q, k, scenario, pols[k], kw, progress is not None), daemon=True
+                )
                 procs[k].start()
             try:
                 kind, k, payload = q.get(timeout=1.0)
@@ -77,7 +79,9 @@ def run_policies(
                         try:
                             kind, k2, payload = q.get(timeout=1.0)
                         except queue.Empty:
-                            raise RuntimeError(f"policy {pols[k].name}: its process died (exit code {pr.exitcode})") from None
+                            raise RuntimeError(
+                                f"policy {pols[k].name}: its process died (exit code {pr.exitcode})"
+                            ) from None
                         _handle(kind, k2, payload, pols, results, procs, progress)
                         break
                 continue
@@ -91,8 +95,15 @@ def run_policies(
     return [results[k] for k in range(len(pols))]
 
 
-def _handle(kind: str, k: int, payload: object, pols: Sequence[SimPolicy], results: dict[int, EngineResult],
-            procs: dict[int, mp.process.BaseProcess], progress: Progress | None) -> None:
+def _handle(
+    kind: str,
+    k: int,
+    payload: object,
+    pols: Sequence[SimPolicy],
+    results: dict[int, EngineResult],
+    procs: dict[int, mp.process.BaseProcess],
+    progress: Progress | None,
+) -> None:
     if kind == "progress":
         if progress is not None:
             progress(k, float(payload))  # type: ignore[arg-type]

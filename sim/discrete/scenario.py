@@ -189,7 +189,10 @@ def _validate(s: Scenario) -> None:
     need(0.0 < s.workload.mfu <= 1.0, "workload.mfu: in (0, 1]")
     need(s.workload.expert_params > 0 and s.workload.router_params > 0, "workload: parameter counts must be positive")
     av = s.population.availability
-    need(av.session_weibull_shape > 0 and av.session_weibull_scale_h > 0, "population.availability: Weibull shape and scale positive")
+    need(
+        av.session_weibull_shape > 0 and av.session_weibull_scale_h > 0,
+        "population.availability: Weibull shape and scale positive",
+    )
     need(av.offline_mean_h > 0, "population.availability.offline_mean_h: positive")
     need(0.0 <= av.diurnal_amplitude < 1.0, "population.availability.diurnal_amplitude: in [0, 1)")
     for name in ("spot_fraction", "graceful_leave_fraction", "initial_online_fraction"):

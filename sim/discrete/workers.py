@@ -22,6 +22,7 @@ import hashlib
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from bagel.coordinator.core.errors import CoordinatorError
 from bagel.coordinator.core.events import CheckpointStored, LeaseExpired, Leave, ReportRound
 from bagel.protocol.messages import Instruction, LocalState, Order, Verdict
@@ -52,7 +53,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from bagel.sim.discrete.engine import Engine
 
 # event kinds
-ARRIVE, DEPART, SYNC_DONE, TRAIN_DONE, REDUCE_DONE, POLL, RENEW, TICK, FAULT, SAMPLE, HEAL, XTIMEOUT, UPLOAD, PTICK, CONT, LEASE = range(16)
+(
+    ARRIVE,
+    DEPART,
+    SYNC_DONE,
+    TRAIN_DONE,
+    REDUCE_DONE,
+    POLL,
+    RENEW,
+    TICK,
+    FAULT,
+    SAMPLE,
+    HEAL,
+    XTIMEOUT,
+    UPLOAD,
+    PTICK,
+    CONT,
+    LEASE,
+) = range(16)
 # worker activities (what its time is spent on)
 OFF, IDLE, SYNC, TRAIN, READY, REDUCE, WAITV, STALL = range(8)
 ACT_BUCKET = {IDLE: "idle", SYNC: "resync", READY: "barrier", REDUCE: "comm", WAITV: "barrier", STALL: "barrier"}
@@ -292,9 +310,15 @@ class WorkerBehaviour:
             if w.pending is not None:
                 held = w.prev_local
             work = Work(
-                cell, rnd, w.rattempt if w.key is None else w.key[2], ready=True, catch_up=catch_up,
-                reduce_attempt=ra, exchanging=a == REDUCE or w.report is not None,
-                pending_hash=w.pending, pending_attempt=ra,
+                cell,
+                rnd,
+                w.rattempt if w.key is None else w.key[2],
+                ready=True,
+                catch_up=catch_up,
+                reduce_attempt=ra,
+                exchanging=a == REDUCE or w.report is not None,
+                pending_hash=w.pending,
+                pending_attempt=ra,
             )
         uploaded = frozenset((w.uploaded[:2],)) if w.uploaded is not None else _NOTHING
         missing = frozenset(w.missing) if w.missing else _NONE_MISSING
@@ -357,10 +381,17 @@ class WorkerBehaviour:
         if w.missing is None:
             w.missing = set()
         w.missing.add((a.cell_id, a.round, a.round_attempt, a.reduce_attempt))
-        self._send(w, ReportRound(
-            w.wid, a.cell_id, a.round, failed=True, reason="this contributor lost its contribution (restarted)",
-            reduce_attempt=a.reduce_attempt,
-        ))
+        self._send(
+            w,
+            ReportRound(
+                w.wid,
+                a.cell_id,
+                a.round,
+                failed=True,
+                reason="this contributor lost its contribution (restarted)",
+                reduce_attempt=a.reduce_attempt,
+            ),
+        )
 
     def _start_sync(self: Engine, w: W, ins: Instruction, target: tuple) -> None:
         donor = self.by_id.get(ins.donor.worker_id) if ins.donor is not None and ins.donor.worker_id else None
@@ -397,7 +428,9 @@ class WorkerBehaviour:
             lk = self.locksteps.get(key)
             if lk is None:
                 by = self.by_id
-                slowest = max(m.max_samples / self.rate(by[m.worker_id], cell) for m in plan.members if m.worker_id in by)
+                slowest = max(
+                    m.max_samples / self.rate(by[m.worker_id], cell) for m in plan.members if m.worker_id in by
+                )
                 lk = self.locksteps[key] = Lockstep(key, max(slowest, own))
             w.lock = lk
             dur = lk.dur_s
@@ -487,7 +520,9 @@ class WorkerBehaviour:
         w.job_kind = -1
         cell, rnd, attempt = ex.key
         if ex.broken:
-            ev = ReportRound(w.wid, cell, rnd, samples=w.samples, failed=True, reason="exchange failed", reduce_attempt=attempt)
+            ev = ReportRound(
+                w.wid, cell, rnd, samples=w.samples, failed=True, reason="exchange failed", reduce_attempt=attempt
+            )
         else:
             w.sent += ex.nbytes
             w.recv += ex.nbytes
@@ -496,8 +531,16 @@ class WorkerBehaviour:
             w.local = LocalState(cell, rnd, h)
             w.pending = h
             ev = ReportRound(
-                w.wid, cell, rnd, h, samples=w.samples, compute_ms=int(w.own_s * 1000), comm_ms=ex.dur_ms,
-                bytes_sent=ex.nbytes, bytes_received=ex.nbytes, reduce_attempt=attempt,
+                w.wid,
+                cell,
+                rnd,
+                h,
+                samples=w.samples,
+                compute_ms=int(w.own_s * 1000),
+                comm_ms=ex.dur_ms,
+                bytes_sent=ex.nbytes,
+                bytes_received=ex.nbytes,
+                reduce_attempt=attempt,
             )
         self._set_act(w, WAITV)
         self._report(w, ev)
