@@ -1,4 +1,4 @@
-"""Load benchmark of the coordinator daemon (issue 2, must-show 6).
+"""Load benchmark of the coordinator daemon.
 
 A real coordinator process (`python -m bagel.coordinator serve`) and, in a separate
 process, a load generator: N simulated workers, each with its own Ed25519 key, register
@@ -34,7 +34,7 @@ rates on a shared 2-core machine drift from run to run.
     python bench/coordinator_load.py [--quick] [--workers 1000 5000 10000]
         [--period-s 5] [--measure-s 30] [--no-baseline] [--json FILE]
 
-Target (issue 2): 10k workers (2,000 heartbeats/s) at p99 <= 50 ms on 2 cores.
+Target: 10k workers (2,000 heartbeats/s) at p99 <= 50 ms on 2 cores.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The worker's lifecycle: join a run, then follow the coordinator's instructions, round after round.
 
 `bagel-worker join` runs one `Agent` (rank 0 of a multi-GPU worker; the other ranks run
-`ddp_follower`). In order (design sections 4 and 6, BRIEF "round protocol"):
+`ddp_follower`). In order:
 
 1. identity (Ed25519, 0600 key file) -> own hivemind DHT node bootstrapped from the join
    string's peers -> the coordinator's signed DHT record -> a signed gRPC client;
@@ -86,7 +86,7 @@ class AgentConfig:
     name: str = ""
     throttle: float = 1.0
     uplink_mbps: float = DEFAULT_UPLINK_MBPS
-    byzantine: str = ""  # "" | sign-flip | scale | nan | zero | stale (fault injection, issue 6)
+    byzantine: str = ""  # "" | sign-flip | scale | nan | zero | stale (fault injection)
     dht_listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     reduce_timeout_s: float = 60.0  # safety net; the coordinator re-freezes or aborts sooner
     # a graceful leave waits at most this long for a running exchange: below the 30 s that
