@@ -7,17 +7,17 @@ the tests, the discrete-event engine and the chaos runner all speak the same voc
 
 Which runner supports what:
 
-| kind                  | sim `run` | chaos | meaning                                                    |
-| --------------------- | --------- | ----- | ---------------------------------------------------------- |
-| `kill`                | yes       | yes   | SIGKILL `fraction` (or `count`) of live workers within `within_s` |
-| `leave`               | yes       | yes   | SIGTERM: graceful Leave of `fraction`/`count` live workers |
-| `stop`                | yes       | yes   | SIGSTOP for `duration_s`, then SIGCONT                     |
-| `partition`           | yes       | yes   | cut `fraction`/`count` workers off coordinator and peers for `duration_s` |
-| `coordinator-kill`    | no        | yes   | SIGKILL the coordinator, restart it after `duration_s`     |
-| `latency`             | no        | yes   | add `latency_ms` in the fault proxy for `duration_s` (0 = rest of the run) |
-| `bandwidth`           | no        | yes   | cap the proxy at `bandwidth_bytes_per_s` for `duration_s`  |
-| `reset`               | no        | yes   | reset the proxy's open connections                         |
-| `hang`                | no        | yes   | the proxy stops forwarding for `duration_s`                |
+| kind               | sim `run` | chaos | meaning                                                    |
+| ------------------ | --------- | ----- | ---------------------------------------------------------- |
+| `kill`             | yes       | yes   | SIGKILL `fraction` (or `count`) of live workers within `within_s` |
+| `leave`            | yes       | yes   | SIGTERM: graceful Leave of `fraction`/`count` live workers |
+| `stop`             | yes       | yes   | SIGSTOP for `duration_s`, then SIGCONT                     |
+| `partition`        | yes       | yes   | cut `fraction`/`count` workers off coordinator and peers for `duration_s` |
+| `coordinator-kill` | no        | yes   | SIGKILL the coordinator, restart it after `duration_s`     |
+| `latency`          | no        | yes   | add `latency_ms` in the fault proxy for `duration_s` (0 = rest of the run) |
+| `bandwidth`        | no        | yes   | cap the proxy at `bandwidth_bytes_per_s` for `duration_s`  |
+| `reset`            | no        | yes   | reset the proxy's open connections                         |
+| `hang`             | no        | yes   | the proxy stops forwarding for `duration_s`                |
 
 Byzantine worker behaviours (`--byzantine MODE` on a worker) are listed in
 `ByzantineMode`.

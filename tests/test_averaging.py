@@ -255,7 +255,7 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
                     for p in ps
                 )
             )
-            return dict(zip((p.worker_id for p in ps), outs))
+            return dict(zip((p.worker_id for p in ps), outs, strict=True))
 
         def expected(avg: torch.Tensor, spec_text: str) -> CellState:
             new = committed.clone()

@@ -61,6 +61,6 @@ def test_every_module_the_architecture_doc_names_exists() -> None:
     import re
 
     text = ARCHITECTURE.read_text(encoding="utf-8")
-    named = set(re.findall(r"`((?:%s)/[\w/]+\.py)`" % "|".join(PACKAGES), text))
+    named = set(re.findall(r"`((?:{})/[\w/]+\.py)`".format("|".join(PACKAGES)), text))
     stale = sorted(m for m in named if not (ROOT / m).is_file())
     assert not stale, "docs/ARCHITECTURE.md names modules that no longer exist: " + ", ".join(stale)

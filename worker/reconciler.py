@@ -312,13 +312,12 @@ def _on_reduce(i: Instruction, view: WorkerView, p: _Plan) -> None:
         # catch-up contributor: we hold the round's base state but trained nothing (we
         # synced during the round, or missed the freeze): exchange a zero pseudo-gradient
         # (weight 0) and apply the same outer step, so we hold the new state without a sync
-        if p.sync is None and i.committed_round == 0 and not i.committed_hash:
-            if not holds(p.held, i.cell_id, 0, ""):
-                # round 0 is the initial state everyone builds, and the coordinator counts
-                # every worker of the cell as holding it: build it now, or the exchange
-                # waits for a contributor that never comes and the round aborts
-                p.actions.append(BuildInitialState(i.cell_id))
-                p.held = LocalState(i.cell_id, 0, "")
+        # round 0 is the initial state everyone builds, and the coordinator counts every
+        # worker of the cell as holding it: build it now, or the exchange waits for a
+        # contributor that never comes and the round aborts
+        if p.sync is None and i.committed_round == 0 and not i.committed_hash and not holds(p.held, i.cell_id, 0, ""):
+            p.actions.append(BuildInitialState(i.cell_id))
+            p.held = LocalState(i.cell_id, 0, "")
         if p.sync is not None or not holds(p.held, i.cell_id, i.committed_round, i.committed_hash):
             return
         p.drop_work("catching up through the exchange")

@@ -45,7 +45,9 @@ class FiredFault:
     error: str = ""
 
     def as_dict(self, t_zero: float | None) -> dict[str, Any]:
-        rel = lambda t: None if t is None or t_zero is None else round(t - t_zero, 3)
+        def rel(t: float | None) -> float | None:
+            return None if t is None or t_zero is None else round(t - t_zero, 3)
+
         return {
             "index": self.index,
             "scheduled": fault_as_dict(self.fault),

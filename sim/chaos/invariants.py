@@ -13,12 +13,13 @@ Invariants (the names are the keys of the chaos `summary.json`):
   commit log is present, with the same hash, in every later read (e.g. after a SIGKILL
   and restart of the coordinator); and every commit acknowledged to a worker
   (VERDICT_COMMITTED) is in the final log with that hash.
-  Epochs: an orphaned cell falls back to its last checkpoint by design and re-commits the rounds after it in the next epoch (`CellRecord.rollbacks`; the
-  store keys commits by (cell, epoch, round) and reads back the current epoch). A later
-  read whose cell is in a newer epoch starting at round b + 1 drops the older epoch's
-  rounds above b: those are rolled back, which is allowed for at most
-  `max_rollback_rounds` rounds per rollback (the checkpoint interval; default 0: any
-  rollback is a lost commit). Without epochs (all 0) a rollback shows as lost rounds.
+  Epochs: an orphaned cell falls back to its last checkpoint by design and re-commits the
+  rounds after it in the next epoch (`CellRecord.rollbacks`; the store keys commits by
+  (cell, epoch, round) and reads back the current epoch). A later read whose cell is in a
+  newer epoch starting at round b + 1 drops the older epoch's rounds above b: those are
+  rolled back, which is allowed for at most `max_rollback_rounds` rounds per rollback
+  (the checkpoint interval; default 0: any rollback is a lost commit). Without epochs
+  (all 0) a rollback shows as lost rounds.
 - `no_round_applied_twice`: within every read of the log, each (cell, epoch, round)
   appears at most once and a cell's rounds in an epoch are contiguous, from 1 in epoch
   0 (a gap means a round number was skipped or its record lost, a repeat means it was
@@ -166,7 +167,10 @@ def check_no_committed_round_lost(h: History) -> InvariantResult:
                     continue
                 out.append(f"{cell} round {rnd}: in the log at '{earlier.label}' but missing at '{later.label}'")
             for (cell, ep), rounds in sorted(rolled.items()):
-                msg = f"{cell}: rounds {rounds[0]}..{rounds[-1]} rolled back to the checkpoint (epoch {ep}) by '{later.label}'"
+                msg = (
+                    f"{cell}: rounds {rounds[0]}..{rounds[-1]} rolled back to the checkpoint "
+                    f"(epoch {ep}) by '{later.label}'"
+                )
                 if len(rounds) > h.max_rollback_rounds:
                     out.append(f"{msg}: {len(rounds)} > {h.max_rollback_rounds} allowed")
                 else:
@@ -180,7 +184,8 @@ def check_no_committed_round_lost(h: History) -> InvariantResult:
         if key in final:
             if final[key] != ack.state_hash:
                 out.append(
-                    f"{ack.cell_id} round {ack.round}: acknowledged with hash {ack.state_hash[:12]}, final log has {final[key][:12]}"
+                    f"{ack.cell_id} round {ack.round}: acknowledged with hash {ack.state_hash[:12]}, "
+                    f"final log has {final[key][:12]}"
                 )
         elif ack.state_hash not in by_round.get((ack.cell_id, ack.round), set()):
             out.append(f"{ack.cell_id} round {ack.round}: acknowledged as committed but not in the final log")
@@ -240,7 +245,8 @@ def check_progress_resumes(h: History) -> InvariantResult:
         if nxt is None or nxt > limit:
             if limit > h.end_s and nxt is None:
                 out.append(
-                    f"{f.kind} at {f.t_s:.1f}s: no commit after it ended ({start:.1f}s) before the run ended at {h.end_s:.1f}s"
+                    f"{f.kind} at {f.t_s:.1f}s: no commit after it ended ({start:.1f}s) "
+                    f"before the run ended at {h.end_s:.1f}s"
                 )
             else:
                 late = "none" if nxt is None else f"{nxt - start:.1f}s"

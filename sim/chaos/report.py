@@ -289,7 +289,8 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
     lines = [
         f"# bagel-sim chaos: {summary['scenario']}",
         "",
-        f"**{'PASS' if ok else 'FAIL'}** — {summary['committed_rounds']} committed rounds; stopped: {summary['stop_reason']}.",
+        f"**{'PASS' if ok else 'FAIL'}** — {summary['committed_rounds']} committed rounds; "
+        f"stopped: {summary['stop_reason']}.",
         "",
         "## Invariants",
         "",
@@ -340,17 +341,18 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
         banned = "yes" if w.get("banned") else "-"
         errors = w["events"].get("error", 0)
         lines.append(
-            f"| w{w['index']} | {w['worker_id']} | {w['byzantine'] or '-'} | {w['starts']} | {w['rounds_contributed']} | "
-            f"{verdicts} | {banned} | {errors} |"
+            f"| w{w['index']} | {w['worker_id']} | {w['byzantine'] or '-'} | {w['starts']} | "
+            f"{w['rounds_contributed']} | {verdicts} | {banned} | {errors} |"
         )
     if summary["byzantine"]:
         lines += [
             "",
             "## Byzantine workers",
             "",
-            'With the plain mean (diloco.aggregation = "mean", the default), a Byzantine worker\'s update is averaged in; '
-            "compare its cell's loss with the clean cells above. Loss change = the cell's committed loss in "
-            "the next round minus this round's, averaged over the rounds it contributed to / all other rounds.",
+            'With the plain mean (diloco.aggregation = "mean", the default), a Byzantine worker\'s update '
+            "is averaged in; compare its cell's loss with the clean cells above. Loss change = the cell's "
+            "committed loss in the next round minus this round's, averaged over the rounds it contributed "
+            "to / all other rounds.",
             "",
             "| worker | mode | rounds contributed | loss change after its rounds | after the others | verdicts |",
             "| --- | --- | --- | --- | --- | --- |",

@@ -143,11 +143,14 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
         f"# bagel-sim: {meta['scenario']}",
         "",
-        f"{summary['workers']} workers, {summary['virtual_hours']:g} virtual hours, {meta['cells']} cells, seed {meta['seed']}"
+        f"{summary['workers']} workers, {summary['virtual_hours']:g} virtual hours, {meta['cells']} cells, "
+        f"seed {meta['seed']}"
         + (f", {summary['wall_s']:.1f} s wall" if "wall_s" in summary else "")
-        + f"; achieved-throughput spread (p95/p5) {meta['throughput_spread_p95_p5']:.1f}x; leases: {meta['lease_mode']}.",
+        + f"; achieved-throughput spread (p95/p5) {meta['throughput_spread_p95_p5']:.1f}x; "
+        f"leases: {meta['lease_mode']}.",
         "",
-        "| policy | goodput | utilisation | committed rounds | aborted | rounds/cell (min–max) | cells at target | time to target (median) | fairness (Jain) | bytes sent / worker |",
+        "| policy | goodput | utilisation | committed rounds | aborted | rounds/cell (min–max) | cells at target "
+        "| time to target (median) | fairness (Jain) | bytes sent / worker |",
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for name, p in pols.items():
@@ -186,7 +189,7 @@ def plot(results: Sequence[EngineResult], out: Path) -> list[Path]:
     # committed rounds per cell: a sync_dp "round" is a block of lock-step steps and a
     # DiLoCo round is H inner steps, so each policy gets its own y axis
     fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
-    for ax, r in zip(axes[0], results):
+    for ax, r in zip(axes[0], results, strict=True):
         rt = r.rounds_timeline
         experts = [j for j, c in enumerate(r.cells) if c != "router"]
         if rt.size and experts:
