@@ -87,7 +87,6 @@ def run_scenario(
     """Simulate each policy (`jobs` at once); returns the results and the wall time in seconds."""
     pols = [registry.get(n) for n in policy_names]
     t0 = time.perf_counter()
-    kw = {"workers": workers, "hours": hours, "seed": seed, "jobs": jobs}
     if progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -98,9 +97,17 @@ def run_scenario(
             TimeElapsedColumn(),
         ) as bar:
             tasks = [bar.add_task(p.name, total=1.0) for p in pols]
-            results = run_policies(scenario, pols, progress=lambda k, f: bar.update(tasks[k], completed=f), **kw)
+            results = run_policies(
+                scenario,
+                pols,
+                workers=workers,
+                hours=hours,
+                seed=seed,
+                jobs=jobs,
+                progress=lambda k, f: bar.update(tasks[k], completed=f),
+            )
     else:
-        results = run_policies(scenario, pols, **kw)
+        results = run_policies(scenario, pols, workers=workers, hours=hours, seed=seed, jobs=jobs)
     return results, time.perf_counter() - t0
 
 

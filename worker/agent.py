@@ -170,7 +170,7 @@ class Agent:
             self.orders.load_local()
             self.spec = self._cached_spec(record.spec_hash)
             if self.spec is not None:
-                self._prefetch_data()
+                self._prefetch_data(self.spec)
             if not await self.link.register():
                 return 0
             self.link.start_heartbeats()
@@ -374,7 +374,7 @@ class Agent:
         if self.spec is None:
             self.spec = parse_spec(resp.spec_toml)
             self._cache_spec(resp.spec_toml, resp.spec_hash)
-            self._prefetch_data()
+            self._prefetch_data(self.spec)
             await self._send_spec_to_ranks(resp.spec_toml)
             return False  # registered without throughput: measure, then register again
         self.display.event("registered", worker_id=resp.worker_id, cell=resp.instruction.cell_id or "-")
@@ -485,11 +485,11 @@ class Agent:
             samples_per_s=sps,
         )
 
-    def _prefetch_data(self) -> None:
+    def _prefetch_data(self, spec: RunSpec) -> None:
         """Load (and cluster) the run's dataset in the background: the first round needs it."""
         from bagel.models.data import load_dataset
 
-        self.spawn(asyncio.to_thread(load_dataset, self.spec), "prefetch-data")
+        self.spawn(asyncio.to_thread(load_dataset, spec), "prefetch-data")
 
     async def _send_spec_to_ranks(self, spec_toml: str) -> None:
         if self.ctx.enabled:

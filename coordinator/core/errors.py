@@ -84,7 +84,7 @@ GRPC_STATUS: dict[type[CoordinatorError], str] = {
 def grpc_status_name(error: BaseException) -> str:
     """The gRPC status name for a core error (its closest class in GRPC_STATUS)."""
     for cls in type(error).__mro__:
-        name = GRPC_STATUS.get(cls)  # type: ignore[call-overload]
+        name = GRPC_STATUS.get(cls)
         if name is not None:
             return name
     return "INTERNAL"

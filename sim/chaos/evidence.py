@@ -70,7 +70,7 @@ class Observations:
     hashes: list[inv.HashObservation] = field(default_factory=list)
     ready_loss: list[tuple[float, int, str, int, float]] = field(default_factory=list)  # t, worker, cell, round, loss
     verdicts: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
-    events: dict[int, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    events: dict[int, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     errors: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))  # first few "error" events
     banned: dict[int, str] = field(default_factory=dict)  # worker -> the coordinator's ban message
     first_commit_s: float | None = None

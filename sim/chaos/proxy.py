@@ -83,9 +83,11 @@ class _Pipe:
                     break
                 async with self._space:  # bounded buffer: back-pressure the sender
                     n = len(data)
-                    await self._space.wait_for(
-                        lambda n=n: self.buffered + n <= self.proxy.max_buffer_bytes or self.buffered == 0
-                    )
+
+                    def has_room(n: int = n) -> bool:
+                        return self.buffered + n <= self.proxy.max_buffer_bytes or self.buffered == 0
+
+                    await self._space.wait_for(has_room)
                     self.buffered += len(data)
                 self._queue.put_nowait((time.monotonic(), data))
         finally:

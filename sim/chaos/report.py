@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +90,7 @@ def findings(run: ChaosRun, final: inv.CommitLogRead) -> list[str]:
         for proc in run.sup.procs:
             if proc.term_timed_out and proc.name.startswith(f"{w.label}-"):
                 out.append(f"{proc.name} did not exit within its grace period after SIGTERM (it was SIGKILLed)")
-        n = run.obs.events.get(w.index, {}).get("error", 0)
+        n = run.obs.events.get(w.index, Counter()).get("error", 0)
         if n:
             out.append(f"{w.label} logged {n} error event(s), e.g. {run.obs.errors[w.index][0][:200]!r}")
     last_end = max([ff.ended_s or ff.fired_s or 0.0 for ff in run.fired], default=0.0)
@@ -135,7 +135,7 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
         per_cell[c.cell_id] += 1
     records = run.commit_records
     contributed: dict[str, int] = defaultdict(int)
-    loss: dict[str, list[list[float]]] = defaultdict(list)
+    loss: dict[str, list[list[float | None]]] = defaultdict(list)
     t0 = run.t_zero or 0.0
     for c in records:
         for w in c.contributors:

@@ -60,12 +60,10 @@ def _fallback_bytes_per_value(codec: str) -> float:
 def encoded_nbytes(codec: str, numel: int) -> int:
     """Bytes on the wire for `numel` values under `codec` (the real codec if available)."""
     try:
-        from bagel.compression import get_codec  # type: ignore[attr-defined]
+        from bagel.compression import get_codec
     except ImportError:
-        get_codec = None
-    if get_codec is not None:
-        return int(get_codec(codec).encoded_nbytes(numel))
-    return int(math.ceil(numel * _fallback_bytes_per_value(codec)))
+        return int(math.ceil(numel * _fallback_bytes_per_value(codec)))
+    return int(get_codec(codec).encoded_nbytes(numel))
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Register, T
 from bagel.coordinator.core.records import (
     CellConfig,
     CommitRecord,
+    Record,
     RoundRecord,
     RoundState,
     WorkerRecord,
@@ -164,7 +165,7 @@ class Engine(WorkerBehaviour):
         self.frng = np.random.default_rng(fault_seed)
         self.brng = np.random.default_rng(byz_seed)
         self.pop = popmod.sample_population(scenario.population, self.n, np.random.default_rng(pop_seed))
-        base: dict[str, dict] = {}
+        base: dict[str, dict[str, object]] = {}
         if self.n != sc.workers and scenario.engine.scale_batch_with_workers:
             # keep each member's per-step batch (so the round's length) as the scenario intends
             gb = scenario.run_spec().diloco.group_batch
@@ -190,8 +191,8 @@ class Engine(WorkerBehaviour):
         # the daemon's own per-cell compute targets (uniform cluster sizes: no dataset here)
         self.targets = cell_targets(self.spec, None)
         codec = self.spec.diloco.codec
-        k = self.policy.core.inner_steps if self.policy.comm_every_step else 1
-        self.comm_rounds = k or 1
+        comm_k = self.policy.core.inner_steps if self.policy.comm_every_step else 1
+        self.comm_rounds = comm_k or 1
         self.payload = {c: cm.encoded_nbytes(codec, int(cm.cell_params(self.work, c))) for c in self.cells}
         cfgs = [
             CellConfig(c, cm.cell_memory_bytes(self.work, c), self.targets[c], self.payload[c] * self.comm_rounds)
@@ -209,12 +210,12 @@ class Engine(WorkerBehaviour):
         self.core_calls = 0
         self.events = 0
         self.last_tick = -1
-        self.exchanges: dict[tuple, Exchange] = {}
+        self.exchanges: dict[tuple[str, int, int], Exchange] = {}
         self.ex_list: list[Exchange] = []
-        self.locksteps: dict[tuple, Lockstep] = {}
-        self.uploads: dict[int, tuple] = {}
-        self.seen_round: dict[str, tuple] = {}
-        self.member_ids: dict[tuple, tuple[str, ...]] = {}
+        self.locksteps: dict[tuple[str, int, int], Lockstep] = {}
+        self.uploads: dict[int, tuple[str, int, str]] = {}
+        self.seen_round: dict[str, tuple[int, int, RoundState, int]] = {}
+        self.member_ids: dict[tuple[str, int, int], tuple[str, ...]] = {}
         self.online_flops = 0.0
         self.train_flops = 0.0
         self.online_count = 0
@@ -413,7 +414,7 @@ class Engine(WorkerBehaviour):
 
     # ------------------------------------------------------------ effects -> who must hear
 
-    def _absorb(self, effects: tuple, caller: str) -> None:
+    def _absorb(self, effects: tuple[Record, ...], caller: str) -> None:
         for r in effects:
             if isinstance(r, RoundRecord):
                 self._on_round_record(r, caller)

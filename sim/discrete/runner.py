@@ -22,6 +22,7 @@ import os
 import queue
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from bagel.sim.discrete.engine import Engine, EngineResult
 from bagel.sim.discrete.policies import SimPolicy
@@ -50,7 +51,7 @@ def run_policies(
     progress: Progress | None = None,
 ) -> list[EngineResult]:
     """Simulate each policy; results in the order of `pols`. jobs <= 1: in this process."""
-    kw = {"workers": workers, "hours": hours, "seed": seed}
+    kw: dict[str, Any] = {"workers": workers, "hours": hours, "seed": seed}  # Engine's keywords
     if jobs <= 1 or len(pols) <= 1:
         out = []
         for k, p in enumerate(pols):

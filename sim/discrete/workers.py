@@ -50,7 +50,11 @@ from bagel.worker.reconciler import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from bagel.sim.discrete.engine import Engine
+    from bagel.coordinator.core.events import Event, Outcome
+    from bagel.protocol.messages import Profile
+    from bagel.sim.discrete.ledger import Ledger
+    from bagel.sim.discrete.policies import SimPolicy
+    from bagel.sim.discrete.population import AvailabilitySpec
 
 # event kinds
 (
@@ -91,6 +95,18 @@ _NONE_MISSING: frozenset[tuple[str, int, int, int]] = frozenset()
 
 class W:
     """One synthetic worker's live state (slots: there are 10,000 of them)."""
+
+    # set by `Engine._make_worker` from the population sample (declarations only: a slot
+    # cannot also have a class-level value)
+    flops: float  # achieved FLOP/s
+    rate_e: float  # samples/s on an expert cell
+    rate_r: float  # samples/s on the router cell
+    bw: float  # link bandwidth, bytes/s
+    lat: float  # link latency, s
+    byz: bool
+    spot: bool
+    hb_phase: int  # ms offset of its periodic heartbeat in [0, heartbeat_ms)
+    profile: Profile
 
     __slots__ = (
         "act",
@@ -149,8 +165,8 @@ class W:
         self.job = 0  # bumps per job: invalidates SYNC_DONE/TRAIN_DONE/REDUCE_DONE events
         self.act = OFF
         self.since = 0
-        self.key: tuple | None = None  # (cell, round, round_attempt) trained / ready
-        self.rkey: tuple | None = None  # (cell, round, reduce_attempt) reduced / reported
+        self.key: tuple[str, int, int] | None = None  # (cell, round, round_attempt) trained / ready
+        self.rkey: tuple[str, int, int] | None = None  # (cell, round, reduce_attempt) reduced / reported
         self.samples = 0
         self.own_s = 0.0  # own compute time of the round
         self.dur_s = 0.0  # wall time of the round's training (> own_s at a lock-step barrier)
@@ -169,12 +185,12 @@ class W:
         self.recv = 0
         self.ex: Exchange | None = None
         self.lock: Lockstep | None = None
-        self.sync_target: tuple | None = None
-        self.uploaded: tuple | None = None
+        self.sync_target: tuple[str, int, str] | None = None  # (cell, committed round, hash)
+        self.uploaded: tuple[str, int, str] | None = None
         self.report: ReportRound | None = None  # sent but not acknowledged (lost): resend
         self.lease_until = 0  # lease expiry the core last granted (heartbeat lease mode)
         self.epoch = 0  # bumps whenever the worker (re)gains contact: invalidates LEASE events
-        self.waited: tuple | None = None  # (cell, committed round) of the WAIT it last got
+        self.waited: tuple[str, int] | None = None  # (cell, committed round) of the WAIT it last got
         self.h = 0  # inner steps of the round it trains
         self.pending: str | None = None  # hash it reported for rkey, awaiting the commit
         self.rattempt = 0  # round_attempt of a catch-up contribution (no training key)
@@ -186,7 +202,7 @@ class Exchange:
 
     __slots__ = ("broken", "done_at", "dur_ms", "hash", "joined", "key", "members", "nbytes")
 
-    def __init__(self, key: tuple, members: tuple[str, ...], dur_ms: int, h: str, nbytes: int) -> None:
+    def __init__(self, key: tuple[str, int, int], members: tuple[str, ...], dur_ms: int, h: str, nbytes: int) -> None:
         self.key = key
         self.members = members
         self.joined: dict[W, None] = {}  # insertion-ordered set: O(1) leave
@@ -202,7 +218,7 @@ class Lockstep:
 
     __slots__ = ("broken", "dur_s", "key")
 
-    def __init__(self, key: tuple, dur_s: float) -> None:
+    def __init__(self, key: tuple[str, int, int], dur_s: float) -> None:
         self.key = key
         self.dur_s = dur_s
         self.broken = False
@@ -211,9 +227,43 @@ class Lockstep:
 class WorkerBehaviour:
     """The worker side of the engine (a mixin of `Engine`)."""
 
+    if TYPE_CHECKING:  # pragma: no cover
+        # what the mixin uses of `Engine`, which defines all of these
+        now: int
+        av: AvailabilitySpec
+        work: cm.WorkloadSpec
+        policy: SimPolicy
+        ledger: Ledger
+        rng: np.random.Generator
+        frng: np.random.Generator
+        ws: list[W]
+        by_id: dict[str, W]
+        declared: bool
+        hb_ms: int
+        lease_ms: int
+        comm_rounds: int
+        payload: dict[str, int]
+        online_flops: float
+        online_count: int
+        exchanges: dict[tuple[str, int, int], Exchange]
+        ex_list: list[Exchange]
+        locksteps: dict[tuple[str, int, int], Lockstep]
+        uploads: dict[int, tuple[str, int, str]]
+
+        def push(self, t: int, kind: int, i: int = -1, token: int = 0) -> None: ...
+        def _apply(self, ev: Event) -> Outcome: ...
+        def _send(self, w: W, ev: Event) -> Outcome | None: ...
+        def _register(self, w: W) -> Outcome | None: ...
+        def _heartbeat(self, w: W) -> Outcome | None: ...
+        def _poll_later(self, w: W) -> None: ...
+        def _tick_at(self, t: int) -> None: ...
+        def _set_act(self, w: W, act: int) -> None: ...
+        @staticmethod
+        def rate(w: W, cell: str) -> float: ...
+
     # ------------------------------------------------------------ arrive / depart
 
-    def _on_arrive(self: Engine, w: W, token: int) -> None:
+    def _on_arrive(self, w: W, token: int) -> None:
         if token != w.gen or w.online or w.banned:
             return
         w.online = True
@@ -231,12 +281,12 @@ class WorkerBehaviour:
         if out is not None:
             self._react(w, out.instruction)
 
-    def _on_depart(self: Engine, w: W, token: int) -> None:
+    def _on_depart(self, w: W, token: int) -> None:
         if (token >> 1) != w.gen or not w.online:
             return
         self._depart(w, graceful=bool(token & 1))
 
-    def _depart(self: Engine, w: W, *, graceful: bool, comes_back: bool = True) -> None:
+    def _depart(self, w: W, *, graceful: bool, comes_back: bool = True) -> None:
         self._abandon(w, "preempted", dead=True)
         self._set_act(w, OFF)
         if graceful and not w.cut and not w.stopped:
@@ -259,12 +309,12 @@ class WorkerBehaviour:
             gap_s = popmod.draw_offline_s(self.av, self.now / 1000.0, self.rng)
             self.push(self.now + int(gap_s * 1000) + 1, ARRIVE, w.i, w.gen)
 
-    def _ban(self: Engine, w: W) -> None:
+    def _ban(self, w: W) -> None:
         w.banned = True
         if w.online:
             self._depart(w, graceful=False, comes_back=False)
 
-    def _abandon(self: Engine, w: W, cause: str, *, dead: bool = False) -> None:
+    def _abandon(self, w: W, cause: str, *, dead: bool = False) -> None:
         """Stop the worker's current job; its training so far stays pending on the round."""
         act = w.act
         if act in (TRAIN, STALL, READY, REDUCE, WAITV) and w.key is not None:
@@ -293,7 +343,7 @@ class WorkerBehaviour:
 
     # ------------------------------------------------------------ instructions
 
-    def _view(self: Engine, w: W) -> WorkerView:
+    def _view(self, w: W) -> WorkerView:
         """What the real worker's reconciler would see of this worker (module docstring)."""
         a = w.act
         held = w.local
@@ -324,7 +374,7 @@ class WorkerBehaviour:
         missing = frozenset(w.missing) if w.missing else _NONE_MISSING
         return WorkerView(w.wid, held, work, sync, uploaded, missing)
 
-    def _react(self: Engine, w: W, ins: Instruction | None) -> None:
+    def _react(self, w: W, ins: Instruction | None) -> None:
         """Follow `ins` as the real worker decides to, each action as a virtual-time effect."""
         if ins is None or not w.online:
             return
@@ -375,7 +425,7 @@ class WorkerBehaviour:
             self.uploads[w.i] = up
             self.push(self.now + int(1000 * nbytes / min(w.bw, COORDINATOR_BW)) + 1, UPLOAD, w.i, w.gen)
 
-    def _report_missing(self: Engine, w: W, a: ReportMissing) -> None:
+    def _report_missing(self, w: W, a: ReportMissing) -> None:
         """A weighted contributor that lost its contribution (it re-registered before its
         lease ran out) says so with a failed report; the answer's instruction is not read."""
         if w.missing is None:
@@ -393,7 +443,7 @@ class WorkerBehaviour:
             ),
         )
 
-    def _start_sync(self: Engine, w: W, ins: Instruction, target: tuple) -> None:
+    def _start_sync(self, w: W, ins: Instruction, target: tuple) -> None:
         donor = self.by_id.get(ins.donor.worker_id) if ins.donor is not None and ins.donor.worker_id else None
         dbw = donor.bw if donor is not None and donor.online and not donor.cut else COORDINATOR_BW
         nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
@@ -405,9 +455,10 @@ class WorkerBehaviour:
         self._set_act(w, SYNC)
         self._job(w, SYNC_DONE, dur)
 
-    def _on_sync_done(self: Engine, w: W, token: int) -> None:
+    def _on_sync_done(self, w: W, token: int) -> None:
         if token != w.job or not w.online:
             return
+        assert w.sync_target is not None  # set by _start_sync; a stale SYNC_DONE fails the token check
         cell, r, h = w.sync_target
         w.local = LocalState(cell, r, h)
         w.sync_target = None
@@ -417,8 +468,9 @@ class WorkerBehaviour:
         if out is not None:
             self._react(w, out.instruction)
 
-    def _start_train(self: Engine, w: W, ins: Instruction) -> None:
+    def _start_train(self, w: W, ins: Instruction) -> None:
         plan = ins.plan
+        assert plan is not None  # decide() starts training only as a member of the plan
         cell = ins.cell_id
         key = (cell, ins.round, ins.round_attempt)
         samples = plan.inner_steps * plan.micro_batch * plan.grad_accum
@@ -444,7 +496,7 @@ class WorkerBehaviour:
         self._set_act(w, TRAIN)
         self._job(w, TRAIN_DONE, dur)
 
-    def _on_train_done(self: Engine, w: W, token: int) -> None:
+    def _on_train_done(self, w: W, token: int) -> None:
         if token != w.job or not w.online:
             return
         w.job_kind = -1
@@ -456,7 +508,7 @@ class WorkerBehaviour:
         if out is not None:
             self._react(w, out.instruction)
 
-    def _catch_up(self: Engine, w: W, ins: Instruction) -> None:
+    def _catch_up(self, w: W, ins: Instruction) -> None:
         """Become a zero-weight catch-up contributor (a straggler cut at the freeze, or a
         synced worker that was not a member): drop any training and exchange a zero
         pseudo-gradient, to receive the new state without a download."""
@@ -466,7 +518,7 @@ class WorkerBehaviour:
         w.local = LocalState(ins.cell_id, ins.committed_round, ins.committed_hash)
         w.rattempt = ins.round_attempt
 
-    def _start_reduce(self: Engine, w: W, ins: Instruction) -> None:
+    def _start_reduce(self, w: W, ins: Instruction) -> None:
         """Join the exchange of (cell, round, reduce_attempt). A member that trained this
         round contributes its samples; a catch-up contributor (`_catch_up`) none."""
         rkey = (ins.cell_id, ins.round, ins.reduce_attempt)
@@ -504,7 +556,7 @@ class WorkerBehaviour:
         elif ex.done_at >= 0:  # joined an exchange that already ran without it (re-freeze race)
             self._job(w, REDUCE_DONE, 0.0)
 
-    def _on_xtimeout(self: Engine, ex: Exchange) -> None:
+    def _on_xtimeout(self, ex: Exchange) -> None:
         if ex.done_at >= 0:
             return
         ex.broken = True
@@ -513,7 +565,7 @@ class WorkerBehaviour:
             if m.ex is ex and m.act == REDUCE:
                 self._job(m, REDUCE_DONE, 0.0)
 
-    def _on_reduce_done(self: Engine, w: W, token: int) -> None:
+    def _on_reduce_done(self, w: W, token: int) -> None:
         if token != w.job or not w.online or w.ex is None:
             return
         ex = w.ex
@@ -545,7 +597,7 @@ class WorkerBehaviour:
         self._set_act(w, WAITV)
         self._report(w, ev)
 
-    def _report(self: Engine, w: W, ev: ReportRound) -> None:
+    def _report(self, w: W, ev: ReportRound) -> None:
         w.report = ev
         out = self._send(w, ev)
         if out is None:
@@ -561,7 +613,7 @@ class WorkerBehaviour:
 
     # ------------------------------------------------------------ heartbeats
 
-    def _on_poll(self: Engine, w: W, token: int) -> None:
+    def _on_poll(self, w: W, token: int) -> None:
         if token != w.gen:
             return
         w.poll = False
@@ -574,7 +626,7 @@ class WorkerBehaviour:
         if out is not None:
             self._react(w, out.instruction)
 
-    def _on_renew(self: Engine, w: W, token: int) -> None:
+    def _on_renew(self, w: W, token: int) -> None:
         if token != w.gen or not w.online:
             return
         if self.now < w.renew_due:
@@ -594,7 +646,7 @@ class WorkerBehaviour:
             w.renew_armed = True
             self.push(self.now + self.hb_ms, RENEW, w.i, w.gen)
 
-    def _on_upload(self: Engine, w: W, token: int) -> None:
+    def _on_upload(self, w: W, token: int) -> None:
         up = self.uploads.pop(w.i, None)
         if up is None or token != w.gen or not w.online:
             return
@@ -605,7 +657,7 @@ class WorkerBehaviour:
 
     # ------------------------------------------------------------ faults
 
-    def _fault(self: Engine, f: Fault) -> None:
+    def _fault(self, f: Fault) -> None:
         online = [w for w in self.ws if w.online]
         if f.workers:
             targets = [self.ws[i] for i in f.workers if i < len(self.ws)]
@@ -638,26 +690,26 @@ class WorkerBehaviour:
                     self.push(w.job_due, w.job_kind, w.i, w.job)
                 self.push(self.now + int(f.duration_s * 1000), CONT, w.i, 0)
 
-    def _break_groups(self: Engine, w: W) -> None:
+    def _break_groups(self, w: W) -> None:
         if w.lock is not None:
             w.lock.broken = True
         ex = w.ex
         if ex is not None and (ex.done_at < 0 or ex.done_at > self.now):
             ex.broken = True
 
-    def _on_heal(self: Engine, w: W, token: int) -> None:
+    def _on_heal(self, w: W, token: int) -> None:
         w.cut = False
         if w.online and not w.stopped:
             w.epoch += 1
             self._poll_later(w)
 
-    def _on_cont(self: Engine, w: W, token: int) -> None:
+    def _on_cont(self, w: W, token: int) -> None:
         w.stopped = False
         if w.online and not w.cut:
             w.epoch += 1
             self._poll_later(w)
 
-    def _lost_contact(self: Engine, w: W) -> None:
+    def _lost_contact(self, w: W) -> None:
         """The worker stops reaching the coordinator now: its lease runs out as in the daemon.
 
         Heartbeat lease mode: the core's own timer fires; the engine only ticks it then.
@@ -671,7 +723,7 @@ class WorkerBehaviour:
         else:
             self._tick_at(w.lease_until + 1)
 
-    def _on_lease(self: Engine, w: W, token: int) -> None:
+    def _on_lease(self, w: W, token: int) -> None:
         if token != w.epoch or (w.online and not w.cut and not w.stopped):
             return
         try:
@@ -681,7 +733,7 @@ class WorkerBehaviour:
 
     # ------------------------------------------------------------ helpers
 
-    def _job(self: Engine, w: W, kind: int, dur_s: float) -> None:
+    def _job(self, w: W, kind: int, dur_s: float) -> None:
         w.job += 1
         w.job_kind = kind
         w.job_due = self.now + int(dur_s * 1000)
