@@ -129,8 +129,8 @@ class StartSync:
 
 @dataclass(frozen=True, slots=True)
 class BuildInitialState:
-    """Round 0 of a TRAIN: build the deterministic initial state locally, at once (the
-    actions after it assume it is held; if the build fails, skip them)."""
+    """Round 0 of a TRAIN or a catch-up: build the deterministic initial state locally, at
+    once (the actions after it assume it is held; if the build fails, skip them)."""
 
     cell_id: str
 

@@ -401,10 +401,10 @@ class WorkerBehaviour:
                 self._abandon(w, "")
             elif t is BuildInitialState:
                 w.local = LocalState(ins.cell_id, 0, "")
-            elif t is Upload:
-                upload = a  # type: ignore[assignment]
-            elif t is ReportMissing:
-                self._report_missing(w, a)  # type: ignore[arg-type]
+            elif isinstance(a, Upload):
+                upload = a
+            elif isinstance(a, ReportMissing):
+                self._report_missing(w, a)
             elif t is LeaveOrder:
                 self._ban(w)
                 return
