@@ -231,14 +231,7 @@ class SimWorker:
         self._act(instruction_from_pb(resp.instruction))
 
     def _phase(self) -> int:
-        if self.sync is not None:
-            return pb.PHASE_SYNCING
-        w = self.work
-        if w is None:
-            return pb.PHASE_IDLE
-        if w.reduce_attempt or w.pending_hash is not None:
-            return pb.PHASE_REDUCING
-        return pb.PHASE_READY if w.ready else pb.PHASE_TRAINING
+        return int(reconciler.phase(self._view()))
 
     async def _heartbeat(self) -> None:
         # the real worker's heartbeat (worker/orders.py), without progress or loss

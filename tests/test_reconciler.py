@@ -15,7 +15,17 @@ import pytest
 
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.convert import instruction_from_pb, instruction_to_pb, order_from_pb, verdict_from_pb
-from bagel.protocol.messages import Donor, Instruction, LocalState, Member, Order, PeerAddress, RoundPlan, Verdict
+from bagel.protocol.messages import (
+    Donor,
+    Instruction,
+    LocalState,
+    Member,
+    Order,
+    PeerAddress,
+    Phase,
+    RoundPlan,
+    Verdict,
+)
 from bagel.worker.reconciler import (
     AdoptPending,
     BuildInitialState,
@@ -36,6 +46,7 @@ from bagel.worker.reconciler import (
     decide,
     decide_verdict,
     holds,
+    phase,
 )
 
 ME = "w-me"
@@ -374,3 +385,29 @@ def test_unknown_enum_numbers_read_as_unspecified() -> None:
     assert instruction_from_pb(pb.Instruction(order=99)).order is Order.UNSPECIFIED  # type: ignore[arg-type]
     assert order_from_pb(pb.ORDER_REDUCE) is Order.REDUCE
     assert verdict_from_pb(pb.VERDICT_COMMITTED) is Verdict.COMMITTED and verdict_from_pb(42) is Verdict.UNSPECIFIED
+
+
+# ---------------------------------------------------------------------------- heartbeat phase
+
+PHASES = {
+    "nothing": Phase.IDLE,
+    "holds-committed": Phase.IDLE,
+    "holds-older": Phase.IDLE,
+    "holds-other-cell": Phase.IDLE,
+    "training-same": Phase.TRAINING,
+    "training-other-attempt": Phase.TRAINING,
+    "ready": Phase.READY,
+    "reducing-same": Phase.REDUCING,
+    "reducing-older": Phase.REDUCING,
+    "pending-here": Phase.REDUCING,
+    "pending-committed": Phase.REDUCING,
+    "pending-other-hash": Phase.REDUCING,
+    "syncing-same": Phase.SYNCING,
+    "syncing-other": Phase.SYNCING,
+}
+
+
+@pytest.mark.parametrize("state", sorted(STATES))
+def test_the_heartbeat_phase_of_every_local_state(state: str) -> None:
+    assert set(PHASES) == set(STATES)
+    assert phase(STATES[state]) is PHASES[state]

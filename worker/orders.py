@@ -571,14 +571,8 @@ class Orders:
         )
 
     def phase(self) -> int:
-        if self.sync is not None:
-            return pb.PHASE_SYNCING
-        w = self.work
-        if w is None:
-            return pb.PHASE_IDLE
-        if w.reduce_attempt or w.pending is not None:
-            return pb.PHASE_REDUCING
-        return pb.PHASE_READY if w.result is not None else pb.PHASE_TRAINING
+        """The proto phase the heartbeat reports (the reconciler's reading of the view)."""
+        return int(reconciler.phase(self.view(frozenset())))
 
     def heartbeat_request(self) -> pb.HeartbeatRequest:
         phase = self.phase()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bagel.protocol.messages import Donor, Instruction, LocalState, Order, Verdict
+from bagel.protocol.messages import Donor, Instruction, LocalState, Order, Phase, Verdict
 
 # ---------------------------------------------------------------- what the worker holds and does
 
@@ -78,6 +78,20 @@ def holds(held: LocalState | None, cell_id: str, committed_round: int, committed
     if held is None or held.cell_id != cell_id or held.committed_round != committed_round:
         return False
     return committed_hash == held.state_hash or (committed_round == 0 and committed_hash == "")
+
+
+def phase(view: WorkerView) -> Phase:
+    """What the worker's heartbeat says it is doing: syncing, idle, training, ready (its
+    pseudo-gradient exists) or reducing (an exchange over a frozen set ran or runs, or its
+    outcome awaits the verdict)."""
+    if view.sync is not None:
+        return Phase.SYNCING
+    w = view.work
+    if w is None:
+        return Phase.IDLE
+    if w.reduce_attempt or w.pending_hash is not None:
+        return Phase.REDUCING
+    return Phase.READY if w.ready else Phase.TRAINING
 
 
 # ---------------------------------------------------------------- actions
