@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from bagel.protocol.reducerspec import ReducerSpecError, parse_reducer_spec
-from bagel.protocol.typedtoml import TomlTableError, from_table, toml_field
+from bagel.protocol.typedtoml import TomlTableError, from_table, load_document, toml_field
 
 ROUTER_CELL = "router"
 _CELL_RE = re.compile(r"^k(\d{1,4})\.r(\d{1,4})$")
@@ -224,13 +223,7 @@ def _validate(spec: RunSpec) -> None:
 
 def parse_spec(text: str) -> RunSpec:
     """Parse and validate a run spec; raises SpecError naming the bad key."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"not valid TOML: {e}") from None
-    for name in data:
-        if name not in _SECTIONS:
-            raise SpecError(f"unknown section [{name}]")
+    data = load_document(text, allowed=_SECTIONS, unknown=lambda name: f"unknown section [{name}]", error=SpecError)
     if "run" not in data:
         raise SpecError("missing section [run]")
     sections = {name: _section(name, table) for name, table in data.items()}

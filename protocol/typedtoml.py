@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tomllib
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 _PARSE = "typedtoml.parse"
@@ -152,4 +153,23 @@ def from_table(cls: type, table: Any, where: str, *, error: type[ValueError] = T
         raise error(str(e)) from None
 
 
-__all__ = ["TomlTableError", "convert", "from_table", "key_path", "toml_field"]
+def load_document(
+    text: str,
+    *,
+    allowed: Collection[str],
+    unknown: Callable[[str], str],
+    error: type[ValueError] = TomlTableError,
+) -> dict[str, Any]:
+    """Parse a whole TOML document and refuse a top-level key not in `allowed`, with the
+    message `unknown(key)` (each file format words it its own way)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"not valid TOML: {e}") from None
+    for key in data:
+        if key not in allowed:
+            raise error(unknown(key))
+    return data
+
+
+__all__ = ["TomlTableError", "convert", "from_table", "key_path", "load_document", "toml_field"]

@@ -43,14 +43,13 @@ cannot be cut off alone (see the chaos report's requests).
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
-from bagel.protocol.typedtoml import TomlTableError, convert, from_table, toml_field
+from bagel.protocol.typedtoml import TomlTableError, convert, from_table, load_document, toml_field
 from bagel.sim.faults import ByzantineMode, Fault, FaultError, FaultKind, parse_faults
 
 PROXY_KINDS = frozenset({FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.RESET, FaultKind.HANG})
@@ -195,13 +194,12 @@ def _byzantine(pairs: tuple[tuple[str, Any], ...], count: int) -> dict[int, str]
 
 def parse_chaos_scenario(text: str) -> ChaosScenario:
     """Parse and validate a chaos scenario (ChaosScenarioError names the bad key)."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ChaosScenarioError(f"not valid TOML: {e}") from None
-    for key in data:
-        if key not in _TOP_KEYS:
-            raise ChaosScenarioError(f"unknown key {key} (expected [chaos], [workers], [[faults]])")
+    data = load_document(
+        text,
+        allowed=_TOP_KEYS,
+        unknown=lambda key: f"unknown key {key} (expected [chaos], [workers], [[faults]])",
+        error=ChaosScenarioError,
+    )
     chaos = from_table(ChaosSection, data.get("chaos", {}), "chaos", error=ChaosScenarioError)
     try:
         spec = parse_spec(chaos.run_spec)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
-from bagel.protocol.typedtoml import TomlTableError, from_table
+from bagel.protocol.typedtoml import TomlTableError, from_table, load_document
 from bagel.sim.discrete.costmodel import WorkloadSpec
 from bagel.sim.discrete.population import AvailabilitySpec, LinkSpec, PopulationSpec
 from bagel.sim.faults import Fault, FaultError, parse_faults
@@ -124,13 +124,7 @@ _TOP = {"scenario", "run_spec", "population", "workload", "engine", "faults"}
 
 
 def parse_sim_scenario(text: str, *, base_dir: Path | None = None, path: str = "") -> Scenario:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise SimScenarioError(f"not valid TOML: {e}") from None
-    for key in data:
-        if key not in _TOP:
-            raise SimScenarioError(f"unknown key {key}")
+    data = load_document(text, allowed=_TOP, unknown=lambda key: f"unknown key {key}", error=SimScenarioError)
     if "scenario" not in data:
         raise SimScenarioError("missing section [scenario]")
     if "run_spec" not in data:
