@@ -22,7 +22,7 @@ CORE_MODULES = $(foreach f,$(wildcard $(PURE_CORES)),-m bagel.$(subst /,.,$(pats
 # mypy cannot follow the package-dir mapping through the editable install, so it reads the
 # tree through bagel/<pkg> -> <pkg> links (pyproject's [tool.mypy] mypy_path); it reports
 # paths under build/typecheck/bagel/.
-PACKAGES := coordinator worker protocol compression models sim
+PACKAGES := coordinator worker protocol compression models robust sim
 TYPECHECK_ROOT := build/typecheck/bagel
 
 .PHONY: setup test lint typecheck-root demo proto clean bench

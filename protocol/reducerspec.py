@@ -1,7 +1,7 @@
 """Aggregation rule strings ("mean", "trimmed_mean:0.2", "centered_clip:rel=1,iters=10").
 
 The run spec's `diloco.aggregation` names the rule a group exchange aggregates each part
-with; the worker's `bagel.worker.aggregation.get_reducer` builds the reducer from the same
+with; the worker's `bagel.robust.aggregation.get_reducer` builds the reducer from the same
 string. The grammar and the parameter ranges live here, in the bottom layer and without
 torch, so that the spec parser refuses a bad rule when the run is defined rather than when
 its first round reduces.

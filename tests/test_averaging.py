@@ -17,7 +17,7 @@ import torch
 from bagel.compression import ErrorFeedback, decode, get_codec
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.runspec import parse_spec
-from bagel.worker.aggregation import get_reducer
+from bagel.robust.aggregation import get_reducer
 from bagel.worker.averaging import (
     PART_PROTOCOL,
     Contributor,

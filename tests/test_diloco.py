@@ -20,7 +20,7 @@ import torch
 
 from bagel.compression import ErrorFeedback, decode, get_codec
 from bagel.protocol.statehash import state_hash
-from bagel.worker.aggregation import WeightedMean
+from bagel.robust.aggregation import WeightedMean
 from bagel.worker.diloco import CellState, OuterConfig, StateFormatError, outer_step, pseudo_gradient
 from bagel.worker.parts import decode_part, part_bounds, part_generator, prepare_contribution, reduce_part
 

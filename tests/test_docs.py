@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
-PACKAGES = ("coordinator", "worker", "protocol", "compression", "models", "sim")
+PACKAGES = ("coordinator", "worker", "protocol", "compression", "models", "robust", "sim")
 # Built from parts so that this file does not contain what it looks for.
 OUTSIDE_POINTER = "../" + "shared"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("coordinator", "worker", "protocol", "compression", "models", "sim")
+PACKAGES = ("coordinator", "worker", "protocol", "compression", "models", "robust", "sim")
 
 ANY = ("bagel",)
 
@@ -38,13 +38,20 @@ LAYERS: tuple[tuple[str, Layer], ...] = (
     ("protocol/", Layer("protocol", ("bagel.protocol",))),
     ("compression/", Layer("compression", ("bagel.protocol", "bagel.compression"))),
     ("models/", Layer("models", ("bagel.protocol", "bagel.compression", "bagel.models"))),
+    ("robust/", Layer("robust", ("bagel.protocol", "bagel.compression", "bagel.robust"))),
     ("coordinator/core/", Layer("coordinator core", ("bagel.protocol", "bagel.coordinator.core"))),
     (
         "coordinator/",
-        Layer("coordinator shell", ("bagel.coordinator", "bagel.protocol", "bagel.compression", "bagel.models")),
+        Layer(
+            "coordinator shell",
+            ("bagel.coordinator", "bagel.protocol", "bagel.compression", "bagel.models", "bagel.robust"),
+        ),
     ),
     ("worker/reconciler.py", Layer("worker reconciler", ("bagel.protocol.messages",))),
-    ("worker/", Layer("worker", ("bagel.worker", "bagel.protocol", "bagel.compression", "bagel.models"))),
+    (
+        "worker/",
+        Layer("worker", ("bagel.worker", "bagel.protocol", "bagel.compression", "bagel.models", "bagel.robust")),
+    ),
     (
         "sim/discrete/",
         Layer(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from bagel.worker.aggregation import (
+from bagel.robust.aggregation import (
     CenteredClip,
     PartRejected,
     ReducerSpecError,

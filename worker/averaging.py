@@ -49,7 +49,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.worker.aggregation import PartRejected, Reducer, get_reducer
+from bagel.robust.aggregation import PartRejected, Reducer, get_reducer
 from bagel.worker.framing import (
     LEN_NBYTES,
     FrameError,

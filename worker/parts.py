@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from bagel.compression import decode, get_codec
-from bagel.worker.aggregation import PartRejected
+from bagel.robust.aggregation import PartRejected
 
 # ---------------------------------------------------------------- codecs
 

@@ -25,7 +25,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.worker.aggregation import PartRejected, Reducer
+from bagel.robust.aggregation import PartRejected, Reducer
 from bagel.worker.framing import LEN_NBYTES, discard_frame, read_frame, write_frame, write_message
 from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
 
