@@ -631,6 +631,7 @@ def run_point(
             "--listen",
             target,
             "--no-dht",
+            "--insecure",  # plaintext gRPC: the figures measure the coordinator, not TLS record encryption
             "--tick-ms",
             "250",
             "--log-level",

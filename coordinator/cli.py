@@ -3,7 +3,15 @@
     bagel-coordinator serve --run SPEC.toml --data-dir DIR [--listen HOST:PORT]
         [--dht-listen MULTIADDR] [--initial-peers MULTIADDR ...] [--metrics-listen HOST:PORT]
         [--tick-ms N] [--grace-s S] [--advertise-endpoint HOST:PORT] [--no-dht]
-    bagel-coordinator status --data-dir DIR [--json] [--target HOST:PORT]
+        [--tls-cert FILE --tls-key FILE | --insecure]
+    bagel-coordinator status --data-dir DIR [--json]
+    bagel-coordinator status --target HOST:PORT (--tls-fingerprint HEX | --insecure) [--json]
+
+`serve` speaks gRPC over TLS by default: with the operator's `--tls-cert/--tls-key`, or
+else a self-signed certificate generated into the data dir on the first start and reused
+afterwards. It prints the fingerprint (`tls: sha256 HEX`), which the DHT record and the
+join string carry, so workers pin it; `--insecure` serves plaintext (loopback tests,
+benchmarks, a TLS-terminating proxy in front).
 
 `status` reads the SQLite store read-only, so it works while the daemon runs (WAL readers
 never block the writer); `--target` asks a live daemon over gRPC (GetStatus) instead,
@@ -72,6 +80,19 @@ def _parser() -> argparse.ArgumentParser:
         help="do not run a DHT node (no join string; workers need the gRPC endpoint directly)",
     )
     s.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="PEM certificate chain (leaf first) for gRPC over TLS; default: a self-signed one in the data dir",
+    )
+    s.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve gRPC in plaintext (no TLS; the join string then pins no certificate)",
+    )
+    s.add_argument(
         "--metrics-listen",
         default=None,
         metavar="HOST:PORT",
@@ -101,6 +122,13 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show workers, cells and rounds of a run")
     st.add_argument("--data-dir", type=Path, metavar="DIR", help="read the daemon's store (read-only)")
     st.add_argument("--target", default=None, metavar="HOST:PORT", help="ask a live daemon over gRPC instead")
+    st.add_argument(
+        "--tls-fingerprint",
+        default=None,
+        metavar="HEX",
+        help="with --target: the sha256 of the daemon's TLS certificate (its 'tls: sha256 HEX' line), pinned",
+    )
+    st.add_argument("--insecure", action="store_true", help="with --target: the daemon serves plaintext (--insecure)")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of tables")
     st.add_argument("--rounds", type=int, default=10, metavar="N", help="recent rounds to show; default %(default)s")
     return p
@@ -123,9 +151,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from bagel.coordinator.daemon import serve
     from bagel.coordinator.store import StoreError
     from bagel.protocol.runspec import SpecError, load_spec
+    from bagel.protocol.tls import TLSError
 
     if args.tick_ms < 10:
         print("error: --tick-ms must be at least 10", file=sys.stderr)
+        return EXIT_USAGE
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: give both --tls-cert and --tls-key, or neither", file=sys.stderr)
+        return EXIT_USAGE
+    if args.insecure and args.tls_cert is not None:
+        print("error: --insecure contradicts --tls-cert/--tls-key", file=sys.stderr)
         return EXIT_USAGE
     try:
         spec = load_spec(args.run)
@@ -144,8 +179,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             initial_peers=list(args.initial_peers),
             metrics_listen=args.metrics_listen,
             tick_ms=args.tick_ms,
+            tls=not args.insecure,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
         )
     except StoreError as e:  # another spec in the data dir, locked, bad schema
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except TLSError as e:  # unreadable certificate or key, a key of another certificate
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -213,8 +254,9 @@ def status_from_store(data_dir: Path, rounds: int = 10) -> dict[str, Any]:
         store.close()
 
 
-def status_from_target(target: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """The status document from a live daemon (GetStatus)."""
+def status_from_target(target: str, timeout_s: float = 10.0, *, tls_fingerprint: str = "") -> dict[str, Any]:
+    """The status document from a live daemon (GetStatus), over TLS pinned to `tls_fingerprint`
+    ("" = plaintext); `bagel.protocol.tls.TLSError` before any request if the pin fails."""
     import asyncio
 
     import grpc
@@ -223,9 +265,17 @@ def status_from_target(target: str, timeout_s: float = 10.0) -> dict[str, Any]:
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol import bagel_pb2_grpc as pb_grpc
     from bagel.protocol.grpc_options import channel_options
+    from bagel.protocol.tls import pinned_credentials
+
+    pinned = pinned_credentials(target, tls_fingerprint, timeout_s) if tls_fingerprint else None
 
     async def ask() -> pb.StatusResponse:
-        async with grpc.aio.insecure_channel(target, options=channel_options()) as ch:
+        if pinned is None:
+            channel = grpc.aio.insecure_channel(target, options=channel_options())
+        else:
+            options = channel_options() + pinned.channel_options()
+            channel = grpc.aio.secure_channel(target, pinned.credentials(), options=options)
+        async with channel as ch:
             return await pb_grpc.CoordinatorStub(ch).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
 
     resp = asyncio.run(ask())
@@ -292,18 +342,41 @@ def _render(doc: dict[str, Any]) -> None:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from bagel.coordinator.store import StoreError
+    from bagel.protocol.tls import TLSError, check_fingerprint
 
     if (args.data_dir is None) == (args.target is None):
         print("error: give exactly one of --data-dir DIR or --target HOST:PORT", file=sys.stderr)
         return EXIT_USAGE
+    fingerprint = ""
+    if args.target is not None:
+        if (args.tls_fingerprint is None) == (not args.insecure):
+            print(
+                "error: with --target give --tls-fingerprint HEX (the daemon's 'tls: sha256 HEX' line) "
+                "or --insecure (a plaintext daemon)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        try:
+            fingerprint = check_fingerprint(args.tls_fingerprint) if args.tls_fingerprint else ""
+        except TLSError as e:
+            print(f"error: --tls-fingerprint: {e}", file=sys.stderr)
+            return EXIT_USAGE
     try:
-        doc = status_from_target(args.target) if args.target else status_from_store(args.data_dir, args.rounds)
+        if args.target:
+            doc = status_from_target(args.target, tls_fingerprint=fingerprint)
+        else:
+            doc = status_from_store(args.data_dir, args.rounds)
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except (TLSError, OSError) as e:  # the pin failed, or no server there
+        print(f"error: {args.target}: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except Exception as e:  # grpc errors from --target
         details = e.details() if hasattr(e, "details") else e
-        print(f"error: {type(e).__name__}: {details}", file=sys.stderr)
+        code = e.code().name if hasattr(e, "code") else type(e).__name__
+        hint = " (a daemon serving TLS drops plaintext: give --tls-fingerprint HEX)" if args.insecure else ""
+        print(f"error: {code}: {details}{hint}", file=sys.stderr)
         return EXIT_FAILED
     if args.json:
         print(json.dumps(doc, indent=1, sort_keys=True))

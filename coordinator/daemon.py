@@ -2,9 +2,10 @@
 
 `start_coordinator(...)` is the in-process API (tests start a real coordinator on port 0
 with it); `serve(...)` is the process (`bagel-coordinator serve`): it runs
-`start_coordinator` on uvloop, prints `listening: HOST:PORT` and `join: <string>` once
-serving, and waits for SIGTERM/SIGINT, which set an event; the daemon then leaves
-through `finally: handle.stop()` (torchrun and hivemind's run_dht do the same):
+`start_coordinator` on uvloop, prints `listening: HOST:PORT`, `tls: sha256 <hex>` (or
+`tls: off (plaintext)`) and `join: <string>` once serving, and waits for SIGTERM/SIGINT,
+which set an event; the daemon then leaves through `finally: handle.stop()` (torchrun and
+hivemind's run_dht do the same):
 
 1. health goes NOT_SERVING (load balancers and probes stop sending);
 2. the gRPC server stops accepting and gives in-flight calls `grace_s` to finish;
@@ -14,8 +15,11 @@ through `finally: handle.stop()` (torchrun and hivemind's run_dht do the same):
 5. exit 0.
 
 The data dir holds: `coordinator.sqlite3` (the store), `coordinator.key` (Ed25519, mode
-0600, created on first start), `checkpoints/`, and `coordinator.lock`, an advisory lock
-so two daemons never share a data dir. A data dir bound to another run spec is refused.
+0600, created on first start), `tls.crt` and `tls.key` (the self-signed TLS certificate,
+key mode 0600, created on the first start that serves TLS without `--tls-cert`, then
+reused so its fingerprint stays stable; see `bagel.protocol.tls`), `checkpoints/`, and
+`coordinator.lock`, an advisory lock so two daemons never share a data dir. A data dir
+bound to another run spec is refused.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from bagel.protocol.envelope import wall_clock_ms
 from bagel.protocol.grpc_options import server_options
 from bagel.protocol.identity import Identity
 from bagel.protocol.runspec import RunSpec
+from bagel.protocol.tls import ServerCertificate, TLSError, load_or_create_self_signed, load_server_certificate
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +119,7 @@ class CoordinatorHandle:
     health: Any
     metrics: Metrics
     metrics_port: int | None = None
+    tls_fingerprint: str = ""  # sha256 of the served certificate; "" = plaintext
     dht: Any = None
     join: str | None = None
     publisher: Any = None
@@ -166,6 +172,9 @@ async def start_coordinator(
     tick_ms: int = DEFAULT_TICK_MS,
     cells: Sequence[CellConfig] | None = None,
     clock: Callable[[], int] = wall_clock_ms,
+    tls: bool = False,
+    tls_cert: str | Path | None = None,
+    tls_key: str | Path | None = None,
 ) -> CoordinatorHandle:
     """Start a coordinator in this event loop.
 
@@ -174,6 +183,11 @@ async def start_coordinator(
     existing `hivemind.DHT` (not owned). With a DHT, the signed coordinator record is
     published and refreshed, and `handle.join` is the join string.
     cells: CellConfigs to use instead of the stored/computed ones (tests; first start only).
+    tls: serve gRPC over TLS with `tls_cert`/`tls_key` (PEM files), or without them with
+    the data dir's self-signed certificate (generated on the first start, then reused);
+    the fingerprint goes into the DHT record and the join string. Off by default here (the
+    in-process API the tests use); `bagel-coordinator serve` turns it on unless `--insecure`.
+    Our own DHT node validates the coordinator record (`CoordinatorRecordValidator`).
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -183,17 +197,27 @@ async def start_coordinator(
     handle: CoordinatorHandle | None = None
     own_dht = None
     try:
+        if (tls_cert is None) != (tls_key is None):
+            raise TLSError("give both a TLS certificate and its key, or neither")
+        certificate: ServerCertificate | None = None
+        if tls_cert is not None and tls_key is not None:
+            certificate = load_server_certificate(Path(tls_cert), Path(tls_key))
+        elif tls:
+            certificate = load_or_create_self_signed(data_dir)
+        identity = Identity.load_or_create(data_dir / KEY_FILE)
         if dht is True:
             # before any gRPC server thread exists: hivemind forks its DHT process
-            from bagel.protocol.discovery import start_dht
+            from bagel.protocol.discovery import CoordinatorRecordValidator, start_dht
 
             own_dht = dht = await asyncio.to_thread(
-                start_dht, host_maddrs=[dht_listen], initial_peers=list(initial_peers)
+                start_dht,
+                host_maddrs=[dht_listen],
+                initial_peers=list(initial_peers),
+                record_validators=[CoordinatorRecordValidator(spec.run.id, identity.public_key)],
             )
         store = Store.open(data_dir)
         now = clock()
         store.bind_spec(spec.run.id, spec.spec_hash, spec.source, now)
-        identity = Identity.load_or_create(data_dir / KEY_FILE)
         if cells is not None and store.get_kv(CELL_CONFIGS_KEY) is None:
             store.put_kv(CELL_CONFIGS_KEY, sizing.configs_to_json(cells))
         configs = await asyncio.to_thread(load_cell_configs, spec, store)
@@ -239,7 +263,10 @@ async def start_coordinator(
             ],
             server,
         )
-        port = server.add_insecure_port(listen)
+        if certificate is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, certificate.server_credentials())
         if port == 0:
             raise OSError(f"cannot listen on {listen}")
         await server.start()
@@ -258,6 +285,7 @@ async def start_coordinator(
             health=health,
             metrics=metrics,
             metrics_port=metrics_port,
+            tls_fingerprint="" if certificate is None else certificate.fingerprint,
             _lock_fd=lock_fd,
             fatal=fatal,
         )
@@ -287,11 +315,16 @@ async def _publish(handle: CoordinatorHandle) -> None:
 
     spec = handle.spec
     handle.publisher = CoordinatorPublisher(
-        handle.dht, handle.identity, run_id=spec.run.id, endpoint=handle.endpoint, spec_hash=spec.spec_hash
+        handle.dht,
+        handle.identity,
+        run_id=spec.run.id,
+        endpoint=handle.endpoint,
+        spec_hash=spec.spec_hash,
+        tls_sha256=handle.tls_fingerprint,
     )
     await handle.publisher.start()
     maddrs = [str(m) for m in handle.dht.get_visible_maddrs()]
-    handle.join = make_join_string(spec.run.id, handle.identity.public_key, maddrs)
+    handle.join = make_join_string(spec.run.id, handle.identity.public_key, maddrs, handle.tls_fingerprint)
 
 
 # ---------------------------------------------------------------------------- process
@@ -362,6 +395,7 @@ async def _serve(
         stop_gc_watch = handle.metrics.watch_gc()
         full_gc = asyncio.create_task(_full_gc_every(FULL_GC_PERIOD_S), name="bagel-coordinator-full-gc")
         out(f"listening: {handle.endpoint}")
+        out(f"tls: sha256 {handle.tls_fingerprint}" if handle.tls_fingerprint else "tls: off (plaintext)")
         if handle.metrics_port is not None:
             host = kwargs.get("metrics_listen", "").rpartition(":")[0] or "127.0.0.1"
             out(f"metrics: http://{host}:{handle.metrics_port}/metrics")

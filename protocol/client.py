@@ -32,6 +32,7 @@ from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import sign_request
 from bagel.protocol.grpc_options import CHECKPOINT_CHUNK_BYTES, MAX_MESSAGE_BYTES, channel_options
 from bagel.protocol.identity import Identity
+from bagel.protocol.tls import DEFAULT_PROBE_TIMEOUT_S, PinnedTLS, pinned_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,10 @@ class CheckpointIntegrityError(ClientError):
 class CoordinatorClient:
     """Signed grpc.aio client for one run.
 
-    `target` is "host:port". `tls` is None (plaintext), a `grpc.ChannelCredentials`, or
-    PEM root certificate bytes. `spec_hash`, if given (from the DHT record), is checked
-    against the spec the coordinator returns on Register.
+    `target` is "host:port". `tls` is None (plaintext), a `PinnedTLS` (the one
+    certificate a pinned fingerprint matched, see `connect` and `bagel.protocol.tls`), a
+    `grpc.ChannelCredentials`, or PEM root certificate bytes. `spec_hash`, if given (from
+    the DHT record), is checked against the spec the coordinator returns on Register.
     """
 
     def __init__(
@@ -69,7 +71,7 @@ class CoordinatorClient:
         run_id: str,
         *,
         spec_hash: str | None = None,
-        tls: grpc.ChannelCredentials | bytes | None = None,
+        tls: PinnedTLS | grpc.ChannelCredentials | bytes | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.target = target
@@ -77,12 +79,41 @@ class CoordinatorClient:
         self.run_id = run_id
         self.spec_hash = spec_hash
         self.timeout_s = timeout_s
+        self.tls_fingerprint = tls.fingerprint if isinstance(tls, PinnedTLS) else ""
         if tls is None:
             self._channel = grpc.aio.insecure_channel(target, options=channel_options())
+        elif isinstance(tls, PinnedTLS):
+            options = channel_options() + tls.channel_options()
+            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options)
         else:
             creds = grpc.ssl_channel_credentials(root_certificates=tls) if isinstance(tls, bytes) else tls
             self._channel = grpc.aio.secure_channel(target, creds, options=channel_options())
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    @classmethod
+    async def connect(
+        cls,
+        target: str,
+        identity: Identity,
+        run_id: str,
+        *,
+        tls_fingerprint: str,
+        spec_hash: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S,
+    ) -> CoordinatorClient:
+        """A client for `target`, pinned to `tls_fingerprint` ("" = plaintext).
+
+        With a fingerprint the server's certificate is fetched and checked first
+        (`bagel.protocol.tls.pinned_credentials`): `FingerprintMismatch` or `TLSError`
+        before any request is sent, OSError if the server cannot be reached.
+        """
+        tls = (
+            await asyncio.to_thread(pinned_credentials, target, tls_fingerprint, probe_timeout_s)
+            if tls_fingerprint
+            else None
+        )
+        return cls(target, identity, run_id, spec_hash=spec_hash, tls=tls, timeout_s=timeout_s)
 
     @property
     def worker_id(self) -> str:

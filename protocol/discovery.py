@@ -6,7 +6,9 @@ record signed with its Ed25519 key; a worker resolves it from the join string al
 Record layout. Key `bagel/<run_id>/coordinator`; subkey the hex of the publisher's public
 key; value `{"body": bytes, "sig": bytes}` where `body` is a msgpack map with a fixed field
 order (`kind`, `v`, `run_id`, `endpoint`, `spec_hash`, `public_key`, `issued_at`,
-`expires_at`) and `sig` is Ed25519 over exactly `body`. The resolver verifies the received
+`expires_at`, `tls_sha256`) and `sig` is Ed25519 over exactly `body`. `tls_sha256` is the
+fingerprint of the certificate the coordinator's gRPC port serves (`bagel.protocol.tls`),
+or "" for a plaintext coordinator; the worker pins it. The resolver verifies the received
 body bytes (never a re-encoding), then decodes them. `kind` is a domain separator, so no
 other signature made with the coordinator key can pass as a record.
 
@@ -17,13 +19,27 @@ every entry, skips the ones that fail (another signer, bad signature, wrong run,
 expired), and uses the freshest valid one. An attacker can still overwrite the subkey of
 the coordinator's own key (with a later expiration) on nodes that do not check records;
 that is a denial of service, never a forgery: nothing passes without the coordinator's
-signature. `CoordinatorRecordValidator`, installed on honest DHT nodes, closes that gap:
-those nodes neither store such an entry nor accept a peer's answer that carries one.
+signature. `CoordinatorRecordValidator`, installed on honest DHT nodes (the coordinator's
+own and every worker's), closes that gap: those nodes neither store such an entry nor
+accept a peer's answer that carries one, and they refuse any entry, genuine or not, whose
+DHT expiration lies more than `MAX_EXPIRATION_AHEAD_S` ahead, so nothing planted there can
+outlive two record lifetimes.
+
+Availability. hivemind validates a peer's answer as a whole: one bad entry in a
+dictionary value makes the requesting node drop the entire dictionary (`DHTProtocol.
+call_find` -> `_validate_dictionary`), the genuine entry with it. A node without the
+validator (a public bootstrap node, an old node) may hold a forgery next to the genuine
+record, and a validating worker that asks it sees nothing. So the resolver first asks the
+join string's peers itself (`lookup_direct`): one raw `rpc_find` per peer, run inside the
+worker's DHT process, that hands back every entry unvalidated; each is then verified here
+on its own, and a bad one is skipped without hiding the good one. Only when that finds no
+valid record does it fall back to hivemind's iterative lookup over the whole DHT.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import re
@@ -43,14 +59,22 @@ from bagel.protocol.joinstring import JoinInfo, parse_join_string
 logger = logging.getLogger(__name__)
 
 RECORD_KIND = "bagel/coordinator"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 DEFAULT_TTL_S = 60.0
 MAX_TTL_S = 24 * 3600.0  # a record may claim at most a day of validity
+# Validating nodes store and accept an entry under the coordinator key only if its DHT
+# expiration is at most this far ahead of their clock: two record lifetimes (the
+# publisher refreshes every third of one), which also absorbs the clock skew allowed.
+MAX_EXPIRATION_AHEAD_S = 2 * DEFAULT_TTL_S
 MAX_RECORD_BYTES = 4096
+MAX_DIRECT_ENTRIES = 32  # entries examined per peer in `lookup_direct` (each costs a signature check)
+DIRECT_LOOKUP_TIMEOUT_S = 5.0
+_MAX_DIRECT_ANSWER_BYTES = 4 * MAX_RECORD_BYTES * MAX_DIRECT_ENTRIES
 DEFAULT_MAX_CLOCK_SKEW_S = 30.0
 DHT_START_TIMEOUT_S = 60.0
 _ENDPOINT_RE = re.compile(r"[\x21-\x7e]{1,256}")
 _HASH_RE = re.compile(r"[0-9a-f]{64}")
+_PEER_ID_RE = re.compile(r"/p2p/([1-9A-HJ-NP-Za-km-z]{32,128})$")
 
 
 class DiscoveryError(Exception):
@@ -78,6 +102,7 @@ class CoordinatorRecord:
     public_key: bytes  # raw Ed25519 key of the coordinator
     issued_at: float  # DHT time (Unix seconds)
     expires_at: float
+    tls_sha256: str = ""  # sha256 (hex) of the gRPC port's TLS certificate; "" = plaintext
 
     def body(self) -> bytes:
         """Canonical msgpack encoding of the fields (fixed order, bin type for bytes)."""
@@ -91,6 +116,7 @@ class CoordinatorRecord:
                 "public_key": self.public_key,
                 "issued_at": float(self.issued_at),
                 "expires_at": float(self.expires_at),
+                "tls_sha256": self.tls_sha256,
             },
             use_bin_type=True,
         )
@@ -119,7 +145,7 @@ def _verify_signed(value: Any, *, public_key: bytes, run_id: str) -> Coordinator
         fields = msgpack.unpackb(body, raw=False, strict_map_key=True)  # size checked above
     except Exception as e:  # msgpack raises several types on garbage
         raise RecordError(f"body is not msgpack: {e}") from None
-    expected = {"kind", "v", "run_id", "endpoint", "spec_hash", "public_key", "issued_at", "expires_at"}
+    expected = {"kind", "v", "run_id", "endpoint", "spec_hash", "public_key", "issued_at", "expires_at", "tls_sha256"}
     if not isinstance(fields, dict) or set(fields) != expected:
         raise RecordError("body does not have the record fields")
     if fields["kind"] != RECORD_KIND or fields["v"] != RECORD_VERSION:
@@ -133,12 +159,15 @@ def _verify_signed(value: Any, *, public_key: bytes, run_id: str) -> Coordinator
         raise RecordError("endpoint is not a host:port target")
     if not isinstance(spec_hash, str) or not _HASH_RE.fullmatch(spec_hash):
         raise RecordError("spec_hash is not a hex sha256")
+    tls_sha256 = fields["tls_sha256"]
+    if not isinstance(tls_sha256, str) or (tls_sha256 and not _HASH_RE.fullmatch(tls_sha256)):
+        raise RecordError("tls_sha256 is neither empty nor a hex sha256")
     issued, expires = fields["issued_at"], fields["expires_at"]
     if not isinstance(issued, float) or not isinstance(expires, float):
         raise RecordError("issued_at/expires_at must be floats")
     if not issued <= expires <= issued + MAX_TTL_S:
         raise RecordError("validity interval is empty or longer than a day")
-    return CoordinatorRecord(endpoint, run_id, spec_hash, public_key, issued, expires)
+    return CoordinatorRecord(endpoint, run_id, spec_hash, public_key, issued, expires, tls_sha256)
 
 
 def verify_record(
@@ -172,8 +201,10 @@ class CoordinatorRecordValidator(RecordValidatorBase):
     contains one, so an attacker cannot hide the real record by storing a forgery under
     the coordinator's own subkey with a later expiration. It also refuses a genuine record
     whose DHT expiration outlives its signed `expires_at` (a replayed record pinned far
-    into the future would block later re-publications). Records under other keys pass.
-    The resolver verifies records itself as well; this only closes the denial of service.
+    into the future would block later re-publications), and any entry whose DHT
+    expiration lies more than `MAX_EXPIRATION_AHEAD_S` past this node's clock (a forgery
+    planted to live for a day). Records under other keys pass. The resolver verifies
+    records itself as well; this only closes the denial of service.
     """
 
     def __init__(self, run_id: str, public_key: bytes) -> None:
@@ -186,6 +217,8 @@ class CoordinatorRecordValidator(RecordValidatorBase):
         if record.key != self._key_id:
             return True
         if record.subkey != self._subkey:
+            return False
+        if record.expiration_time > get_dht_time() + MAX_EXPIRATION_AHEAD_S:
             return False
         try:
             value = MSGPackSerializer.loads(record.value)
@@ -245,10 +278,15 @@ async def publish_coordinator(
     spec_hash: str,
     ttl_s: float = DEFAULT_TTL_S,
     now: float | None = None,
+    tls_sha256: str = "",
 ) -> CoordinatorRecord:
     """Sign and store the coordinator record once; DiscoveryError if no node stored it."""
+    if not 0 < ttl_s <= MAX_EXPIRATION_AHEAD_S - DEFAULT_MAX_CLOCK_SKEW_S:
+        raise ValueError(f"ttl_s must be in (0, {MAX_EXPIRATION_AHEAD_S - DEFAULT_MAX_CLOCK_SKEW_S:g}]")
     issued = get_dht_time() if now is None else now
-    record = CoordinatorRecord(endpoint, run_id, spec_hash, identity.public_key, float(issued), float(issued + ttl_s))
+    record = CoordinatorRecord(
+        endpoint, run_id, spec_hash, identity.public_key, float(issued), float(issued + ttl_s), tls_sha256
+    )
     ok = await dht.store(
         coordinator_key(run_id),
         sign_record(record, identity),
@@ -278,8 +316,9 @@ class CoordinatorPublisher:
         endpoint: str,
         spec_hash: str,
         ttl_s: float = DEFAULT_TTL_S,
+        tls_sha256: str = "",
     ) -> None:
-        self._args = dict(run_id=run_id, endpoint=endpoint, spec_hash=spec_hash, ttl_s=ttl_s)
+        self._args = dict(run_id=run_id, endpoint=endpoint, spec_hash=spec_hash, ttl_s=ttl_s, tls_sha256=tls_sha256)
         self._dht, self._identity, self.ttl_s = dht, identity, ttl_s
         self._task: asyncio.Task[None] | None = None
         self.record: CoordinatorRecord | None = None
@@ -324,34 +363,149 @@ class CoordinatorPublisher:
 # ---------------------------------------------------------------------------- resolving
 
 
-async def lookup_coordinator(
-    dht: Any, join: JoinInfo, *, now: float | None = None, max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S
+def _pick(
+    entries: list[tuple[str, Any]], join: JoinInfo, now: float, max_clock_skew_s: float
 ) -> tuple[CoordinatorRecord | None, list[str]]:
-    """One DHT lookup: (freshest valid record or None, reasons the other entries were refused)."""
-    found = await dht.get(coordinator_key(join.run_id), latest=True, return_future=True)
-    if found is None:
-        return None, []
-    now = time.time() if now is None else now
-    entries = found.value
-    if not isinstance(entries, dict):  # stored without a subkey: not ours, maybe an attacker's
-        return None, ["value stored without a publisher subkey"]
+    """The freshest entry that verifies against `join` (and its TLS pin), and why the others did not."""
     best: CoordinatorRecord | None = None
     refused: list[str] = []
-    for subkey, item in entries.items():
+    for label, value in entries:
         try:
             record = verify_record(
-                getattr(item, "value", None),
+                value,
                 public_key=join.coordinator_public_key,
                 run_id=join.run_id,
                 now=now,
                 max_clock_skew_s=max_clock_skew_s,
             )
+            if join.tls_fingerprint and record.tls_sha256 != join.tls_fingerprint:
+                raise RecordError(
+                    f"record names TLS certificate {record.tls_sha256[:16] or '(plaintext)'}, "
+                    f"the join string pins {join.tls_fingerprint[:16]}"
+                )
         except RecordError as e:
-            refused.append(f"{str(subkey)[:16]}: {e}")
+            refused.append(f"{label[:40]}: {e}")
             continue
         if best is None or record.issued_at > best.issued_at:
             best = record
     return best, refused
+
+
+def peer_ids_of(join: JoinInfo) -> list[str]:
+    """The base58 peer ids named by the join string's multiaddrs, in order, without repeats."""
+    ids: list[str] = []
+    for maddr in join.initial_peers:
+        m = _PEER_ID_RE.search(maddr)
+        if m and m.group(1) not in ids:
+            ids.append(m.group(1))
+    return ids
+
+
+async def _find_at_peers(
+    key: str, peer_ids: list[str], timeout_s: float, _dht: Any, node: Any
+) -> list[tuple[str, bytes, bytes]]:
+    """Runs inside a DHT process (`DHT.run_coroutine`): ask each peer for `key` with one raw
+    `rpc_find`, and return (peer, subkey bytes, value bytes) for every entry, unvalidated.
+
+    hivemind's `call_find` would validate the answer as a whole and drop it on one bad
+    entry; here nothing is dropped, the caller verifies each entry. Bounded: at most
+    `MAX_DIRECT_ENTRIES` entries per peer, values of at most twice `MAX_RECORD_BYTES`.
+    """
+    from hivemind.dht.storage import DictionaryDHTValue
+    from hivemind.p2p import PeerID
+    from hivemind.proto import dht_pb2
+
+    key_id = DHTID.generate(source=key).to_bytes()
+
+    async def ask(peer_b58: str) -> list[tuple[str, bytes, bytes]]:
+        peer = PeerID.from_base58(peer_b58)
+        out: list[tuple[str, bytes, bytes]] = []
+        if peer == node.peer_id:  # our own node is one of them: read its storage
+            local = node.protocol.storage.get(DHTID.from_bytes(key_id))
+            items = None if local is None else local.value
+            regular = None if isinstance(items, DictionaryDHTValue) else items
+        else:
+            request = dht_pb2.FindRequest(keys=[key_id], peer=node.protocol.node_info)
+            response = await node.protocol.get_stub(peer).rpc_find(request, timeout=timeout_s)
+            items = regular = None
+            for result in list(response.results)[:1]:
+                if result.type == dht_pb2.FOUND_REGULAR:
+                    regular = result.value
+                elif result.type == dht_pb2.FOUND_DICTIONARY and len(result.value) <= _MAX_DIRECT_ANSWER_BYTES:
+                    items = MSGPackSerializer.loads(result.value)
+        if isinstance(regular, bytes):
+            out.append((peer_b58, b"", bytes(regular)))
+        if isinstance(items, DictionaryDHTValue):
+            for subkey, item in list(items.items())[:MAX_DIRECT_ENTRIES]:
+                out.append((peer_b58, MSGPackSerializer.dumps(subkey), bytes(item.value)))
+        return out
+
+    answers = await asyncio.gather(*(ask(p) for p in peer_ids), return_exceptions=True)
+    return [entry for answer in answers if isinstance(answer, list) for entry in answer]
+
+
+async def lookup_direct(
+    dht: Any,
+    join: JoinInfo,
+    *,
+    now: float | None = None,
+    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
+    timeout_s: float = DIRECT_LOOKUP_TIMEOUT_S,
+) -> tuple[CoordinatorRecord | None, list[str]]:
+    """Ask the join string's peers themselves, verifying every entry on its own (module docstring)."""
+    peers = peer_ids_of(join)
+    if not peers:
+        return None, []
+    coro = functools.partial(_find_at_peers, coordinator_key(join.run_id), peers, timeout_s)
+    raw = await dht.run_coroutine(coro, return_future=True)
+    entries: list[tuple[str, Any]] = []
+    for peer, subkey, value in raw[: MAX_DIRECT_ENTRIES * len(peers)]:
+        label = f"{peer[-8:]}/{subkey.hex()[:16]}"
+        if len(value) > 2 * MAX_RECORD_BYTES:
+            entries.append((label, None))
+            continue
+        try:
+            entries.append((label, MSGPackSerializer.loads(value)))
+        except Exception:  # msgpack raises several types on garbage
+            entries.append((label, None))
+    return _pick(entries, join, time.time() if now is None else now, max_clock_skew_s)
+
+
+async def lookup_coordinator(
+    dht: Any,
+    join: JoinInfo,
+    *,
+    now: float | None = None,
+    max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
+    direct: bool = True,
+) -> tuple[CoordinatorRecord | None, list[str]]:
+    """One lookup: (freshest valid record or None, reasons the other entries were refused).
+
+    With `direct` (the default) the join string's peers are asked first (`lookup_direct`);
+    hivemind's iterative lookup over the whole DHT runs only if that found no valid record.
+    """
+    refused: list[str] = []
+    if direct:
+        try:
+            record, refused = await lookup_direct(dht, join, now=now, max_clock_skew_s=max_clock_skew_s)
+        except Exception as e:  # the peers may be gone (a restarted coordinator): fall back to the DHT
+            logger.debug("asking the join string's peers directly failed: %s", e)
+            record = None
+        if record is not None:
+            return record, refused
+    found = await dht.get(coordinator_key(join.run_id), latest=True, return_future=True)
+    if found is None:
+        return None, refused
+    entries = found.value
+    if not isinstance(entries, dict):  # stored without a subkey: not ours, maybe an attacker's
+        return None, [*refused, "value stored without a publisher subkey"]
+    record, wide = _pick(
+        [(str(subkey), getattr(item, "value", None)) for subkey, item in entries.items()],
+        join,
+        time.time() if now is None else now,
+        max_clock_skew_s,
+    )
+    return record, [*refused, *wide]
 
 
 async def resolve_coordinator(

@@ -2,14 +2,20 @@
 
 `bagel-worker join <join-string>` must be enough. The string holds the
 run id, the coordinator's Ed25519 public key (which authenticates the coordinator's DHT
-record, see `bagel.protocol.discovery`) and one or more initial DHT peers. It is a
+record, see `bagel.protocol.discovery`), one or more initial DHT peers and, when the
+coordinator serves TLS, the sha256 fingerprint of its certificate. It is a
 versioned prefix plus unpadded base64url of a compact JSON object, so it survives shells,
 chat apps and copy-paste without quoting:
 
     bagel1:eyJ2IjoxLCJyIjoiZGlnaXRzLTJ4MiIsImsiOiIuLi4iLCJwIjpbIi9pcDQvLi4uIl19
 
 JSON fields: `v` (1), `r` run id, `k` base64url public key (32 bytes), `p` list of
-multiaddrs (each must name its peer with `/p2p/`, as hivemind's initial_peers need).
+multiaddrs (each must name its peer with `/p2p/`, as hivemind's initial_peers need), and
+optionally `t`, the base64url sha256 (32 bytes) of the coordinator's TLS certificate. With
+`t` the worker pins that certificate and accepts only a DHT record naming the same one
+(a plaintext record is refused: no downgrade). Without it (a plaintext coordinator, or a
+join string made before the certificate existed) the worker pins the fingerprint of the
+signed DHT record, which the coordinator key authenticates just as well.
 The parser refuses anything malformed with a `JoinStringError` that says what is wrong.
 """
 
@@ -27,6 +33,7 @@ MAX_JOIN_STRING_CHARS = 4096
 MAX_INITIAL_PEERS = 16
 MAX_MADDR_CHARS = 256
 RUN_ID_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")  # same rule as coordinator.spec
+_FINGERPRINT_RE = re.compile(r"[0-9a-f]{64}")
 _MADDR_RE = re.compile(r"/[\x21-\x7e]+/p2p/[1-9A-HJ-NP-Za-km-z]{32,128}")
 
 
@@ -52,18 +59,21 @@ class JoinInfo:
     run_id: str
     coordinator_public_key: bytes  # raw Ed25519, 32 bytes
     initial_peers: tuple[str, ...]  # multiaddrs with /p2p/<peer id>
+    tls_fingerprint: str = ""  # sha256 of the coordinator's TLS certificate, lowercase hex; "" = not pinned here
 
     def __post_init__(self) -> None:
         _check(self)
 
     def encode(self) -> str:
         """The join string (`bagel1:` + base64url JSON)."""
-        body = {
+        body: dict[str, object] = {
             "v": VERSION,
             "r": self.run_id,
             "k": _b64encode(self.coordinator_public_key),
             "p": list(self.initial_peers),
         }
+        if self.tls_fingerprint:
+            body["t"] = _b64encode(bytes.fromhex(self.tls_fingerprint))
         return PREFIX + _b64encode(json.dumps(body, separators=(",", ":"), sort_keys=True).encode())
 
     def __str__(self) -> str:
@@ -84,11 +94,20 @@ def _check(info: JoinInfo) -> None:
             raise JoinStringError(
                 f"initial peer {i}: not a multiaddr ending in /p2p/<peer id> (got {str(maddr)[:80]!r})"
             )
+    fp = info.tls_fingerprint
+    if not isinstance(fp, str) or (fp and not _FINGERPRINT_RE.fullmatch(fp)):
+        raise JoinStringError("TLS fingerprint: must be a sha256 in lowercase hex (64 digits)")
 
 
-def make_join_string(run_id: str, coordinator_public_key: bytes, initial_peers: list[str] | tuple[str, ...]) -> str:
+def make_join_string(
+    run_id: str,
+    coordinator_public_key: bytes,
+    initial_peers: list[str] | tuple[str, ...],
+    tls_fingerprint: str = "",
+) -> str:
     """Build a join string; raises JoinStringError on bad parts (so the daemon fails early)."""
-    return JoinInfo(run_id, bytes(coordinator_public_key), tuple(str(p) for p in initial_peers)).encode()
+    peers = tuple(str(p) for p in initial_peers)
+    return JoinInfo(run_id, bytes(coordinator_public_key), peers, tls_fingerprint).encode()
 
 
 def parse_join_string(text: str) -> JoinInfo:
@@ -111,12 +130,20 @@ def parse_join_string(text: str) -> JoinInfo:
         raise JoinStringError("body: must be a JSON object")
     if body.get("v") != VERSION:
         raise JoinStringError(f"version {body.get('v')!r} is not supported (expected {VERSION})")
-    expected = {"v", "r", "k", "p"}
-    if set(body) != expected:
-        missing, extra = sorted(expected - set(body)), sorted(set(body) - expected)
+    required, optional = {"v", "r", "k", "p"}, {"t"}
+    if not required <= set(body) <= required | optional:
+        missing, extra = sorted(required - set(body)), sorted(set(body) - required - optional)
         raise JoinStringError(f"body: missing fields {missing}, unknown fields {extra}")
     if not isinstance(body["k"], str):
         raise JoinStringError("coordinator public key: must be base64url text")
     if not isinstance(body["p"], list):
         raise JoinStringError("initial peers: must be a list")
-    return JoinInfo(body["r"], _b64decode(body["k"], "coordinator public key"), tuple(body["p"]))
+    fingerprint = ""
+    if "t" in body:
+        if not isinstance(body["t"], str):
+            raise JoinStringError("TLS fingerprint: must be base64url text")
+        digest = _b64decode(body["t"], "TLS fingerprint")
+        if len(digest) != 32 or _b64encode(digest) != body["t"]:
+            raise JoinStringError("TLS fingerprint: must be 32 bytes (sha256) in canonical base64url")
+        fingerprint = digest.hex()
+    return JoinInfo(body["r"], _b64decode(body["k"], "coordinator public key"), tuple(body["p"]), fingerprint)

@@ -23,6 +23,8 @@ from bagel.coordinator import cli
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient
 from bagel.protocol.identity import Identity
+from bagel.protocol.joinstring import parse_join_string
+from bagel.protocol.tls import pinned_credentials
 
 from daemonproc import DaemonProcess
 from simworkers import cluster_spec_text, fake_peer_id
@@ -40,8 +42,13 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     )
 
 
-async def health(target: str, service: str = "") -> int:
-    async with grpc.aio.insecure_channel(target) as ch:
+async def health(target: str, service: str = "", *, tls_fingerprint: str = "") -> int:
+    if tls_fingerprint:
+        pinned = pinned_credentials(target, tls_fingerprint)
+        channel = grpc.aio.secure_channel(target, pinned.credentials(), options=pinned.channel_options())
+    else:
+        channel = grpc.aio.insecure_channel(target)
+    async with channel as ch:
         resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
         return resp.status
 
@@ -60,6 +67,9 @@ def test_help_names_every_flag(capsys) -> None:
         "--metrics-listen",
         "--tick-ms",
         "--grace-s",
+        "--tls-cert",
+        "--tls-key",
+        "--insecure",
     ):
         assert flag in out
     with pytest.raises(SystemExit):
@@ -81,14 +91,24 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
     d = DaemonProcess(spec_path, data, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--tick-ms", "50")
     try:
         endpoint = d.wait_line("listening:", timeout_s=120)
+        tls = d.wait_line("tls:")  # TLS is on by default, with a self-signed certificate in the data dir
+        assert tls.startswith("sha256 ")
+        fingerprint = tls.removeprefix("sha256 ")
         join = d.wait_line("join:")
         assert join.startswith("bagel1:")
+        assert parse_join_string(join).tls_fingerprint == fingerprint
+        assert stat.S_IMODE((data / "tls.key").stat().st_mode) == 0o600
         metrics_url = d.wait_line("metrics:")
-        assert asyncio.run(health(endpoint)) == health_pb2.HealthCheckResponse.SERVING
-        assert asyncio.run(health(endpoint, "bagel.v1.Coordinator")) == health_pb2.HealthCheckResponse.SERVING
+        pinned = health(endpoint, tls_fingerprint=fingerprint)
+        assert asyncio.run(pinned) == health_pb2.HealthCheckResponse.SERVING
+        pinned = health(endpoint, "bagel.v1.Coordinator", tls_fingerprint=fingerprint)
+        assert asyncio.run(pinned) == health_pb2.HealthCheckResponse.SERVING
 
         async def register() -> str:
-            async with CoordinatorClient(endpoint, Identity.generate(), "clirun") as c:
+            client = await CoordinatorClient.connect(
+                endpoint, Identity.generate(), "clirun", tls_fingerprint=fingerprint
+            )
+            async with client as c:
                 resp = await c.register(
                     pb.WorkerProfile(name="cli-w", device_kind="cpu", vram_bytes=8 << 30, num_devices=1),
                     pb.PeerAddress(peer_id=fake_peer_id("cli"), maddrs=["/ip4/127.0.0.1/tcp/1"]),
@@ -107,9 +127,18 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
         assert {c["cell_id"] for c in doc["cells"]} == {"k0.r0", "k0.r1", "k1.r0", "k1.r1", "router"}
         table = run_cli("status", "--data-dir", str(data))
         assert table.returncode == 0 and "cli-w" in table.stdout and "k1.r1" in table.stdout
-        live = run_cli("status", "--target", endpoint, "--json")
+        live = run_cli("status", "--target", endpoint, "--tls-fingerprint", fingerprint, "--json")
         assert live.returncode == 0, live.stderr
         assert json.loads(live.stdout)["workers"][0]["worker_id"] == wid
+        # the TLS matrix from the command line: no pin given, plaintext, a wrong pin
+        unpinned = run_cli("status", "--target", endpoint)
+        assert unpinned.returncode == 2 and "--tls-fingerprint" in unpinned.stderr
+        plain = run_cli("status", "--target", endpoint, "--insecure")
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr and "--tls-fingerprint" in plain.stderr
+        wrong = run_cli("status", "--target", endpoint, "--tls-fingerprint", "ab" * 32)
+        assert wrong.returncode == 1 and "not the pinned" in wrong.stderr
+        for refused in (unpinned, plain, wrong):
+            assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
 
         # metrics endpoint
         import urllib.request
@@ -130,6 +159,13 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
         d.close()
     with pytest.raises(ProcessLookupError):
         os.killpg(d.proc.pid, 0)  # no process of the daemon's group survived
+
+    # a restart reuses the certificate: the fingerprint (and so the join string) stays the same
+    again = DaemonProcess(spec_path, data, "--listen", "127.0.0.1:0", "--no-dht")
+    try:
+        assert again.wait_line("tls:", timeout_s=120) == tls
+    finally:
+        again.close()
 
     # another spec on the same data dir is refused with a clear message
     other = write_spec(tmp_path, "clirun", lease_s=3.0)

@@ -70,7 +70,7 @@ async def test_sigkill_mid_round_loses_no_commit_and_rounds_continue(tmp_path: P
     data = tmp_path / "data"
     port = free_port()
     target = f"127.0.0.1:{port}"
-    args = ("--listen", target, "--no-dht", "--tick-ms", "50", "--log-level", "WARNING")
+    args = ("--listen", target, "--no-dht", "--insecure", "--tick-ms", "50", "--log-level", "WARNING")
     first = DaemonProcess(spec_path, data, *args)
     second: DaemonProcess | None = None
     workers = []

@@ -125,7 +125,7 @@ async def test_daemon_exits_non_zero_on_a_core_bug_and_restarts_from_sqlite(tmp_
     launcher.write_text(LAUNCHER.replace("FAIL_AT", str(fail_at)))
     data = tmp_path / "data"
     target = f"127.0.0.1:{free_port()}"
-    args = ("--listen", target, "--no-dht", "--tick-ms", "50", "--log-level", "WARNING")
+    args = ("--listen", target, "--no-dht", "--insecure", "--tick-ms", "50", "--log-level", "WARNING")
     buggy = DaemonProcess(spec_path, data, *args, launcher=(str(launcher),))
     healthy: DaemonProcess | None = None
     workers = []

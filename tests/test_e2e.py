@@ -127,7 +127,7 @@ class Swarm:
 
     def status(self) -> Any:
         assert self.coordinator is not None
-        return get_status(self.coordinator.endpoint)
+        return get_status(self.coordinator.endpoint, tls_fingerprint=self.coordinator.tls_fingerprint)
 
     def committed_round(self) -> int:
         try:

@@ -4,7 +4,8 @@
 `ddp_follower`). In order:
 
 1. identity (Ed25519, 0600 key file) -> own hivemind DHT node bootstrapped from the join
-   string's peers -> the coordinator's signed DHT record -> a signed gRPC client;
+   string's peers -> the coordinator's signed DHT record -> a signed gRPC client over
+   TLS pinned to the record's certificate fingerprint (`bagel.protocol.tls`);
 2. the local checkpoint (if any) -> profile -> Register with that `LocalState`;
 3. the control loop. The protocol is level-triggered: every Register/Heartbeat/ReportRound
    answer carries the worker's current `Instruction`, and `_reconcile` compares it with
@@ -63,6 +64,7 @@ from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
 from bagel.protocol.messages import Instruction
 from bagel.protocol.runspec import RunSpec, parse_spec
+from bagel.protocol.tls import TLSError
 from bagel.worker import ddp, reconciler
 from bagel.worker.display import Display
 from bagel.worker.link import CoordinatorLink
@@ -164,7 +166,8 @@ class Agent:
             await self.dataplane.start()
             self.stateserver = StateServer(self.p2p, self.join.run_id)
             await self.stateserver.start()
-            self.link.connect(self.dht, record.endpoint, record.spec_hash)
+            if not await self.link.connect(self.dht, record):
+                return 0
             store = LocalStore(self.cfg.data_dir, self.join.run_id, record.spec_hash)
             self.orders.attach(self.p2p, self.dataplane, self.stateserver, store)
             self.orders.load_local()
@@ -177,7 +180,7 @@ class Agent:
             await self._control_loop()
             await self._leave()
             return 0
-        except SpecMismatch as e:
+        except (SpecMismatch, TLSError) as e:  # another spec, or a server that is not the pinned one
             self.display.event("fatal", level="error", message=str(e))
             return 3
         finally:

@@ -34,9 +34,10 @@ import grpc
 
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient, backoff_delay_s, is_retryable
-from bagel.protocol.discovery import lookup_coordinator
+from bagel.protocol.discovery import CoordinatorRecord, lookup_coordinator
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo
+from bagel.protocol.tls import TLSError
 from bagel.worker.display import Display
 
 log = logging.getLogger(__name__)
@@ -82,13 +83,39 @@ class CoordinatorLink:
         self._hb_wake = asyncio.Event()
         self._hb_task: asyncio.Task[None] | None = None
 
-    def connect(self, dht: Any, endpoint: str, spec_hash: str) -> None:
-        self.dht = dht
-        self.client = self._client(endpoint, spec_hash)
+    async def connect(self, dht: Any, record: CoordinatorRecord) -> bool:
+        """The client for the record's endpoint, pinned to the record's TLS certificate.
 
-    def _client(self, endpoint: str, spec_hash: str) -> CoordinatorClient:
-        return CoordinatorClient(
-            endpoint, self.identity, self.join.run_id, spec_hash=spec_hash, timeout_s=RPC_TIMEOUT_S
+        Retried (with a fresh look at the DHT record) while the coordinator cannot be
+        reached; False if the worker is stopped meanwhile. A server presenting another
+        certificate, or none, raises `TLSError` (`FingerprintMismatch`): nothing is sent to it.
+        """
+        self.dht = dht
+        attempt = 0
+        while not self.stop.is_set():
+            try:
+                self.client = await self._client(record)
+                return True
+            except OSError as e:  # refused, reset, timed out: the coordinator may be restarting or moving
+                attempt += 1
+                self.display.event("coordinator-unreachable", level="warning", message=f"{record.endpoint}: {e}")
+                await self._sleep(backoff_delay_s(attempt, max_s=5.0))
+                try:
+                    fresh, _ = await lookup_coordinator(self.dht, self.join)
+                except Exception as e:  # noqa: BLE001  (the DHT may be unreachable too; keep the record)
+                    log.debug("re-resolving the coordinator failed: %s", e)
+                    fresh = None
+                record = fresh or record
+        return False
+
+    async def _client(self, record: CoordinatorRecord) -> CoordinatorClient:
+        return await CoordinatorClient.connect(
+            record.endpoint,
+            self.identity,
+            self.join.run_id,
+            tls_fingerprint=record.tls_sha256,
+            spec_hash=record.spec_hash,
+            timeout_s=RPC_TIMEOUT_S,
         )
 
     async def close(self) -> None:
@@ -127,10 +154,16 @@ class CoordinatorLink:
         except Exception as e:  # noqa: BLE001  (the DHT may be unreachable too; try later)
             log.debug("re-resolving the coordinator failed: %s", e)
             return
-        if record is not None and record.endpoint != self.client.target:
+        current = (self.client.target, self.client.tls_fingerprint)
+        if record is not None and (record.endpoint, record.tls_sha256) != current:
+            try:
+                client = await self._client(record)
+            except (OSError, TLSError) as e:  # keep the old client; the next re-resolve tries again
+                self.display.event("coordinator-moved-unreachable", level="warning", message=str(e))
+                return
             self.display.event("coordinator-moved", endpoint=record.endpoint)
             old = self.client
-            self.client = self._client(record.endpoint, record.spec_hash)
+            self.client = client
             await old.close()
 
     async def _sleep(self, s: float) -> None:

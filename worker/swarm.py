@@ -116,6 +116,7 @@ class Managed:
 class CoordinatorProc(Managed):
     endpoint: str = ""
     join: str = ""
+    tls_fingerprint: str = ""  # from its `tls: sha256 HEX` line; "" = plaintext
 
     @classmethod
     def make(
@@ -153,6 +154,8 @@ class CoordinatorProc(Managed):
     def start_and_wait(self, timeout_s: float = 60.0) -> CoordinatorProc:
         self.start()
         self.endpoint = self.wait_for_line("listening:", timeout_s)
+        tls = self.wait_for_line("tls:", timeout_s)
+        self.tls_fingerprint = tls.removeprefix("sha256 ") if tls.startswith("sha256 ") else ""
         self.join = self.wait_for_line("join:", timeout_s)
         return self
 
@@ -228,12 +231,19 @@ def cleanup(procs: list[Managed]) -> Iterator[list[Managed]]:
                 p.kill()  # the leader is gone; its group may not be
 
 
-def get_status(endpoint: str, timeout_s: float = 5.0) -> Any:
-    """The coordinator's GetStatus (unsigned, read-only) over a short-lived channel."""
+def get_status(endpoint: str, timeout_s: float = 5.0, *, tls_fingerprint: str = "") -> Any:
+    """The coordinator's GetStatus (unsigned, read-only) over a short-lived channel, TLS
+    pinned to `tls_fingerprint` (the daemon's `tls: sha256 HEX` line) or plaintext if ""."""
     import grpc
 
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol import bagel_pb2_grpc as pb_grpc
+    from bagel.protocol.tls import pinned_credentials
 
-    with grpc.insecure_channel(endpoint) as ch:
+    if tls_fingerprint:
+        pinned = pinned_credentials(endpoint, tls_fingerprint, timeout_s)
+        channel = grpc.secure_channel(endpoint, pinned.credentials(), options=pinned.channel_options())
+    else:
+        channel = grpc.insecure_channel(endpoint)
+    with channel as ch:
         return pb_grpc.CoordinatorStub(ch).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
