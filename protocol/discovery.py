@@ -460,7 +460,10 @@ async def lookup_direct(
     raw = await dht.run_coroutine(coro, return_future=True)
     entries: list[tuple[str, Any]] = []
     for peer, subkey, value in raw[: MAX_DIRECT_ENTRIES * len(peers)]:
-        label = f"{peer[-8:]}/{subkey.hex()[:16]}"
+        try:
+            label = f"{peer[-8:]}/{str(MSGPackSerializer.loads(subkey))[:16] if subkey else '-'}"
+        except Exception:  # msgpack raises several types on garbage
+            label = f"{peer[-8:]}/?"
         if len(value) > 2 * MAX_RECORD_BYTES:
             entries.append((label, None))
             continue

@@ -11,6 +11,9 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from bagel.protocol.discovery import (
+    DEFAULT_MAX_CLOCK_SKEW_S,
+    DEFAULT_TTL_S,
+    MAX_EXPIRATION_AHEAD_S,
     CoordinatorNotFound,
     CoordinatorPublisher,
     CoordinatorRecord,
@@ -19,6 +22,7 @@ from bagel.protocol.discovery import (
     RecordError,
     coordinator_key,
     lookup_coordinator,
+    lookup_direct,
     publish_coordinator,
     resolve_coordinator,
     sign_record,
@@ -42,6 +46,16 @@ def test_join_string_round_trip():
     info = parse_join_string("  " + text + "\n")
     assert info == JoinInfo(RUN, key, (PEER, PEER.replace("4001", "4002")))
     assert str(info) == text
+
+
+def test_join_string_carries_the_tls_fingerprint():
+    key, fp = Identity.generate().public_key, "0f" * 32
+    text = make_join_string(RUN, key, [PEER], fp)
+    info = parse_join_string(text)
+    assert info == JoinInfo(RUN, key, (PEER,), fp) and info.tls_fingerprint == fp
+    assert parse_join_string(make_join_string(RUN, key, [PEER])).tls_fingerprint == ""  # plaintext: no `t`
+    with pytest.raises(JoinStringError, match="TLS fingerprint"):
+        make_join_string(RUN, key, [PEER], "0F" * 32)  # only the canonical lowercase hex
 
 
 def _encode(body: object) -> str:
@@ -72,6 +86,12 @@ GOOD_BODY = {"v": 1, "r": RUN, "k": base64.urlsafe_b64encode(b"k" * 32).rstrip(b
         (_encode({**GOOD_BODY, "p": ["/ip4/127.0.0.1/tcp/4001"]}), "/p2p/"),
         (_encode({**GOOD_BODY, "p": [7]}), "initial peer 0"),
         (_encode({**GOOD_BODY, "p": [PEER] * 17}), "at most"),
+        (_encode({**GOOD_BODY, "t": "AAAA"}), "TLS fingerprint"),
+        (_encode({**GOOD_BODY, "t": 5}), "TLS fingerprint: must be base64url"),
+        (_encode({**GOOD_BODY, "t": "!" * 43}), "TLS fingerprint: not base64url"),
+        # 43 characters whose last one carries bits beyond the 32 bytes: not canonical
+        (_encode({**GOOD_BODY, "t": "A" * 42 + "B"}), "canonical"),
+        (_encode({**GOOD_BODY, "t": "", "x": 1}), "unknown fields"),
     ],
 )
 def test_malformed_join_strings_rejected(text, match):
@@ -138,6 +158,55 @@ def test_record_sign_verify_and_refusals():
     body = msgpack.packb({"hello": 1})
     with pytest.raises(RecordError, match="fields"):
         verify_record({"body": body, "sig": coord.sign(body)}, public_key=coord.public_key, run_id=RUN, now=now)
+
+
+def _dht_record(ident: Identity, signed: CoordinatorRecord, expiration: float, subkey: str | None = None):
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    return DHTRecord(
+        key=DHTID.generate(source=coordinator_key(RUN)).to_bytes(),
+        subkey=MSGPackSerializer.dumps(subkey or ident.public_key.hex()),
+        value=MSGPackSerializer.dumps(sign_record(signed, ident)),
+        expiration_time=expiration,
+    )
+
+
+def test_validator_caps_expirations_even_of_genuine_records():
+    """A record signed for a day is refused by validating nodes unless its DHT expiration
+    is within MAX_EXPIRATION_AHEAD_S of their clock: nothing planted lives for a day."""
+    coord, evil = Identity.generate(), Identity.generate()
+    validator = CoordinatorRecordValidator(RUN, coord.public_key)
+    now = get_dht_time()
+    day = _record(coord, now, expires_at=now + 86400)
+    assert validator.validate(_dht_record(coord, day, now + 60))
+    assert validator.validate(_dht_record(coord, day, now + MAX_EXPIRATION_AHEAD_S - 1))
+    assert not validator.validate(_dht_record(coord, day, now + MAX_EXPIRATION_AHEAD_S + 5))
+    assert not validator.validate(_dht_record(coord, day, now + 86400))
+    # forgeries: another signer, under our subkey or its own, at any expiration
+    forged = _record(evil, now)
+    assert not validator.validate(_dht_record(evil, forged, now + 60, subkey=coord.public_key.hex()))
+    assert not validator.validate(_dht_record(evil, forged, now + 60))
+    # the publisher never asks for more than the cap allows
+    assert DEFAULT_TTL_S <= MAX_EXPIRATION_AHEAD_S - DEFAULT_MAX_CLOCK_SKEW_S
+
+
+def test_record_carries_the_tls_fingerprint():
+    coord = Identity.generate()
+    now = 1_700_000_000.0
+    fp = "9a" * 32
+    got = verify_record(
+        sign_record(_record(coord, now, tls_sha256=fp), coord), public_key=coord.public_key, run_id=RUN, now=now
+    )
+    assert got.tls_sha256 == fp
+    with pytest.raises(RecordError, match="tls_sha256"):
+        verify_record(
+            sign_record(_record(coord, now, tls_sha256="not-hex"), coord),
+            public_key=coord.public_key,
+            run_id=RUN,
+            now=now,
+        )
 
 
 # ---------------------------------------------------------------------------- real DHT
@@ -212,7 +281,8 @@ async def test_resolve_from_join_string_skips_forged_records():
             record = await resolve_coordinator(join, dht=plain_worker, timeout_s=20, retry_interval_s=0.2)
             assert record.endpoint == "127.0.0.1:7000"
             assert record.public_key == coord.public_key and record.spec_hash == SPEC_HASH
-            record, refused = await lookup_coordinator(plain_worker, info)
+            # the iterative lookup over the whole DHT meets the attacker's entry and skips it
+            record, refused = await lookup_coordinator(plain_worker, info, direct=False)
             assert record is not None and record.endpoint == "127.0.0.1:7000"
             assert any("signature does not verify" in r for r in refused), refused
 
@@ -224,15 +294,56 @@ async def test_resolve_from_join_string_skips_forged_records():
                 return_future=True,
             )
             # The attack is real: without a validator the later-expiring forgery shadows
-            # the genuine entry (refused, so still no forgery is ever returned) ...
-            record, refused = await lookup_coordinator(plain_worker, info)
+            # the genuine entry in the iterative lookup (refused, so still no forgery is
+            # ever returned) ...
+            record, refused = await lookup_coordinator(plain_worker, info, direct=False)
             assert record is None and refused
+            # ... but the join string's peer, the coordinator's own validating node, still
+            # holds the genuine entry, and the default lookup asks it first.
+            record, _ = await lookup_coordinator(plain_worker, info)
+            assert record is not None and record.endpoint == "127.0.0.1:7000"
             guarded_worker = _start(
                 _maddrs(coord_dht), validators=[CoordinatorRecordValidator(RUN, info.coordinator_public_key)]
             )
             dhts.append(guarded_worker)
             record = await resolve_coordinator(info, dht=guarded_worker, timeout_s=20, retry_interval_s=0.2)
             assert record.endpoint == "127.0.0.1:7000"
+    finally:
+        for dht in reversed(dhts):
+            dht.shutdown()
+
+
+@pytest.mark.timeout(60)
+async def test_day_long_forgery_next_to_the_record_does_not_hide_it():
+    """A node without the validator (a public bootstrap node) holds the genuine record and,
+    next to it, a forgery expiring in a day. hivemind's iterative lookup on a validating
+    worker drops that node's whole answer because of the forgery; the worker still
+    resolves the coordinator, because it asks the join string's peer itself and checks
+    each entry on its own."""
+    coord, evil = Identity.generate(), Identity.generate()
+    dhts = []
+    try:
+        bootstrap = _start()  # no validator: stores whatever it is given
+        dhts.append(bootstrap)
+        info = parse_join_string(make_join_string(RUN, coord.public_key, _maddrs(bootstrap)))
+        await publish_coordinator(bootstrap, coord, run_id=RUN, endpoint="127.0.0.1:7010", spec_hash=SPEC_HASH)
+        now = get_dht_time()
+        day = now + 86400
+        forged = sign_record(_record(evil, now, endpoint="6.6.6.6:1", expires_at=day), evil)
+        assert await bootstrap.store(
+            coordinator_key(RUN), forged, expiration_time=day, subkey=evil.public_key.hex(), return_future=True
+        )
+        worker = _start(_maddrs(bootstrap), validators=[CoordinatorRecordValidator(RUN, coord.public_key)])
+        dhts.append(worker)
+        # the failure mode: the validating worker's DHT drops the bootstrap's whole dictionary
+        record, _ = await lookup_coordinator(worker, info, direct=False)
+        assert record is None
+        # asked directly, the bootstrap's answer yields the genuine entry and names the forgery
+        record, refused = await lookup_direct(worker, info)
+        assert record is not None and record.endpoint == "127.0.0.1:7010"
+        assert len(refused) == 1 and "signature does not verify" in refused[0], refused
+        record = await resolve_coordinator(info, dht=worker, timeout_s=10, retry_interval_s=0.2)
+        assert record.endpoint == "127.0.0.1:7010" and record.public_key == coord.public_key
     finally:
         for dht in reversed(dhts):
             dht.shutdown()
@@ -259,9 +370,10 @@ async def test_only_forged_records_are_refused():
         dhts.append(worker)
         with pytest.raises(CoordinatorNotFound, match="signature does not verify"):
             await resolve_coordinator(join, dht=worker, timeout_s=1.0, retry_interval_s=0.2)
-        # A resolver that starts its own DHT installs the validator: the poisoned answer
-        # is dropped by the DHT itself, so nothing is found at all.
-        with pytest.raises(CoordinatorNotFound, match="no record found"):
+        # A resolver that starts its own DHT installs the validator, which drops the
+        # poisoned answer of the iterative lookup as a whole; asking the join string's peer
+        # directly still sees each entry and names why it was refused.
+        with pytest.raises(CoordinatorNotFound, match="signature does not verify"):
             await resolve_coordinator(join, timeout_s=1.0, retry_interval_s=0.2, host_maddrs=("/ip4/127.0.0.1/tcp/0",))
     finally:
         for dht in reversed(dhts):
