@@ -192,8 +192,9 @@ def split_target(target: str) -> tuple[str, int]:
 def fetch_certificate(target: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -> bytes:
     """The DER leaf certificate the server at `target` presents (nothing verified). Blocking.
 
-    TLSError if the server does not complete a TLS handshake (a plaintext gRPC server
-    answers a ClientHello with an HTTP/2 error and closes); OSError if it cannot be reached.
+    TLSError if the server answers the handshake with something that is not TLS (a
+    plaintext gRPC server answers a ClientHello with HTTP/2 bytes); OSError if it cannot
+    be reached or the connection is cut (refused, reset, timed out: worth retrying).
     """
     host, port = split_target(target)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -205,10 +206,10 @@ def fetch_certificate(target: str, timeout_s: float = DEFAULT_PROBE_TIMEOUT_S) -
         try:
             with ctx.wrap_socket(sock, server_hostname=None if _is_ip(host) else host) as tls:
                 der = tls.getpeercert(binary_form=True)
-        except ssl.SSLError as e:
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as e:  # cut off mid-handshake: maybe a restart
+            raise ConnectionResetError(f"{target} closed the connection during the TLS handshake ({e})") from None
+        except ssl.SSLError as e:  # e.g. WRONG_VERSION_NUMBER: a plaintext server answered
             raise TLSError(f"{target} does not speak TLS ({e.reason or e})") from None
-        except (ConnectionError, TimeoutError) as e:
-            raise TLSError(f"{target} closed the connection during the TLS handshake ({e!r})") from None
     if not der:
         raise TLSError(f"{target} presented no certificate")
     return der

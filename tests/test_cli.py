@@ -82,6 +82,25 @@ def test_bad_spec_and_bad_flags_exit_2(tmp_path: Path, capsys) -> None:
     assert cli.main(["serve", "--run", str(bad), "--data-dir", str(tmp_path / "d")]) == 2
     assert "schedule.lease_seconds" in capsys.readouterr().err
     assert cli.main(["status"]) == 2
+    good = write_spec(tmp_path)
+    serve = ["serve", "--run", str(good), "--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0", "--no-dht"]
+    assert cli.main([*serve, "--tls-cert", str(good)]) == 2
+    assert "both --tls-cert and --tls-key" in capsys.readouterr().err
+    assert cli.main([*serve, "--insecure", "--tls-cert", str(good), "--tls-key", str(good)]) == 2
+    assert "--insecure contradicts" in capsys.readouterr().err
+    assert cli.main(["status", "--target", "127.0.0.1:1", "--tls-fingerprint", "xyz"]) == 2
+    assert "64 hex digits" in capsys.readouterr().err
+
+
+def test_unusable_tls_certificate_is_one_error_line(tmp_path: Path) -> None:
+    spec_path = write_spec(tmp_path)
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    data = ["--data-dir", str(tmp_path / "d"), "--listen", "127.0.0.1:0", "--no-dht"]
+    r = run_cli("serve", "--run", str(spec_path), *data, "--tls-cert", str(junk), "--tls-key", str(junk))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and "no PEM certificate" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.timeout(180)

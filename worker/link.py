@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 FAST_HEARTBEAT_S = 0.25  # while READY/REDUCING: the freeze and the verdict come sooner
 RPC_TIMEOUT_S = 10.0
 RERESOLVE_AFTER_S = 3.0  # look the coordinator's DHT record up again after this long without it
+TLS_REFUSALS_BEFORE_GIVING_UP = 5  # a server that is not the pinned one, this many times in a row
 
 
 class LinkOwner(Protocol):
@@ -88,16 +89,22 @@ class CoordinatorLink:
 
         Retried (with a fresh look at the DHT record) while the coordinator cannot be
         reached; False if the worker is stopped meanwhile. A server presenting another
-        certificate, or none, raises `TLSError` (`FingerprintMismatch`): nothing is sent to it.
+        certificate than the record's, or not speaking TLS, is never sent anything; after
+        `TLS_REFUSALS_BEFORE_GIVING_UP` such answers in a row (the record did not change
+        to one that works) the `TLSError` (`FingerprintMismatch`) is raised.
         """
         self.dht = dht
-        attempt = 0
+        attempt = refusals = 0
         while not self.stop.is_set():
             try:
                 self.client = await self._client(record)
                 return True
-            except OSError as e:  # refused, reset, timed out: the coordinator may be restarting or moving
+            except (OSError, TLSError) as e:  # refused, reset, timed out: restarting or moving?
                 attempt += 1
+                if isinstance(e, TLSError):
+                    refusals += 1
+                    if refusals >= TLS_REFUSALS_BEFORE_GIVING_UP:
+                        raise
                 self.display.event("coordinator-unreachable", level="warning", message=f"{record.endpoint}: {e}")
                 await self._sleep(backoff_delay_s(attempt, max_s=5.0))
                 try:
