@@ -69,6 +69,7 @@ MAX_EXPIRATION_AHEAD_S = 2 * DEFAULT_TTL_S
 MAX_RECORD_BYTES = 4096
 MAX_DIRECT_ENTRIES = 32  # entries examined per peer in `lookup_direct` (each costs a signature check)
 DIRECT_LOOKUP_TIMEOUT_S = 5.0
+NEAREST_K = 5  # nodes nearest the record's key read entry by entry (hivemind's default num_replicas)
 _MAX_DIRECT_ANSWER_BYTES = 4 * MAX_RECORD_BYTES * MAX_DIRECT_ENTRIES
 DEFAULT_MAX_CLOCK_SKEW_S = 30.0
 DHT_START_TIMEOUT_S = 60.0
@@ -401,31 +402,39 @@ def peer_ids_of(join: JoinInfo) -> list[str]:
     return ids
 
 
-async def _find_at_peers(
-    key: str, peer_ids: list[str], timeout_s: float, _dht: Any, node: Any
+async def _find_raw(
+    key: str, peer_ids: list[str], nearest_k: int, timeout_s: float, _dht: Any, node: Any
 ) -> list[tuple[str, bytes, bytes]]:
-    """Runs inside a DHT process (`DHT.run_coroutine`): ask each peer for `key` with one raw
-    `rpc_find`, and return (peer, subkey bytes, value bytes) for every entry, unvalidated.
+    """Runs inside a DHT process (`DHT.run_coroutine`): ask each of `peer_ids` and, with
+    `nearest_k`, the `nearest_k` nodes nearest to `key` (found by hivemind's beam search,
+    which learns neighbours even from answers it drops), for `key` with one raw `rpc_find`
+    each; return (peer, subkey bytes, value bytes) for every entry, unvalidated.
 
-    hivemind's `call_find` would validate the answer as a whole and drop it on one bad
+    hivemind's `call_find` would validate each answer as a whole and drop it on one bad
     entry; here nothing is dropped, the caller verifies each entry. Bounded: at most
-    `MAX_DIRECT_ENTRIES` entries per peer, values of at most twice `MAX_RECORD_BYTES`.
+    `MAX_DIRECT_ENTRIES` entries per peer, answers of at most `_MAX_DIRECT_ANSWER_BYTES`.
     """
     from hivemind.dht.storage import DictionaryDHTValue
     from hivemind.p2p import PeerID
     from hivemind.proto import dht_pb2
 
-    key_id = DHTID.generate(source=key).to_bytes()
+    key_id = DHTID.generate(source=key)
+    peers = list(peer_ids)
+    if nearest_k > 0:
+        nearest = await node.find_nearest_nodes([key_id], k_nearest=nearest_k)
+        for peer_id in list(nearest.get(key_id, {}).values())[:nearest_k]:
+            if peer_id.to_base58() not in peers:
+                peers.append(peer_id.to_base58())
 
     async def ask(peer_b58: str) -> list[tuple[str, bytes, bytes]]:
         peer = PeerID.from_base58(peer_b58)
         out: list[tuple[str, bytes, bytes]] = []
         if peer == node.peer_id:  # our own node is one of them: read its storage
-            local = node.protocol.storage.get(DHTID.from_bytes(key_id))
+            local = node.protocol.storage.get(key_id)
             items = None if local is None else local.value
             regular = None if isinstance(items, DictionaryDHTValue) else items
         else:
-            request = dht_pb2.FindRequest(keys=[key_id], peer=node.protocol.node_info)
+            request = dht_pb2.FindRequest(keys=[key_id.to_bytes()], peer=node.protocol.node_info)
             response = await node.protocol.get_stub(peer).rpc_find(request, timeout=timeout_s)
             items = regular = None
             for result in list(response.results)[:1]:
@@ -440,7 +449,7 @@ async def _find_at_peers(
                 out.append((peer_b58, MSGPackSerializer.dumps(subkey), bytes(item.value)))
         return out
 
-    answers = await asyncio.gather(*(ask(p) for p in peer_ids), return_exceptions=True)
+    answers = await asyncio.gather(*(ask(p) for p in peers), return_exceptions=True)
     return [entry for answer in answers if isinstance(answer, list) for entry in answer]
 
 
@@ -448,18 +457,20 @@ async def lookup_direct(
     dht: Any,
     join: JoinInfo,
     *,
+    nearest_k: int = 0,
     now: float | None = None,
     max_clock_skew_s: float = DEFAULT_MAX_CLOCK_SKEW_S,
     timeout_s: float = DIRECT_LOOKUP_TIMEOUT_S,
 ) -> tuple[CoordinatorRecord | None, list[str]]:
-    """Ask the join string's peers themselves, verifying every entry on its own (module docstring)."""
+    """Ask the join string's peers themselves (and, with `nearest_k`, the nodes nearest the
+    record's key), verifying every entry on its own (module docstring)."""
     peers = peer_ids_of(join)
-    if not peers:
+    if not peers and not nearest_k:
         return None, []
-    coro = functools.partial(_find_at_peers, coordinator_key(join.run_id), peers, timeout_s)
+    coro = functools.partial(_find_raw, coordinator_key(join.run_id), peers, nearest_k, timeout_s)
     raw = await dht.run_coroutine(coro, return_future=True)
     entries: list[tuple[str, Any]] = []
-    for peer, subkey, value in raw[: MAX_DIRECT_ENTRIES * len(peers)]:
+    for peer, subkey, value in raw[: MAX_DIRECT_ENTRIES * (len(peers) + nearest_k)]:
         try:
             label = f"{peer[-8:]}/{str(MSGPackSerializer.loads(subkey))[:16] if subkey else '-'}"
         except Exception:  # msgpack raises several types on garbage
@@ -484,18 +495,24 @@ async def lookup_coordinator(
 ) -> tuple[CoordinatorRecord | None, list[str]]:
     """One lookup: (freshest valid record or None, reasons the other entries were refused).
 
-    With `direct` (the default) the join string's peers are asked first (`lookup_direct`);
-    hivemind's iterative lookup over the whole DHT runs only if that found no valid record.
+    With `direct` (the default) our own entry-by-entry reads come first: the join
+    string's peers (`lookup_direct`), then the `NEAREST_K` nodes nearest the record's key.
+    hivemind's iterative lookup (`DHT.get`, which drops a node's whole answer on one bad
+    entry) runs last, only if neither found a valid record; `direct=False` runs it alone.
     """
     refused: list[str] = []
     if direct:
-        try:
-            record, refused = await lookup_direct(dht, join, now=now, max_clock_skew_s=max_clock_skew_s)
-        except Exception as e:  # the peers may be gone (a restarted coordinator): fall back to the DHT
-            logger.debug("asking the join string's peers directly failed: %s", e)
-            record = None
-        if record is not None:
-            return record, refused
+        for nearest_k in (0, NEAREST_K):
+            try:
+                record, refused_now = await lookup_direct(
+                    dht, join, nearest_k=nearest_k, now=now, max_clock_skew_s=max_clock_skew_s
+                )
+            except Exception as e:  # the peers may be gone (a restarted coordinator): go wider
+                logger.debug("reading the coordinator record entry by entry failed: %s", e)
+                record, refused_now = None, []
+            refused += [r for r in refused_now if r not in refused]
+            if record is not None:
+                return record, refused
     found = await dht.get(coordinator_key(join.run_id), latest=True, return_future=True)
     if found is None:
         return None, refused
@@ -508,7 +525,7 @@ async def lookup_coordinator(
         time.time() if now is None else now,
         max_clock_skew_s,
     )
-    return record, [*refused, *wide]
+    return record, [*refused, *[r for r in wide if r not in refused]]
 
 
 async def resolve_coordinator(

@@ -350,6 +350,39 @@ async def test_day_long_forgery_next_to_the_record_does_not_hide_it():
 
 
 @pytest.mark.timeout(60)
+async def test_record_beyond_the_join_peers_is_read_entry_by_entry():
+    """The join string's peer holds nothing (a validating node that refused the poisoned
+    dictionary pushed to it); the record lives on a non-validating node next to a day-long
+    forgery. The worker finds the nodes nearest the key and reads them entry by entry."""
+    coord, evil = Identity.generate(), Identity.generate()
+    validators = [CoordinatorRecordValidator(RUN, coord.public_key)]
+    dhts = []
+    try:
+        holder = _start()  # alone when the record and the forgery are stored: only it has them
+        dhts.append(holder)
+        await publish_coordinator(holder, coord, run_id=RUN, endpoint="127.0.0.1:7020", spec_hash=SPEC_HASH)
+        now = get_dht_time()
+        forged = sign_record(_record(evil, now, endpoint="6.6.6.6:1", expires_at=now + 86400), evil)
+        await holder.store(
+            coordinator_key(RUN), forged, expiration_time=now + 86400, subkey=evil.public_key.hex(), return_future=True
+        )
+        entry = _start(_maddrs(holder), validators=validators)  # the join string's peer
+        dhts.append(entry)
+        info = parse_join_string(make_join_string(RUN, coord.public_key, _maddrs(entry)))
+        worker = _start(_maddrs(entry), validators=validators)
+        dhts.append(worker)
+        record, _ = await lookup_direct(worker, info)
+        assert record is None  # the join string's peer has no valid record
+        record, _ = await lookup_coordinator(worker, info, direct=False)
+        assert record is None  # hivemind's lookup drops the holder's whole answer
+        record = await resolve_coordinator(info, dht=worker, timeout_s=10, retry_interval_s=0.2)
+        assert record.endpoint == "127.0.0.1:7020"
+    finally:
+        for dht in reversed(dhts):
+            dht.shutdown()
+
+
+@pytest.mark.timeout(60)
 async def test_only_forged_records_are_refused():
     """With no genuine record, resolution fails naming the refusal, never returns a forgery."""
     coord, evil = Identity.generate(), Identity.generate()
