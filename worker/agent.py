@@ -160,7 +160,12 @@ class Agent:
             )
             if record is None:
                 return 0
-            self.display.event("coordinator", endpoint=record.endpoint, spec_hash=record.spec_hash[:12])
+            self.display.event(
+                "coordinator",
+                endpoint=record.endpoint,
+                spec_hash=record.spec_hash[:12],
+                tls=f"sha256 {record.tls_sha256[:16]}" if record.tls_sha256 else "off",
+            )
             self.p2p = await self.dht.replicate_p2p()
             self.dataplane = DataPlane(self.p2p, self.join.run_id)
             await self.dataplane.start()

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 FAST_HEARTBEAT_S = 0.25  # while READY/REDUCING: the freeze and the verdict come sooner
 RPC_TIMEOUT_S = 10.0
 RERESOLVE_AFTER_S = 3.0  # look the coordinator's DHT record up again after this long without it
-TLS_REFUSALS_BEFORE_GIVING_UP = 5  # a server that is not the pinned one, this many times in a row
+TLS_REFUSALS_BEFORE_GIVING_UP = 5  # answers of a server that is not the pinned one before giving up
 
 
 class LinkOwner(Protocol):
@@ -90,8 +90,8 @@ class CoordinatorLink:
         Retried (with a fresh look at the DHT record) while the coordinator cannot be
         reached; False if the worker is stopped meanwhile. A server presenting another
         certificate than the record's, or not speaking TLS, is never sent anything; after
-        `TLS_REFUSALS_BEFORE_GIVING_UP` such answers in a row (the record did not change
-        to one that works) the `TLSError` (`FingerprintMismatch`) is raised.
+        `TLS_REFUSALS_BEFORE_GIVING_UP` such answers (the record did not change to one
+        that works) the `TLSError` (`FingerprintMismatch`) is raised.
         """
         self.dht = dht
         attempt = refusals = 0
@@ -109,8 +109,8 @@ class CoordinatorLink:
                 await self._sleep(backoff_delay_s(attempt, max_s=5.0))
                 try:
                     fresh, _ = await lookup_coordinator(self.dht, self.join)
-                except Exception as e:  # noqa: BLE001  (the DHT may be unreachable too; keep the record)
-                    log.debug("re-resolving the coordinator failed: %s", e)
+                except Exception as err:  # noqa: BLE001  (the DHT may be unreachable too; keep the record)
+                    log.debug("re-resolving the coordinator failed: %s", err)
                     fresh = None
                 record = fresh or record
         return False
