@@ -197,3 +197,47 @@ def test_certificate_files_are_checked(tmp_path: Path) -> None:
         with pytest.raises(TLSError):
             check_fingerprint(bad)
     assert check_fingerprint(":".join(["AB"] * 32)) == "ab" * 32
+
+
+@pytest.mark.timeout(60)
+async def test_worker_link_pins_the_record_and_gives_up_on_an_impostor(tmp_path: Path) -> None:
+    """The worker's link connects with the record's fingerprint; a server at the record's
+    endpoint that is not the pinned one (here: plaintext) is retried a few times, then the
+    TLSError ends the connect, and no request ever reached it."""
+    import asyncio
+    import io
+    import json
+
+    from bagel.protocol.discovery import CoordinatorRecord
+    from bagel.protocol.joinstring import JoinInfo
+    from bagel.worker.display import Display
+    from bagel.worker.link import TLS_REFUSALS_BEFORE_GIVING_UP, CoordinatorLink
+
+    coord = Identity.generate()
+    join = JoinInfo(RUN, coord.public_key, ("/ip4/127.0.0.1/tcp/1/p2p/" + fake_peer_id("j"),))
+    spec_hash = parse_spec(cluster_spec_text(RUN, lease_s=30.0)).spec_hash
+    events = io.StringIO()
+    tls_server = await _start(tmp_path / "tls", tls=True)
+    plain_server = await _start(tmp_path / "plain")
+    try:
+        for h, expect_ok in ((tls_server, True), (plain_server, False)):
+            record = CoordinatorRecord(
+                f"127.0.0.1:{h.port}", RUN, spec_hash, coord.public_key, 0.0, 60.0, tls_server.tls_fingerprint
+            )
+            link = CoordinatorLink(None, join, Identity.generate(), Display("json", stream=events), asyncio.Event())  # type: ignore[arg-type]
+            if expect_ok:
+                assert await link.connect(None, record)
+                assert link.client is not None and link.client.tls_fingerprint == tls_server.tls_fingerprint
+                assert (await link.client.status()).run_id == RUN
+                await link.close()
+            else:
+                with pytest.raises(TLSError, match="does not speak TLS"):
+                    await link.connect(None, record)
+                assert link.client is None
+        warnings = [json.loads(line) for line in events.getvalue().splitlines()]
+        refused = [e for e in warnings if e["event"] == "coordinator-unreachable"]
+        assert len(refused) == TLS_REFUSALS_BEFORE_GIVING_UP - 1
+        assert _active_workers(plain_server) == 0
+    finally:
+        await tls_server.stop(0)
+        await plain_server.stop(0)
