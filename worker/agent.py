@@ -59,7 +59,7 @@ import grpc
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import SpecMismatch
 from bagel.protocol.convert import instruction_from_pb
-from bagel.protocol.discovery import CoordinatorRecordValidator, resolve_coordinator, start_dht
+from bagel.protocol.discovery import CoordinatorRecordValidator, DiscoveryError, resolve_coordinator, start_dht
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
 from bagel.protocol.messages import Instruction
@@ -185,7 +185,7 @@ class Agent:
             await self._control_loop()
             await self._leave()
             return 0
-        except (SpecMismatch, TLSError) as e:  # another spec, or a server that is not the pinned one
+        except (SpecMismatch, TLSError, DiscoveryError) as e:  # another spec, not the pinned server, no record
             self.display.event("fatal", level="error", message=str(e))
             return 3
         finally:
