@@ -61,11 +61,13 @@ logger = logging.getLogger(__name__)
 RECORD_KIND = "bagel/coordinator"
 RECORD_VERSION = 2
 DEFAULT_TTL_S = 60.0
-MAX_TTL_S = 24 * 3600.0  # a record may claim at most a day of validity
 # Validating nodes store and accept an entry under the coordinator key only if its DHT
 # expiration is at most this far ahead of their clock: two record lifetimes (the
 # publisher refreshes every third of one), which also absorbs the clock skew allowed.
 MAX_EXPIRATION_AHEAD_S = 2 * DEFAULT_TTL_S
+# A signed record may claim no longer a validity either, so a captured genuine record
+# (an old endpoint) cannot be replayed for long.
+MAX_TTL_S = MAX_EXPIRATION_AHEAD_S
 MAX_RECORD_BYTES = 4096
 MAX_DIRECT_ENTRIES = 32  # entries examined per peer in `lookup_direct` (each costs a signature check)
 DIRECT_LOOKUP_TIMEOUT_S = 5.0
@@ -167,7 +169,7 @@ def _verify_signed(value: Any, *, public_key: bytes, run_id: str) -> Coordinator
     if not isinstance(issued, float) or not isinstance(expires, float):
         raise RecordError("issued_at/expires_at must be floats")
     if not issued <= expires <= issued + MAX_TTL_S:
-        raise RecordError("validity interval is empty or longer than a day")
+        raise RecordError(f"validity interval is empty or longer than {MAX_TTL_S:g} s")
     return CoordinatorRecord(endpoint, run_id, spec_hash, public_key, issued, expires, tls_sha256)
 
 

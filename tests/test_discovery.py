@@ -14,6 +14,7 @@ from bagel.protocol.discovery import (
     DEFAULT_MAX_CLOCK_SKEW_S,
     DEFAULT_TTL_S,
     MAX_EXPIRATION_AHEAD_S,
+    MAX_TTL_S,
     CoordinatorNotFound,
     CoordinatorPublisher,
     CoordinatorRecord,
@@ -142,9 +143,9 @@ def test_record_sign_verify_and_refusals():
         verify_record(value, public_key=coord.public_key, run_id=RUN, now=now + 61)
     with pytest.raises(RecordError, match="future"):
         verify_record(value, public_key=coord.public_key, run_id=RUN, now=now - 3600)
-    with pytest.raises(RecordError, match="longer than a day"):
+    with pytest.raises(RecordError, match=f"longer than {MAX_TTL_S:g} s"):
         verify_record(
-            sign_record(_record(coord, now, expires_at=now + 2 * 86400), coord),
+            sign_record(_record(coord, now, expires_at=now + 86400), coord),
             public_key=coord.public_key,
             run_id=RUN,
             now=now,
@@ -174,16 +175,20 @@ def _dht_record(ident: Identity, signed: CoordinatorRecord, expiration: float, s
 
 
 def test_validator_caps_expirations_even_of_genuine_records():
-    """A record signed for a day is refused by validating nodes unless its DHT expiration
-    is within MAX_EXPIRATION_AHEAD_S of their clock: nothing planted lives for a day."""
+    """Validating nodes refuse any entry under the coordinator key whose DHT expiration is
+    more than MAX_EXPIRATION_AHEAD_S past their clock, and a record claiming a longer
+    signed validity than MAX_TTL_S at all: nothing planted lives for a day."""
     coord, evil = Identity.generate(), Identity.generate()
     validator = CoordinatorRecordValidator(RUN, coord.public_key)
     now = get_dht_time()
+    longest = _record(coord, now, expires_at=now + MAX_TTL_S)
+    assert validator.validate(_dht_record(coord, longest, now + 60))
+    assert validator.validate(_dht_record(coord, longest, now + MAX_EXPIRATION_AHEAD_S - 1))
+    assert not validator.validate(_dht_record(coord, longest, now + MAX_EXPIRATION_AHEAD_S + 5))
+    assert not validator.validate(_dht_record(coord, longest, now + 86400))
+    # a day of signed validity is refused at any DHT expiration (the coordinator signs 60 s)
     day = _record(coord, now, expires_at=now + 86400)
-    assert validator.validate(_dht_record(coord, day, now + 60))
-    assert validator.validate(_dht_record(coord, day, now + MAX_EXPIRATION_AHEAD_S - 1))
-    assert not validator.validate(_dht_record(coord, day, now + MAX_EXPIRATION_AHEAD_S + 5))
-    assert not validator.validate(_dht_record(coord, day, now + 86400))
+    assert not validator.validate(_dht_record(coord, day, now + 60))
     # forgeries: another signer, under our subkey or its own, at any expiration
     forged = _record(evil, now)
     assert not validator.validate(_dht_record(evil, forged, now + 60, subkey=coord.public_key.hex()))
