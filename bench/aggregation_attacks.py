@@ -105,7 +105,8 @@ def main() -> None:
     for r in rows:
         print(
             f"{r['attack']:<16} {r['f']:>2} {r['rule']:<24} {r['reducer_rel_err']:>10.4g} "
-            f"{r['rule_only_rel_err']:>10.4g} {r['honest_excluded']:>10} {r['hostile_excluded']:>5}/{r['f'] * r['runs']}"
+            f"{r['rule_only_rel_err']:>10.4g} {r['honest_excluded']:>10} "
+            f"{r['hostile_excluded']:>5}/{r['f'] * r['runs']}"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -119,14 +119,13 @@ def parse_reducer_spec(text: str = DEFAULT_RULE) -> ReducerSpec:
     if rule not in RULES:
         raise ReducerSpecError(f"unknown reducer {rule!r}: use centered_clip, trimmed_mean or mean")
     params = _parse_params(rule, rest, {"trimmed_mean": "trim", "centered_clip": "tau"}.get(rule, ""))
-    screen = {
-        "max_norm": _float(rule, params, "max_norm", DEFAULT_MAX_NORM),
-        "min_norm": _float(rule, params, "min_norm", DEFAULT_MIN_NORM),
-    }
+    max_norm = _float(rule, params, "max_norm", DEFAULT_MAX_NORM)
+    min_norm = _float(rule, params, "min_norm", DEFAULT_MIN_NORM)
     if rule == "mean":
-        spec = ReducerSpec("mean", **screen)
+        spec = ReducerSpec("mean", max_norm=max_norm, min_norm=min_norm)
     elif rule == "trimmed_mean":
-        spec = ReducerSpec("trimmed_mean", trim=_float(rule, params, "trim", 0.2), **screen)
+        trim = _float(rule, params, "trim", 0.2)
+        spec = ReducerSpec("trimmed_mean", trim=trim, max_norm=max_norm, min_norm=min_norm)
     else:
         tau = _float(rule, params, "tau", math.nan) if "tau" in params else None
         rel = _float(rule, params, "rel", 1.0)
@@ -134,7 +133,7 @@ def parse_reducer_spec(text: str = DEFAULT_RULE) -> ReducerSpec:
             iters = int(params.pop("iters", "10"))
         except ValueError as e:
             raise ReducerSpecError(f"{rule}: iters must be an integer") from e
-        spec = ReducerSpec("centered_clip", tau=tau, rel=rel, iters=iters, **screen)
+        spec = ReducerSpec("centered_clip", tau=tau, rel=rel, iters=iters, max_norm=max_norm, min_norm=min_norm)
     if params:
         raise ReducerSpecError(f"{rule}: unknown parameter(s) {sorted(params)}")
     return spec
