@@ -34,7 +34,7 @@ import torch
 from bagel.robust.aggregation import get_reducer, reduce_group
 from bagel.robust.attacks import ATTACKS, craft, honest_group
 
-RULES = ("centered_clip", "trimmed_mean:0.2", "mean", "centered_clip:iters=10")
+RULES = ("centered_clip", "trimmed_mean:0.2", "mean", "centered_clip:iters=30")
 BUDGET = 64.0
 N_HONEST = 16
 
@@ -74,8 +74,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--noise", type=float, default=1.0, help="honest noise std / signal std per coordinate")
-    ap.add_argument("--spread", type=float, default=2.0, help="honest norms vary by this factor each way")
+    ap.add_argument("--noise", type=float, default=0.5, help="honest noise std / signal std per coordinate")
+    ap.add_argument("--spread", type=float, default=1.25, help="honest norms vary by this factor each way")
     ap.add_argument("--rules", nargs="+", default=list(RULES))
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

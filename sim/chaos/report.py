@@ -3,10 +3,13 @@
 `summary.json` is `{"invariants": {NAME: bool}, "faults": [...], "committed_rounds": n, ...}`
 plus the evidence behind each verdict: violations and notes per invariant, the
 commit-log reads, per-worker verdicts and events, and the Byzantine workers' effect. The
-effect is measured, not asserted (the run's `diloco.aggregation` decides how much of a hostile
-update gets through; the default, CenteredClip, bounds it): for every committed round we know from the coordinator's commit record who contributed and the mean training
-loss the agreeing contributors reported; the report compares how the cell's loss moved
-after rounds a Byzantine worker contributed to with rounds it did not.
+effect is measured, not asserted (the run's `diloco.aggregation`, named in the summary,
+decides how much of a hostile update gets through; the default, CenteredClip, bounds it):
+for every committed round we know from the coordinator's commit record who contributed and
+the mean training loss the agreeing contributors reported; the report compares how the
+cell's loss moved after rounds a Byzantine worker contributed to with rounds it did not.
+This is training loss; bench/chaos_heldout.py evaluates the held-out loss of every
+committed round from the workers' per-round checkpoints.
 
 The timeline plots committed rounds per cell over time with the faults marked (a line at
 each hit, a band while it lasted), and below it the loss: committed rounds per cell and
