@@ -120,7 +120,8 @@ class Reducer(ABC):
         blow it up (and an honest part next to a huge one may be labelled a zero update). When
         the lower median is 0 (at least half the parts are exactly zero: parameters without
         gradient, or a zero update in a group of two) there is no scale to compare against
-        and the upper bound is not applied; exact zeros are still zero updates.
+        and the upper bound is not applied (the lower one still flags an exact zero unless
+        the upper median is 0 too: then most parts are zero and nothing is excluded).
         """
         norms = [float(torch.linalg.vector_norm(p.to(torch.float64))) for p in parts]
         if not norms:
