@@ -32,6 +32,7 @@ from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import sign_request
 from bagel.protocol.grpc_options import CHECKPOINT_CHUNK_BYTES, MAX_MESSAGE_BYTES, channel_options
 from bagel.protocol.identity import Identity
+from bagel.protocol.runspec import SpecError, spec_source_hash
 from bagel.protocol.tls import DEFAULT_PROBE_TIMEOUT_S, PinnedTLS, pinned_credentials
 
 logger = logging.getLogger(__name__)
@@ -160,7 +161,10 @@ class CoordinatorClient:
         """Register (or re-register after NOT_FOUND) and check the returned spec's hash."""
         req = pb.RegisterRequest(profile=profile, peer=peer, local=local or pb.LocalState(), join_token=join_token)
         resp: pb.RegisterResponse = await self.call("Register", req, timeout_s=timeout_s)  # type: ignore[assignment]
-        actual = hashlib.sha256(resp.spec_toml.encode()).hexdigest()
+        try:
+            actual = spec_source_hash(resp.spec_toml)
+        except SpecError as e:
+            raise SpecMismatch(f"the coordinator's spec_toml does not parse: {e}") from None
         if actual != resp.spec_hash:
             raise SpecMismatch(f"spec_toml hashes to {actual}, the coordinator says {resp.spec_hash}")
         if self.spec_hash is not None and resp.spec_hash != self.spec_hash:

@@ -3,9 +3,12 @@
 
 The spec is immutable once a run starts; its hash (`RunSpec.spec_hash`) is part of every
 signed message and of the coordinator's DHT record, so a worker can tell it trains the
-run it thinks it trains. Parsing is a pure function of the text: unknown keys and wrong
-types are errors that name the key (nanoGPT's configurator refuses unknown keys the same
-way), so a typo never silently falls back to a default.
+run it thinks it trains. The hash covers the source text and the resolved aggregation rule
+with every parameter explicit (`ReducerSpec.text`), so a spec that leaves the rule to its
+default hashes differently under a release whose default rule differs. Parsing is a pure
+function of the text: unknown keys and wrong types are errors that name the key (nanoGPT's
+configurator refuses unknown keys the same way), so a typo never silently falls back to a
+default.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from bagel.protocol.reducerspec import ReducerSpecError, parse_reducer_spec
+from bagel.protocol.reducerspec import DEFAULT_RULE, ReducerSpecError, parse_reducer_spec
 from bagel.protocol.typedtoml import TomlTableError, from_table, load_document, toml_field
 
 ROUTER_CELL = "router"
@@ -87,10 +90,11 @@ class DilocoSection:
     max_micro_batch: int = 64
     codec: str = "int8"
     error_feedback: bool = True
-    # how the reducer of each part of a group exchange combines the contributions:
-    # "mean" (weighted by samples), "trimmed_mean[:trim=F]" or
-    # "centered_clip[:tau=T | rel=R][,iters=L]" (grammar: reducerspec.py)
-    aggregation: str = toml_field("mean", check=_aggregation_rule)
+    # how the reducer of each part of a group exchange screens and combines the contributions:
+    # "centered_clip[:tau=T | rel=R][,iters=L]" (the default), "trimmed_mean[:trim=F]" or
+    # "mean" (weighted by samples, not robust), each with the group screen's
+    # ",max_norm=F,min_norm=E" (grammar, defaults and breakdown points: reducerspec.py)
+    aggregation: str = toml_field(DEFAULT_RULE, check=_aggregation_rule)
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,9 @@ class RunSpec:
 
     @property
     def spec_hash(self) -> str:
-        return hashlib.sha256(self.source.encode()).hexdigest()
+        """sha256 of the source and the resolved aggregation rule (see the module docstring)."""
+        resolved = parse_reducer_spec(self.diloco.aggregation).text()
+        return hashlib.sha256(self.source.encode() + b"\n\x00diloco.aggregation=" + resolved.encode()).hexdigest()
 
     @property
     def expert_cells(self) -> tuple[str, ...]:
@@ -230,6 +236,11 @@ def parse_spec(text: str) -> RunSpec:
     spec = RunSpec(**sections, source=text)
     _validate(spec)
     return spec
+
+
+def spec_source_hash(text: str) -> str:
+    """The hash of the run a spec source describes (`RunSpec.spec_hash`); SpecError if it does not parse."""
+    return parse_spec(text).spec_hash
 
 
 def load_spec(path: str | Path) -> RunSpec:

@@ -1,24 +1,45 @@
-"""Pluggable reducers for the data plane: validate each received part, then aggregate.
+"""Pluggable reducers for the data plane: validate each received part, screen the group, aggregate.
 
 A reducer owns one part of the flattened pseudo-gradient in a group exchange
 (`averaging.py`). It decodes every contribution to that part (its own included), asks
-`Reducer.validate` whether to keep it, and `Reducer.aggregate` combines the kept ones.
+`Reducer.validate` whether to keep it (finite, the right shape), clamps each weight to the
+sample budget the coordinator gave its sender (`clamp_weight`), lets `Reducer.screen` drop
+parts whose norm is far outside the group's, and `Reducer.aggregate` combines the rest.
 Only that one reducer computes the part, and every member applies the bytes it sends,
 so replicas stay bit-identical whatever the rule; the rules are still written to be
 deterministic (fixed summation order, float64 accumulation, stable sorts) so a golden
 test and a re-run reproduce the same numbers.
 
-Rules (select with `get_reducer(name)`; a run picks one with the spec's `diloco.aggregation`):
-- ``mean`` — weighted mean, weights = samples clamped by the coordinator's budget. Default.
-- ``trimmed_mean[:trim=F]`` — coordinate-wise trimmed mean (Yin et al., "Byzantine-Robust
-  Distributed Learning: Towards Optimal Statistical Rates", ICML 2018): per coordinate,
-  drop the floor(F*n) smallest and largest values and take the weighted mean of the rest.
-- ``centered_clip[:tau=T|rel=R,iters=L]`` — CenteredClip (Karimireddy, He & Jaggi,
-  "Learning from History for Byzantine Robust Optimization", ICML 2021):
+Rules (select with `get_reducer(name)`; a run picks one with the spec's `diloco.aggregation`,
+grammar and defaults in `bagel.protocol.reducerspec`). The breakdown point is the share of
+the (clamped) weight hostile parts may hold before they can move the result arbitrarily far:
+- ``centered_clip[:tau=T|rel=R,iters=L]`` — the default. CenteredClip (Karimireddy, He &
+  Jaggi, "Learning from History for Byzantine Robust Optimization", ICML 2021):
   v <- v + sum_i w_i (x_i - v) min(1, tau / ||x_i - v||), from the coordinate-wise median.
   tau is absolute (``tau=``) or ``rel`` x the median distance of the parts to the start,
   since the scale of a pseudo-gradient depends on the model and the learning rate.
+  Breakdown point 1/2: with hostile weight share delta < 1/2 the start and tau are set by
+  honest parts, and at the fixed point the hostile parts pull with at most delta x tau while
+  the honest ones pull back with (1 - delta) x the error, so the error to the honest mean
+  is at most about delta / (1 - delta) x tau (plus the honest parts' own clipping).
   Clipping is per part (each reducer sees only its slice), as in hivemind's BTARD.
+- ``trimmed_mean[:trim=F]`` — coordinate-wise trimmed mean (Yin et al., "Byzantine-Robust
+  Distributed Learning: Towards Optimal Statistical Rates", ICML 2018): per coordinate,
+  drop the b smallest and b largest values and take the weighted mean of the rest, with
+  b = max(1, floor(F n)) capped at (n - 1) // 2, so from 3 parts on at least one value per
+  side is trimmed (floor(0.2 n) is 0 below 5 parts: a trimmed mean that trims nothing is a
+  plain mean and is never used). Breakdown point b / n per coordinate. With 1 or 2 parts
+  nothing can be trimmed: the result is the coordinate-wise median (the midpoint of two),
+  which one of two parts moves at will; no rule is robust there, and the group screen is
+  what bounds such a group (it excludes a part far from the other, see `Reducer.screen`).
+- ``mean`` — weighted mean, weights = samples clamped by the coordinator's budget.
+  Breakdown point 0: one part moves it as far as the screen lets it (max_norm x the median
+  part norm, times its weight share). Not robust; kept for comparison and trusted groups.
+
+The group screen (every rule; `Reducer.screen`) runs before the rule: a part whose norm
+exceeds ``max_norm`` (default 10) x the group's lower-median part norm is excluded, and one
+whose norm is below ``min_norm`` (default 0.01) x the upper-median part norm is excluded as a
+zero update (its reason starts with "zero", so an auditor can count them).
 """
 
 from __future__ import annotations
@@ -26,10 +47,20 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from bagel.protocol.reducerspec import ReducerSpec, ReducerSpecError, parse_reducer_spec
+from bagel.protocol.reducerspec import (
+    DEFAULT_MAX_NORM,
+    DEFAULT_MIN_NORM,
+    DEFAULT_RULE,
+    ReducerSpec,
+    ReducerSpecError,
+    parse_reducer_spec,
+)
+
+ZERO_REASON = "zero update"  # the prefix of every exclusion for a suspiciously small norm
 
 
 class PartRejected(ValueError):
@@ -40,10 +71,28 @@ class PartRejected(ValueError):
         self.reason = reason
 
 
+def clamp_weight(claimed: float, budget: float) -> float:
+    """The weight a part counts with: its sender's claim, at most the sample budget the
+    coordinator assigned it (a claim of 1e9 samples counts as the budget)."""
+    return min(float(claimed), float(budget))
+
+
+@dataclass(frozen=True)
+class Screening:
+    """The group screen's verdict on a list of parts: indices kept, and (index, reason) excluded."""
+
+    kept: tuple[int, ...]
+    excluded: tuple[tuple[int, str], ...]
+    median_norm: float  # the lower-median part norm the upper bound is relative to
+
+
 class Reducer(ABC):
-    """Validation plus an aggregation rule for one part of an exchange."""
+    """Validation, the group screen, and an aggregation rule for one part of an exchange."""
 
     name: str = ""
+
+    def __init__(self, *, max_norm: float = DEFAULT_MAX_NORM, min_norm: float = DEFAULT_MIN_NORM):
+        self.max_norm, self.min_norm = max_norm, min_norm
 
     def validate(self, part: torch.Tensor, numel: int) -> None:
         """Raise PartRejected unless part is a finite float32 vector of numel elements."""
@@ -55,13 +104,64 @@ class Reducer(ABC):
             bad = int((~torch.isfinite(part)).sum())
             raise PartRejected(f"{bad} non-finite values")
 
+    def screen(self, parts: Sequence[torch.Tensor]) -> Screening:
+        """Exclude parts whose norm is far outside the group's (validated parts, any order).
+
+        Upper bound: norm > max_norm x the lower median of the norms. Lower bound: norm <
+        min_norm x the upper median ("zero update ..."). With an honest majority (hostile
+        parts f < n / 2) both medians lie between two honest norms, so an honest part is
+        never excluded while the honest norms stay within a factor min(max_norm,
+        1 / min_norm) of each other, and a hostile part kept is within max_norm x an honest
+        norm. Taking the lower median for the upper bound and the upper one for the lower
+        bound bounds a group of two as well, where nothing tells the hostile part from the
+        honest one: of two parts more than max_norm apart the larger is out, and more than
+        1 / min_norm apart both are (no valid part: the round fails), so what is averaged is
+        never above max_norm x the smaller norm; a hostile partner can stall such a group, not
+        blow it up (and an honest part next to a huge one may be labelled a zero update). When
+        the lower median is 0 (at least half the parts are exactly zero: parameters without
+        gradient, or a zero update in a group of two) there is no scale to compare against
+        and the upper bound is not applied (the lower one still flags an exact zero unless
+        the upper median is 0 too: then most parts are zero and nothing is excluded).
+        """
+        norms = [float(torch.linalg.vector_norm(p.to(torch.float64))) for p in parts]
+        if not norms:
+            return Screening((), (), 0.0)
+        ordered = sorted(norms)
+        low, high = ordered[(len(ordered) - 1) // 2], ordered[len(ordered) // 2]
+        kept: list[int] = []
+        excluded: list[tuple[int, str]] = []
+        for i, norm in enumerate(norms):
+            if low > 0 and norm > self.max_norm * low:
+                excluded.append(
+                    (
+                        i,
+                        f"norm {norm:.4g} is {norm / low:.4g}x the group's median part norm {low:.4g} "
+                        f"(limit {self.max_norm:g}x)",
+                    )
+                )
+            elif norm < self.min_norm * high:
+                excluded.append(
+                    (
+                        i,
+                        f"{ZERO_REASON}: norm {norm:.4g} is below {self.min_norm:g}x the group's median "
+                        f"part norm {high:.4g}",
+                    )
+                )
+            else:
+                kept.append(i)
+        return Screening(tuple(kept), tuple(excluded), low)
+
     @abstractmethod
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         """Combine validated float32 parts (given in sorted-sender order) into one float32 part."""
 
+    def params(self) -> ReducerSpec:
+        """The parsed spec this reducer implements."""
+        return ReducerSpec("mean", max_norm=self.max_norm, min_norm=self.min_norm)
+
     def spec(self) -> str:
-        """The name that `get_reducer` maps back to this reducer."""
-        return self.name
+        """The canonical rule string (every parameter explicit) that `get_reducer` maps back to this reducer."""
+        return self.params().text()
 
 
 def _check(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -75,7 +175,8 @@ def _check(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Ten
 
 
 class WeightedMean(Reducer):
-    """sum_i w_i x_i / sum_i w_i, accumulated in float64 in the given order, cast to float32."""
+    """sum_i w_i x_i / sum_i w_i, accumulated in float64 in the given order, cast to float32.
+    Breakdown point 0 (see the module docstring)."""
 
     name = "mean"
 
@@ -88,24 +189,30 @@ class WeightedMean(Reducer):
 
 
 class TrimmedMean(Reducer):
-    """Coordinate-wise trimmed weighted mean; at least one value per coordinate survives."""
+    """Coordinate-wise trimmed weighted mean trimming b = max(1, floor(trim n)) <= (n - 1) // 2
+    values per side from 3 parts on; the coordinate-wise median below. Breakdown point b / n."""
 
     name = "trimmed_mean"
 
-    def __init__(self, trim: float = 0.2):
-        ReducerSpec("trimmed_mean", trim=trim)  # ReducerSpecError unless trim is in [0, 0.5)
+    def __init__(self, trim: float = 0.2, **screen: float):
+        super().__init__(**screen)
         self.trim = trim
+        self.params()  # ReducerSpecError unless trim is in (0, 0.5)
 
-    def spec(self) -> str:
-        return ReducerSpec("trimmed_mean", trim=self.trim).text()
+    def params(self) -> ReducerSpec:
+        return ReducerSpec("trimmed_mean", trim=self.trim, max_norm=self.max_norm, min_norm=self.min_norm)
+
+    def trimmed(self, n: int) -> int:
+        """How many values per side and coordinate a group of n parts trims (0 only for n <= 2)."""
+        return min(max(1, math.floor(self.trim * n)), (n - 1) // 2)
 
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
         n = len(parts)
-        b = min(math.floor(self.trim * n), (n - 1) // 2)
         x = torch.stack([p.to(torch.float64) for p in parts])  # (n, d)
-        if b == 0:
-            return WeightedMean().aggregate(parts, weights)
+        if n <= 2:  # nothing to trim: the coordinate-wise median, unweighted (the midpoint of two)
+            return (x.sum(dim=0) / n).to(torch.float32)
+        b = self.trimmed(n)
         vals, idx = torch.sort(x, dim=0, stable=True)
         keep_vals = vals[b : n - b]
         keep_w = w[idx[b : n - b]]
@@ -118,16 +225,27 @@ class TrimmedMean(Reducer):
 
 
 class CenteredClip(Reducer):
-    """Iterative centered clipping around a robust start (see the module docstring)."""
+    """Iterative centered clipping around a robust start (see the module docstring).
+    Breakdown point 1/2; error about delta / (1 - delta) x tau at hostile weight share delta."""
 
     name = "centered_clip"
 
-    def __init__(self, tau: float | None = None, rel: float = 1.0, iters: int = 10, eps: float = 1e-12):
-        ReducerSpec("centered_clip", tau=tau, rel=rel, iters=iters)  # ReducerSpecError on a bad parameter
+    def __init__(
+        self, tau: float | None = None, rel: float = 1.0, iters: int = 10, eps: float = 1e-12, **screen: float
+    ):
+        super().__init__(**screen)
         self.tau, self.rel, self.iters, self.eps = tau, rel, iters, eps
+        self.params()  # ReducerSpecError on a bad parameter
 
-    def spec(self) -> str:
-        return ReducerSpec("centered_clip", tau=self.tau, rel=self.rel, iters=self.iters).text()
+    def params(self) -> ReducerSpec:
+        return ReducerSpec(
+            "centered_clip",
+            tau=self.tau,
+            rel=self.rel,
+            iters=self.iters,
+            max_norm=self.max_norm,
+            min_norm=self.min_norm,
+        )
 
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
@@ -155,23 +273,73 @@ class CenteredClip(Reducer):
         return v.to(torch.float32)
 
 
-def get_reducer(name: str | ReducerSpec = "mean") -> Reducer:
-    """Build a reducer from its spec string ("mean", "trimmed_mean:0.2",
-    "centered_clip:rel=1,iters=10"; grammar in `bagel.protocol.reducerspec`) or a parsed one."""
+def get_reducer(name: str | ReducerSpec = DEFAULT_RULE) -> Reducer:
+    """Build a reducer from its spec string ("centered_clip", "trimmed_mean:0.2",
+    "mean:max_norm=20"; grammar in `bagel.protocol.reducerspec`) or a parsed one."""
     spec = parse_reducer_spec(name) if isinstance(name, str) else name
+    screen = {"max_norm": spec.max_norm, "min_norm": spec.min_norm}
     if spec.rule == "trimmed_mean":
-        return TrimmedMean(spec.trim)
+        return TrimmedMean(spec.trim, **screen)
     if spec.rule == "centered_clip":
-        return CenteredClip(tau=spec.tau, rel=spec.rel, iters=spec.iters)
-    return WeightedMean()
+        return CenteredClip(tau=spec.tau, rel=spec.rel, iters=spec.iters, **screen)
+    return WeightedMean(**screen)
+
+
+@dataclass(frozen=True)
+class GroupReduction:
+    """What `reduce_group` made of one part's contributions: the aggregate (None when no part
+    survived), the indices aggregated, and (index, reason) for every part left out."""
+
+    result: torch.Tensor | None
+    included: tuple[int, ...]
+    excluded: tuple[tuple[int, str], ...]
+    weights: tuple[float, ...]  # the clamped weights of the included parts, in their order
+
+
+def reduce_group(
+    reducer: Reducer,
+    parts: Sequence[torch.Tensor],
+    claimed: Sequence[float],
+    budgets: Sequence[float],
+) -> GroupReduction:
+    """The reducer's whole path for one part, in one call: validate each part, drop a claimed
+    weight that is not positive, clamp each weight to its sender's budget, screen the group,
+    aggregate the rest in the given order. `worker.reducer.Reduction` runs the same steps as
+    the contributions arrive; benchmarks, tests and a re-run of an accused reduction call this."""
+    if not len(parts) == len(claimed) == len(budgets):
+        raise ValueError(f"{len(parts)} parts, {len(claimed)} claimed weights, {len(budgets)} budgets")
+    numel = parts[0].numel() if parts else 0
+    excluded: list[tuple[int, str]] = []
+    valid: list[int] = []
+    for i, part in enumerate(parts):
+        if not (math.isfinite(claimed[i]) and claimed[i] > 0):
+            excluded.append((i, f"weight {claimed[i]} is not positive"))
+            continue
+        try:
+            reducer.validate(part, numel)
+        except PartRejected as e:
+            excluded.append((i, e.reason))
+            continue
+        valid.append(i)
+    screening = reducer.screen([parts[i] for i in valid])
+    excluded += [(valid[j], reason) for j, reason in screening.excluded]
+    kept = tuple(valid[j] for j in screening.kept)
+    weights = tuple(clamp_weight(claimed[i], budgets[i]) for i in kept)
+    result = reducer.aggregate([parts[i] for i in kept], weights) if kept else None
+    return GroupReduction(result, kept, tuple(sorted(excluded)), weights)
 
 
 __all__ = [
+    "ZERO_REASON",
     "CenteredClip",
+    "GroupReduction",
     "PartRejected",
     "Reducer",
     "ReducerSpecError",
+    "Screening",
     "TrimmedMean",
     "WeightedMean",
+    "clamp_weight",
     "get_reducer",
+    "reduce_group",
 ]

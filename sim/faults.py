@@ -53,6 +53,8 @@ class ByzantineMode(str, Enum):
     NAN = "nan"  # send non-finite values
     ZERO = "zero"  # send zeros (freeload) while claiming samples
     STALE = "stale"  # send the previous round's delta
+    ALIE = "alie"  # "A Little Is Enough": delta - z x (an estimate of the honest std), robust/attacks.py
+    IPM = "ipm"  # inner-product manipulation: -eps x delta, robust/attacks.py
 
 
 SIM_KINDS = frozenset({FaultKind.KILL, FaultKind.LEAVE, FaultKind.STOP, FaultKind.PARTITION})

@@ -207,6 +207,17 @@ async def test_weights_are_clamped_to_max_samples_and_reducer_is_pluggable() -> 
         deltas["w2"] = {k: -50.0 * v for k, v in deltas["w2"].items()}
         robust = await exchange(ps, cs, deltas, weights, "fp32", round=2)
         assert_bit_identical(robust)
+        # 50x the others' norm: the group screen excludes w2 from every part, and the trimmed mean
+        # of the two parts left is their midpoint (their coordinate-wise median)
+        assert {(e.sender, e.reason.split(" ")[0]) for e in robust["w0"].excluded} == {("w2", "norm")}
+        assert len(robust["w0"].excluded) == 3
+        stacked = torch.stack([layout.flatten(deltas[w]) for w in ("w0", "w1")])
+        assert torch.allclose(layout.flatten(robust["w0"].averaged), stacked.mean(dim=0), atol=1e-6)
+        # a scale the screen lets through (3x): the trimmed mean of three is their median
+        deltas["w2"] = {k: -3.0 * v for k, v in make_delta(2).items()}
+        robust = await exchange(ps, cs, deltas, weights, "fp32", round=3)
+        assert_bit_identical(robust)
+        assert robust["w0"].excluded == ()
         stacked = torch.stack([layout.flatten(deltas[w]) for w in ("w0", "w1", "w2")])
         median = stacked.median(dim=0).values
         assert torch.allclose(layout.flatten(robust["w0"].averaged), median, atol=1e-6)
@@ -223,11 +234,12 @@ error_feedback = false
 
 async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None:
     """reduce_round hands the spec's diloco.aggregation to the data plane, whose own rule is
-    mean: with a trimmed mean over 3 the attacker is cut and the result is the median."""
+    mean: with a trimmed mean over 3 the attacker is cut and the result is the median. (The
+    attacker's 3x stays within the group screen, so the rule, not the screen, decides.)"""
     async with peers(3, reducer="mean") as ps:
         cs = [p.contributor() for p in ps]
         deltas = {p.worker_id: make_delta(i) for i, p in enumerate(ps)}
-        deltas["w2"] = {k: -50.0 * v for k, v in deltas["w2"].items()}  # sign-flipped and scaled
+        deltas["w2"] = {k: -3.0 * v for k, v in deltas["w2"].items()}  # sign-flipped and scaled
         committed = CellState({k: torch.zeros_like(v) for k, v in deltas["w0"].items()})
         order = SimpleNamespace(
             reduce_attempt=1,
@@ -265,9 +277,10 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
         layout = Layout.of(deltas["w0"])
         stacked = torch.stack([layout.flatten(deltas[w]) for w in ("w0", "w1", "w2")])
         trimmed_text = SPEC_TEXT + 'aggregation = "trimmed_mean:0.34"\n'
+        mean_text = SPEC_TEXT + 'aggregation = "mean"\n'
         assert parse_spec(trimmed_text).diloco.aggregation == "trimmed_mean:0.34"
         for spec_text, avg, rnd in [
-            (SPEC_TEXT, stacked.double().mean(dim=0).float(), 1),  # default: mean (the attacker drags it)
+            (mean_text, stacked.double().mean(dim=0).float(), 1),  # the mean: the attacker drags it
             (trimmed_text, stacked.median(dim=0).values, 2),
         ]:
             outs = await reduce_all(spec_text, rnd)
@@ -276,7 +289,7 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
             got = outs["w0"].state
             for k in want.weights:
                 assert torch.allclose(got.weights[k], want.weights[k], atol=1e-5), (spec_text, k)
-        mean_state = expected(stacked.double().mean(dim=0).float(), SPEC_TEXT)
+        mean_state = expected(stacked.double().mean(dim=0).float(), mean_text)
         assert any(not torch.allclose(got.weights[k], mean_state.weights[k], atol=1e-2) for k in got.weights), (
             "the trimmed mean gave the mean's result"
         )

@@ -73,7 +73,7 @@ def _trimmed_ref(xs: list[torch.Tensor], ws: list[float], trim: float) -> np.nda
     x = np.stack([t.numpy().astype(np.float64) for t in xs])
     w = np.asarray(ws, dtype=np.float64)
     n = len(xs)
-    b = min(int(np.floor(trim * n)), (n - 1) // 2)
+    b = min(max(1, int(np.floor(trim * n))), (n - 1) // 2)
     out = np.empty(x.shape[1])
     for j in range(x.shape[1]):
         order = np.argsort(x[:, j], kind="stable")[b : n - b]
@@ -90,8 +90,9 @@ def test_trimmed_mean_matches_reference_and_ignores_outliers() -> None:
     lo = torch.stack(honest).min(0).values
     hi = torch.stack(honest).max(0).values
     assert bool(((got >= lo) & (got <= hi)).all()), "trimmed mean left the honest range"
-    # trim = 0 is the weighted mean; with few parts at least one value per coordinate survives
-    assert torch.equal(TrimmedMean(0.0).aggregate(xs[:3], ws[:3]), WeightedMean().aggregate(xs[:3], ws[:3]))
+    # with few parts one value per side is still trimmed (n = 3: the median), and at least one
+    # value per coordinate survives; two parts give their midpoint
+    np.testing.assert_allclose(TrimmedMean(0.1).aggregate(xs[:3], ws[:3]).numpy(), _trimmed_ref(xs[:3], ws[:3], 0.1))
     two = TrimmedMean(0.49).aggregate(xs[:2], [1.0, 1.0])
     assert torch.equal(two, WeightedMean().aggregate(xs[:2], [1.0, 1.0]))
 
@@ -132,19 +133,34 @@ def test_centered_clip_without_clipping_is_the_weighted_mean() -> None:
 
 
 def test_get_reducer_names_and_errors() -> None:
-    assert isinstance(get_reducer(), WeightedMean)
+    assert isinstance(get_reducer(), CenteredClip)
     assert isinstance(get_reducer("mean"), WeightedMean)
     assert get_reducer("trimmed_mean").trim == 0.2
     assert get_reducer("trimmed_mean:0.1").trim == 0.1
     assert get_reducer("trimmed_mean:trim=0.3").trim == 0.3
     cc = get_reducer("centered_clip:tau=2,iters=3")
     assert (cc.tau, cc.iters) == (2.0, 3)
-    for r in ("mean", "trimmed_mean:0.1", "centered_clip:rel=0.5,iters=4", "centered_clip:tau=2.0,iters=3"):
+    for r in (
+        "mean",
+        "trimmed_mean:0.1",
+        "centered_clip:rel=0.5,iters=4",
+        "centered_clip:tau=2.0,iters=3",
+        "mean:max_norm=inf,min_norm=0",
+    ):
         assert get_reducer(get_reducer(r).spec()).spec() == get_reducer(r).spec()
+    # the canonical string names every parameter, the screen's included
+    assert get_reducer().spec() == "centered_clip:rel=1.0,iters=10,max_norm=10.0,min_norm=0.01"
+    assert get_reducer("mean").spec() == "mean:max_norm=10.0,min_norm=0.01"
+    sc = get_reducer("trimmed_mean:0.3,max_norm=4,min_norm=0.1")
+    assert (sc.trim, sc.max_norm, sc.min_norm) == (0.3, 4.0, 0.1)
     for bad, msg in [
         ("median", "unknown reducer"),
-        ("mean:3", "no parameters"),
-        ("trimmed_mean:0.5", r"\[0, 0.5\)"),
+        ("mean:3", "cannot parse parameter"),
+        ("trimmed_mean:0.5", r"\(0, 0.5\)"),
+        ("trimmed_mean:0", r"\(0, 0.5\)"),
+        ("mean:max_norm=1", "above 1"),
+        ("centered_clip:min_norm=1", r"\[0, 1\)"),
+        ("centered_clip:min_norm=nan", "number"),
         ("trimmed_mean:x", "number"),
         ("centered_clip:tau=-1", "positive"),
         ("centered_clip:iters=0", "at least 1"),

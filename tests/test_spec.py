@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from bagel.protocol.runspec import ROUTER_CELL, SpecError, load_spec, parse_cell, parse_spec
+from bagel.protocol.runspec import ROUTER_CELL, SpecError, load_spec, parse_cell, parse_spec, spec_source_hash
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "digits-2x2.toml"
 
@@ -31,7 +31,7 @@ def test_example_parses() -> None:
         ('[run]\nid = "x"\n[diloco]\naggregation = "trimmed_mean:0.5"\n', "diloco.aggregation: trimmed_mean: trim"),
         ('[run]\nid = "x"\n[diloco]\naggregation = "centered_clip:iters=0"\n', "diloco.aggregation: centered_clip"),
         ('[run]\nid = "x"\n[diloco]\naggregation = "centered_clip:foo=1"\n', "diloco.aggregation: centered_clip: unk"),
-        ('[run]\nid = "x"\n[diloco]\naggregation = "mean:2"\n', "diloco.aggregation: mean takes no parameters"),
+        ('[run]\nid = "x"\n[diloco]\naggregation = "mean:2"\n', "diloco.aggregation: mean: cannot parse parameter"),
         ('[run]\nid = "x"\n[diloco]\naggregation = 1\n', "diloco.aggregation: expected a string"),
     ],
 )
@@ -41,16 +41,38 @@ def test_bad_specs_name_the_key(text: str, needle: str) -> None:
     assert needle in str(info.value)
 
 
-def test_aggregation_rule_defaults_to_mean_and_is_part_of_the_spec() -> None:
+def test_aggregation_rule_defaults_to_centered_clip_and_is_part_of_the_spec() -> None:
     base = '[run]\nid = "x"\n'
     plain = parse_spec(base)
-    assert plain.diloco.aggregation == "mean"
-    assert load_spec(EXAMPLE).diloco.aggregation == "mean"
+    assert plain.diloco.aggregation == "centered_clip"
+    assert load_spec(EXAMPLE).diloco.aggregation == "centered_clip"
     rules = ("mean", "trimmed_mean:0.2", "trimmed_mean:trim=0.1", "centered_clip:rel=1,iters=10", "centered_clip:tau=2")
     for rule in rules:
         spec = parse_spec(base + f'[diloco]\naggregation = "{rule}"\n')
         assert spec.diloco.aggregation == rule
         assert spec.spec_hash != plain.spec_hash  # the rule is in the text, so in the hash
+
+
+def test_spec_hash_covers_the_resolved_rule_not_only_the_text() -> None:
+    """The same text hashes differently if its (default) rule resolves differently, so a worker
+    whose release has another default never agrees on the hash with the coordinator."""
+    import dataclasses
+    import hashlib
+
+    base = '[run]\nid = "x"\n'
+    spec = parse_spec(base)
+    assert spec.spec_hash != hashlib.sha256(base.encode()).hexdigest()
+    as_mean = dataclasses.replace(spec, diloco=dataclasses.replace(spec.diloco, aggregation="mean"))
+    assert as_mean.source == spec.source and as_mean.spec_hash != spec.spec_hash
+    # changing any of the rule's parameters changes the hash as well
+    stricter = dataclasses.replace(
+        spec, diloco=dataclasses.replace(spec.diloco, aggregation="centered_clip:max_norm=5")
+    )
+    assert stricter.spec_hash not in (spec.spec_hash, as_mean.spec_hash)
+    # spelling the default out resolves the same but is another text: another hash, and stable
+    explicit = parse_spec(base + '[diloco]\naggregation = "centered_clip:rel=1,iters=10"\n')
+    assert explicit.spec_hash == parse_spec(explicit.source).spec_hash != spec.spec_hash
+    assert spec_source_hash(base) == spec.spec_hash
 
 
 def test_parse_cell() -> None:

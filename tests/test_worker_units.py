@@ -144,7 +144,10 @@ def test_byzantine_corruptions():
     assert torch.equal(corrupt(d, "zero", None)["x"], torch.zeros(2))
     assert torch.equal(corrupt(d, "stale", prev)["x"], prev["x"])
     assert torch.equal(corrupt(d, "stale", None)["x"], torch.zeros(2))
-    assert set(BYZANTINE_MODES) == {"sign-flip", "scale", "nan", "zero", "stale"}
+    # alie: d - 1.5 |d|; ipm: -0.5 d (a lone worker's versions, robust/attacks.py)
+    assert torch.equal(corrupt(d, "alie", None)["x"], torch.tensor([-0.5, -5.0]))
+    assert torch.equal(corrupt(d, "ipm", None)["x"], torch.tensor([-0.5, 1.0]))
+    assert set(BYZANTINE_MODES) >= {"sign-flip", "scale", "nan", "zero", "stale", "alie", "ipm"}
     with pytest.raises(ValueError, match="unknown byzantine"):
         corrupt(d, "evil", None)
 

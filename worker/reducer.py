@@ -7,9 +7,10 @@ accounted for (accepted, or excluded with a reason), aggregates the kept parts w
 pluggable rule in sorted-sender order, encodes the result once, and every waiting stream
 gets those same bytes. Only identity problems (not a contributor, impostor peer id, wrong
 part, conflicting duplicate) refuse a stream outright (`Refused`); a contributor whose
-part is merely bad (inconsistent header, oversized, undecodable, non-finite, weight <= 0)
-is *excluded* from the aggregate and still receives the result, so the exchange completes
-for everyone else without waiting for a timeout.
+part is merely bad (inconsistent header, oversized, undecodable, non-finite, weight <= 0,
+a norm the group screen finds far outside the others': `Reducer.screen`) is *excluded*
+from the aggregate and still receives the result, so the exchange completes for everyone
+else without waiting for a timeout.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from hivemind.p2p import PeerID
 
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.robust.aggregation import PartRejected, Reducer
+from bagel.robust.aggregation import PartRejected, Reducer, clamp_weight
 from bagel.worker.framing import LEN_NBYTES, discard_frame, read_frame, write_frame, write_message
 from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
 
@@ -132,7 +133,7 @@ class Reduction:
         except PartRejected as e:
             self.exclude(sender, e.reason)
             return
-        self.accepted[sender] = (min(weight, float(self.by_worker[sender].max_samples)), part)
+        self.accepted[sender] = (clamp_weight(weight, self.by_worker[sender].max_samples), part)
         self._check_complete()
 
     def _check_complete(self) -> None:
@@ -182,6 +183,11 @@ class Reduction:
             self.fail(f"no contribution to part {self.index} from {missing}", missing)
             raise ExchangeTimeout(missing, f"at our part {self.index}") from None
         names = sorted(self.accepted)
+        screening = await asyncio.to_thread(self.reducer.screen, [self.accepted[n][1] for n in names])
+        for i, reason in screening.excluded:  # norm far outside the group's: out, like a bad part
+            del self.accepted[names[i]]
+            self.exclude(names[i], reason)
+        names = [names[i] for i in screening.kept]
         if not names:
             self.fail(f"no valid contribution to part {self.index}: {self.excluded}")
         else:

@@ -24,6 +24,7 @@ import torch
 from bagel.compression import ErrorFeedback
 from bagel.models.data import shard
 from bagel.protocol.runspec import parse_spec
+from bagel.robust import attacks
 from bagel.worker import ddp
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
 from bagel.worker.trainer import (
@@ -37,7 +38,7 @@ from bagel.worker.trainer import (
     round_indices,
 )
 
-BYZANTINE_MODES = ("sign-flip", "scale", "nan", "zero", "stale")
+BYZANTINE_MODES = ("sign-flip", "scale", "nan", "zero", "stale", "alie", "ipm")
 BYZANTINE_SCALE = 100.0
 
 
@@ -226,7 +227,9 @@ def corrupt(
     sign-flip: -delta; scale: delta x 100; nan: all NaN (our own data plane then abstains,
     sending weight 0: reducers' non-finite rejection is the data plane's own test); zero:
     zeros with the full sample count (a freeloader); stale: the previous round's honest
-    delta (zeros in the first round).
+    delta (zeros in the first round); alie / ipm: the papers' attacks as a lone worker can
+    run them from its own delta d (`bagel.robust.attacks`): ALIE sends d - 1.5 x |d| (the
+    honest per-coordinate std taken as |d|), IPM sends -0.5 x d.
     """
     if mode == "sign-flip":
         return {k: -v for k, v in delta.items()}
@@ -236,6 +239,10 @@ def corrupt(
         return {k: torch.full_like(v, float("nan")) for k, v in delta.items()}
     if mode == "zero":
         return {k: torch.zeros_like(v) for k, v in delta.items()}
+    if mode == "alie":
+        return {k: attacks.alie_own(v) for k, v in delta.items()}
+    if mode == "ipm":
+        return {k: attacks.ipm_own(v) for k, v in delta.items()}
     if mode == "stale":
         if previous is not None and set(previous) == set(delta):
             return {k: previous[k].clone() for k in delta}

@@ -3,10 +3,13 @@
 `summary.json` is `{"invariants": {NAME: bool}, "faults": [...], "committed_rounds": n, ...}`
 plus the evidence behind each verdict: violations and notes per invariant, the
 commit-log reads, per-worker verdicts and events, and the Byzantine workers' effect. The
-effect is measured, not asserted (the default aggregation is a plain mean): for every committed
-round we know from the coordinator's commit record who contributed and the mean training
-loss the agreeing contributors reported; the report compares how the cell's loss moved
-after rounds a Byzantine worker contributed to with rounds it did not.
+effect is measured, not asserted (the run's `diloco.aggregation`, named in the summary,
+decides how much of a hostile update gets through; the default, CenteredClip, bounds it):
+for every committed round we know from the coordinator's commit record who contributed and
+the mean training loss the agreeing contributors reported; the report compares how the
+cell's loss moved after rounds a Byzantine worker contributed to with rounds it did not.
+This is training loss; bench/chaos_heldout.py evaluates the held-out loss of every
+committed round from the workers' per-round checkpoints.
 
 The timeline plots committed rounds per cell over time with the faults marked (a line at
 each hit, a band while it lasted), and below it the loss: committed rounds per cell and
@@ -143,6 +146,7 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
         loss[c.cell_id].append([round(c.committed_ms / 1000.0 - run.origin - t0, 3), c.round, _finite(c.loss)])
     summary: dict[str, Any] = {
         "scenario": run.sc.name,
+        "aggregation": run.sc.spec.diloco.aggregation,
         "invariants": {name: r.ok for name, r in results.items()},
         "violations": {name: list(r.violations) for name, r in results.items() if r.violations},
         "notes": {name: list(r.notes) for name, r in results.items() if r.notes},
@@ -349,8 +353,10 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
             "",
             "## Byzantine workers",
             "",
-            'With the plain mean (diloco.aggregation = "mean", the default), a Byzantine worker\'s update '
-            "is averaged in; compare its cell's loss with the clean cells above. Loss change = the cell's "
+            f"The run aggregates with {summary.get('aggregation', '?')!r} (diloco.aggregation): with the plain "
+            "mean a Byzantine worker's update is averaged in, with a robust rule it is bounded; compare its "
+            "cell's loss with the clean cells above (bench/chaos_heldout.py compares the held-out loss of two "
+            "runs round by round). Loss change = the cell's "
             "committed loss in the next round minus this round's, averaged over the rounds it contributed "
             "to / all other rounds.",
             "",
