@@ -152,6 +152,10 @@ class Rounds:
         if not r.first_reduce_attempt:
             r.first_reduce_attempt = r.reduce_attempt
         w_set = set(weighted)
+        first = r.reduce_attempt == r.first_reduce_attempt  # a re-freeze learns nothing new
+        for x in weighted:  # what each ready member is credited, and so weighs on the wire
+            if x in r.ready and x in r.plans:
+                r.ready[x] = self.roster.credit(self.roster.workers[x], c, r, r.ready[x], now, observe=first)
         catch = tuple(sorted(x for x in c.synced if x not in w_set)) if self.policy.catch_up else ()
         self.changes.ops += len(c.synced)
         peers = {x: self.roster.workers[x].peer for x in catch if x not in r.plans}
@@ -223,7 +227,7 @@ class Rounds:
         agreeing = tuple(sorted(x for x, e in reports.items() if not e.failed and e.state_hash == state_hash))
         disagreeing = tuple(sorted(x for x, e in reports.items() if not e.failed and e.state_hash != state_hash))
         trained = [x for x in agreeing if x not in r.catch_up]
-        samples = sum(min(reports[x].samples, r.plans[x].max_samples) for x in trained)
+        samples = sum(min(reports[x].samples, r.budget(x)) for x in trained)
         loss = sum(reports[x].loss for x in trained) / len(trained)
         commit = CommitRecord(c.id, r.round, r.attempt, state_hash, now, r.contributors, agreeing, samples, loss)
         c.committed_round, c.committed_hash = r.round, state_hash
@@ -248,8 +252,10 @@ class Rounds:
             holders = [x for x in agreeing if x in c.synced]
             if holders:
                 c.upload_round, c.uploader = r.round, self.rng.choice(holders)
-        for x in trained:
-            self.roster.reputation(self.roster.workers[x], self.policy.rep_commit, now, "")
+        # a round nobody else reduced a part of was audited by nobody: it earns no reputation
+        if len(r.contributors) > 1:
+            for x in trained:
+                self.roster.reputation(self.roster.workers[x], self.policy.rep_commit, now, "")
         self._boundary(c, now)
         for x in disagreeing:
             self.roster.reputation(

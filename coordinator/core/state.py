@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -365,6 +366,10 @@ class CoordinatorState:
                     raise InvalidEvent(f"profile.samples_per_s[{cid!r}]: must be a finite non-negative number")
         if ev.local.committed_round < 0:
             raise InvalidEvent("local.committed_round: must be >= 0")
+        cap = self.spec.audit.max_samples_per_s
+        if p.samples_per_s and max(p.samples_per_s.values()) > cap:
+            # a claim is all a joiner has; no claim above the run's bound is believed
+            p = replace(p, samples_per_s={c: min(float(v), cap) for c, v in p.samples_per_s.items()})
         w = self.roster.workers.get(ev.worker_id)
         if w is not None and w.state is WorkerState.BANNED:
             raise Banned(f"worker {ev.worker_id} is banned: {w.reason}")
@@ -426,12 +431,13 @@ class CoordinatorState:
                     self.rounds.change_state(c, r, RoundState.TRAINING, now)
                 if phase is Phase.READY and w.id not in r.ready:
                     r.ready[w.id] = ev.samples  # volatile until the freeze: no write
+                    r.ready_ms[w.id] = now
                     self.rounds.check_freeze(c, r, now)
             # A READY of an old attempt, or from a member that sat out, is a late no-op: the
             # instruction below tells the worker what the current attempt wants.
             if c.round is None and c.synced:
                 self.rounds.open_round(c, now)
-        return self._instruction(w), None, w.lease_ms
+        return self._answer(w, now), None, w.lease_ms
 
     @staticmethod
     def _stale_local(w: Worker, c: Cell | None, local: LocalState) -> bool:
@@ -490,10 +496,13 @@ class CoordinatorState:
             return self._instruction(w), Verdict.PENDING, self.roster.renew(w, now)  # a retry: no-op
         # ---- mutate
         self.roster.renew(w, now)
+        lie = self._claim_lie(w, r, ev, now)
+        if lie:
+            self.roster.reputation(w, self.spec.audit.rep_finding, now, lie)
+            if w.state is not WorkerState.ACTIVE:  # banned for it: the round goes on without it
+                return self._instruction(w), Verdict.ABORTED, w.lease_ms
         r.reports[w.id] = entry
         self.changes.round(r)
-        if ev.samples > 0 and ev.compute_ms > 0:
-            self.roster.observe_throughput(w, c.id, ev.samples * 1000.0 / ev.compute_ms)
         if ev.failed:
             self.roster.reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
         result = self.rounds.evaluate(c, r, now)
@@ -504,7 +513,34 @@ class CoordinatorState:
             verdict = Verdict.ABORTED
         else:
             verdict = Verdict.PENDING
-        return self._instruction(w), verdict, w.lease_ms
+        return self._answer(w, now), verdict, w.lease_ms
+
+    def _claim_lie(self, w: Worker, r: Round, ev: ReportRound, now: int) -> str:
+        """Why a contributor's own signed figures are a lie ('' if they are not): samples
+        above the budget it was planned, or a compute time that would mean a rate more
+        than `audit.max_claim_ratio` times what the coordinator observed between its TRAIN
+        and its READY (less two heartbeat intervals of latency an honest worker may add).
+        An honest worker never reports either; a catch-up contributor trained nothing."""
+        p = r.plans.get(w.id)
+        if p is None or w.id in r.catch_up or ev.failed:
+            return ""
+        if ev.samples > p.max_samples:
+            return f"claimed {ev.samples} samples, its budget was {p.max_samples}"
+        start = max(r.opened_ms, r.train_ms.get(w.id, r.opened_ms))
+        span_ms = r.ready_ms.get(w.id, now) - start - 2 * self.spec.schedule.heartbeat_s * 1000
+        if ev.samples > 0 and span_ms > self.spec.audit.max_claim_ratio * max(ev.compute_ms, 1):
+            return f"claimed {ev.samples} samples in {ev.compute_ms} ms; the coordinator saw them take longer"
+        return ""
+
+    def _answer(self, w: Worker, now: int) -> Instruction:
+        """The caller's instruction; a TRAIN answered for the first time starts the wall
+        clock its round's credit is measured by (`Roster.credit`)."""
+        i = self._instruction(w)
+        if i.order is Order.TRAIN:
+            r = self._cells[w.cell].round
+            if r is not None and w.id not in r.train_ms and w.id not in r.ready:
+                r.train_ms[w.id] = now
+        return i
 
     def _late_report(self, now: int, w: Worker, c: Cell, ev: ReportRound) -> tuple[Instruction, Verdict, int]:
         """A report of the round just committed: a duplicate, or a straggler's."""
