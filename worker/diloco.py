@@ -32,7 +32,6 @@ from bagel.protocol.runspec import DilocoSection
 from bagel.protocol.statehash import state_hash
 
 
-
 class StateFormatError(ValueError):
     """A flat state mapping or safetensors blob is not a valid cell state."""
 

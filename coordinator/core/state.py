@@ -56,9 +56,9 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import replace
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from bagel.coordinator.core.changes import Changes
