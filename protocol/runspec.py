@@ -136,8 +136,10 @@ class AuditSection:
     # the cell's other members (a liar's claim cannot take the round's whole budget)
     max_speedup: float = 8.0
     # no worker is planned or credited above this many samples/s in one cell: the only
-    # bound when a member has nobody to be compared with (a lone member, a first round)
-    max_samples_per_s: float = 20000.0
+    # bound when a member has nobody to be compared with (a lone member, a first round).
+    # The tiny digits model trains at about 550 samples/s on one CPU core; raise it to the
+    # fastest honest card's rate for the run's model (a GPU run of a tiny model may need more)
+    max_samples_per_s: float = 5000.0
     # a report whose own figures claim more than this times the observed rate is a lie
     max_claim_ratio: float = 20.0
     # reducers' findings about a sender count only when at least this many distinct other
@@ -153,8 +155,9 @@ class AuditSection:
     sketch_blocks: int = 32
     replay_bits: int = 4
     replay_history: int = 3
-    # reputation charged for a confirmed finding (zero, replay, copy, exclusion, a lie)
-    rep_finding: float = -2.5
+    # reputation charged for a confirmed finding (zero, replay, copy, exclusion, a lie): with
+    # the default ban at -5 and +0.25 per commit, the second one bans
+    rep_finding: float = -3.0
 
 
 @dataclass(frozen=True)

@@ -448,6 +448,7 @@ class Orders:
                 comm_ms=int(out.comm_s * 1000),
                 bytes_sent=out.bytes_sent,
                 bytes_received=out.bytes_received,
+                audit=out.audit,
             )
         attempt = 0
         while self.work is w:

@@ -23,6 +23,7 @@ import torch
 
 from bagel.compression import ErrorFeedback
 from bagel.models.data import shard
+from bagel.protocol.messages import PartAudit
 from bagel.protocol.runspec import parse_spec
 from bagel.worker import ddp
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
@@ -52,6 +53,7 @@ class ReduceOutcome:
     bytes_sent: int
     bytes_received: int
     comm_s: float
+    audit: PartAudit | None = None  # what we saw of the part we reduced, for the coordinator
 
 
 @dataclass
@@ -203,6 +205,7 @@ async def reduce_round(
         timeout_s=timeout_s,
         error_feedback=ef,
         reducer=spec.diloco.aggregation,
+        audit_blocks=spec.audit.sketch_blocks,
     )
     cfg = OuterConfig.from_spec(spec.diloco)
 
@@ -218,7 +221,7 @@ async def reduce_round(
             r = ef.residual(n)
             if r is not None:
                 residuals[n] = r
-    return ReduceOutcome(new, h, residuals, res.bytes_sent, res.bytes_received, res.comm_s)
+    return ReduceOutcome(new, h, residuals, res.bytes_sent, res.bytes_received, res.comm_s, res.audit)
 
 
 def corrupt(

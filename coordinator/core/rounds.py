@@ -80,6 +80,9 @@ class Rounds:
         self.quorum = spec.schedule.quorum
         # (at, seq, cell, round, attempt, kind, reduce_attempt); stale entries are skipped
         self.deadlines: list[tuple[int, int, str, int, int, str, int]] = []
+        # each cell's last committed round (volatile): a straggler's report of it is still
+        # checked against its plan and the times the core saw
+        self.last_committed: dict[str, Round] = {}
         self._seq = itertools.count()
 
     # ---------------------------------------------------------------- deadlines
@@ -235,6 +238,7 @@ class Rounds:
         c.last_loss = loss
         c.round_attempt = c.reduce_attempt = 0
         c.commits.append(commit)
+        self.last_committed[c.id] = r
         self.changes.commit(commit)
         self.change_state(c, r, RoundState.COMMITTED, now)
         for x in agreeing:

@@ -61,6 +61,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from bagel.coordinator.core.audit import Auditor, Finding
 from bagel.coordinator.core.changes import Changes
 from bagel.coordinator.core.entities import Cell, Round, Worker
 from bagel.coordinator.core.errors import (
@@ -157,6 +158,7 @@ class CoordinatorState:
         self.roster = Roster(spec, policy, self.knobs, self.balance, self._cells, self.changes)
         self.rounds = Rounds(spec, policy, self.rng, self._cells, self.changes, self.roster)
         self.roster.rounds = self.rounds
+        self.auditor = Auditor(spec.audit)  # volatile: reducers' findings and update sketches
         self.fault: CoreFault | None = None  # set by a transition that failed with a bug
         self._handlers: dict[type, Callable[[int, Any], tuple[Instruction | None, Verdict | None, int | None]]] = {
             Register: self._on_register,
@@ -498,6 +500,7 @@ class CoordinatorState:
         self.roster.renew(w, now)
         lie = self._claim_lie(w, r, ev, now)
         if lie:
+            self.auditor.counts["lies"] += 1
             self.roster.reputation(w, self.spec.audit.rep_finding, now, lie)
             if w.state is not WorkerState.ACTIVE:  # banned for it: the round goes on without it
                 return self._instruction(w), Verdict.ABORTED, w.lease_ms
@@ -513,7 +516,22 @@ class CoordinatorState:
             verdict = Verdict.ABORTED
         else:
             verdict = Verdict.PENDING
+        if ev.audit is not None and not ev.failed:
+            ra = self.auditor.exchange(c.id, r.round, attempt, r.contributors, r.catch_up)
+            if result == RoundState.COMMITTED:
+                self.auditor.committed(c.id, r.round)
+            self._charge(self.auditor.report(ra, w.id, ev.audit), now)
+        elif result == RoundState.COMMITTED:
+            self.auditor.committed(c.id, r.round)
         return self._answer(w, now), verdict, w.lease_ms
+
+    def _charge(self, findings: list[Finding], now: int) -> None:
+        """Charge each confirmed finding's worker (the roster bans past the threshold)."""
+        for f in findings:
+            x = self.roster.workers.get(f.worker_id)
+            if x is not None:
+                why = f"audit of {f.cell_id} round {f.round}: {'/'.join(f.kinds)} update, confirmed by {f.reporters}"
+                self.roster.reputation(x, self.spec.audit.rep_finding, now, why)
 
     def _claim_lie(self, w: Worker, r: Round, ev: ReportRound, now: int) -> str:
         """Why a contributor's own signed figures are a lie ('' if they are not): samples
@@ -545,8 +563,29 @@ class CoordinatorState:
     def _late_report(self, now: int, w: Worker, c: Cell, ev: ReportRound) -> tuple[Instruction, Verdict, int]:
         """A report of the round just committed: a duplicate, or a straggler's."""
         self.roster.renew(w, now)
+        r = self.rounds.last_committed.get(c.id)
+        if r is not None and r.round == ev.round and w.id in r.reports:
+            pass  # a duplicate of a report already counted (and checked)
+        elif r is not None and r.round == ev.round and r.is_contributor(w.id):
+            lie = self._claim_lie(w, r, ev, now)
+            if lie:
+                self.auditor.counts["lies"] += 1
+                self.roster.reputation(w, self.spec.audit.rep_finding, now, lie)
+                if w.state is not WorkerState.ACTIVE:
+                    return self._instruction(w), Verdict.RESYNC, w.lease_ms
+            r.reports[w.id] = ReportEntry(ev.state_hash, ev.failed, ev.samples, ev.reduce_attempt, 0.0)
         if ev.failed or ev.state_hash != c.committed_hash:
             return self._instruction(w), Verdict.RESYNC, w.lease_ms
+        m = c.commits[-1] if c.commits else None
+        if ev.audit is not None and m is not None and m.round == ev.round and w.id in m.contributors:
+            # a straggler's audit of the round just committed still counts
+            cur = self.auditor.current.get(c.id)
+            ra = (
+                cur
+                if cur is not None and cur.round == ev.round and ev.reduce_attempt in (0, cur.reduce_attempt)
+                else self.auditor.exchange(c.id, ev.round, ev.reduce_attempt, m.contributors, (), committed=True)
+            )
+            self._charge(self.auditor.report(ra, w.id, ev.audit), now)
         if w.local != c.committed_local():
             # it holds the committed state after all: it is synced, no download needed
             w.local = c.committed_local()

@@ -1,0 +1,266 @@
+"""Audited contributions in the coordinator core: budgets and weights from what the
+coordinator observed, self-signed lies, and reducers' findings (zero, copied, replayed,
+excluded updates) that cost reputation only when most of the other reducers agree.
+
+The part audits are computed by the real `robust/audit.py` from tensors, and the Byzantine
+figures and deltas by the real worker functions (`roundwork.corrupt`, `roundwork.claimed`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bagel.coordinator.core.audit import Auditor
+from bagel.coordinator.core.records import WorkerState
+from bagel.coordinator.core.scheduler import plausible_speeds
+from bagel.protocol.messages import Order, PartAudit, SenderAudit
+from bagel.protocol.runspec import AuditSection
+from bagel.robust.audit import hamming, part_audit
+from bagel.worker.roundwork import LIAR_SAMPLES_PER_S, claimed, corrupt
+
+from test_state_harness import Harness, h, make_spec
+
+CELL = "k0.r0"
+TOTAL = 4096
+BLOCKS = 32
+
+
+# ---------------------------------------------------------------- budgets
+
+
+def test_plausible_speeds_bound_a_liar_by_the_others_median() -> None:
+    out = plausible_speeds([100.0, 120.0, 80.0, 1e9], max_speedup=8.0, cap=5000.0)
+    assert out[:3] == [100.0, 120.0, 80.0]
+    assert out[3] == 8.0 * 100.0  # 8 x the median of the other three
+    assert plausible_speeds([1e9], 8.0, 5000.0) == [5000.0]  # alone: only the run's bound
+
+
+def test_a_claimed_1e9_samples_per_s_does_not_take_the_rounds_budget() -> None:
+    hz = Harness()
+    for w in ("a", "b", "c"):
+        hz.reg(w, speed=100.0)
+    hz.reg("liar", speed=LIAR_SAMPLES_PER_S)
+    assert hz.store.workers["liar"].profile.samples_per_s[CELL] == hz.spec.audit.max_samples_per_s
+    hz.hb("a")
+    r = hz.round()
+    assert r is not None
+    caps = {m.worker_id: m.max_samples for m in r.members}
+    share = caps["liar"] / sum(caps.values())
+    # unclamped it took 1e9 / (1e9 + 300) of the batch; now at most 8x an honest member
+    assert share < 0.75 and caps["liar"] <= 8 * min(caps[w] for w in "abc") + 16, caps
+
+
+def test_credit_comes_from_the_time_the_coordinator_saw() -> None:
+    """A lone member that says READY 100 ms after its TRAIN is credited what the run's bound
+    allows in 100 ms, whatever it claims, and earns no reputation: nobody audited it."""
+    hz = Harness()
+    hz.reg("solo", speed=100.0)
+    out = hz.hb("solo")
+    assert out.instruction is not None and out.instruction.order is Order.TRAIN
+    budget = out.instruction.plan.micro_batch * out.instruction.plan.grad_accum * out.instruction.plan.inner_steps
+    hz.advance(50)  # + 50 ms in Harness.ready
+    hz.ready("solo", samples=budget)
+    ins = hz.st.instruction_for("solo")
+    assert ins.order is Order.REDUCE
+    credited = {m.worker_id: m.max_samples for m in ins.contributors}["solo"]
+    assert credited == int(hz.spec.audit.max_samples_per_s * 0.1) < budget
+    assert hz.report("solo", h(1)).verdict.name == "COMMITTED"
+    assert hz.store.commits[-1].samples == credited
+    assert hz.store.workers["solo"].reputation == 0.0  # an unaudited commit earns nothing
+
+
+def _cell_of_three_and(hz: Harness, other: str) -> None:
+    for w in ("a", "b", other):
+        hz.reg(w, speed=100.0)
+    hz.hb("a")
+
+
+def test_a_budget_liars_own_signed_figures_get_it_banned() -> None:
+    """budget-liar reports the samples and time `roundwork.claimed` makes up: more samples
+    than its budget is a lie it signed itself; it is banned by its second round."""
+    hz = Harness()
+    _cell_of_three_and(hz, "liar")
+    for n in (1, 2, 3):
+        ids = [w for w in ("liar", "a", "b") if hz.store.workers[w].state is WorkerState.ACTIVE]
+        for w in ids:  # members of this round (a late reporter of the last one waits for the next)
+            if hz.st.instruction_for(w).order is Order.TRAIN:
+                hz.ready(w)
+        for w in ids:  # the liar reports first: counted before the quorum commits
+            ins = hz.st.instruction_for(w)
+            if ins.order is not Order.REDUCE:
+                continue
+            p = ins.plan
+            honest = p.micro_batch * p.grad_accum * p.inner_steps
+            samples, compute_ms = claimed("budget-liar" if w == "liar" else "", honest, 6_400)
+            hz.report(w, h(n), samples=samples, compute_ms=compute_ms)
+        if hz.store.workers["liar"].state is WorkerState.BANNED:
+            break
+    liar = hz.store.workers["liar"]
+    assert liar.state is WorkerState.BANNED and n <= 2, (n, liar)
+    assert "budget" in liar.reason
+    assert all(hz.store.workers[w].state is WorkerState.ACTIVE for w in "ab")
+    assert hz.st.auditor.counts["lies"] == 2
+
+
+def test_a_compute_time_far_below_the_observed_span_is_a_lie() -> None:
+    hz = Harness()
+    _cell_of_three_and(hz, "c")
+    hz.advance(20_000)  # 20 s of training as the coordinator saw it
+    for w in ("a", "b", "c"):
+        hz.ready(w)
+    hz.report("a", h(1), compute_ms=1)  # claims 1 ms
+    hz.report("b", h(1), compute_ms=19_000)
+    assert hz.store.workers["a"].reputation < -2 < 0 <= hz.store.workers["b"].reputation
+
+
+# ---------------------------------------------------------------- the auditor alone
+
+
+def _audits(contribs: dict[str, torch.Tensor], excluded: dict[str, str] | None = None) -> dict[str, PartAudit]:
+    """What each contributor reports as the reducer of its part (real robust/audit.py)."""
+    names = sorted(contribs)
+    n = len(names)
+    out = {}
+    for j, reducer in enumerate(names):
+        s, e = j * TOTAL // n, (j + 1) * TOTAL // n
+        acc = {x: contribs[x][s:e] for x in names if x not in (excluded or {})}
+        out[reducer] = part_audit("run", j, s, TOTAL, BLOCKS, acc, excluded or {})
+    return out
+
+
+def _honest(seed: int, n: int = 5) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(TOTAL, generator=g)
+    return {f"w{i}": 0.7 * common + torch.randn(TOTAL, generator=g) for i in range(n)}
+
+
+def _feed(au: Auditor, rnd: int, audits: dict[str, PartAudit], catch_up: tuple[str, ...] = ()) -> list:
+    ra = au.exchange(CELL, rnd, 1, sorted(audits), catch_up)
+    out = []
+    for reporter in sorted(audits):
+        out += au.report(ra, reporter, audits[reporter])
+    au.committed(CELL, rnd)
+    return out
+
+
+def test_honest_rounds_confirm_nothing() -> None:
+    au = Auditor(AuditSection())
+    for rnd in range(1, 21):
+        assert _feed(au, rnd, _audits(_honest(rnd))) == []
+    assert au.counts["confirmed"] == 0 and au.counts["audits"] == 100
+    assert not any(k.startswith("flag_") and v for k, v in au.counts.items()), au.counts
+
+
+def test_zero_replayed_and_copied_updates_are_confirmed_by_the_other_reducers() -> None:
+    au = Auditor(AuditSection())
+    first = _honest(100)
+    _feed(au, 1, _audits(first))
+    d = _honest(101)
+    d["w1"] = corrupt({"x": d["w1"]}, "freeload-zero", None)["x"]
+    d["w2"] = corrupt({"x": d["w2"]}, "freeload-replay", None, {"x": first["w2"]})["x"]
+    d["w3"] = d["w0"].clone()  # a copy (both ends of the pair are flagged)
+    found = {f.worker_id: f.kinds for f in _feed(au, 2, _audits(d))}
+    assert "zero" in found["w1"] and "replay" in found["w2"] and "copy" in found["w3"], found
+    assert found["w0"] == ("copy",)
+    assert "w4" not in found
+
+
+def test_one_hostile_reducer_cannot_get_an_honest_sender_charged() -> None:
+    """The reducer w0 reports every other sender as zero, excluded and a copy, every round."""
+    for n in (3, 4, 5, 8):
+        au = Auditor(AuditSection())
+        for rnd in range(1, 6):
+            audits = _audits(_honest(rnd, n))
+            senders = tuple(
+                SenderAudit(s.sender, 0.0, 1.0, "w1" if s.sender != "w1" else "w2", "zero norm", s.sketch)
+                for s in audits["w0"].senders
+            )
+            audits["w0"] = PartAudit(0, audits["w0"].first_block, senders)
+            assert _feed(au, rnd, audits) == [], n
+        assert au.counts["flag_excluded"] > 0  # its flags were read, and agreed with by nobody
+
+
+def test_a_pair_confirms_nothing_and_abstentions_and_catch_up_are_no_findings() -> None:
+    au = Auditor(AuditSection())
+    d = _honest(7, 2)
+    d["w1"] = torch.zeros(TOTAL)
+    assert _feed(au, 1, _audits(d)) == []  # only w0 saw it: one reducer's word is not enough
+    d = _honest(8, 4)
+    assert _feed(au, 2, _audits(d, excluded={"w3": "abstained (non-finite delta or no samples)"})) == []
+    d = _honest(9, 4)
+    d["w2"] = torch.zeros(TOTAL)
+    assert _feed(au, 3, _audits(d), catch_up=("w2",)) == []
+
+
+def test_a_rerun_of_the_same_delta_after_an_abort_is_not_a_replay() -> None:
+    au = Auditor(AuditSection())
+    d = _honest(11)
+    ra = au.exchange(CELL, 1, 1, sorted(d), ())
+    for r, a in _audits(d).items():
+        au.report(ra, r, a)
+    # aborted: attempt 2 of the same round re-sends the kept deltas
+    assert _feed(au, 1, _audits(d)) == []
+    assert _feed(au, 2, _audits(_honest(12))) == []
+
+
+def test_a_reporter_naming_another_part_or_reporting_twice_is_ignored() -> None:
+    au = Auditor(AuditSection())
+    audits = _audits(_honest(13, 3))
+    ra = au.exchange(CELL, 1, 1, sorted(audits), ())
+    wrong = PartAudit(2, audits["w0"].first_block, audits["w0"].senders)
+    assert au.report(ra, "w0", wrong) == [] and au.counts["audits_ignored"] == 1
+    au.report(ra, "w1", audits["w1"])
+    au.report(ra, "w1", audits["w1"])
+    assert au.counts["audits_ignored"] == 2
+
+
+def test_sketches_tell_a_replay_from_a_fresh_update() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(TOTAL, generator=g)
+    noisy = x + 0.01 * x.abs().max() * (torch.rand(TOTAL, generator=g) - 0.5)  # int8-like codec noise
+    a = part_audit("run", 0, 0, TOTAL, BLOCKS, {"s": x}, {}).senders[0].sketch
+    b = part_audit("run", 0, 0, TOTAL, BLOCKS, {"s": noisy}, {}).senders[0].sketch
+    c = part_audit("run", 0, 0, TOTAL, BLOCKS, {"s": 0.7 * x + torch.randn(TOTAL, generator=g)}, {}).senders[0].sketch
+    assert len(a) == BLOCKS
+    assert max(hamming(p, q) for p, q in zip(a, b, strict=True)) <= AuditSection().replay_bits
+    assert sum(hamming(p, q) for p, q in zip(a, c, strict=True)) / BLOCKS > 8
+
+
+# ---------------------------------------------------------------- through the state
+
+
+def test_a_zero_freeloader_is_banned_through_reports_and_honest_members_are_not() -> None:
+    """Four members; `fz` sends zeros. Every report carries its reducer's audit of the part
+    it reduced; the state charges fz once per round and bans it by its second round."""
+    hz = Harness(make_spec())
+    ids = ["a", "b", "c", "fz"]
+    for w in ids:
+        hz.reg(w, speed=100.0)
+    hz.hb("a")
+    banned_at = 0
+    for rnd in range(1, 6):
+        live = [w for w in ids if hz.store.workers[w].state is WorkerState.ACTIVE]
+        for w in live:  # this round's members (a late reporter of the last one joins the next)
+            if hz.st.instruction_for(w).order is Order.SYNC:
+                hz.sync(w)
+            if hz.st.instruction_for(w).order is Order.TRAIN:
+                hz.ready(w)
+        reducing = [w for w in live if hz.st.instruction_for(w).order is Order.REDUCE]
+        contributors = [m.worker_id for m in hz.st.instruction_for(reducing[0]).contributors]
+        d = _honest(rnd, len(contributors))
+        d = {w: d[f"w{i}"] for i, w in enumerate(contributors)}
+        if "fz" in d:
+            d["fz"] = corrupt({"x": d["fz"]}, "freeload-zero", None)["x"]
+        audits = _audits(d)
+        attempt = hz.st.instruction_for(reducing[0]).reduce_attempt
+        for w in sorted(contributors, key=lambda x: x != "fz"):  # fz first: in the quorum, not a straggler
+            if hz.store.workers[w].state is WorkerState.ACTIVE:
+                hz.report(w, h(rnd), audit=audits[w], round=rnd, reduce_attempt=attempt)
+        if hz.store.workers["fz"].state is WorkerState.BANNED and not banned_at:
+            banned_at = rnd
+    assert banned_at == 2, hz.store.workers["fz"]
+    assert "zero" in hz.store.workers["fz"].reason
+    assert all(hz.store.workers[w].state is WorkerState.ACTIVE for w in "abc")
+    assert all(hz.store.workers[w].reputation >= 0 for w in "abc")
+    assert hz.st.auditor.counts["confirmed"] == 2
+    assert not any(f.worker_id in ("a", "b", "c") for f in hz.st.auditor.findings)
