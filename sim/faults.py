@@ -53,6 +53,9 @@ class ByzantineMode(str, Enum):
     NAN = "nan"  # send non-finite values
     ZERO = "zero"  # send zeros (freeload) while claiming samples
     STALE = "stale"  # send the previous round's delta
+    FREELOAD_ZERO = "freeload-zero"  # send zeros, claim the full samples
+    FREELOAD_REPLAY = "freeload-replay"  # send its first delta again every round
+    BUDGET_LIAR = "budget-liar"  # claim 1e9 samples/s, 10x the samples in a tenth of the time
 
 
 SIM_KINDS = frozenset({FaultKind.KILL, FaultKind.LEAVE, FaultKind.STOP, FaultKind.PARTITION})
