@@ -169,7 +169,7 @@ class CoordinatorApp:
                     f.reporters,
                 )
         if audit.counts.total() != flags and isinstance(event, ReportRound):
-            log.info("audit counts after a report of %s: %s", event.worker_id, dict(sorted(audit.counts.items())))
+            log.warning("audit counts after a report of %s: %s", event.worker_id, dict(sorted(audit.counts.items())))
         try:
             if outcome.effects:
                 fut = self.writer.submit(outcome.effects, now)

@@ -134,8 +134,10 @@ def _honest(seed: int, n: int = 5) -> dict[str, torch.Tensor]:
     return {f"w{i}": 0.7 * common + torch.randn(TOTAL, generator=g) for i in range(n)}
 
 
-def _feed(au: Auditor, rnd: int, audits: dict[str, PartAudit], catch_up: tuple[str, ...] = ()) -> list:
-    ra = au.exchange(CELL, rnd, 1, sorted(audits), catch_up)
+def _feed(
+    au: Auditor, rnd: int, audits: dict[str, PartAudit], catch_up: tuple[str, ...] = (), attempt: int = 1
+) -> list:
+    ra = au.exchange(CELL, rnd, attempt, sorted(audits), catch_up)
     out = []
     for reporter in sorted(audits):
         out += au.report(ra, reporter, audits[reporter])
@@ -199,8 +201,12 @@ def test_a_rerun_of_the_same_delta_after_an_abort_is_not_a_replay() -> None:
     for r, a in _audits(d).items():
         au.report(ra, r, a)
     # aborted: attempt 2 of the same round re-sends the kept deltas
-    assert _feed(au, 1, _audits(d)) == []
+    assert _feed(au, 1, _audits(d), attempt=2) == []
+    assert au.counts["audits"] == 10 and au.counts["audits_ignored"] == 0
     assert _feed(au, 2, _audits(_honest(12))) == []
+    assert au.counts.get("flag_replay", 0) == 0
+    # while a replay of that round's delta in the next round is one
+    assert {f.worker_id for f in _feed(au, 3, _audits(d))} == set(d)
 
 
 def test_a_reporter_naming_another_part_or_reporting_twice_is_ignored() -> None:

@@ -44,6 +44,7 @@ from bagel.protocol.runspec import AuditSection
 
 MAX_WORKERS_WITH_HISTORY = 20_000
 MAX_FINDINGS_KEPT = 1_000
+EXCHANGES_KEPT = 4  # per cell
 FLAGS = ("excluded", "zero", "copy", "replay")
 
 
@@ -78,6 +79,7 @@ class RoundAudit:
     contributors: tuple[str, ...]  # sorted: a reporter's part is its index here
     catch_up: frozenset[str]
     committed: bool = False
+    remembered: bool = False  # its sketches went into the history
     reporters: set[str] = field(default_factory=set)
     flags: dict[str, dict[str, set[str]]] = field(default_factory=dict)  # accused -> kind -> reporters
     sketches: dict[str, dict[int, int]] = field(default_factory=dict)  # sender -> block -> bits
@@ -88,7 +90,9 @@ class Auditor:
 
     def __init__(self, audit: AuditSection) -> None:
         self.a = audit
-        self.current: dict[str, RoundAudit] = {}  # cell -> the latest exchange audited
+        # cell -> its last few exchanges audited, oldest first (a straggler's report of
+        # the round before may come after the next round's first report)
+        self.exchanges: dict[str, OrderedDict[tuple[int, int], RoundAudit]] = {}
         self.charged: dict[str, tuple[int, set[str]]] = {}  # cell -> (round, workers charged in it)
         self.history: OrderedDict[str, dict[int, deque[tuple[int, int]]]] = OrderedDict()
         self.counts: Counter[str] = Counter()
@@ -106,24 +110,36 @@ class Auditor:
         *,
         committed: bool = False,
     ) -> RoundAudit:
-        """The audit of this exchange, started if it is new (the cell's previous one then
-        ends: a committed one's sketches become history)."""
-        cur = self.current.get(cell_id)
-        if cur is not None and (cur.round, cur.reduce_attempt) == (round, reduce_attempt):
-            return cur
-        # a cell moves past a round number only by committing it (a commit the core made
-        # without a report in between, after a lost contributor say, counts too)
-        if cur is not None and (cur.committed or round > cur.round):
-            self._remember(cur)
+        """The audit of this exchange, started if it is new. A cell moves past a round
+        number only by committing it, so the first exchange of a later round makes the
+        sketches of the earlier ones history (a commit the core made without a report in
+        between, after a lost contributor say, counts too)."""
+        ex = self.exchanges.setdefault(cell_id, OrderedDict())
+        ra = ex.get((round, reduce_attempt))
+        if ra is not None:
+            return ra
+        for old in ex.values():
+            if old.round < round and not old.remembered:
+                old.remembered = True
+                self._remember(old)
         ra = RoundAudit(cell_id, round, reduce_attempt, tuple(sorted(contributors)), frozenset(catch_up), committed)
-        self.current[cell_id] = ra
+        ex[(round, reduce_attempt)] = ra
+        while len(ex) > EXCHANGES_KEPT:
+            ex.popitem(last=False)
         return ra
 
+    def latest(self, cell_id: str, round: int) -> RoundAudit | None:
+        """The newest exchange audited of (cell, round), if any is still kept."""
+        for ra in reversed(self.exchanges.get(cell_id, {}).values()):
+            if ra.round == round:
+                return ra
+        return None
+
     def committed(self, cell_id: str, round: int) -> None:
-        """The cell committed `round`: its exchange's sketches will become history."""
-        cur = self.current.get(cell_id)
-        if cur is not None and cur.round == round:
-            cur.committed = True
+        """The cell committed `round` (kept for the record; history follows the round numbers)."""
+        ra = self.latest(cell_id, round)
+        if ra is not None:
+            ra.committed = True
 
     def _remember(self, ra: RoundAudit) -> None:
         keep = self.a.replay_history

@@ -579,10 +579,10 @@ class CoordinatorState:
         m = c.commits[-1] if c.commits else None
         if ev.audit is not None and m is not None and m.round == ev.round and w.id in m.contributors:
             # a straggler's audit of the round just committed still counts
-            cur = self.auditor.current.get(c.id)
+            cur = self.auditor.latest(c.id, ev.round)
             ra = (
                 cur
-                if cur is not None and cur.round == ev.round and ev.reduce_attempt in (0, cur.reduce_attempt)
+                if cur is not None and ev.reduce_attempt in (0, cur.reduce_attempt)
                 else self.auditor.exchange(c.id, ev.round, ev.reduce_attempt, m.contributors, (), committed=True)
             )
             self._charge(self.auditor.report(ra, w.id, ev.audit), now)
