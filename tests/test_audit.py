@@ -270,3 +270,17 @@ def test_a_zero_freeloader_is_banned_through_reports_and_honest_members_are_not(
     assert all(hz.store.workers[w].reputation >= 0 for w in "abc")
     assert hz.st.auditor.counts["confirmed"] == 2
     assert not any(f.worker_id in ("a", "b", "c") for f in hz.st.auditor.findings)
+
+
+def test_the_freeloader_scenarios_parse() -> None:
+    from pathlib import Path
+
+    from bagel.sim.chaos.scenario import load_chaos_scenario
+
+    root = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
+    fl = load_chaos_scenario(root / "freeloaders.toml")
+    assert sorted(fl.byzantine.values()) == ["budget-liar", "freeload-replay", "freeload-zero"]
+    honest = load_chaos_scenario(root / "audit-honest.toml")
+    assert not honest.byzantine and honest.settle_commits == 50
+    for sc in (fl, honest):
+        assert len(sc.spec.cell_ids) == 1  # one shared cell: everyone audits everyone
