@@ -140,8 +140,6 @@ class AuditSection:
     # The tiny digits model trains at about 550 samples/s on one CPU core; raise it to the
     # fastest honest card's rate for the run's model (a GPU run of a tiny model may need more)
     max_samples_per_s: float = 5000.0
-    # a report whose own figures claim more than this times the observed rate is a lie
-    max_claim_ratio: float = 20.0
     # reducers' findings about a sender count only when at least this many distinct other
     # reducers, and more than half of the round's other reducers, agree
     min_agreeing: int = 2
@@ -257,7 +255,6 @@ def _validate(spec: RunSpec) -> None:
     a = spec.audit
     need(a.max_speedup >= 1.0, "audit.max_speedup: at least 1")
     need(a.max_samples_per_s > 0, "audit.max_samples_per_s: positive")
-    need(a.max_claim_ratio >= 1.0, "audit.max_claim_ratio: at least 1")
     need(a.min_agreeing >= 1, "audit.min_agreeing: at least 1")
     need(0.0 <= a.zero_rel < 1.0, "audit.zero_rel: in [0, 1)")
     need(0.0 < a.copy_cosine <= 1.0, "audit.copy_cosine: in (0, 1]")
