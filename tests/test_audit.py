@@ -69,6 +69,27 @@ def test_credit_comes_from_the_time_the_coordinator_saw() -> None:
     assert hz.store.workers["solo"].reputation == 0.0  # an unaudited commit earns nothing
 
 
+def test_the_throughput_estimate_is_the_span_the_coordinator_saw_clamped_by_the_others() -> None:
+    """Three members at 100 samples/s; after a 6 s span each is credited its budget and its
+    estimate moves towards budget / 6 s; one that claims a READY after 3 s (not training)
+    is credited half the span's worth at most and can never be estimated above 8x the median."""
+    hz = Harness()
+    _cell_of_three_and(hz, "fast")
+    caps = {m.worker_id: m.max_samples for m in hz.round().members}
+    hz.advance(2_950)  # + 50 ms in Harness.ready: a 3 s span for "fast"
+    hz.ready("fast")
+    hz.advance(2_950)
+    for w in ("a", "b"):
+        hz.ready(w)
+    budgets = {m.worker_id: m.max_samples for m in hz.st.instruction_for("a").contributors}
+    assert budgets == caps  # 5000 samples/s x 3 s covers every budget
+    est = {w: hz.store.workers[w].throughput[CELL] for w in ("a", "b", "fast")}
+    a = hz.st.policy.throughput_ema
+    assert abs(est["a"] - ((1 - a) * 100 + a * caps["a"] / 6.0)) < 1e-6  # TRAIN at the open, READY 6 s on
+    assert est["fast"] > est["a"]
+    assert est["fast"] <= (1 - a) * 100 + a * 8 * 100  # the others' median bounds what is believed
+
+
 def _cell_of_three_and(hz: Harness, other: str) -> None:
     for w in ("a", "b", other):
         hz.reg(w, speed=100.0)
