@@ -48,6 +48,7 @@ MAX_REASON_CHARS = 512
 MAX_MADDRS = 16
 MAX_MADDR_CHARS = 256
 MAX_JOIN_TOKEN_BYTES = 1024
+MAX_AUDIT_CONTRIBUTORS = 256
 MAX_AUDIT_NORM = 1e300  # finite: a norm of float32 values of any count is far below it
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps"})
 
@@ -224,9 +225,11 @@ def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:
 
 
 def _audit(field: str, a: pb.AuditPart, spec: RunSpec) -> None:
-    """At most one entry per contributor a cell can have, each sender once, finite
+    """A bounded number of entries, each sender once, finite
     statistics, and sketches that fit the run's sketch blocks."""
-    most = spec.schedule.max_replicas
+    # a bound no exchange comes near (a cell has at most max_replicas workers, but a report
+    # refused for an edge case of the placement would cost its round: the core checks the rest)
+    most = max(MAX_AUDIT_CONTRIBUTORS, spec.schedule.max_replicas)
     blocks = spec.audit.sketch_blocks
     _int(f"{field}.part", a.part, 0, most - 1)
     _int(f"{field}.first_block", a.first_block, 0, blocks - 1)

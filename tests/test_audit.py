@@ -319,7 +319,7 @@ def test_a_report_audit_is_validated_field_by_field() -> None:
     from bagel.protocol.convert import audit_from_pb, audit_to_pb
     from bagel.protocol.validation import ValidationError, validate
 
-    spec = make_spec()  # max_replicas 8, 32 sketch blocks
+    spec = make_spec()  # 32 sketch blocks
     good = PartAudit(1, 30, (SenderAudit("wa", 1.5, 0.2, "wb", "", (1, 2)), SenderAudit("wb", excluded="zero norm")))
 
     def req(a: PartAudit) -> pb.ReportRoundRequest:
@@ -331,9 +331,9 @@ def test_a_report_audit_is_validated_field_by_field() -> None:
     assert audit_from_pb(req(good).audit) == good
     s0 = good.senders[0]
     bad = {
-        "audit.part": PartAudit(8, 0, ()),
+        "audit.part": PartAudit(256, 0, ()),
         "audit.first_block": PartAudit(0, 32, ()),
-        "audit.senders": PartAudit(0, 0, tuple(SenderAudit(f"w{i}") for i in range(9))),
+        "audit.senders": PartAudit(0, 0, tuple(SenderAudit(f"w{i}") for i in range(257))),
         "audit.senders[1].sender": PartAudit(0, 0, (s0, s0)),
         "audit.senders[0].norm": PartAudit(0, 0, (SenderAudit("wa", float("nan")),)),
         "audit.senders[0].max_cosine": PartAudit(0, 0, (SenderAudit("wa", 1.0, 1.5),)),
