@@ -18,7 +18,8 @@ spot a freeloader without seeing any tensor:
   a bit or two and a fresh update about half of them.
 
 Pure tensor code: no I/O; the projection's randomness is a `torch.Generator` seeded from
-the arguments.
+the arguments; memory is bounded by `CHUNK` elements per sender at a time, whatever the
+model's size.
 """
 
 from __future__ import annotations
@@ -45,23 +46,38 @@ def inner_blocks(start: int, end: int, total: int, blocks: int) -> range:
     return range(inside[0], inside[-1] + 1) if inside else range(0)
 
 
-def _projection(run_id: str, block: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bucket of each element, its sign) for one block: a function of (run, block) only."""
+CHUNK = 1 << 20  # elements handled at a time: memory stays O(senders x CHUNK) for any model
+
+
+def _generator(run_id: str, block: int) -> torch.Generator:
+    """The projection's randomness for one block: a function of (run, block) only."""
     seed = int.from_bytes(hashlib.sha256(f"bagel-audit-sketch|{run_id}|{block}".encode()).digest()[:8], "little")
-    g = torch.Generator().manual_seed(seed & ((1 << 63) - 1))
-    buckets = torch.randint(0, SKETCH_BITS, (n,), generator=g)
-    signs = torch.randint(0, 2, (n,), generator=g).to(torch.float64) * 2.0 - 1.0
-    return buckets, signs
+    return torch.Generator().manual_seed(seed & ((1 << 63) - 1))
 
 
-def sketch_bits(x: torch.Tensor, buckets: torch.Tensor, signs: torch.Tensor) -> int:
-    """64 sign bits of the CountSketch of `x` (bit i set when bucket i's sum is positive)."""
-    sums = torch.zeros(SKETCH_BITS, dtype=torch.float64).index_add_(0, buckets, x.to(torch.float64) * signs)
+def _bits(sums: torch.Tensor) -> int:
     bits = 0
     for i, v in enumerate(sums.tolist()):
         if v > 0:
             bits |= 1 << i
     return bits
+
+
+def block_sketches(run_id: str, block: int, rows: list[torch.Tensor]) -> list[int]:
+    """The 64 sign bits of each row's CountSketch over one block (every row is that block's
+    elements of one sender): each element is added, with a random sign, to one of 64 buckets;
+    bit i is set when bucket i's sum is positive. The buckets and signs are drawn CHUNK
+    elements at a time from the block's own generator, so every reducer draws the same."""
+    g = _generator(run_id, block)
+    n = int(rows[0].numel()) if rows else 0
+    sums = [torch.zeros(SKETCH_BITS, dtype=torch.float64) for _ in rows]
+    for s in range(0, n, CHUNK):
+        e = min(n, s + CHUNK)
+        buckets = torch.randint(0, SKETCH_BITS, (e - s,), generator=g)
+        signs = torch.randint(0, 2, (e - s,), generator=g).to(torch.float64) * 2.0 - 1.0
+        for acc, row in zip(sums, rows, strict=True):
+            acc.index_add_(0, buckets, row[s:e].to(torch.float64) * signs)
+    return [_bits(x) for x in sums]
 
 
 def part_audit(
@@ -77,45 +93,47 @@ def part_audit(
     (sorted), its norm, nearest other sender by cosine, and sketch; excluded senders carry
     only the reason. `accepted` maps sender -> its decoded slice (all the same length)."""
     names = sorted(accepted)
-    numel = int(accepted[names[0]].numel()) if names else 0
-    first = inner_blocks(start, start + numel, total, blocks) if numel else range(0)
+    rows = [accepted[n].reshape(-1) for n in names]
+    numel = int(rows[0].numel()) if rows else 0
+    inside = inner_blocks(start, start + numel, total, blocks) if numel else range(0)
     bounds = block_bounds(total, blocks)
-    projections = [
-        (bounds[b][0] - start, bounds[b][1] - start, *_projection(run_id, b, bounds[b][1] - bounds[b][0]))
-        for b in first
+    gram = torch.zeros(len(names), len(names), dtype=torch.float64)
+    for s in range(0, numel, CHUNK):
+        sub = torch.stack([r[s : s + CHUNK] for r in rows]).to(torch.float64)
+        gram += sub @ sub.T
+    norms = gram.diagonal().clamp(min=0.0).sqrt()
+    cos = _cosines(gram, norms)
+    sketches = [
+        block_sketches(run_id, b, [r[bounds[b][0] - start : bounds[b][1] - start] for r in rows]) for b in inside
     ]
-    mat = torch.stack([accepted[n].reshape(-1).to(torch.float64) for n in names]) if names else torch.zeros(0, 0)
-    norms = mat.norm(dim=1) if names else torch.zeros(0)
-    cos = _cosines(mat, norms)
     out: list[SenderAudit] = []
     for i, n in enumerate(names):
         j = int(cos[i].argmax()) if len(names) > 1 else -1
         if j >= 0 and cos[i, j] < -1.0:  # a zero slice is near nobody
             j = -1
-        sketch = tuple(sketch_bits(mat[i, s:e], bk, sg) for s, e, bk, sg in projections)
         out.append(
             SenderAudit(
                 n,
                 float(norms[i]),
-                float(cos[i, j]) if j >= 0 else 0.0,
+                float(cos[i, j].clamp(-1.0, 1.0)) if j >= 0 else 0.0,
                 names[j] if j >= 0 else "",
                 "",
-                sketch,
+                tuple(sk[i] for sk in sketches),
             )
         )
     out += [SenderAudit(n, excluded=r[:200]) for n, r in sorted(excluded.items()) if n not in accepted]
     out.sort(key=lambda a: a.sender)
-    return PartAudit(part, first.start if len(first) else 0, tuple(out))
+    return PartAudit(part, inside.start if len(inside) else 0, tuple(out))
 
 
-def _cosines(mat: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """Pairwise cosines of the rows, the diagonal (and any zero row) set to -2 (never nearest)."""
-    k = mat.shape[0]
+def _cosines(gram: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """Pairwise cosines from the Gram matrix, the diagonal (and any zero row) set to -2
+    (never nearest)."""
+    k = gram.shape[0]
     if k < 2:
         return torch.full((k, k), -2.0, dtype=torch.float64)
     safe = torch.where(norms > 0, norms, torch.ones_like(norms))
-    unit = mat / safe[:, None]
-    c = unit @ unit.T
+    c = gram / safe[:, None] / safe[None, :]
     zero = norms <= 0
     c[zero, :] = -2.0
     c[:, zero] = -2.0
@@ -127,4 +145,4 @@ def hamming(a: int, b: int) -> int:
     return (a ^ b).bit_count()
 
 
-__all__ = ["SKETCH_BITS", "block_bounds", "hamming", "inner_blocks", "part_audit", "sketch_bits"]
+__all__ = ["CHUNK", "SKETCH_BITS", "block_bounds", "block_sketches", "hamming", "inner_blocks", "part_audit"]
