@@ -78,7 +78,6 @@ class RoundAudit:
     reduce_attempt: int
     contributors: tuple[str, ...]  # sorted: a reporter's part is its index here
     catch_up: frozenset[str]
-    committed: bool = False
     remembered: bool = False  # its sketches went into the history
     reporters: set[str] = field(default_factory=set)
     flags: dict[str, dict[str, set[str]]] = field(default_factory=dict)  # accused -> kind -> reporters
@@ -107,8 +106,6 @@ class Auditor:
         reduce_attempt: int,
         contributors: Iterable[str],
         catch_up: Iterable[str],
-        *,
-        committed: bool = False,
     ) -> RoundAudit:
         """The audit of this exchange, started if it is new. A cell moves past a round
         number only by committing it, so the first exchange of a later round makes the
@@ -122,7 +119,7 @@ class Auditor:
             if old.round < round and not old.remembered:
                 old.remembered = True
                 self._remember(old)
-        ra = RoundAudit(cell_id, round, reduce_attempt, tuple(sorted(contributors)), frozenset(catch_up), committed)
+        ra = RoundAudit(cell_id, round, reduce_attempt, tuple(sorted(contributors)), frozenset(catch_up))
         ex[(round, reduce_attempt)] = ra
         while len(ex) > EXCHANGES_KEPT:
             ex.popitem(last=False)
@@ -134,12 +131,6 @@ class Auditor:
             if ra.round == round:
                 return ra
         return None
-
-    def committed(self, cell_id: str, round: int) -> None:
-        """The cell committed `round` (kept for the record; history follows the round numbers)."""
-        ra = self.latest(cell_id, round)
-        if ra is not None:
-            ra.committed = True
 
     def _remember(self, ra: RoundAudit) -> None:
         keep = self.a.replay_history

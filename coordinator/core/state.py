@@ -518,11 +518,7 @@ class CoordinatorState:
             verdict = Verdict.PENDING
         if ev.audit is not None and not ev.failed:
             ra = self.auditor.exchange(c.id, r.round, attempt, r.contributors, r.catch_up)
-            if result == RoundState.COMMITTED:
-                self.auditor.committed(c.id, r.round)
             self._charge(self.auditor.report(ra, w.id, ev.audit), now)
-        elif result == RoundState.COMMITTED:
-            self.auditor.committed(c.id, r.round)
         return self._answer(w, now), verdict, w.lease_ms
 
     def _charge(self, findings: list[Finding], now: int) -> None:
@@ -580,7 +576,7 @@ class CoordinatorState:
             ra = (
                 cur
                 if cur is not None and ev.reduce_attempt in (0, cur.reduce_attempt)
-                else self.auditor.exchange(c.id, ev.round, ev.reduce_attempt, m.contributors, (), committed=True)
+                else self.auditor.exchange(c.id, ev.round, ev.reduce_attempt, m.contributors, ())
             )
             self._charge(self.auditor.report(ra, w.id, ev.audit), now)
         if w.local != c.committed_local():
