@@ -40,7 +40,7 @@ from bagel.coordinator.checkpoints import (
     CheckpointStore,
 )
 from bagel.coordinator.core.errors import CoreFault
-from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Tick
+from bagel.coordinator.core.events import Event, Heartbeat, Outcome, ReportRound, Tick
 from bagel.coordinator.core.records import (
     CellRecord,
     CommitRecord,
@@ -150,11 +150,26 @@ class CoordinatorApp:
         if not self.accepting:
             raise NotAccepting("the coordinator is shutting down")
         now = self.clock()
+        audit = self.state.auditor
+        seen = audit.counts["confirmed"]
+        flags = audit.counts.total()
         try:
             outcome = self.state.apply(now, event)
         except CoreFault as e:
             self._die(e, "the coordinator core failed")
             raise NotAccepting("the coordinator hit an internal error; it is restarting") from e
+        if audit.counts["confirmed"] != seen:  # the operator's record of what the audit found
+            for f in list(audit.findings)[seen - audit.counts["confirmed"] :]:
+                log.warning(
+                    "audit: %s round %d: %s update from %s, confirmed by %d reducers",
+                    f.cell_id,
+                    f.round,
+                    "/".join(f.kinds),
+                    f.worker_id,
+                    f.reporters,
+                )
+        if audit.counts.total() != flags and isinstance(event, ReportRound):
+            log.warning("audit counts after a report of %s: %s", event.worker_id, dict(sorted(audit.counts.items())))
         try:
             if outcome.effects:
                 fut = self.writer.submit(outcome.effects, now)

@@ -8,7 +8,9 @@ orphaned cells. Everything here distrusts its input:
   refused as soon as it passes its declared size or `checkpoint.max_bytes`
   (`CheckpointTooLarge`);
 - the file's sha256 and size must equal the declared ones, its safetensors header is
-  parsed by the safetensors library (never pickle, never `torch.load`), and the canonical
+  parsed by the safetensors library (never pickle, never `torch.load`), it must hold
+  exactly the cell's state as the run spec builds it (every tensor name, dtype and shape
+  of `models.experts.cell_state_schema`, nothing more), and the canonical
   state hash (`bagel.protocol.statehash`) over its tensors must equal the committed hash
   before the file becomes visible (`CheckpointRejected`);
 - it becomes visible with the usual atomic sequence: fsync the temp file, `os.replace`,
@@ -27,7 +29,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -121,6 +123,32 @@ class _LazyTensors(Mapping[str, Any]):
         return len(self._keys)
 
 
+# {tensor name: (safetensors dtype, shape)}: what a cell's checkpoint must hold
+Schema = Mapping[str, tuple[str, tuple[int, ...]]]
+
+
+def check_schema(path: Path, schema: Schema) -> None:
+    """CheckpointRejected unless the file holds exactly `schema`'s tensors, with its dtypes
+    and shapes. Reads only the safetensors header (no tensor data)."""
+    try:
+        with safe_open(str(path), framework="numpy") as h:
+            got = {k: (h.get_slice(k).get_dtype(), tuple(h.get_slice(k).get_shape())) for k in h.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        raise CheckpointRejected(f"not a valid safetensors file: {e}") from None
+    missing = sorted(set(schema) - set(got))
+    extra = sorted(set(got) - set(schema))
+    if missing or extra:
+        raise CheckpointRejected(
+            f"not this cell's model: {len(missing)} tensors missing {missing[:3]}, {len(extra)} unexpected {extra[:3]}"
+        )
+    for name in sorted(schema):
+        if got[name] != schema[name]:
+            (dt, shape), (want_dt, want_shape) = got[name], schema[name]
+            raise CheckpointRejected(
+                f"tensor {name!r} is {dt} {list(shape)}, the cell's model has {want_dt} {list(want_shape)}"
+            )
+
+
 def safetensors_state_hash(path: Path) -> str:
     """Canonical state hash of a safetensors file; CheckpointRejected if it does not parse.
 
@@ -187,6 +215,8 @@ class Upload:
             os.fsync(self._f.fileno())
             self._f.close()
             self._closed = True
+            if self._store.schema is not None:
+                check_schema(self._tmp, self._store.schema(self.cell_id))
             got = safetensors_state_hash(self._tmp)
             if got != self.state_hash:
                 raise CheckpointRejected(
@@ -224,8 +254,19 @@ class Upload:
 class CheckpointStore:
     """Checkpoint files under `root/<cell_id>/`, indexed durably by `index`."""
 
-    def __init__(self, root: Path, index: CheckpointIndex, *, keep: int, max_bytes: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        index: CheckpointIndex,
+        *,
+        keep: int,
+        max_bytes: int,
+        schema: Callable[[str], Schema] | None = None,
+    ) -> None:
+        """schema: a cell's expected tensors (the daemon passes the run spec's
+        `cell_state_schema`); None skips that check (unit tests of the file handling)."""
         self.root = Path(root)
+        self.schema = schema
         self.root.mkdir(parents=True, exist_ok=True)
         self._index = index
         self.keep = keep

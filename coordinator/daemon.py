@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import gc
 import logging
 import os
@@ -43,7 +44,7 @@ from grpc_reflection.v1alpha import reflection
 
 from bagel.coordinator import sizing
 from bagel.coordinator.app import CoordinatorApp
-from bagel.coordinator.checkpoints import CheckpointStore
+from bagel.coordinator.checkpoints import CheckpointStore, Schema
 from bagel.coordinator.core.records import CellConfig
 from bagel.coordinator.core.state import CoordinatorState
 from bagel.coordinator.interceptor import SERVICE_NAME, ErrorInterceptor
@@ -51,6 +52,7 @@ from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.servicer import CoordinatorServicer
 from bagel.coordinator.store import Store, StoreError
 from bagel.coordinator.writer import AsyncWriter
+from bagel.models.experts import cell_state_schema
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import wall_clock_ms
@@ -175,6 +177,7 @@ async def start_coordinator(
     tls: bool = False,
     tls_cert: str | Path | None = None,
     tls_key: str | Path | None = None,
+    checkpoint_schema: Callable[[str], Schema] | None = None,
 ) -> CoordinatorHandle:
     """Start a coordinator in this event loop.
 
@@ -188,6 +191,9 @@ async def start_coordinator(
     the fingerprint goes into the DHT record and the join string. Off by default here (the
     in-process API the tests use); `bagel-coordinator serve` turns it on unless `--insecure`.
     Our own DHT node validates the coordinator record (`CoordinatorRecordValidator`).
+    checkpoint_schema: the tensors a cell's checkpoint must hold; None = the cell's model as
+    the run spec builds it (`cell_state_schema`). Tests whose simulated workers train a
+    stand-in state pass that state's schema.
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -240,7 +246,11 @@ async def start_coordinator(
             first = state.snapshot()
             store.write([*first.cells, *first.workers, *first.rounds, *first.commits], now)
         checkpoints = CheckpointStore(
-            data_dir / "checkpoints", store, keep=spec.checkpoint.keep, max_bytes=spec.checkpoint.max_bytes
+            data_dir / "checkpoints",
+            store,
+            keep=spec.checkpoint.keep,
+            max_bytes=spec.checkpoint.max_bytes,
+            schema=checkpoint_schema or functools.lru_cache(maxsize=None)(functools.partial(cell_state_schema, spec)),
         )
         metrics = Metrics()
         metrics_port = None

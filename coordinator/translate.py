@@ -15,6 +15,7 @@ from bagel.coordinator.core.events import Heartbeat, Leave, Register, ReportRoun
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.convert import (  # the message types' own translations, shared with the worker
     VERDICTS,
+    audit_from_pb,
     instruction_to_pb,
     local_from_pb,
     member_to_pb,
@@ -67,6 +68,7 @@ def report_event(worker_id: str, req: pb.ReportRoundRequest) -> ReportRound:
         failed=req.failed,
         reason=req.reason,
         reduce_attempt=req.reduce_attempt,
+        audit=audit_from_pb(req.audit) if req.HasField("audit") else None,
     )
 
 

@@ -124,6 +124,27 @@ def cell_param_count(spec: RunSpec, cell_id: str) -> int:
     return _count(cell_config(spec, cell_id))
 
 
+# A cell's committed state as stored and hashed: "w.<param>" weights and "m.<param>" outer
+# momentum (`worker/diloco.py`'s CellState.to_flat uses these), float32, one per parameter.
+WEIGHT_PREFIX = "w."
+MOMENTUM_PREFIX = "m."
+
+
+def cell_state_schema(spec: RunSpec, cell_id: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (safetensors dtype, shape)} of a cell's committed state, from the spec
+    alone: the trainable parameters of its model, built on the meta device (no memory,
+    no init), each as a float32 weight and a float32 momentum of the same shape. What a
+    checkpoint of the cell must hold, exactly (the coordinator checks uploads against it)."""
+    with torch.device("meta"):
+        model = build(cell_config(spec, cell_id))
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            out[WEIGHT_PREFIX + n] = ("F32", tuple(p.shape))
+            out[MOMENTUM_PREFIX + n] = ("F32", tuple(p.shape))
+    return out
+
+
 def cell_memory_bytes(spec: RunSpec, cell_id: str, micro_batch: int) -> int:
     """Training memory of a cell: STATE_COPIES x params x 4 bytes + activations (closed form)."""
     if micro_batch < 1:

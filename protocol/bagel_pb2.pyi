@@ -242,7 +242,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class ReportRoundRequest(_message.Message):
-    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt")
+    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt", "audit")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class ReportRoundRequest(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     cell_id: str
     round: int
@@ -269,7 +270,34 @@ class ReportRoundRequest(_message.Message):
     failed: bool
     reason: str
     reduce_attempt: int
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ...) -> None: ...
+    audit: AuditPart
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., audit: _Optional[_Union[AuditPart, _Mapping]] = ...) -> None: ...
+
+class AuditPart(_message.Message):
+    __slots__ = ("part", "first_block", "senders")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SENDERS_FIELD_NUMBER: _ClassVar[int]
+    part: int
+    first_block: int
+    senders: _containers.RepeatedCompositeFieldContainer[AuditSender]
+    def __init__(self, part: _Optional[int] = ..., first_block: _Optional[int] = ..., senders: _Optional[_Iterable[_Union[AuditSender, _Mapping]]] = ...) -> None: ...
+
+class AuditSender(_message.Message):
+    __slots__ = ("sender", "norm", "max_cosine", "nearest", "excluded", "sketch")
+    SENDER_FIELD_NUMBER: _ClassVar[int]
+    NORM_FIELD_NUMBER: _ClassVar[int]
+    MAX_COSINE_FIELD_NUMBER: _ClassVar[int]
+    NEAREST_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    SKETCH_FIELD_NUMBER: _ClassVar[int]
+    sender: str
+    norm: float
+    max_cosine: float
+    nearest: str
+    excluded: str
+    sketch: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sender: _Optional[str] = ..., norm: _Optional[float] = ..., max_cosine: _Optional[float] = ..., nearest: _Optional[str] = ..., excluded: _Optional[str] = ..., sketch: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
     __slots__ = ("verdict", "instruction")

@@ -29,9 +29,11 @@ from google.protobuf.message import Message
 
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
+from bagel.protocol.convert import audit_to_pb
 from bagel.protocol.envelope import sign_request
 from bagel.protocol.grpc_options import CHECKPOINT_CHUNK_BYTES, MAX_MESSAGE_BYTES, channel_options
 from bagel.protocol.identity import Identity
+from bagel.protocol.messages import PartAudit
 from bagel.protocol.runspec import SpecError, spec_source_hash
 from bagel.protocol.tls import DEFAULT_PROBE_TIMEOUT_S, PinnedTLS, pinned_credentials
 
@@ -213,6 +215,7 @@ class CoordinatorClient:
         failed: bool = False,
         reason: str = "",
         reduce_attempt: int = 0,
+        audit: PartAudit | None = None,
         timeout_s: float | None = None,
     ) -> pb.ReportRoundResponse:
         req = pb.ReportRoundRequest(
@@ -229,6 +232,8 @@ class CoordinatorClient:
             reason=reason,
             reduce_attempt=reduce_attempt,
         )
+        if audit is not None:
+            req.audit.CopyFrom(audit_to_pb(audit))
         return await self.call("ReportRound", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
     async def leave(

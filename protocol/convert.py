@@ -17,9 +17,11 @@ from bagel.protocol.messages import (
     LocalState,
     Member,
     Order,
+    PartAudit,
     PeerAddress,
     Profile,
     RoundPlan,
+    SenderAudit,
     Verdict,
 )
 
@@ -83,6 +85,14 @@ def instruction_from_pb(p: pb.Instruction) -> Instruction:
     )
 
 
+def audit_from_pb(p: pb.AuditPart) -> PartAudit:
+    return PartAudit(
+        p.part,
+        p.first_block,
+        tuple(SenderAudit(s.sender, s.norm, s.max_cosine, s.nearest, s.excluded, tuple(s.sketch)) for s in p.senders),
+    )
+
+
 def order_from_pb(o: int) -> Order:
     return Order(o) if o in _ORDERS else Order.UNSPECIFIED
 
@@ -143,6 +153,24 @@ def instruction_to_pb(ins: Instruction | None) -> pb.Instruction:
             pb.Donor(worker_id=dn.worker_id, peer=peer_to_pb(dn.peer), checkpoint_round=dn.checkpoint_round)
         )
     return out
+
+
+def audit_to_pb(a: PartAudit) -> pb.AuditPart:
+    return pb.AuditPart(
+        part=a.part,
+        first_block=a.first_block,
+        senders=[
+            pb.AuditSender(
+                sender=s.sender,
+                norm=s.norm,
+                max_cosine=s.max_cosine,
+                nearest=s.nearest,
+                excluded=s.excluded,
+                sketch=list(s.sketch),
+            )
+            for s in a.senders
+        ],
+    )
 
 
 VERDICTS = {

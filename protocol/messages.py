@@ -119,3 +119,24 @@ class Instruction:
     reason: str = ""
     reduce_attempt: int = 0  # REDUCE: bumps whenever a contributor set is (re-)frozen
     round_attempt: int = 0  # TRAIN/REDUCE: bumps when an aborted round is re-run
+
+
+@dataclass(frozen=True, slots=True)
+class SenderAudit:
+    """One sender's contribution to a part, as the part's reducer saw it (proto `AuditSender`)."""
+
+    sender: str
+    norm: float = 0.0  # L2 norm of the decoded contribution (0 when excluded)
+    max_cosine: float = 0.0  # the highest cosine with another sender's contribution to the part
+    nearest: str = ""  # that other sender
+    excluded: str = ""  # non-empty: the reducer left it out, and why
+    sketch: tuple[int, ...] = ()  # 64 sign bits per sketch block lying wholly inside the part
+
+
+@dataclass(frozen=True, slots=True)
+class PartAudit:
+    """What a contributor saw of the part it reduced (proto `AuditPart`)."""
+
+    part: int  # the reporter's index among the sorted contributors
+    first_block: int = 0  # the sketch block of every sender's sketch[0]
+    senders: tuple[SenderAudit, ...] = ()

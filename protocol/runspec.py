@@ -128,6 +128,41 @@ class SecuritySection:
 
 
 @dataclass(frozen=True)
+class AuditSection:
+    """What the coordinator trusts of a worker's own figures, and how it audits contributions.
+
+    Budgets and weights come from what the coordinator observed: a member's throughput is
+    the samples it was credited over the wall time the coordinator measured between its
+    TRAIN instruction and its READY, never the `compute_ms` it reports.
+    """
+
+    # a member is planned and credited at most this many times the median throughput of
+    # the cell's other members (a liar's claim cannot take the round's whole budget)
+    max_speedup: float = 8.0
+    # no worker is planned or credited above this many samples/s in one cell: the only
+    # bound when a member has nobody to be compared with (a lone member, a first round).
+    # The tiny digits model trains at about 550 samples/s on one CPU core; raise it to the
+    # fastest honest card's rate for the run's model (a GPU run of a tiny model may need more)
+    max_samples_per_s: float = 5000.0
+    # reducers' findings about a sender count only when at least this many distinct other
+    # reducers, and more than half of the round's other reducers, agree
+    min_agreeing: int = 2
+    # a contribution whose norm is below this fraction of the median of the part's other
+    # contributions is a zero update
+    zero_rel: float = 0.01
+    # two senders whose contributions to a part have at least this cosine are copies
+    copy_cosine: float = 0.999
+    # sketch blocks over the flattened pseudo-gradient (64 sign bits each), compared with
+    # the sender's previous rounds: at most `replay_bits` differing bits is a replay
+    sketch_blocks: int = 32
+    replay_bits: int = 4
+    replay_history: int = 3
+    # reputation charged for a confirmed finding (zero, replay, copy, exclusion, a lie): with
+    # the default ban at -5 and +0.25 per commit, the second one bans
+    rep_finding: float = -3.0
+
+
+@dataclass(frozen=True)
 class RunSpec:
     run: RunSection
     model: ModelSection = field(default_factory=ModelSection)
@@ -137,6 +172,7 @@ class RunSpec:
     schedule: ScheduleSection = field(default_factory=ScheduleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     security: SecuritySection = field(default_factory=SecuritySection)
+    audit: AuditSection = field(default_factory=AuditSection)
     # the exact source text; hashed, and handed to workers so they build the same run.
     source: str = field(default="", compare=False, repr=False)
 
@@ -179,6 +215,7 @@ _SECTIONS: dict[str, type] = {
     "schedule": ScheduleSection,
     "checkpoint": CheckpointSection,
     "security": SecuritySection,
+    "audit": AuditSection,
 }
 
 
@@ -221,6 +258,16 @@ def _validate(spec: RunSpec) -> None:
     need(0.0 <= spec.schedule.vram_headroom < 1.0, "schedule.vram_headroom: in [0, 1)")
     need(spec.checkpoint.every_rounds >= 1, "checkpoint.every_rounds: at least 1")
     need(spec.checkpoint.keep >= 1, "checkpoint.keep: at least 1")
+    a = spec.audit
+    need(a.max_speedup >= 1.0, "audit.max_speedup: at least 1")
+    need(a.max_samples_per_s > 0, "audit.max_samples_per_s: positive")
+    need(a.min_agreeing >= 1, "audit.min_agreeing: at least 1")
+    need(0.0 <= a.zero_rel < 1.0, "audit.zero_rel: in [0, 1)")
+    need(0.0 < a.copy_cosine <= 1.0, "audit.copy_cosine: in (0, 1]")
+    need(1 <= a.sketch_blocks <= 256, "audit.sketch_blocks: between 1 and 256")
+    need(0 <= a.replay_bits < 32, "audit.replay_bits: in [0, 32)")
+    need(1 <= a.replay_history <= 16, "audit.replay_history: between 1 and 16")
+    need(a.rep_finding <= 0, "audit.rep_finding: zero or negative")
     need(
         spec.security.mode == "open" or bool(spec.security.operator_public_key),
         "security.operator_public_key: required in permissioned mode",

@@ -48,6 +48,8 @@ MAX_REASON_CHARS = 512
 MAX_MADDRS = 16
 MAX_MADDR_CHARS = 256
 MAX_JOIN_TOKEN_BYTES = 1024
+MAX_AUDIT_CONTRIBUTORS = 256
+MAX_AUDIT_NORM = 1e300  # finite: a norm of float32 values of any count is far below it
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps"})
 
 HEX_SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -218,6 +220,34 @@ def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:
     _int("bytes_received", req.bytes_received, 0, MAX_BYTES_COUNTER)
     _text("reason", req.reason, MAX_REASON_CHARS)
     _int("reduce_attempt", req.reduce_attempt, 0, MAX_REDUCE_ATTEMPT)
+    if req.HasField("audit"):
+        _audit("audit", req.audit, spec)
+
+
+def _audit(field: str, a: pb.AuditPart, spec: RunSpec) -> None:
+    """A bounded number of entries, each sender once, finite
+    statistics, and sketches that fit the run's sketch blocks."""
+    # a bound no exchange comes near (a cell has at most max_replicas workers, but a report
+    # refused for an edge case of the placement would cost its round: the core checks the rest)
+    most = max(MAX_AUDIT_CONTRIBUTORS, spec.schedule.max_replicas)
+    blocks = spec.audit.sketch_blocks
+    _int(f"{field}.part", a.part, 0, most - 1)
+    _int(f"{field}.first_block", a.first_block, 0, blocks - 1)
+    if len(a.senders) > most:
+        raise ValidationError(f"{field}.senders", f"{len(a.senders)} entries, a cell has at most {most} contributors")
+    seen: set[str] = set()
+    for i, x in enumerate(a.senders):
+        f = f"{field}.senders[{i}]"
+        _text(f"{f}.sender", x.sender, MAX_NAME_CHARS, required=True)
+        if x.sender in seen:
+            raise ValidationError(f"{f}.sender", f"{x.sender!r} appears twice")
+        seen.add(x.sender)
+        _float(f"{f}.norm", x.norm, 0.0, MAX_AUDIT_NORM)
+        _float(f"{f}.max_cosine", x.max_cosine, -1.0 - 1e-6, 1.0 + 1e-6)
+        _text(f"{f}.nearest", x.nearest, MAX_NAME_CHARS)
+        _text(f"{f}.excluded", x.excluded, MAX_REASON_CHARS)
+        if a.first_block + len(x.sketch) > blocks:
+            raise ValidationError(f"{f}.sketch", f"{len(x.sketch)} blocks from {a.first_block}, the run has {blocks}")
 
 
 def validate_leave(req: pb.LeaveRequest, spec: RunSpec) -> None:

@@ -55,6 +55,9 @@ class ByzantineMode(str, Enum):
     STALE = "stale"  # send the previous round's delta
     ALIE = "alie"  # "A Little Is Enough": delta - z x (an estimate of the honest std), robust/attacks.py
     IPM = "ipm"  # inner-product manipulation: -eps x delta, robust/attacks.py
+    FREELOAD_ZERO = "freeload-zero"  # send zeros, claim the full samples
+    FREELOAD_REPLAY = "freeload-replay"  # send its first delta again every round
+    BUDGET_LIAR = "budget-liar"  # claim 1e9 samples/s, 10x the samples in a tenth of the time
 
 
 SIM_KINDS = frozenset({FaultKind.KILL, FaultKind.LEAVE, FaultKind.STOP, FaultKind.PARTITION})

@@ -84,6 +84,12 @@ def sim_state(cell_id: str, round: int, prev_hash: str, contributors: Sequence[s
     return {"w.p": seed / 255.0, "m.p": np.zeros_like(seed)}
 
 
+def sim_schema(cell_id: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """What a checkpoint of a simulated worker's state holds (`sim_state`), for the
+    coordinator's check of an upload against its cell's model."""
+    return {"w.p": ("F32", (32,)), "m.p": ("F32", (32,))}
+
+
 def honest_hash(cell_id: str, round: int, prev_hash: str, contributors: Sequence[str]) -> str:
     """What every honest contributor of a round reports: the state hash of `sim_state`."""
     return state_hash(sim_state(cell_id, round, prev_hash, contributors))

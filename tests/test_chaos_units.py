@@ -346,6 +346,11 @@ def test_worker_events_become_observations():
     assert obs.first_commit_s == 3.0 and obs.acknowledged[0].state_hash == h
     assert [(o.source, o.state_hash[0]) for o in obs.hashes] == [("report", "d"), ("applied", "c")]
     assert obs.ready_loss == [(1.0, 0, "k0.r0", 2, 1.5)] and obs.verdicts[0]["resync"] == 1
+    # a ban the worker hears as an order to leave (the instruction carries the ban's reason)
+    note = obs.on_event(2, "wc", {"event": "stopping", "message": "ordered to leave: reputation -5.75: lied"}, 6.0)
+    assert "banned" in note and 2 in obs.banned
+    assert obs.on_event(3, "wd", {"event": "stopping", "message": "ordered to leave: SIGTERM"}, 7.0) == ""
+    assert 3 not in obs.banned
 
 
 def test_tensor_digest_ignores_residuals_but_not_weights():

@@ -140,3 +140,60 @@ def test_path_traversal_cell_refused(ckpts) -> None:
     cs, _ = ckpts
     with pytest.raises(CheckpointRejected):
         cs.begin_upload("../x", 1, "a" * 64, 1, "b" * 64)
+
+
+@pytest.fixture(scope="module")
+def model_state():
+    """The real committed state of a cell at round 0, as a worker would upload it."""
+    from bagel.models.experts import cell_task
+    from bagel.protocol.runspec import parse_spec
+    from bagel.worker.diloco import CellState
+
+    spec = parse_spec('[run]\nid = "schema"\n[model]\npreset = "tiny"\n')
+    flat = CellState.from_model(cell_task(spec, "k0.r0").build_model()).to_flat()
+    return spec, {k: v.numpy() for k, v in flat.items()}
+
+
+def _schema_store(tmp_path, spec):
+    from functools import partial
+
+    from bagel.models.experts import cell_state_schema
+
+    store = Store.open(tmp_path)
+    return CheckpointStore(
+        tmp_path / "ck", store, keep=2, max_bytes=64 << 20, schema=partial(cell_state_schema, spec)
+    ), store
+
+
+def test_schema_of_the_cell_is_what_a_worker_saves(model_state) -> None:
+    from bagel.models.experts import cell_state_schema
+
+    spec, tensors = model_state
+    assert cell_state_schema(spec, "k0.r0") == {k: ("F32", v.shape) for k, v in tensors.items()}
+
+
+@pytest.mark.parametrize("case", ["wrong names", "wrong shape", "extra tensor", "a 2 MiB tensor", "float16"])
+def test_an_upload_that_is_not_the_cells_model_is_refused(tmp_path, model_state, case) -> None:
+    spec, good = model_state
+    cs, store = _schema_store(tmp_path, spec)
+    try:
+        name = sorted(good)[0]
+        bad = dict(good)
+        if case == "wrong names":
+            bad["w.renamed"] = bad.pop(name)
+        elif case == "wrong shape":
+            bad[name] = np.zeros((*good[name].shape, 2), np.float32)
+        elif case == "extra tensor":
+            bad["w.extra"] = np.zeros(3, np.float32)
+        elif case == "a 2 MiB tensor":
+            bad = {"w.blob": np.ones(512 * 1024, np.float32)}
+        else:
+            bad[name] = good[name].astype(np.float16)
+        data = save_np(bad)
+        with pytest.raises(CheckpointRejected, match="not this cell's model|the cell's model has"):
+            upload(cs, "k0.r0", 1, data, state_hash(bad), chunk=1 << 20)
+        assert visible_files(cs) == [] and store.list_checkpoints() == []
+        meta = upload(cs, "k0.r0", 1, save_np(good), state_hash(good), chunk=1 << 20)  # the model itself is stored
+        assert meta.round == 1
+    finally:
+        store.close()

@@ -24,7 +24,7 @@ from bagel.protocol.envelope import sign_request
 from bagel.protocol.runspec import parse_spec
 from bagel.protocol.statehash import state_hash
 
-from simworkers import SimWorker, cluster_spec_text, start_workers, stop_workers, uniform_cells
+from simworkers import SimWorker, cluster_spec_text, sim_schema, start_workers, stop_workers, uniform_cells
 
 ONE_CELL = {
     "clusters = 2": "clusters = 1",
@@ -51,7 +51,9 @@ async def wait_for(pred, timeout_s: float, what: str) -> None:
 @pytest.mark.timeout(90)
 async def test_workers_upload_and_download_checkpoints(tmp_path: Path) -> None:
     spec = parse_spec(one_cell_spec(every_rounds=1, min_replicas=1))
-    h = await start_coordinator(spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50)
+    h = await start_coordinator(
+        spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50, checkpoint_schema=sim_schema
+    )
     workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 3, cells=spec.cell_ids)
     try:
         await wait_for(lambda: sum(len(w.stats.uploads) for w in workers) >= 3, 60, "three stored checkpoints")
@@ -74,7 +76,9 @@ async def test_workers_upload_and_download_checkpoints(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 async def test_bad_uploads_are_refused_and_leave_nothing(tmp_path: Path) -> None:
     spec = parse_spec(one_cell_spec(every_rounds=1, min_replicas=1, lease_s=60.0))
-    h = await start_coordinator(spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50)
+    h = await start_coordinator(
+        spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50, checkpoint_schema=sim_schema
+    )
     workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 3, cells=spec.cell_ids, upload=False)
     try:
         await wait_for(lambda: any(w.instruction.upload_checkpoint for w in workers), 60, "an upload request")
@@ -131,6 +135,27 @@ async def test_bad_uploads_are_refused_and_leave_nothing(tmp_path: Path) -> None
         assert resp.stored and resp.round == rnd
         assert [m.round for m in h.app.checkpoints.list(cell)] == [rnd]
         assert h.state.snapshot().cells[0].checkpoint_round == rnd
+    finally:
+        await stop_workers(workers)
+        await h.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_committed_state_that_is_not_the_cells_model_is_not_stored(tmp_path: Path) -> None:
+    """The simulated workers commit a stand-in state (two 32-element tensors): its hash is the
+    committed one, but it is not the cell's model as the run spec builds it, so the
+    coordinator (checking against the real model, the daemon's default) stores nothing."""
+    spec = parse_spec(one_cell_spec(every_rounds=1, min_replicas=1))
+    h = await start_coordinator(spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50)
+    workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 2, cells=spec.cell_ids)
+    try:
+        errors = lambda: [e for w in workers for e in w.stats.errors if e.startswith("upload")]  # noqa: E731
+        await wait_for(lambda: len(errors()) >= 2, 60, "two refused uploads")
+        assert all("INVALID_ARGUMENT" in e and "not this cell's model" in e for e in errors()), errors()
+        assert not any(w.stats.uploads for w in workers)
+        assert h.app.checkpoints.list() == []
+        assert [p for p in (h.data_dir / "checkpoints").rglob("*") if p.is_file()] == []
+        assert h.state.snapshot().cells[0].checkpoint_round < 1  # none stored
     finally:
         await stop_workers(workers)
         await h.stop()

@@ -191,6 +191,7 @@ class Harness:
         assert ins.order is Order.TRAIN, ins
         assert ins.plan is not None
         full = ins.plan.micro_batch * ins.plan.grad_accum * ins.plan.inner_steps
+        self.advance(50)  # training takes time: the core credits samples by the span it saw
         return self.hb(wid, Phase.READY, samples=full if samples is None else samples, **kw)
 
     def report(self, wid: str, state_hash: str, **kw: Any) -> Outcome:
@@ -198,7 +199,8 @@ class Harness:
         kw.setdefault("cell_id", ins.cell_id)
         kw.setdefault("round", ins.round)
         kw.setdefault("reduce_attempt", ins.reduce_attempt)
-        kw.setdefault("samples", 640)
+        p = ins.plan  # an honest report claims exactly its budget (0 for a catch-up)
+        kw.setdefault("samples", p.micro_batch * p.grad_accum * p.inner_steps if p is not None else 0)
         kw.setdefault("compute_ms", 6_400)
         return self.apply(ReportRound(wid, state_hash=state_hash, **kw))
 

@@ -17,7 +17,7 @@ from bagel.worker.diloco import CellState
 from bagel.worker.display import Display, human_bytes
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore
 from bagel.worker.profile import benchmark_cell, cached_profile, measure, memory_bytes
-from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, corrupt, fresh_feedback
+from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, claimed, corrupt, fresh_feedback
 
 
 def _state(seed: int = 0) -> CellState:
@@ -147,7 +147,24 @@ def test_byzantine_corruptions():
     # alie: d - 1.5 |d|; ipm: -0.5 d (a lone worker's versions, robust/attacks.py)
     assert torch.equal(corrupt(d, "alie", None)["x"], torch.tensor([-0.5, -5.0]))
     assert torch.equal(corrupt(d, "ipm", None)["x"], torch.tensor([-0.5, 1.0]))
-    assert set(BYZANTINE_MODES) >= {"sign-flip", "scale", "nan", "zero", "stale", "alie", "ipm"}
+    first = {"x": torch.tensor([7.0, 7.0])}
+    assert torch.equal(corrupt(d, "freeload-zero", None)["x"], torch.zeros(2))
+    assert torch.equal(corrupt(d, "freeload-replay", prev, first)["x"], first["x"])
+    assert torch.equal(corrupt(d, "freeload-replay", None, None)["x"], d["x"])  # its first round is honest
+    assert torch.equal(corrupt(d, "budget-liar", prev)["x"], d["x"])  # it lies in its figures instead
+    assert claimed("budget-liar", 320, 6_400) == (3_200, 640) and claimed("", 320, 6_400) == (320, 6_400)
+    assert {
+        "sign-flip",
+        "scale",
+        "nan",
+        "zero",
+        "stale",
+        "freeload-zero",
+        "freeload-replay",
+        "budget-liar",
+        "alie",
+        "ipm",
+    } <= set(BYZANTINE_MODES)
     with pytest.raises(ValueError, match="unknown byzantine"):
         corrupt(d, "evil", None)
 

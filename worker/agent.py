@@ -71,7 +71,7 @@ from bagel.worker.link import CoordinatorLink
 from bagel.worker.localstate import LocalStore, atomic_write
 from bagel.worker.orders import Orders
 from bagel.worker.profile import DEFAULT_UPLINK_MBPS, MeasuredProfile, cached_profile, measure
-from bagel.worker.roundwork import ddp_follower
+from bagel.worker.roundwork import LIAR_SAMPLES_PER_S, ddp_follower
 from bagel.worker.trainer import pick_device
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class AgentConfig:
     name: str = ""
     throttle: float = 1.0
     uplink_mbps: float = DEFAULT_UPLINK_MBPS
-    byzantine: str = ""  # "" | sign-flip | scale | nan | zero | stale (fault injection)
+    byzantine: str = ""  # "" or one of roundwork.BYZANTINE_MODES (fault injection)
     dht_listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     reduce_timeout_s: float = 60.0  # safety net; the coordinator re-freezes or aborts sooner
     # a graceful leave waits at most this long for a running exchange: below the 30 s that
@@ -444,7 +444,11 @@ class Agent:
             vram_bytes=p.vram_bytes,
             num_devices=p.num_devices,
             link_bandwidth_bytes_per_s=p.link_bandwidth_bytes_per_s,
-            samples_per_s=p.samples_per_s,
+            samples_per_s=(
+                {c: LIAR_SAMPLES_PER_S for c in p.samples_per_s}
+                if self.cfg.byzantine == "budget-liar"
+                else p.samples_per_s
+            ),
             software_version=SOFTWARE_VERSION,
         )
 

@@ -49,6 +49,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.protocol.messages import PartAudit
 from bagel.robust.aggregation import PartRejected, Reducer, get_reducer
 from bagel.worker.framing import (
     LEN_NBYTES,
@@ -130,6 +131,7 @@ class ExchangeResult:
     total_weights: tuple[float, ...] = ()  # per part: sum of the clamped weights aggregated
     abstained: str = ""  # non-empty: our delta was not finite, we contributed nothing (the reason)
     comm_s: float = 0.0
+    audit: PartAudit | None = None  # what we saw of the part we reduced (all_reduce's audit_blocks)
 
 
 # ---------------------------------------------------------------- the data plane
@@ -223,6 +225,7 @@ class DataPlane:
         timeout_s: float,
         error_feedback: Any = None,
         reducer: str | Reducer | None = None,
+        audit_blocks: int = 0,
     ) -> ExchangeResult:
         """Average `delta` over exactly `contributors`; every one of them gets the same bits.
 
@@ -233,6 +236,8 @@ class DataPlane:
         delta + residual, and on success store the new residual per tensor name.
         round_attempt / reduce_attempt: from the Instruction; together with (cell, round)
         they name the exchange, so a re-run or re-frozen round never mixes with an old one.
+        audit_blocks: the run's audit.sketch_blocks; when set, the result carries the audit
+        of the part we reduced (`robust/audit.py`), for our report to the coordinator.
         Raises ExchangeTimeout, ContributionRejected or ExchangeFailed (all ExchangeError)
         on failure, ValueError on bad arguments; never hangs past timeout_s.
         """
@@ -279,6 +284,7 @@ class DataPlane:
         # every contributor learns *who* was missing instead of just timing out on each other.
         reduce_deadline = deadline - min(1.0, 0.2 * timeout_s)
         session = Reduction(tag, worker_id, members, index, bounds, codec_obj, rule, layout, deadline, reduce_deadline)
+        session.audit_blocks = audit_blocks
         self._sessions[key] = session
         self._finished.pop(key, None)
         self._latest[cell_id] = max(self._latest.get(cell_id, key[1:]), key[1:])
@@ -358,6 +364,7 @@ class DataPlane:
             total_weights=tuple(weights.get(j, 0.0) for j in range(len(members))),
             abstained=abstained,
             comm_s=loop.time() - started,
+            audit=session.audit,
         )
 
     async def _exchange_part(

@@ -27,11 +27,9 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 
+from bagel.models.experts import MOMENTUM_PREFIX, WEIGHT_PREFIX
 from bagel.protocol.runspec import DilocoSection
 from bagel.protocol.statehash import state_hash
-
-WEIGHT_PREFIX = "w."
-MOMENTUM_PREFIX = "m."
 
 
 class StateFormatError(ValueError):

@@ -60,7 +60,7 @@ from bagel.worker.reconciler import (
     Work,
     WorkerView,
 )
-from bagel.worker.roundwork import RoundWork, corrupt, fresh_feedback, reduce_round, train_round
+from bagel.worker.roundwork import RoundWork, claimed, corrupt, fresh_feedback, reduce_round, train_round
 from bagel.worker.trainer import CellRuntime, build_runtime
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,7 @@ class Orders:
         self.reset_optimizer = True
         self.missing_reported: set[tuple[str, int, int, int]] = set()
         self._last_delta: dict[str, torch.Tensor] | None = None  # --byzantine stale
+        self._first_delta: dict[str, torch.Tensor] | None = None  # --byzantine freeload-replay
         self._save_lock = asyncio.Lock()
 
     def attach(self, p2p: Any, dataplane: Any, stateserver: Any, store: LocalStore) -> None:
@@ -349,8 +350,10 @@ class Orders:
             return
         if self.cfg.byzantine:
             honest = delta
-            delta = corrupt(honest, self.cfg.byzantine, self._last_delta)
+            delta = corrupt(honest, self.cfg.byzantine, self._last_delta, self._first_delta)
             self._last_delta = honest
+            if self._first_delta is None:
+                self._first_delta = honest
         w.result, w.delta = res, delta
         self.counters.samples += res.samples
         self.display.event(
@@ -428,12 +431,13 @@ class Orders:
         """ReportRound, retried while the coordinator is down; then act on the verdict."""
         assert w.result is not None
         out = w.pending
+        samples, compute_ms = claimed(self.cfg.byzantine, w.result.samples, int(w.result.compute_s * 1000))
         kw: dict[str, Any] = {
             "cell_id": w.cell_id,
             "round": w.round,
-            "samples": w.result.samples,
+            "samples": samples,
             "loss": w.result.mean_loss,
-            "compute_ms": int(w.result.compute_s * 1000),
+            "compute_ms": compute_ms,
             "reduce_attempt": w.reduce_attempt,
             "failed": failed,
             "reason": reason,
@@ -444,6 +448,7 @@ class Orders:
                 comm_ms=int(out.comm_s * 1000),
                 bytes_sent=out.bytes_sent,
                 bytes_received=out.bytes_received,
+                audit=out.audit,
             )
         attempt = 0
         while self.work is w:
@@ -584,7 +589,7 @@ class Orders:
             req.cell_id, req.round, req.round_attempt = w.cell_id, w.round, w.round_attempt
             req.inner_step, req.loss = w.inner_step, w.last_loss if w.last_loss == w.last_loss else 0.0
             if w.result is not None:
-                req.samples = w.result.samples
+                req.samples = claimed(self.cfg.byzantine, w.result.samples, 0)[0]
             req.reduce_attempt = w.reduce_attempt
         elif self.held is not None:
             req.cell_id = self.held.cell_id

@@ -26,7 +26,9 @@ import torch
 from hivemind.p2p import PeerID
 
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.protocol.messages import PartAudit
 from bagel.robust.aggregation import PartRejected, Reducer, clamp_weight
+from bagel.robust.audit import part_audit
 from bagel.worker.framing import LEN_NBYTES, discard_frame, read_frame, write_frame, write_message
 from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
 
@@ -97,6 +99,10 @@ class Reduction:
     replies_done: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_sent: int = 0
     bytes_received: int = 0
+    # the audit of our part for the coordinator (robust/audit.py): computed when
+    # `audit_blocks` (the run's audit.sketch_blocks) is set, once the part is reduced
+    audit_blocks: int = 0
+    audit: PartAudit | None = None
 
     @property
     def numel(self) -> int:
@@ -196,6 +202,17 @@ class Reduction:
             t = self.tag
             gen = part_generator(t.run_id, t.cell_id, t.round, t.round_attempt, t.reduce_attempt, "result", self.index)
             payload = await asyncio.to_thread(reduce_part, self.codec, self.reducer, parts, weights, gen)
+            if self.audit_blocks:
+                self.audit = await asyncio.to_thread(
+                    part_audit,
+                    t.run_id,
+                    self.index,
+                    self.bounds[self.index][0],
+                    self.layout.total,
+                    self.audit_blocks,
+                    {n: self.accepted[n][1] for n in names},
+                    dict(self.excluded),
+                )
             header = dp.ReducedHeader(
                 status=dp.STATUS_OK,
                 tag=self.tag,

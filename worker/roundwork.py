@@ -23,6 +23,7 @@ import torch
 
 from bagel.compression import ErrorFeedback
 from bagel.models.data import shard
+from bagel.protocol.messages import PartAudit
 from bagel.protocol.runspec import parse_spec
 from bagel.robust import attacks
 from bagel.worker import ddp
@@ -38,8 +39,22 @@ from bagel.worker.trainer import (
     round_indices,
 )
 
-BYZANTINE_MODES = ("sign-flip", "scale", "nan", "zero", "stale", "alie", "ipm")
+BYZANTINE_MODES = (
+    "sign-flip",
+    "scale",
+    "nan",
+    "zero",
+    "stale",
+    "alie",
+    "ipm",
+    "freeload-zero",
+    "freeload-replay",
+    "budget-liar",
+)
 BYZANTINE_SCALE = 100.0
+# budget-liar: what it claims (its profile's samples/s, and x this many samples done in 1/this of the time)
+LIAR_SAMPLES_PER_S = 1e9
+LIAR_FACTOR = 10
 
 
 @dataclass
@@ -50,6 +65,7 @@ class ReduceOutcome:
     bytes_sent: int
     bytes_received: int
     comm_s: float
+    audit: PartAudit | None = None  # what we saw of the part we reduced, for the coordinator
 
 
 @dataclass
@@ -201,6 +217,7 @@ async def reduce_round(
         timeout_s=timeout_s,
         error_feedback=ef,
         reducer=spec.diloco.aggregation,
+        audit_blocks=spec.audit.sketch_blocks,
     )
     cfg = OuterConfig.from_spec(spec.diloco)
 
@@ -216,21 +233,34 @@ async def reduce_round(
             r = ef.residual(n)
             if r is not None:
                 residuals[n] = r
-    return ReduceOutcome(new, h, residuals, res.bytes_sent, res.bytes_received, res.comm_s)
+    return ReduceOutcome(new, h, residuals, res.bytes_sent, res.bytes_received, res.comm_s, res.audit)
 
 
 def corrupt(
-    delta: Mapping[str, torch.Tensor], mode: str, previous: Mapping[str, torch.Tensor] | None
+    delta: Mapping[str, torch.Tensor],
+    mode: str,
+    previous: Mapping[str, torch.Tensor] | None,
+    first: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The pseudo-gradient a Byzantine worker contributes instead of its honest `delta`.
 
     sign-flip: -delta; scale: delta x 100; nan: all NaN (our own data plane then abstains,
-    sending weight 0: reducers' non-finite rejection is the data plane's own test); zero:
-    zeros with the full sample count (a freeloader); stale: the previous round's honest
-    delta (zeros in the first round); alie / ipm: the papers' attacks as a lone worker can
+    sending weight 0: reducers' non-finite rejection is the data plane's own test); zero and
+    freeload-zero: zeros with the full sample count (a freeloader); stale: the previous
+    round's honest delta (zeros in the first round); freeload-replay: its `first` honest
+    delta again, every round (honest the first time); budget-liar: its honest delta (it
+    lies in its figures instead, see `claimed`); alie / ipm: the papers' attacks as a lone worker can
     run them from its own delta d (`bagel.robust.attacks`): ALIE sends d - 1.5 x |d| (the
     honest per-coordinate std taken as |d|), IPM sends -0.5 x d.
     """
+    if mode == "budget-liar":
+        return dict(delta)
+    if mode == "freeload-zero":
+        mode = "zero"
+    if mode == "freeload-replay":
+        if first is not None and set(first) == set(delta):
+            return {k: first[k].clone() for k in delta}
+        return dict(delta)
     if mode == "sign-flip":
         return {k: -v for k, v in delta.items()}
     if mode == "scale":
@@ -248,6 +278,15 @@ def corrupt(
             return {k: previous[k].clone() for k in delta}
         return {k: torch.zeros_like(v) for k, v in delta.items()}
     raise ValueError(f"unknown byzantine mode {mode!r}; known: {', '.join(BYZANTINE_MODES)}")
+
+
+def claimed(mode: str, samples: int, compute_ms: int) -> tuple[int, int]:
+    """(samples, compute_ms) a worker in `--byzantine` `mode` reports for a round it trained
+    `samples` in `compute_ms`: the truth, except that a budget-liar claims LIAR_FACTOR times
+    the samples in 1/LIAR_FACTOR of the time (and LIAR_SAMPLES_PER_S in its profile)."""
+    if mode == "budget-liar":
+        return samples * LIAR_FACTOR, max(1, compute_ms // LIAR_FACTOR)
+    return samples, compute_ms
 
 
 def ddp_follower(ctx: ddp.DistContext, device_req: str, throttle: float) -> None:

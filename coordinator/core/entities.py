@@ -131,6 +131,8 @@ class Round:
         "catch_up",
         "frozen",
         "member_plans",
+        "train_ms",
+        "ready_ms",
     )
 
     def __init__(
@@ -159,6 +161,10 @@ class Round:
         # ready worker keeps heartbeating READY, so a restarted core learns it again, and
         # a READY heartbeat then costs no write (O(members) per round instead of squared).
         self.ready: dict[str, int] = {}
+        # volatile: when the core first answered TRAIN to a member, and when it said READY
+        # (the wall time the coordinator itself measured, which budgets are credited by)
+        self.train_ms: dict[str, int] = {}
+        self.ready_ms: dict[str, int] = {}
         self.contributors: tuple[str, ...] = ()
         self.catch_up: dict[str, None] = {}  # zero-weight contributors
         self.frozen: dict[str, None] = {}  # contributors, as a set
@@ -207,9 +213,15 @@ class Round:
         self.contributors_wire = tuple(
             Member(i, self.plans[i].peer if i in self.plans else peers[i], 0)
             if i in self.catch_up
-            else self.plans[i].member()
+            else Member(i, self.plans[i].peer, self.budget(i))
             for i in ids
         )
+
+    def budget(self, worker_id: str) -> int:
+        """A weighted contributor's sample budget on the wire: the samples the coordinator
+        credited it at the freeze (`ready`, see `Roster.credit`), never above its plan's."""
+        cap = self.plans[worker_id].max_samples
+        return max(1, min(cap, self.ready.get(worker_id, cap)))
 
     def record(self) -> RoundRecord:
         return RoundRecord(

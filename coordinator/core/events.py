@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from bagel.coordinator.core.records import Record
-from bagel.protocol.messages import Instruction, LocalState, PeerAddress, Phase, Profile, Verdict
+from bagel.protocol.messages import Instruction, LocalState, PartAudit, PeerAddress, Phase, Profile, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,7 @@ class ReportRound:
     failed: bool = False  # the exchange failed; `reason` says why (no hash)
     reason: str = ""
     reduce_attempt: int = 0
+    audit: PartAudit | None = None  # what the reporter saw of the part it reduced
 
 
 @dataclass(frozen=True, slots=True)

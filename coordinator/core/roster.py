@@ -231,9 +231,42 @@ class Roster:
     def observe_throughput(self, w: Worker, cid: str, observed: float) -> None:
         """SWARM's PerformanceEMA: estimate <- (1 - a) estimate + a observed."""
         a = self.policy.throughput_ema
+        observed = min(max(observed, 0.0), self.spec.audit.max_samples_per_s)
         w.throughput[cid] = (1 - a) * throughput_for(w.throughput, cid) + a * observed
         self._reweigh(w)
         self.changes.worker(w.id)
+
+    def rate_bound(self, w: Worker, c: Cell) -> float:
+        """The most samples/s the coordinator believes of `w` in `c`: `audit.max_samples_per_s`,
+        and `audit.max_speedup` times the median estimate of the cell's other workers."""
+        a = self.spec.audit
+        others = sorted(throughput_for(self.workers[x].throughput, c.id) for x in c.workers if x != w.id)
+        self.changes.ops += len(others)
+        if not others:
+            return a.max_samples_per_s
+        n = len(others)
+        med = others[n // 2] if n % 2 else 0.5 * (others[n // 2 - 1] + others[n // 2])
+        return min(a.max_samples_per_s, a.max_speedup * med)
+
+    def credit(self, w: Worker, c: Cell, r: Round, claimed: int, now: int, *, observe: bool = True) -> int:
+        """The samples a ready member is credited for this round, from what the coordinator
+        observed: its claim, at most its plan's budget, and at most what the absolute
+        throughput bound allows in the wall time between the TRAIN the core answered it
+        (else the round's opening) and its READY. A member that says READY at once is
+        credited almost nothing, whatever it claims. Also feeds the throughput estimate,
+        when that span is long enough to say something (at least one heartbeat interval:
+        a READY may wait that long): samples credited over the span, clamped to
+        `rate_bound`; the `compute_ms` a worker reports is never used for it."""
+        p = r.plans.get(w.id)
+        cap = p.max_samples if p is not None else 0
+        start = max(r.opened_ms, r.train_ms.get(w.id, r.opened_ms))
+        span_ms = max(0, r.ready_ms.get(w.id, now) - start)
+        by_time = int(self.spec.audit.max_samples_per_s * span_ms / 1000.0)
+        got = max(0, min(claimed, cap, by_time))
+        if observe and got > 0 and span_ms >= self.spec.schedule.heartbeat_s * 1000:
+            observed = min(got * 1000.0 / span_ms, self.rate_bound(w, c))
+            self.observe_throughput(w, c.id, observed)
+        return got
 
     def observe_progress(self, w: Worker, c: Cell, r: Round, now: int) -> None:
         """A member missed the deadline: estimate its real speed from its last heartbeat."""

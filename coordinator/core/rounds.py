@@ -80,6 +80,9 @@ class Rounds:
         self.quorum = spec.schedule.quorum
         # (at, seq, cell, round, attempt, kind, reduce_attempt); stale entries are skipped
         self.deadlines: list[tuple[int, int, str, int, int, str, int]] = []
+        # each cell's last committed round (volatile): a straggler's report of it is still
+        # checked against its plan and the times the core saw
+        self.last_committed: dict[str, Round] = {}
         self._seq = itertools.count()
 
     # ---------------------------------------------------------------- deadlines
@@ -152,6 +155,10 @@ class Rounds:
         if not r.first_reduce_attempt:
             r.first_reduce_attempt = r.reduce_attempt
         w_set = set(weighted)
+        first = r.reduce_attempt == r.first_reduce_attempt  # a re-freeze learns nothing new
+        for x in weighted:  # what each ready member is credited, and so weighs on the wire
+            if x in r.ready and x in r.plans:
+                r.ready[x] = self.roster.credit(self.roster.workers[x], c, r, r.ready[x], now, observe=first)
         catch = tuple(sorted(x for x in c.synced if x not in w_set)) if self.policy.catch_up else ()
         self.changes.ops += len(c.synced)
         peers = {x: self.roster.workers[x].peer for x in catch if x not in r.plans}
@@ -223,7 +230,7 @@ class Rounds:
         agreeing = tuple(sorted(x for x, e in reports.items() if not e.failed and e.state_hash == state_hash))
         disagreeing = tuple(sorted(x for x, e in reports.items() if not e.failed and e.state_hash != state_hash))
         trained = [x for x in agreeing if x not in r.catch_up]
-        samples = sum(min(reports[x].samples, r.plans[x].max_samples) for x in trained)
+        samples = sum(min(reports[x].samples, r.budget(x)) for x in trained)
         loss = sum(reports[x].loss for x in trained) / len(trained)
         commit = CommitRecord(c.id, r.round, r.attempt, state_hash, now, r.contributors, agreeing, samples, loss)
         c.committed_round, c.committed_hash = r.round, state_hash
@@ -231,6 +238,7 @@ class Rounds:
         c.last_loss = loss
         c.round_attempt = c.reduce_attempt = 0
         c.commits.append(commit)
+        self.last_committed[c.id] = r
         self.changes.commit(commit)
         self.change_state(c, r, RoundState.COMMITTED, now)
         for x in agreeing:
@@ -248,8 +256,10 @@ class Rounds:
             holders = [x for x in agreeing if x in c.synced]
             if holders:
                 c.upload_round, c.uploader = r.round, self.rng.choice(holders)
-        for x in trained:
-            self.roster.reputation(self.roster.workers[x], self.policy.rep_commit, now, "")
+        # a round nobody else reduced a part of was audited by nobody: it earns no reputation
+        if len(r.contributors) > 1:
+            for x in trained:
+                self.roster.reputation(self.roster.workers[x], self.policy.rep_commit, now, "")
         self._boundary(c, now)
         for x in disagreeing:
             self.roster.reputation(

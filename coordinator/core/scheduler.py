@@ -890,6 +890,25 @@ def predict_comm_ms(payload_bytes: int, bandwidths: Sequence[float], policy: Pol
     return int(1000.0 * (policy.comm_overhead_s + volume / slowest))
 
 
+def plausible_speeds(speeds: Sequence[float], max_speedup: float, cap: float) -> list[float]:
+    """Each speed clamped to `cap` and to `max_speedup` times the median of the others.
+
+    A worker's throughput estimate starts as its own claim (the profile it registers with),
+    so a liar claiming 1e9 samples/s would take almost the whole round's batch and, through
+    the sample weights, the average. The median of the *other* members is what a single
+    liar cannot move; a member alone is only bounded by `cap`."""
+    out: list[float] = []
+    capped = [min(max(s, 0.0), cap) for s in speeds]
+    for i, s in enumerate(capped):
+        others = sorted(capped[:i] + capped[i + 1 :])
+        if others:
+            n = len(others)
+            med = others[n // 2] if n % 2 else 0.5 * (others[n // 2 - 1] + others[n // 2])
+            s = min(s, max_speedup * med)
+        out.append(s)
+    return out
+
+
 def plan_round(
     members: Sequence[PlanMember],
     spec: RunSpec,
@@ -900,6 +919,7 @@ def plan_round(
     """Per-member micro_batch/grad_accum and the round's deadline.
 
     The group's per-step batch (`diloco.group_batch`) is split in proportion to throughput
+    (each member's clamped by `plausible_speeds` first)
     (or equally under `batch_split="equal"`); each member's step batch becomes
     micro_batch x grad_accum with micro_batch <= `diloco.max_micro_batch`. Its sample budget
     (`max_samples`) is that times H. Deadline = now + max(min_round_s, predicted compute
@@ -909,7 +929,8 @@ def plan_round(
         raise ValueError("a round needs members")
     ms = sorted(members, key=lambda m: m.worker_id)
     h = policy.inner_steps or spec.diloco.inner_steps
-    speeds = [max(m.samples_per_s, 1e-9) for m in ms]
+    a = spec.audit
+    speeds = [max(s, 1e-9) for s in plausible_speeds([m.samples_per_s for m in ms], a.max_speedup, a.max_samples_per_s)]
     weights = speeds if policy.batch_split == "proportional" else [1.0] * len(ms)
     batches = split_batch(spec.diloco.group_batch, weights)
     plans: list[MemberPlan] = []

@@ -58,8 +58,10 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
+from bagel.coordinator.core.audit import Auditor, Finding
 from bagel.coordinator.core.changes import Changes
 from bagel.coordinator.core.entities import Cell, Round, Worker
 from bagel.coordinator.core.errors import (
@@ -156,6 +158,7 @@ class CoordinatorState:
         self.roster = Roster(spec, policy, self.knobs, self.balance, self._cells, self.changes)
         self.rounds = Rounds(spec, policy, self.rng, self._cells, self.changes, self.roster)
         self.roster.rounds = self.rounds
+        self.auditor = Auditor(spec.audit)  # volatile: reducers' findings and update sketches
         self.fault: CoreFault | None = None  # set by a transition that failed with a bug
         self._handlers: dict[type, Callable[[int, Any], tuple[Instruction | None, Verdict | None, int | None]]] = {
             Register: self._on_register,
@@ -365,6 +368,10 @@ class CoordinatorState:
                     raise InvalidEvent(f"profile.samples_per_s[{cid!r}]: must be a finite non-negative number")
         if ev.local.committed_round < 0:
             raise InvalidEvent("local.committed_round: must be >= 0")
+        cap = self.spec.audit.max_samples_per_s
+        if p.samples_per_s and max(p.samples_per_s.values()) > cap:
+            # a claim is all a joiner has; no claim above the run's bound is believed
+            p = replace(p, samples_per_s={c: min(float(v), cap) for c, v in p.samples_per_s.items()})
         w = self.roster.workers.get(ev.worker_id)
         if w is not None and w.state is WorkerState.BANNED:
             raise Banned(f"worker {ev.worker_id} is banned: {w.reason}")
@@ -426,12 +433,13 @@ class CoordinatorState:
                     self.rounds.change_state(c, r, RoundState.TRAINING, now)
                 if phase is Phase.READY and w.id not in r.ready:
                     r.ready[w.id] = ev.samples  # volatile until the freeze: no write
+                    r.ready_ms[w.id] = now
                     self.rounds.check_freeze(c, r, now)
             # A READY of an old attempt, or from a member that sat out, is a late no-op: the
             # instruction below tells the worker what the current attempt wants.
             if c.round is None and c.synced:
                 self.rounds.open_round(c, now)
-        return self._instruction(w), None, w.lease_ms
+        return self._answer(w, now), None, w.lease_ms
 
     @staticmethod
     def _stale_local(w: Worker, c: Cell | None, local: LocalState) -> bool:
@@ -490,10 +498,14 @@ class CoordinatorState:
             return self._instruction(w), Verdict.PENDING, self.roster.renew(w, now)  # a retry: no-op
         # ---- mutate
         self.roster.renew(w, now)
+        lie = self._claim_lie(w, r, ev, now)
+        if lie:
+            self.auditor.counts["lies"] += 1
+            self.roster.reputation(w, self.spec.audit.rep_finding, now, lie)
+            if w.state is not WorkerState.ACTIVE:  # banned for it: the round goes on without it
+                return self._instruction(w), Verdict.ABORTED, w.lease_ms
         r.reports[w.id] = entry
         self.changes.round(r)
-        if ev.samples > 0 and ev.compute_ms > 0:
-            self.roster.observe_throughput(w, c.id, ev.samples * 1000.0 / ev.compute_ms)
         if ev.failed:
             self.roster.reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
         result = self.rounds.evaluate(c, r, now)
@@ -504,13 +516,69 @@ class CoordinatorState:
             verdict = Verdict.ABORTED
         else:
             verdict = Verdict.PENDING
-        return self._instruction(w), verdict, w.lease_ms
+        if ev.audit is not None and not ev.failed:
+            ra = self.auditor.exchange(c.id, r.round, attempt, r.contributors, r.catch_up)
+            self._charge(self.auditor.report(ra, w.id, ev.audit), now)
+        return self._answer(w, now), verdict, w.lease_ms
+
+    def _charge(self, findings: list[Finding], now: int) -> None:
+        """Charge each confirmed finding's worker (the roster bans past the threshold)."""
+        for f in findings:
+            x = self.roster.workers.get(f.worker_id)
+            if x is not None:
+                why = f"audit of {f.cell_id} round {f.round}: {'/'.join(f.kinds)} update, confirmed by {f.reporters}"
+                self.roster.reputation(x, self.spec.audit.rep_finding, now, why)
+
+    def _claim_lie(self, w: Worker, r: Round, ev: ReportRound, now: int) -> str:
+        """Why a contributor's own signed figures are a lie ('' if they are not): samples
+        above the budget it was planned. An honest worker never reports more (it trains
+        exactly micro_batch x grad_accum x H); a catch-up contributor trained nothing. The
+        `compute_ms` a report carries is not judged: nothing is computed from it any more
+        (budgets and weights come from `Roster.credit`), and an honest worker's first round
+        may spend most of its span building the model, so a wall-clock test would charge it."""
+        p = r.plans.get(w.id)
+        if p is None or w.id in r.catch_up or ev.failed:
+            return ""
+        if ev.samples > p.max_samples:
+            return f"claimed {ev.samples} samples, its budget was {p.max_samples}"
+        return ""
+
+    def _answer(self, w: Worker, now: int) -> Instruction:
+        """The caller's instruction; a TRAIN answered for the first time starts the wall
+        clock its round's credit is measured by (`Roster.credit`)."""
+        i = self._instruction(w)
+        if i.order is Order.TRAIN:
+            r = self._cells[w.cell].round
+            if r is not None and w.id not in r.train_ms and w.id not in r.ready:
+                r.train_ms[w.id] = now
+        return i
 
     def _late_report(self, now: int, w: Worker, c: Cell, ev: ReportRound) -> tuple[Instruction, Verdict, int]:
         """A report of the round just committed: a duplicate, or a straggler's."""
         self.roster.renew(w, now)
+        r = self.rounds.last_committed.get(c.id)
+        if r is not None and r.round == ev.round and w.id in r.reports:
+            pass  # a duplicate of a report already counted (and checked)
+        elif r is not None and r.round == ev.round and r.is_contributor(w.id):
+            lie = self._claim_lie(w, r, ev, now)
+            if lie:
+                self.auditor.counts["lies"] += 1
+                self.roster.reputation(w, self.spec.audit.rep_finding, now, lie)
+                if w.state is not WorkerState.ACTIVE:
+                    return self._instruction(w), Verdict.RESYNC, w.lease_ms
+            r.reports[w.id] = ReportEntry(ev.state_hash, ev.failed, ev.samples, ev.reduce_attempt, 0.0)
         if ev.failed or ev.state_hash != c.committed_hash:
             return self._instruction(w), Verdict.RESYNC, w.lease_ms
+        m = c.commits[-1] if c.commits else None
+        if ev.audit is not None and m is not None and m.round == ev.round and w.id in m.contributors:
+            # a straggler's audit of the round just committed still counts
+            cur = self.auditor.latest(c.id, ev.round)
+            ra = (
+                cur
+                if cur is not None and ev.reduce_attempt in (0, cur.reduce_attempt)
+                else self.auditor.exchange(c.id, ev.round, ev.reduce_attempt, m.contributors, ())
+            )
+            self._charge(self.auditor.report(ra, w.id, ev.audit), now)
         if w.local != c.committed_local():
             # it holds the committed state after all: it is synced, no download needed
             w.local = c.committed_local()

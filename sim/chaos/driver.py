@@ -251,7 +251,8 @@ class ChaosRun:
         self._watch(slot.proc, lambda p: self._on_worker_exit(slot, p))
 
     def _on_worker_exit(self, slot: WorkerSlot, proc: Proc) -> None:
-        if not slot.expected_exit and proc is slot.proc:
+        # a worker the coordinator banned is told to leave, and does: that exit is expected
+        if not slot.expected_exit and proc is slot.proc and slot.index not in self.obs.banned:
             msg = f"{proc.name} exited on its own with code {proc.returncode} at {self.now():.1f}s"
             slot.unexpected_exits.append(msg)
             self.say("UNEXPECTED: " + msg)

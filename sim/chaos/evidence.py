@@ -81,7 +81,9 @@ class Observations:
         self.events[worker][name] += 1
         message = str(ev.get("message", ""))
         note = ""
-        if "is banned" in message and worker not in self.banned:
+        # a ban: refused with PERMISSION_DENIED, or ordered to leave with the ban's reason
+        banned = "is banned" in message or message.startswith("ordered to leave: reputation")
+        if banned and worker not in self.banned:
             self.banned[worker] = message
             note = f"banned by the coordinator: {message[:160]}"
         if name == "error" and len(self.errors[worker]) < 5:
