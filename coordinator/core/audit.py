@@ -8,7 +8,8 @@ sender X (never about the reporter itself, and never about a catch-up contributo
 trains nothing):
 
 - `excluded`: the reducer left X's contribution out (an abstention of a non-finite delta is
-  not a flag: it contributed nothing and claims nothing);
+  not a flag: it contributed nothing and claims nothing; an exclusion the group screen
+  gives as a "zero update" is the `zero` flag);
 - `zero`: X's norm is at most `audit.zero_rel` times the median norm of the part's other
   contributions (or exactly 0);
 - `copy`: X's slice has a cosine of at least `audit.copy_cosine` with another sender's;
@@ -186,7 +187,10 @@ class Auditor:
     ) -> list[str]:
         a = self.a
         if s.excluded:
-            return [] if s.excluded.startswith("abstained") else ["excluded"]
+            if s.excluded.startswith("abstained"):
+                return []
+            # the reducer's group screen names a near-zero part (robust/aggregation.py): a zero
+            return ["zero"] if s.excluded.startswith("zero update") else ["excluded"]
         kinds = []
         others = [v for k, v in norms.items() if k != s.sender]
         if s.norm == 0.0 or (others and s.norm <= a.zero_rel * _median(others)):
