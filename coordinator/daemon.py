@@ -166,6 +166,7 @@ async def start_coordinator(
     tick_ms: int = DEFAULT_TICK_MS,
     cells: Sequence[CellConfig] | None = None,
     clock: Callable[[], int] = wall_clock_ms,
+    max_workers: int | None = None,
 ) -> CoordinatorHandle:
     """Start a coordinator in this event loop.
 
@@ -174,6 +175,7 @@ async def start_coordinator(
     existing `hivemind.DHT` (not owned). With a DHT, the signed coordinator record is
     published and refreshed, and `handle.join` is the join string.
     cells: CellConfigs to use instead of the stored/computed ones (tests; first start only).
+    max_workers: refuse a Register (RESOURCE_EXHAUSTED) once this many workers are active.
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -207,12 +209,13 @@ async def start_coordinator(
                 rounds=snap.rounds,
                 commits=snap.commits,
                 now_ms=now,
+                max_workers=max_workers,
             )
             log.info(
                 "restored %d workers, %d cells, %d open rounds", len(snap.workers), len(snap.cells), len(snap.rounds)
             )
         else:
-            state = CoordinatorState(spec, configs, now_ms=now)
+            state = CoordinatorState(spec, configs, now_ms=now, max_workers=max_workers)
             first = state.snapshot()
             store.write([*first.cells, *first.workers, *first.rounds, *first.commits], now)
         checkpoints = CheckpointStore(
@@ -227,7 +230,9 @@ async def start_coordinator(
         fatal = asyncio.Event()
         app = CoordinatorApp(spec, state, writer, checkpoints, metrics, clock=clock, on_fatal=lambda e: fatal.set())
 
-        server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=server_options())
+        app.status_keys.add(identity.public_key)  # `bagel-coordinator status --target --key DIR/coordinator.key`
+        interceptor = ErrorInterceptor(metrics, limit_peer=app.admission.limit_peer)
+        server = grpc.aio.server(interceptors=[interceptor], options=server_options())
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(app), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
