@@ -126,13 +126,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         """Cached and rate-limited; worker details only for a signed request by the
         coordinator's or the operator's key or an active worker, else the aggregate view."""
         app = self.app
-        app.admission.limit_public(client_address(context.peer() or ""), time.monotonic())
-        detailed = False
-        if request.HasField("auth"):
-            v = app.verifier.verify(request.auth, "GetStatus", app.clock())
-            app.admission.limit_key(v.worker_id, time.monotonic())
-            detailed = v.public_key in app.status_keys or app.is_active(v.worker_id)
-        return app.status_view(detailed)
+        if not request.HasField("auth"):  # unsigned: the per-address public bucket
+            app.admission.limit_public(client_address(context.peer() or ""), time.monotonic())
+            return app.status_view(False)
+        v = app.verifier.verify(request.auth, "GetStatus", app.clock())
+        app.admission.limit_key(v.worker_id, time.monotonic())  # signed: its key's bucket
+        return app.status_view(v.public_key in app.status_keys or app.is_active(v.worker_id))
 
     async def UploadCheckpoint(
         self, request_iterator: AsyncIterator[pb.CheckpointUploadChunk], context: grpc.aio.ServicerContext
