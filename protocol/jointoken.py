@@ -159,9 +159,12 @@ def from_text(text: str) -> bytes:
     if len(body) > 2 * MAX_TOKEN_BYTES:
         raise ValueError("join token too long")
     try:
-        return base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+        raw = base64.b64decode(body + "=" * (-len(body) % 4), altchars=b"-_", validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("join token is not valid base64") from None
+    if not raw:
+        raise ValueError("join token is empty")
+    return raw
 
 
 def verify_token(raw: bytes, operator_public_key: bytes, run_id: str, now_ms: int) -> TokenClaims:

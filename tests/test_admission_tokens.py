@@ -239,3 +239,27 @@ def test_token_cli_refusals(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         == 2
     )
     assert "--expires-s" in capsys.readouterr().err
+
+
+def test_worker_takes_the_token_from_its_flag_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bagel.protocol.jointoken import to_text
+    from bagel.worker import cli as worker_cli
+
+    raw = issue_token(
+        Identity.generate(), run_id=RUN, token_id=os.urandom(16), name="w", issued_ms=0, expires_ms=1 << 60, uses=1
+    )
+    p = worker_cli.build_parser()
+    cfg = worker_cli.config_from_args(p.parse_args(["join", "bagel1:x", "--token", to_text(raw)]))
+    assert cfg.join_token == raw
+    monkeypatch.setenv("BAGEL_JOIN_TOKEN", to_text(raw))
+    assert worker_cli.config_from_args(p.parse_args(["join", "bagel1:x"])).join_token == raw
+    monkeypatch.delenv("BAGEL_JOIN_TOKEN")
+    assert worker_cli.config_from_args(p.parse_args(["join", "bagel1:x"])).join_token == b""
+    with pytest.raises(ValueError, match="--token"):
+        worker_cli.config_from_args(p.parse_args(["join", "bagel1:x", "--token", "nope"]))
+    # the command line: one error line, exit 2
+    assert worker_cli.main(["join", "bagel1:x", "--token", "bagel-token1:!!", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bagel-worker: --token") and err.count("\n") == 1
