@@ -57,6 +57,8 @@ heartbeat_s = 2.0
 pow_bits = 0
 ip_rate_per_s = 1000000.0
 ip_burst = 1000000
+register_rate_per_s = 1000000.0
+register_burst = 1000000
 """
 PROFILE = pb.WorkerProfile(name="bench", device_kind="cpu", vram_bytes=8 << 30, num_devices=1)
 PEER = pb.PeerAddress(peer_id="12D3KooW" + "A" * 44, maddrs=["/ip4/127.0.0.1/tcp/1"])

@@ -53,6 +53,8 @@ heartbeat_s = 1.0
 pow_bits = {bits}
 ip_rate_per_s = 1000000.0
 ip_burst = 1000000
+register_rate_per_s = 1000000.0
+register_burst = 1000000
 """
 
 

@@ -91,6 +91,8 @@ every_rounds = 1000000
 pow_bits = 0
 ip_rate_per_s = 1000000.0
 ip_burst = 1000000
+register_rate_per_s = 1000000.0
+register_burst = 1000000
 """
 
 CHANNELS = 4

@@ -7,7 +7,7 @@ the run spec's `[security]` table:
 - **rate limits**: a token bucket per client address on every RPC (checked by the
   interceptor before the request is even parsed) and one per worker key on every signed
   RPC (after the signature verified, so nobody can drain another key's bucket); GetStatus
-  and AdmissionChallenge have a tighter bucket of their own. Refusals are
+  has a tighter bucket of its own, and so has Register (identities per address). Refusals are
   RESOURCE_EXHAUSTED with a retry hint (`RateLimited.retry_after_ms`, sent as the
   `bagel-retry-after-ms` trailer and in the details).
 - **proof of work** (`protocol/pow.py`): `challenge()` hands out the current challenge,
@@ -110,6 +110,7 @@ class Admission:
         self.per_ip = RateLimiter(sec.ip_rate_per_s, sec.ip_burst)
         self.per_key = RateLimiter(sec.key_rate_per_s, sec.key_burst)
         self.public = RateLimiter(sec.status_rate_per_s, sec.status_burst)
+        self.registers = RateLimiter(sec.register_rate_per_s, sec.register_burst)
         self._uploads: set[str] = set()
         self.downloads = 0
 
@@ -130,10 +131,16 @@ class Admission:
             raise RateLimited(f"worker {worker_id}", wait)
 
     def limit_public(self, address: str, now_s: float) -> None:
-        """GetStatus and AdmissionChallenge: unsigned, so a bucket of their own per address."""
+        """Unsigned GetStatus: a bucket of its own per address."""
         wait = self.public.take(address, now_s)
         if wait:
             raise RateLimited(f"public calls from {address}", wait)
+
+    def limit_register(self, address: str, now_s: float) -> None:
+        """Register: new identities per address, a bucket of its own (before the signature)."""
+        wait = self.registers.take(address, now_s)
+        if wait:
+            raise RateLimited(f"registrations from {address}", wait)
 
     # ------------------------------------------------------------------ proof of work
 

@@ -74,6 +74,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Register(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         app = self.app
+        app.admission.limit_register(client_address(context.peer() or ""), time.monotonic())
         v = app.verify(request, "Register")
         msg: pb.RegisterRequest = v.message
         app.admission.check_pow(msg.pow_challenge, msg.pow_nonce, v.public_key, app.clock())

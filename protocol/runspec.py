@@ -125,7 +125,8 @@ class SecuritySection:
     2^16 sha256 are ~60 ms of one core in Python, 0 turns it off.
     Rate limits are token buckets (rate per second, burst), per worker key on every signed
     RPC and per client address on every RPC; `status_*` is GetStatus's own per-address
-    bucket, and its answer is recomputed at most every `status_cache_ms`.
+    bucket, and its answer is recomputed at most every `status_cache_ms`; `register_*` is
+    Register's own per-address bucket (new identities per address, on top of the work).
     Streams: an upload that sends nothing for `upload_idle_s` is closed; at most
     `max_uploads` uploads (one per uploader) and `max_downloads` downloads run at once.
     """
@@ -138,6 +139,8 @@ class SecuritySection:
     key_burst: int = 60
     ip_rate_per_s: float = 1000.0
     ip_burst: int = 2000
+    register_rate_per_s: float = 2.0
+    register_burst: int = 30
     status_rate_per_s: float = 20.0
     status_burst: int = 100
     status_cache_ms: int = 500
@@ -250,9 +253,9 @@ def _validate(spec: RunSpec) -> None:
             raw = b""
         need(len(raw) == 32, "security.operator_public_key: base64 of a 32-byte Ed25519 public key")
     need(0 <= sec.pow_bits <= 32, "security.pow_bits: between 0 and 32")
-    for key in ("key_rate_per_s", "ip_rate_per_s", "status_rate_per_s", "upload_idle_s"):
+    for key in ("key_rate_per_s", "ip_rate_per_s", "register_rate_per_s", "status_rate_per_s", "upload_idle_s"):
         need(getattr(sec, key) > 0, f"security.{key}: positive")
-    for key in ("key_burst", "ip_burst", "status_burst", "max_uploads", "max_downloads"):
+    for key in ("key_burst", "ip_burst", "register_burst", "status_burst", "max_uploads", "max_downloads"):
         need(getattr(sec, key) >= 1, f"security.{key}: at least 1")
     need(0 <= sec.status_cache_ms <= 60_000, "security.status_cache_ms: between 0 and 60000")
 

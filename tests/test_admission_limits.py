@@ -219,3 +219,23 @@ def test_serve_max_workers_flag(tmp_path: Path, capsys: pytest.CaptureFixture[st
     spec.write_text(cluster_spec_text("flag"))
     assert cli.main(["serve", "--run", str(spec), "--data-dir", str(tmp_path / "d"), "--max-workers", "0"]) == 2
     assert "--max-workers" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+async def test_registrations_per_address_are_limited(tmp_path: Path) -> None:
+    """Identities cost work, and an address mints only so many of them."""
+    h = await start(tmp_path, "pow_bits = 0\nregister_rate_per_s = 0.01\nregister_burst = 3")
+    try:
+        clients = [CoordinatorClient(f"127.0.0.1:{h.port}", Identity.generate(), "lim") for _ in range(4)]
+        for c in clients[:3]:
+            await c.register(PROFILE, PEER)
+        before = await fingerprint(h)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await clients[3].register(PROFILE, PEER)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "registrations from 127.0.0.1" in (err.value.details() or "")
+        assert await fingerprint(h) == before
+        await clients[0].heartbeat(pb.PHASE_IDLE)  # the other RPCs are not affected
+        await asyncio.gather(*(c.close() for c in clients))
+    finally:
+        await h.stop()
