@@ -151,6 +151,13 @@ class CoordinatorApp:
         validate(method, verified.message, self.spec)
         return verified
 
+    def is_joined(self, worker_id: str) -> bool:
+        """True if the run knows `worker_id` and it has not left: active, lost (its lease ran
+        out: registering again re-attaches it) or banned. A join token's use is counted
+        only for a worker that is not joined (`Store.use_token`)."""
+        w = self.state.roster.workers.get(worker_id)
+        return w is not None and w.state is not WorkerState.LEFT
+
     def is_active(self, worker_id: str) -> bool:
         """True if `worker_id` is an active (registered, not banned) worker now."""
         try:

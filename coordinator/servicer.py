@@ -81,9 +81,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         undo: tuple[str, int, str] | None = None
         if app.spec.security.mode == "permissioned":
             claims = verify_token(msg.join_token, app.operator_key, app.spec.run.id, app.clock())
-            # a use is counted when the worker joins, not when an active worker re-registers
+            # a use is counted when the worker joins (new, or back after a Leave), not when a
+            # joined worker registers again (the agent's second Register, or after its lease ran out)
             store = app.writer.store
-            consume = not app.is_active(v.worker_id)
+            consume = not app.is_joined(v.worker_id)
             used, bound = await app.writer.run(store.use_token, claims.token_id, v.public_key.hex(), consume)
             undo = (claims.token_id, used, bound)
         try:

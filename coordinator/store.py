@@ -348,7 +348,7 @@ class Store:
         """Admit `key_hex` with the token, in one transaction; returns (used, bound_key) before.
 
         The token binds to the first key that uses it; another key is refused. `consume`
-        counts a use (a re-register of an active worker does not). Raises a
+        counts a use (a joined worker registering again does not). Raises a
         `JoinTokenError` (and changes nothing) when the token is unknown, revoked, bound
         to another key or used up.
         """
