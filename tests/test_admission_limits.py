@@ -239,3 +239,19 @@ async def test_registrations_per_address_are_limited(tmp_path: Path) -> None:
         await asyncio.gather(*(c.close() for c in clients))
     finally:
         await h.stop()
+
+
+def test_an_honest_checkpoint_fits_the_declared_size_bound() -> None:
+    """The bound the servicer checks declarations against holds the real cell state of every
+    cell of a run (DiT experts and the router), so no honest upload is refused by it."""
+    from bagel.coordinator.sizing import checkpoint_bytes_bound
+    from bagel.models import experts
+    from bagel.worker.diloco import CellState
+
+    spec = parse_spec(cluster_spec_text("bound"))
+    for cell_id in spec.cell_ids:
+        state = CellState.from_model(experts.build(experts.cell_config(spec, cell_id)))
+        size = len(state.to_safetensors())
+        bound = checkpoint_bytes_bound(spec, cell_id)
+        assert size <= bound, (cell_id, size, bound)
+        assert bound - size <= 2 << 20, "the bound is loose enough to invite padding"
