@@ -111,6 +111,9 @@ class Admission:
         self.per_key = RateLimiter(sec.key_rate_per_s, sec.key_burst)
         self.public = RateLimiter(sec.status_rate_per_s, sec.status_burst)
         self.registers = RateLimiter(sec.register_rate_per_s, sec.register_burst)
+        # the detailed view is large (~50 bytes a worker): workers share one bucket for it
+        # (the operator's keys do not), so many keys cannot turn it into a bandwidth flood
+        self.detailed = RateLimiter(sec.status_rate_per_s, sec.status_burst, capacity=1)
         self._uploads: set[str] = set()
         self.downloads = 0
 
@@ -135,6 +138,12 @@ class Admission:
         wait = self.public.take(address, now_s)
         if wait:
             raise RateLimited(f"public calls from {address}", wait)
+
+    def limit_detailed(self, now_s: float) -> None:
+        """A worker's detailed GetStatus: one bucket for all workers together."""
+        wait = self.detailed.take("workers", now_s)
+        if wait:
+            raise RateLimited("detailed status answers to workers", wait)
 
     def limit_register(self, address: str, now_s: float) -> None:
         """Register: new identities per address, a bucket of its own (before the signature)."""

@@ -177,8 +177,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     metrics.observe_rpc(method, time.perf_counter() - t0, code)
 
+            serialize: Any = handler.response_serializer
+
+            def serialize_or_pass(response: Any) -> bytes:
+                # a handler may answer bytes it serialized once for many callers (GetStatus's cache)
+                return response if isinstance(response, bytes) else bytes(serialize(response))
+
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=None, response_serializer=handler.response_serializer
+                unary_unary,
+                request_deserializer=None,
+                response_serializer=serialize_or_pass if serialize is not None else None,
             )
         if handler.unary_stream is not None:
             inner_us: Any = handler.unary_stream

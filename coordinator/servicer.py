@@ -124,16 +124,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return pb.LeaveResponse(upload_first=True, instruction=wire.instruction_to_pb(out.instruction))
         return pb.LeaveResponse()
 
-    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> bytes:
         """Cached and rate-limited; worker details only for a signed request by the
-        coordinator's or the operator's key or an active worker, else the aggregate view."""
+        coordinator's or the operator's key or an active worker, else the aggregate view.
+        Answers the cached serialized StatusResponse (the interceptor passes bytes through)."""
         app = self.app
         if not request.HasField("auth"):  # unsigned: the per-address public bucket
             app.admission.limit_public(client_address(context.peer() or ""), time.monotonic())
             return app.status_view(False)
         v = app.verifier.verify(request.auth, "GetStatus", app.clock())
-        app.admission.limit_key(v.worker_id, time.monotonic())  # signed: its key's bucket
-        return app.status_view(v.public_key in app.status_keys or app.is_active(v.worker_id))
+        now_s = time.monotonic()
+        app.admission.limit_key(v.worker_id, now_s)  # signed: its key's bucket
+        if v.public_key in app.status_keys:
+            return app.status_view(True)
+        if app.is_active(v.worker_id):
+            app.admission.limit_detailed(now_s)
+            return app.status_view(True)
+        return app.status_view(False)
 
     async def UploadCheckpoint(
         self, request_iterator: AsyncIterator[pb.CheckpointUploadChunk], context: grpc.aio.ServicerContext
