@@ -9,8 +9,9 @@ is not the probe's), then after. The abuser counts what the coordinator answered
 
     python bench/abuse.py [--workers 3000] [--seconds 5] [--json out.json]
 
-Prints a table of heartbeat p50/p99 per phase; `--json FILE` writes the figures. Never
-asserted in tests.
+Prints a table of heartbeat p50/p99 per phase and the coordinator's mean event-loop lag
+(its own tick timer's lateness, from /metrics: what every queued request waited, free of
+the probe's CPU contention); `--json FILE` writes the figures. Never asserted in tests.
 """
 
 from __future__ import annotations
@@ -66,20 +67,38 @@ PROBES = 4
 PROBE_PERIOD_S = 0.05
 
 
-def _serve(spec: Path, data: Path) -> tuple[subprocess.Popen[str], str]:
+def _serve(spec: Path, data: Path) -> tuple[subprocess.Popen[str], str, str]:
     cmd = [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec), "--data-dir", str(data)]
-    cmd += ["--listen", "127.0.0.1:0", "--no-dht", "--log-level", "WARNING"]
+    cmd += ["--listen", "127.0.0.1:0", "--no-dht", "--log-level", "WARNING", "--metrics-listen", "127.0.0.1:0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
+    endpoint = ""
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if line.startswith("listening:"):
-            return proc, line.split(":", 1)[1].strip()
+            endpoint = line.split(":", 1)[1].strip()
+        elif line.startswith("metrics:") and endpoint:
+            return proc, endpoint, line.split(":", 1)[1].strip()
         if not line and proc.poll() is not None:
             break
     proc.kill()
     raise RuntimeError("the coordinator did not start")
+
+
+def _loop_lag(url: str) -> tuple[float, float]:
+    """(count, sum) of the coordinator's event-loop lag histogram (its tick timer's lateness)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    count = total = 0.0
+    for line in text.splitlines():
+        if line.startswith("bagel_event_loop_lag_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("bagel_event_loop_lag_seconds_sum"):
+            total = float(line.split()[-1])
+    return count, total
 
 
 async def _register(stub: Any, ident: Identity) -> None:
@@ -192,7 +211,7 @@ def run(workers: int, seconds: float, upload_idle_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         spec = Path(tmp) / "spec.toml"
         spec.write_text(SPEC + f"upload_idle_s = {upload_idle_s}\n")
-        proc, endpoint = _serve(spec, Path(tmp) / "d")
+        proc, endpoint, metrics = _serve(spec, Path(tmp) / "d")
         try:
             fleet = [Identity.generate() for _ in range(workers)]
             probes = [Identity.generate() for _ in range(PROBES)]
@@ -205,12 +224,16 @@ def run(workers: int, seconds: float, upload_idle_s: float) -> dict[str, Any]:
                 if kind not in ("baseline", "after"):
                     abuser = _run_abuser(endpoint, kind, seconds + 1.0, fleet[:64])
                     time.sleep(1.0)  # let the abuse start
+                lag0 = _loop_lag(metrics)
                 ms = asyncio.run(_probe(endpoint, probes, seconds))
+                lag1 = _loop_lag(metrics)
+                ticks = lag1[0] - lag0[0]
+                mean_lag_ms = (lag1[1] - lag0[1]) / ticks * 1000 if ticks else float("nan")
                 counts: dict[str, int] = {}
                 if abuser is not None:
                     out, _ = abuser.communicate(timeout=120)
                     counts = json.loads(out.strip().splitlines()[-1])
-                phases.append({"phase": kind, **_stats(ms), "abuser_answers": counts})
+                phases.append({"phase": kind, **_stats(ms), "loop_lag_mean_ms": mean_lag_ms, "abuser_answers": counts})
         finally:
             proc.terminate()
             proc.wait(30)
@@ -232,11 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = run(args.workers, args.seconds, args.upload_idle_s)
     print(f"{res['workers']} registered workers (in {res['register_s']:.1f} s); heartbeat round-trips per phase")
-    print(f"{'phase':>14} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}  abuser got")
+    print(f"{'phase':>14} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'loop lag ms':>11}  abuser got")
     for p in res["phases"]:
         print(
-            f"{p['phase']:>14} {p['n']:>5} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} {p['errors']:>6}  "
-            f"{p['abuser_answers'] or ''}"
+            f"{p['phase']:>14} {p['n']:>5} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} {p['errors']:>6} "
+            f"{p['loop_lag_mean_ms']:>11.2f}  {p['abuser_answers'] or ''}"
         )
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
