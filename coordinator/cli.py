@@ -527,7 +527,7 @@ def _token_list(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"join tokens ({len(rows)})")
-    for col in ("name", "id", "expires (UTC)", "uses left", "bound worker", "revoked"):
+    for col in ("name", "id", "expires (UTC)", "uses left", "bound key (worker)", "revoked"):
         table.add_column(col)
     now = int(time.time() * 1000)
     for r in rows:
@@ -537,7 +537,7 @@ def _token_list(args: argparse.Namespace) -> int:
             r["id"],
             expires + (" (expired)" if r["expires_unix_ms"] <= now else ""),
             f"{r['uses_left']}/{r['uses']}",
-            r["bound_worker"] or "-",
+            f"{r['bound_key'][:16]}... ({r['bound_worker']})" if r["bound_key"] else "-",
             "yes" if r["revoked"] else "no",
         )
     Console(width=160).print(table)

@@ -153,6 +153,10 @@ async def test_token_matrix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         revoked = create("revoked", uses=3)
         assert token_cli(capsys, "revoke", "--data-dir", str(data), "revoked").startswith("revoked revoked ")
         await refused(h, b, revoked, grpc.StatusCode.PERMISSION_DENIED, "revoked")
+        table = token_cli(capsys, "list", "--data-dir", str(data))
+        row = next(line for line in table.splitlines() if " good " in line)
+        assert a.public_key.hex()[:16] in row and a.worker_id in row and "0/1" in row and " no " in row
+        assert " yes " in next(line for line in table.splitlines() if line.startswith("│ revoked "))
         # reused beyond its uses: `a` leaves, and its one use is spent
         async with CoordinatorClient(f"127.0.0.1:{h.port}", a, RUN) as c:
             await c.leave("bye")
