@@ -84,6 +84,15 @@ quorum = 0.5
 
 [checkpoint]
 every_rounds = 1000000
+
+# the load generator measures the coordinator, not admission: one process registers 10k
+# identities from one address (bench/admission_pow.py measures the proof of work)
+[security]
+pow_bits = 0
+ip_rate_per_s = 1000000.0
+ip_burst = 1000000
+register_rate_per_s = 1000000.0
+register_burst = 1000000
 """
 
 CHANNELS = 4

@@ -36,11 +36,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from bagel.coordinator.admission import Admission
 from bagel.coordinator.checkpoints import (
     CheckpointStore,
 )
-from bagel.coordinator.core.errors import CoreFault
-from bagel.coordinator.core.events import Event, Heartbeat, Outcome, ReportRound, Tick
+from bagel.coordinator.core.errors import CoordinatorError, CoreFault
+from bagel.coordinator.core.events import Event, Heartbeat, Leave, Outcome, ReportRound, Tick
 from bagel.coordinator.core.records import (
     CellRecord,
     CommitRecord,
@@ -55,10 +56,15 @@ from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import Verified, Verifier, wall_clock_ms
+from bagel.protocol.identity import worker_id_of
+from bagel.protocol.jointoken import operator_key_bytes
 from bagel.protocol.runspec import RunSpec, parse_cell
 from bagel.protocol.validation import validate
 
 log = logging.getLogger(__name__)
+
+REVOCATION_POLL_S = 1.0  # how often a permissioned run looks for revoked join tokens
+STATUS_HOLD_FACTOR = 10.0
 
 
 class WorkerTally:
@@ -124,6 +130,14 @@ class CoordinatorApp:
         self._cell_writes: dict[str, asyncio.Future[None]] = {}  # latest CellRecord batch per cell
         self.tally = WorkerTally(state.snapshot().workers)
         self._publish_worker_counts()
+        self.admission = Admission(spec)
+        self.operator_key = (
+            operator_key_bytes(spec.security.operator_public_key) if spec.security.operator_public_key else b""
+        )
+        # keys whose signed GetStatus sees every worker (the daemon adds its own key)
+        self.status_keys: set[bytes] = {self.operator_key} if self.operator_key else set()
+        self._status_cache: dict[bool, tuple[float, bytes, float]] = {}  # (at, bytes, hold_s)
+        self._last_revocation_poll = 0.0
 
     # ------------------------------------------------------------------ request path
 
@@ -133,8 +147,25 @@ class CoordinatorApp:
         if not self.accepting:
             raise NotAccepting("the coordinator is shutting down")
         verified = self.verifier.verify(signed, method, self.clock())
+        # after the signature: nobody can spend another key's bucket
+        self.admission.limit_key(verified.worker_id, time.monotonic())
         validate(method, verified.message, self.spec)
         return verified
+
+    def is_joined(self, worker_id: str) -> bool:
+        """True if the run knows `worker_id` and it has not left: active, lost (its lease ran
+        out: registering again re-attaches it) or banned. A join token's use is counted
+        only for a worker that is not joined (`Store.use_token`)."""
+        w = self.state.roster.workers.get(worker_id)
+        return w is not None and w.state is not WorkerState.LEFT
+
+    def is_active(self, worker_id: str) -> bool:
+        """True if `worker_id` is an active (registered, not banned) worker now."""
+        try:
+            self.state.worker_phase(worker_id)
+        except CoordinatorError:
+            return False
+        return True
 
     async def apply(self, event: Event) -> Outcome:
         """Apply one event; return once its effects, and whatever its answer reveals, are durable.
@@ -245,20 +276,63 @@ class CoordinatorApp:
                     last_counts = time.monotonic()
                     self._publish_worker_counts()
                 await self.tick()
+                if self.operator_key and time.monotonic() - self._last_revocation_poll >= REVOCATION_POLL_S:
+                    self._last_revocation_poll = time.monotonic()
+                    await self.enforce_revocations()
             except NotAccepting:
                 return  # the core or the store failed (the daemon is stopping), or shutdown
             except Exception:  # the metrics bookkeeping must not stop the clock of the run
                 log.exception("tick failed")
 
+    async def enforce_revocations(self) -> None:
+        """Remove the active workers whose join token the operator revoked (`token revoke`
+        writes SQLite from another process; this reads it back): their next call is
+        NOT_FOUND, and the Register that follows is refused."""
+        keys = await self.writer.run(self.writer.store.revoked_bound_keys)
+        for key_hex in keys:
+            try:
+                worker_id = worker_id_of(bytes.fromhex(key_hex))
+            except ValueError:
+                continue
+            if self.is_active(worker_id):
+                log.warning("removing worker %s: its join token was revoked", worker_id)
+                try:
+                    await self.apply(Leave(worker_id=worker_id, reason="join token revoked"))
+                except CoordinatorError as e:
+                    log.warning("could not remove %s: %s", worker_id, e)
+
     # ------------------------------------------------------------------ status
 
-    def status(self) -> pb.StatusResponse:
-        """The operator view, from the core's queries (no transition). O(workers)."""
+    def status_view(self, detailed: bool) -> bytes:
+        """GetStatus's answer, serialized: recomputed at most every `security.status_cache_ms`.
+
+        `detailed`: every worker and each cell's members (authenticated callers);
+        otherwise the aggregate view: cells and worker counts by state, O(cells). The bytes
+        are shared by every caller within the period (the detailed view of 10k workers is
+        ~0.5 MB: serializing it per answer would cost more than computing it once).
+        """
+        now_s = time.monotonic()
+        hit = self._status_cache.get(detailed)
+        if hit is not None and now_s - hit[0] < hit[2]:
+            return hit[1]
+        out = self.status(detailed=detailed).SerializeToString()
+        took_s = time.monotonic() - now_s
+        # held at least STATUS_HOLD_FACTOR x what it cost, so recomputing it never takes more
+        # than ~1/(1 + factor) of the loop however large the fleet grows
+        hold_s = max(self.spec.security.status_cache_ms / 1000.0, STATUS_HOLD_FACTOR * took_s)
+        self._status_cache[detailed] = (now_s, out, hold_s)
+        return out
+
+    def status(self, *, detailed: bool = True) -> pb.StatusResponse:
+        """The operator view, from the core's queries (no transition). O(workers) if detailed."""
         st = self.state
         now = self.clock()
         out = pb.StatusResponse(run_id=self.spec.run.id, spec_hash=self.spec.spec_hash, now_unix_ms=now)
-        snap = st.snapshot()
-        for w in snap.workers:
+        out.detailed = detailed
+        for state_name, n in self.tally.counts().items():
+            out.worker_counts[state_name] = n
+        snap = st.snapshot() if detailed else None
+        for w in snap.workers if snap is not None else ():
             ws = out.workers.add(
                 worker_id=w.worker_id,
                 name=w.profile.name,
@@ -283,7 +357,7 @@ class CoordinatorApp:
                 round_state=rnd.state.value if rnd else "none",
                 committed_round=rec.committed_round,
                 committed_hash=rec.committed_hash,
-                members=sorted(members),
+                members=sorted(members) if detailed else [],
                 target_share=float(targets.get(cell_id, 0.0)),
                 actual_share=float(shares.get(cell_id, 0.0)),
                 last_loss=rec.last_loss,

@@ -2,10 +2,14 @@
 
     bagel-coordinator serve --run SPEC.toml --data-dir DIR [--listen HOST:PORT]
         [--dht-listen MULTIADDR] [--initial-peers MULTIADDR ...] [--metrics-listen HOST:PORT]
-        [--tick-ms N] [--grace-s S] [--advertise-endpoint HOST:PORT] [--no-dht]
+        [--tick-ms N] [--grace-s S] [--advertise-endpoint HOST:PORT] [--no-dht] [--max-workers N]
         [--tls-cert FILE --tls-key FILE | --insecure]
     bagel-coordinator status --data-dir DIR [--json]
-    bagel-coordinator status --target HOST:PORT (--tls-fingerprint HEX | --insecure) [--json]
+    bagel-coordinator status --target HOST:PORT (--tls-fingerprint HEX | --insecure) [--key FILE] [--json]
+    bagel-coordinator token keygen --data-dir DIR
+    bagel-coordinator token create --data-dir DIR --expires-s S --uses N --name NAME [--operator-key FILE]
+    bagel-coordinator token list --data-dir DIR [--json]
+    bagel-coordinator token revoke --data-dir DIR NAME|ID
 
 `serve` speaks gRPC over TLS by default: with the operator's `--tls-cert/--tls-key`, or
 else a self-signed certificate generated into the data dir on the first start and reused
@@ -15,7 +19,20 @@ benchmarks, a TLS-terminating proxy in front).
 
 `status` reads the SQLite store read-only, so it works while the daemon runs (WAL readers
 never block the writer); `--target` asks a live daemon over gRPC (GetStatus) instead,
-which also shows volatile fields (phases, leases).
+which also shows volatile fields (phases, leases). GetStatus is cached and rate-limited,
+and it lists workers only for a signed request: `--key DIR/coordinator.key` (the
+daemon's own key) or the operator's key; without `--key` it shows the aggregate view
+(cells and worker counts).
+
+`token` manages the join tokens of a permissioned run (`security.mode = "permissioned"`).
+The operator's private key lives in `DIR/operator.key` (0600; `token keygen` creates it
+and prints the public key to put in the spec's `security.operator_public_key`), or in
+the file `--operator-key` names (keep it off the coordinator host if you can: only
+`token create` needs it). `create` prints the token, and nothing else, on stdout; the
+token's uses, its binding to the first worker key that uses it and its revocation live in
+the data dir's SQLite store, and all three commands work while the daemon runs (a
+revocation takes effect on the next Register at once, and removes a worker that joined
+with the token within a second).
 
 Exit codes: 0 clean stop, 1 the store failed while serving, 2 bad arguments or a data dir
 that cannot be used (another run's spec, locked by another daemon, malformed spec).
@@ -119,6 +136,14 @@ def _parser() -> argparse.ArgumentParser:
         help="log level (stderr); default %(default)s",
     )
 
+    s.add_argument(
+        "--max-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="refuse registrations (RESOURCE_EXHAUSTED) while N workers are active (default: no limit)",
+    )
+
     st = sub.add_parser("status", help="show workers, cells and rounds of a run")
     st.add_argument("--data-dir", type=Path, metavar="DIR", help="read the daemon's store (read-only)")
     st.add_argument("--target", default=None, metavar="HOST:PORT", help="ask a live daemon over gRPC instead")
@@ -131,6 +156,36 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--insecure", action="store_true", help="with --target: the daemon serves plaintext (--insecure)")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts) instead of tables")
     st.add_argument("--rounds", type=int, default=10, metavar="N", help="recent rounds to show; default %(default)s")
+    st.add_argument(
+        "--key",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --target: sign with this key (DIR/coordinator.key or the operator's) to see every worker",
+    )
+
+    tk = sub.add_parser("token", help="join tokens of a permissioned run")
+    tsub = tk.add_subparsers(dest="token_command", required=True)
+    kg = tsub.add_parser("keygen", help="create DIR/operator.key and print its public key (base64)")
+    kg.add_argument("--data-dir", required=True, type=Path, metavar="DIR")
+    tc = tsub.add_parser("create", help="issue a token; prints it (and nothing else) on stdout")
+    tc.add_argument("--data-dir", required=True, type=Path, metavar="DIR")
+    tc.add_argument("--expires-s", required=True, type=float, metavar="S", help="valid for S seconds from now")
+    tc.add_argument("--uses", required=True, type=int, metavar="N", help="registrations it admits")
+    tc.add_argument("--name", required=True, metavar="NAME", help="a unique name (list, revoke)")
+    tc.add_argument(
+        "--operator-key",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="operator private key (default: DIR/operator.key)",
+    )
+    tl = tsub.add_parser("list", help="name, id, expiry, uses left, bound key, revoked")
+    tl.add_argument("--data-dir", required=True, type=Path, metavar="DIR")
+    tl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    tr = tsub.add_parser("revoke", help="revoke a token by name or id (takes effect on a running daemon)")
+    tr.add_argument("--data-dir", required=True, type=Path, metavar="DIR")
+    tr.add_argument("token", metavar="NAME|ID")
     return p
 
 
@@ -138,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _cmd_serve(args)
+    if args.command == "token":
+        return _cmd_token(args)
     return _cmd_status(args)
 
 
@@ -155,6 +212,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.tick_ms < 10:
         print("error: --tick-ms must be at least 10", file=sys.stderr)
+        return EXIT_USAGE
+    if args.max_workers is not None and args.max_workers < 1:
+        print("error: --max-workers must be at least 1", file=sys.stderr)
         return EXIT_USAGE
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: give both --tls-cert and --tls-key, or neither", file=sys.stderr)
@@ -182,6 +242,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             tls=not args.insecure,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
+            max_workers=args.max_workers,
         )
     except StoreError as e:  # another spec in the data dir, locked, bad schema
         print(f"error: {e}", file=sys.stderr)
@@ -254,9 +315,13 @@ def status_from_store(data_dir: Path, rounds: int = 10) -> dict[str, Any]:
         store.close()
 
 
-def status_from_target(target: str, timeout_s: float = 10.0, *, tls_fingerprint: str = "") -> dict[str, Any]:
+def status_from_target(
+    target: str, timeout_s: float = 10.0, *, tls_fingerprint: str = "", key: Path | None = None
+) -> dict[str, Any]:
     """The status document from a live daemon (GetStatus), over TLS pinned to `tls_fingerprint`
-    ("" = plaintext); `bagel.protocol.tls.TLSError` before any request if the pin fails."""
+    ("" = plaintext), signed with `key` if given (the daemon's or the operator's key: every
+    worker; unsigned: the aggregate view); `bagel.protocol.tls.TLSError` before any request if
+    the pin fails."""
     import asyncio
 
     import grpc
@@ -269,6 +334,13 @@ def status_from_target(target: str, timeout_s: float = 10.0, *, tls_fingerprint:
 
     pinned = pinned_credentials(target, tls_fingerprint, timeout_s) if tls_fingerprint else None
 
+    req = pb.GetStatusRequest()
+    if key is not None:
+        from bagel.protocol.envelope import sign_request
+        from bagel.protocol.identity import Identity
+
+        identity = Identity.load(key)
+
     async def ask() -> pb.StatusResponse:
         if pinned is None:
             channel = grpc.aio.insecure_channel(target, options=channel_options())
@@ -276,7 +348,13 @@ def status_from_target(target: str, timeout_s: float = 10.0, *, tls_fingerprint:
             options = channel_options() + pinned.channel_options()
             channel = grpc.aio.secure_channel(target, pinned.credentials(), options=options)
         async with channel as ch:
-            return await pb_grpc.CoordinatorStub(ch).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+            stub = pb_grpc.CoordinatorStub(ch)
+            if key is not None:  # the run id comes from the daemon (the challenge RPC is public)
+                ch_resp = await stub.AdmissionChallenge(pb.AdmissionChallengeRequest(), timeout=timeout_s)
+                req.auth.CopyFrom(
+                    sign_request(identity, pb.StatusAuthRequest(), run_id=ch_resp.run_id, method="GetStatus")
+                )
+            return await stub.GetStatus(req, timeout=timeout_s)
 
     resp = asyncio.run(ask())
     doc = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
@@ -347,6 +425,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if (args.data_dir is None) == (args.target is None):
         print("error: give exactly one of --data-dir DIR or --target HOST:PORT", file=sys.stderr)
         return EXIT_USAGE
+    if args.key is not None and args.target is None:
+        print("error: --key signs a --target request; --data-dir reads the store directly", file=sys.stderr)
+        return EXIT_USAGE
+    from bagel.protocol.identity import IdentityError
+
     fingerprint = ""
     if args.target is not None:
         if (args.tls_fingerprint is None) == (not args.insecure):
@@ -363,10 +446,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     try:
         if args.target:
-            doc = status_from_target(args.target, tls_fingerprint=fingerprint)
+            doc = status_from_target(args.target, tls_fingerprint=fingerprint, key=args.key)
         else:
             doc = status_from_store(args.data_dir, args.rounds)
-    except StoreError as e:
+    except (StoreError, IdentityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (TLSError, OSError) as e:  # the pin failed, or no server there
@@ -382,6 +465,165 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=1, sort_keys=True))
     else:
         _render(doc)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- token
+
+OPERATOR_KEY_FILE = "operator.key"
+
+
+def _open_run_store(data_dir: Path) -> Any:
+    """The read-write store of an existing run (StoreError if there is none yet)."""
+    from bagel.coordinator.store import DB_NAME, Store, StoreError
+
+    if not (data_dir / DB_NAME).exists():
+        raise StoreError(f"no coordinator database in {data_dir}: start the coordinator on it once first")
+    store = Store.open(data_dir)
+    if store.spec() is None:
+        store.close()
+        raise StoreError(f"{data_dir} holds no run spec yet: start the coordinator on it once first")
+    return store
+
+
+def _cmd_token(args: argparse.Namespace) -> int:
+    from bagel.coordinator.store import StoreError
+    from bagel.protocol.identity import IdentityError
+
+    try:
+        if args.token_command == "keygen":
+            return _token_keygen(args)
+        if args.token_command == "create":
+            return _token_create(args)
+        if args.token_command == "list":
+            return _token_list(args)
+        return _token_revoke(args)
+    except (StoreError, IdentityError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _token_keygen(args: argparse.Namespace) -> int:
+    import base64
+
+    from bagel.protocol.identity import Identity
+
+    path = args.data_dir / OPERATOR_KEY_FILE
+    if path.exists():
+        raise ValueError(f"{path} exists already; its public key: see `token create` errors, or remove it first")
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    identity = Identity.generate()
+    identity.save(path)
+    print(base64.b64encode(identity.public_key).decode())
+    return EXIT_OK
+
+
+def _token_create(args: argparse.Namespace) -> int:
+    import base64
+    import os
+
+    from bagel.coordinator.store import JoinTokenRow
+    from bagel.protocol.identity import Identity
+    from bagel.protocol.jointoken import TOKEN_ID_BYTES, issue_token, to_text
+    from bagel.protocol.runspec import parse_spec
+
+    if not args.expires_s > 0:
+        raise ValueError("--expires-s must be positive")
+    if args.uses < 1:
+        raise ValueError("--uses must be at least 1")
+    store = _open_run_store(args.data_dir)
+    try:
+        stored = store.spec()
+        assert stored is not None
+        spec = parse_spec(stored.spec_toml)
+        if spec.security.mode != "permissioned":
+            raise ValueError(f"run {spec.run.id!r} is open (security.mode): it takes no join tokens")
+        key_path = args.operator_key or args.data_dir / OPERATOR_KEY_FILE
+        operator = Identity.load(key_path)
+        if base64.b64encode(operator.public_key).decode() != spec.security.operator_public_key:
+            raise ValueError(f"{key_path} is not the key of the spec's security.operator_public_key")
+        now = int(time.time() * 1000)
+        token_id = os.urandom(TOKEN_ID_BYTES)
+        expires = now + int(args.expires_s * 1000)
+        raw = issue_token(
+            operator,
+            run_id=spec.run.id,
+            token_id=token_id,
+            name=args.name,
+            issued_ms=now,
+            expires_ms=expires,
+            uses=args.uses,
+        )
+        store.add_token(
+            JoinTokenRow(
+                token_id=token_id.hex(), name=args.name, issued_unix_ms=now, expires_unix_ms=expires, uses=args.uses
+            )
+        )
+    finally:
+        store.close()
+    print(to_text(raw))
+    return EXIT_OK
+
+
+def _token_rows(rows: list[Any]) -> list[dict[str, Any]]:
+    from bagel.protocol.identity import worker_id_of
+
+    out = []
+    for t in rows:
+        out.append(
+            {
+                "name": t.name,
+                "id": t.token_id,
+                "expires_unix_ms": t.expires_unix_ms,
+                "uses": t.uses,
+                "uses_left": max(0, t.uses - t.used),
+                "bound_key": t.bound_key,
+                "bound_worker": worker_id_of(bytes.fromhex(t.bound_key)) if t.bound_key else "",
+                "revoked": t.revoked_unix_ms > 0,
+            }
+        )
+    return out
+
+
+def _token_list(args: argparse.Namespace) -> int:
+    from datetime import UTC, datetime
+
+    store = _open_run_store(args.data_dir)
+    try:
+        rows = _token_rows(store.list_tokens())
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(rows, indent=1, sort_keys=True))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"join tokens ({len(rows)})")
+    for col in ("name", "id", "expires (UTC)", "uses left", "bound key (worker)", "revoked"):
+        table.add_column(col)
+    now = int(time.time() * 1000)
+    for r in rows:
+        expires = datetime.fromtimestamp(r["expires_unix_ms"] / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(
+            r["name"],
+            r["id"],
+            expires + (" (expired)" if r["expires_unix_ms"] <= now else ""),
+            f"{r['uses_left']}/{r['uses']}",
+            f"{r['bound_key'][:16]}... ({r['bound_worker']})" if r["bound_key"] else "-",
+            "yes" if r["revoked"] else "no",
+        )
+    Console(width=160).print(table)
+    return EXIT_OK
+
+
+def _token_revoke(args: argparse.Namespace) -> int:
+    store = _open_run_store(args.data_dir)
+    try:
+        row = store.revoke_token(args.token, int(time.time() * 1000))
+    finally:
+        store.close()
+    print(f"revoked {row.name} ({row.token_id})")
     return EXIT_OK
 
 

@@ -178,6 +178,7 @@ async def start_coordinator(
     tls_cert: str | Path | None = None,
     tls_key: str | Path | None = None,
     checkpoint_schema: Callable[[str], Schema] | None = None,
+    max_workers: int | None = None,
 ) -> CoordinatorHandle:
     """Start a coordinator in this event loop.
 
@@ -194,6 +195,7 @@ async def start_coordinator(
     checkpoint_schema: the tensors a cell's checkpoint must hold; None = the cell's model as
     the run spec builds it (`cell_state_schema`). Tests whose simulated workers train a
     stand-in state pass that state's schema.
+    max_workers: refuse a Register (RESOURCE_EXHAUSTED) once this many workers are active.
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -237,12 +239,13 @@ async def start_coordinator(
                 rounds=snap.rounds,
                 commits=snap.commits,
                 now_ms=now,
+                max_workers=max_workers,
             )
             log.info(
                 "restored %d workers, %d cells, %d open rounds", len(snap.workers), len(snap.cells), len(snap.rounds)
             )
         else:
-            state = CoordinatorState(spec, configs, now_ms=now)
+            state = CoordinatorState(spec, configs, now_ms=now, max_workers=max_workers)
             first = state.snapshot()
             store.write([*first.cells, *first.workers, *first.rounds, *first.commits], now)
         checkpoints = CheckpointStore(
@@ -261,7 +264,9 @@ async def start_coordinator(
         fatal = asyncio.Event()
         app = CoordinatorApp(spec, state, writer, checkpoints, metrics, clock=clock, on_fatal=lambda e: fatal.set())
 
-        server = grpc.aio.server(interceptors=[ErrorInterceptor(metrics)], options=server_options())
+        app.status_keys.add(identity.public_key)  # `bagel-coordinator status --target --key DIR/coordinator.key`
+        interceptor = ErrorInterceptor(metrics, limit_peer=app.admission.limit_peer)
+        server = grpc.aio.server(interceptors=[interceptor], options=server_options())
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(app), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -27,6 +27,7 @@ from bagel.coordinator.checkpoints import (
 from bagel.coordinator.core.errors import CoordinatorError, grpc_status_name
 from bagel.coordinator.metrics import Metrics
 from bagel.protocol.envelope import EnvelopeError
+from bagel.protocol.jointoken import JoinTokenError
 from bagel.protocol.validation import ValidationError
 
 log = logging.getLogger(__name__)
@@ -60,11 +61,6 @@ class NotAccepting(ShellError):
     reason = "unavailable"
 
 
-class PermissionedNotSupported(ShellError):
-    status = grpc.StatusCode.UNIMPLEMENTED
-    reason = "permissioned_unsupported"
-
-
 _CHECKPOINT_STATUS: dict[type, tuple[grpc.StatusCode, str]] = {
     CheckpointTooLarge: (grpc.StatusCode.RESOURCE_EXHAUSTED, "checkpoint_too_large"),
     CheckpointRejected: (grpc.StatusCode.INVALID_ARGUMENT, "checkpoint_rejected"),
@@ -82,7 +78,7 @@ def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(exc, ValidationError):
         top = exc.field.split(".", 1)[0].split("[", 1)[0]  # bounded label: the top-level field
         return grpc.StatusCode.INVALID_ARGUMENT, f"invalid_{top}", str(exc)
-    if isinstance(exc, EnvelopeError):
+    if isinstance(exc, (EnvelopeError, JoinTokenError)):
         return exc.status, _snake(type(exc).__name__), str(exc)
     if isinstance(exc, CoordinatorError):
         return grpc.StatusCode[grpc_status_name(exc)], _snake(type(exc).__name__), str(exc) or type(exc).__name__
@@ -107,9 +103,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     keeps serving. Health and reflection handlers pass through untouched.
     """
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, limit_peer: Callable[[str], None] | None = None) -> None:
         self._metrics = metrics
         self._cache: dict[str, grpc.RpcMethodHandler] = {}
+        # the per-address rate limit (`Admission`), applied before a request is parsed
+        self._limit_peer = limit_peer
 
     async def intercept_service(
         self,
@@ -132,6 +130,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if code == grpc.StatusCode.INTERNAL:
             log.error("%s failed:\n%s", method, "".join(traceback.format_exception(exc)))
         self._metrics.reject(reason)
+        retry_after_ms = getattr(exc, "retry_after_ms", None)
+        if isinstance(retry_after_ms, int):
+            context.set_trailing_metadata((("bagel-retry-after-ms", str(retry_after_ms)),))
         await context.abort(code, details[:1000])
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -140,6 +141,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metrics = self._metrics
         fail = self._fail
+        limit_peer = self._limit_peer
+
+        def admit(context: grpc.aio.ServicerContext) -> None:
+            if limit_peer is not None:
+                limit_peer(context.peer() or "")
 
         def parse(raw: bytes) -> Message:
             try:
@@ -160,6 +166,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 t0 = time.perf_counter()
                 code = "OK"
                 try:
+                    admit(context)
                     return await inner_uu(parse(raw), context)
                 except grpc.aio.AbortError:
                     code = "ABORTED_BY_HANDLER"
@@ -170,8 +177,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     metrics.observe_rpc(method, time.perf_counter() - t0, code)
 
+            serialize: Any = handler.response_serializer
+
+            def serialize_or_pass(response: Any) -> bytes:
+                # a handler may answer bytes it serialized once for many callers (GetStatus's cache)
+                return response if isinstance(response, bytes) else bytes(serialize(response))
+
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=None, response_serializer=handler.response_serializer
+                unary_unary,
+                request_deserializer=None,
+                response_serializer=serialize_or_pass if serialize is not None else None,
             )
         if handler.unary_stream is not None:
             inner_us: Any = handler.unary_stream
@@ -180,6 +195,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 t0 = time.perf_counter()
                 code = "OK"
                 try:
+                    admit(context)
                     async for item in inner_us(parse(raw), context):
                         yield item
                 except grpc.aio.AbortError:
@@ -200,6 +216,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 t0 = time.perf_counter()
                 code = "OK"
                 try:
+                    admit(context)
                     return await inner_su(parse_stream(raw_iter), context)
                 except grpc.aio.AbortError:
                     raise

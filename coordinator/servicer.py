@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
+from bagel.coordinator import sizing
 from bagel.coordinator import translate as wire
+from bagel.coordinator.admission import UploadIdle, client_address
 from bagel.coordinator.app import CoordinatorApp
+from bagel.coordinator.checkpoints import CheckpointTooLarge
+from bagel.coordinator.core.errors import CoordinatorError
 from bagel.coordinator.core.events import CheckpointStored
-from bagel.coordinator.interceptor import PermissionedNotSupported, UploadProtocolError
+from bagel.coordinator.interceptor import UploadProtocolError
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
+from bagel.protocol.jointoken import verify_token
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +57,42 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def __init__(self, app: CoordinatorApp) -> None:
         self.app = app
+        self._checkpoint_bounds: dict[str, int] = {}
+
+    async def AdmissionChallenge(
+        self, request: pb.AdmissionChallengeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdmissionChallengeResponse:
+        app = self.app
+        challenge, expires_ms = app.admission.challenge(app.clock())
+        return pb.AdmissionChallengeResponse(
+            run_id=app.spec.run.id,
+            challenge=challenge,
+            pow_bits=app.admission.pow_bits,
+            expires_unix_ms=expires_ms,
+            token_required=app.spec.security.mode == "permissioned",
+        )
 
     async def Register(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         app = self.app
+        app.admission.limit_register(client_address(context.peer() or ""), time.monotonic())
         v = app.verify(request, "Register")
+        msg: pb.RegisterRequest = v.message
+        app.admission.check_pow(msg.pow_challenge, msg.pow_nonce, v.public_key, app.clock())
+        undo: tuple[str, int, str] | None = None
         if app.spec.security.mode == "permissioned":
-            # The join-token format is not defined by the protocol layer yet.
-            raise PermissionedNotSupported("permissioned runs (join tokens) are not supported by this coordinator")
-        out = await app.apply(wire.register_event(v.worker_id, v.message))
+            claims = verify_token(msg.join_token, app.operator_key, app.spec.run.id, app.clock())
+            # a use is counted when the worker joins (new, or back after a Leave), not when a
+            # joined worker registers again (the agent's second Register, or after its lease ran out)
+            store = app.writer.store
+            consume = not app.is_joined(v.worker_id)
+            used, bound = await app.writer.run(store.use_token, claims.token_id, v.public_key.hex(), consume)
+            undo = (claims.token_id, used, bound)
+        try:
+            out = await app.apply(wire.register_event(v.worker_id, v.message))
+        except CoordinatorError:  # refused by the core (full, banned): the token use is given back
+            if undo is not None:
+                await app.writer.run(app.writer.store.restore_token, *undo)
+            raise
         return pb.RegisterResponse(
             worker_id=v.worker_id,
             lease_expires_unix_ms=out.lease_expires_ms or 0,
@@ -90,8 +124,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return pb.LeaveResponse(upload_first=True, instruction=wire.instruction_to_pb(out.instruction))
         return pb.LeaveResponse()
 
-    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusResponse:
-        return self.app.status()
+    async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """Cached and rate-limited; worker details only for a signed request by the
+        coordinator's or the operator's key or an active worker, else the aggregate view.
+        Answers the cached serialized StatusResponse (the interceptor passes bytes through)."""
+        app = self.app
+        if not request.HasField("auth"):  # unsigned: the per-address public bucket
+            app.admission.limit_public(client_address(context.peer() or ""), time.monotonic())
+            return app.status_view(False)
+        v = app.verifier.verify(request.auth, "GetStatus", app.clock())
+        now_s = time.monotonic()
+        app.admission.limit_key(v.worker_id, now_s)  # signed: its key's bucket
+        if v.public_key in app.status_keys:
+            return app.status_view(True)
+        if app.is_active(v.worker_id):
+            app.admission.limit_detailed(now_s)
+            return app.status_view(True)
+        return app.status_view(False)
 
     async def UploadCheckpoint(
         self, request_iterator: AsyncIterator[pb.CheckpointUploadChunk], context: grpc.aio.ServicerContext
@@ -99,14 +148,31 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         chunks = request_iterator.__aiter__()
         try:
             return await self._upload(chunks)
+        except UploadIdle:
+            raise  # the client sends nothing: nothing to drain
         except Exception:
             await _drain(chunks)
             raise
 
+    async def _next(self, chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> pb.CheckpointUploadChunk:
+        """The next chunk within the idle deadline (UploadIdle: DEADLINE_EXCEEDED)."""
+        idle_s = self.app.admission.upload_idle_s
+        try:
+            return await asyncio.wait_for(chunks.__anext__(), idle_s)
+        except TimeoutError:
+            raise UploadIdle(f"upload sent nothing for {idle_s:g} s: closed") from None
+
+    async def _checkpoint_bound(self, cell_id: str) -> int:
+        bound = self._checkpoint_bounds.get(cell_id)
+        if bound is None:
+            bound = await asyncio.to_thread(sizing.checkpoint_bytes_bound, self.app.spec, cell_id)
+            self._checkpoint_bounds[cell_id] = bound
+        return bound
+
     async def _upload(self, chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> pb.UploadCheckpointResponse:
         app = self.app
         try:
-            first = await chunks.__anext__()
+            first = await self._next(chunks)
         except StopAsyncIteration:
             raise UploadProtocolError("empty upload: the first chunk must carry the signed header") from None
         if first.WhichOneof("kind") != "header":
@@ -116,18 +182,30 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         if not app.state.check_upload(v.worker_id, h.cell_id, h.round, h.state_hash):
             await _drain(chunks)  # a checkpoint of this round is stored already
             return pb.UploadCheckpointResponse(stored=False, round=h.round)
-        upload = app.checkpoints.begin_upload(h.cell_id, h.round, h.state_hash, h.total_bytes, h.sha256, v.worker_id)
-        try:
-            async for chunk in chunks:
-                if chunk.WhichOneof("kind") != "data":
-                    raise UploadProtocolError("only the first chunk may carry a header")
-                upload.write(chunk.data)
-            await asyncio.to_thread(upload.verify)
-            # the index lives in SQLite: publish on the store's thread, in order with writes
-            await app.writer.run(upload.publish, app.clock())
-        except BaseException:
-            upload.abort()
-            raise
+        bound = await self._checkpoint_bound(h.cell_id)
+        if h.total_bytes > bound:
+            raise CheckpointTooLarge(
+                f"a checkpoint of {h.cell_id} takes at most {bound} bytes; {h.total_bytes} declared"
+            )
+        with app.admission.upload_slot(v.worker_id):
+            upload = app.checkpoints.begin_upload(
+                h.cell_id, h.round, h.state_hash, h.total_bytes, h.sha256, v.worker_id
+            )
+            try:
+                while True:
+                    try:
+                        chunk = await self._next(chunks)
+                    except StopAsyncIteration:
+                        break
+                    if chunk.WhichOneof("kind") != "data":
+                        raise UploadProtocolError("only the first chunk may carry a header")
+                    upload.write(chunk.data)
+                await asyncio.to_thread(upload.verify)
+                # the index lives in SQLite: publish on the store's thread, in order with writes
+                await app.writer.run(upload.publish, app.clock())
+            except BaseException:
+                upload.abort()
+                raise
         await app.apply(CheckpointStored(cell_id=h.cell_id, round=h.round, state_hash=h.state_hash))
         return pb.UploadCheckpointResponse(stored=True, round=h.round)
 
@@ -139,15 +217,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         req: pb.DownloadCheckpointRequest = v.message
         app.state.instruction_for(v.worker_id, app.clock())  # registered workers only (else NOT_FOUND)
         meta = app.checkpoints.get(req.cell_id, req.round)
-        yield pb.CheckpointDownloadChunk(
-            info=pb.CheckpointInfo(
-                cell_id=meta.cell_id,
-                round=meta.round,
-                state_hash=meta.state_hash,
-                total_bytes=meta.total_bytes,
-                sha256=meta.sha256,
+        with app.admission.download_slot():
+            yield pb.CheckpointDownloadChunk(
+                info=pb.CheckpointInfo(
+                    cell_id=meta.cell_id,
+                    round=meta.round,
+                    state_hash=meta.state_hash,
+                    total_bytes=meta.total_bytes,
+                    sha256=meta.sha256,
+                )
             )
-        )
-        gen = app.checkpoints.iter_chunks(meta)
-        while (chunk := await asyncio.to_thread(next, gen, None)) is not None:
-            yield pb.CheckpointDownloadChunk(data=chunk)
+            gen = app.checkpoints.iter_chunks(meta)
+            while (chunk := await asyncio.to_thread(next, gen, None)) is not None:
+                yield pb.CheckpointDownloadChunk(data=chunk)

@@ -108,3 +108,15 @@ def configs_from_json(spec: RunSpec, data: object) -> list[CellConfig]:
 
 
 __all__ = ["ROUTER_SHARE", "cell_configs", "cell_targets", "cluster_sizes"]
+
+
+# Slack for a checkpoint's safetensors header (names, dtypes, shapes, offsets as JSON).
+CHECKPOINT_HEADER_SLACK_BYTES = 1 << 20
+
+
+def checkpoint_bytes_bound(spec: RunSpec, cell_id: str) -> int:
+    """The most bytes an honest checkpoint of `cell_id` takes: float32 weights and outer
+    momentum (`worker/diloco.py`'s CellState) plus a header slack. An upload declaring more
+    is refused before any byte is accepted. Imports the models (slow): call it once per
+    cell, off the event loop."""
+    return 8 * _param_count(spec, cell_id) + CHECKPOINT_HEADER_SLACK_BYTES

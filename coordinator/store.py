@@ -48,6 +48,7 @@ from bagel.coordinator.checkpoints import CheckpointMeta
 from bagel.coordinator.core import records
 from bagel.coordinator.core.records import CellRecord, CommitRecord, RoundRecord, RoundState, Snapshot, WorkerRecord
 from bagel.protocol import messages
+from bagel.protocol.jointoken import TokenBound, TokenRevoked, TokenUnknown, TokenUsedUp
 
 SCHEMA_VERSION = 2  # 2: commits keyed by (cell_id, epoch, round)
 DB_NAME = "coordinator.sqlite3"
@@ -114,6 +115,16 @@ CREATE TABLE IF NOT EXISTS kv (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS join_tokens (
+    token_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL UNIQUE,
+    issued_unix_ms INTEGER NOT NULL,
+    expires_unix_ms INTEGER NOT NULL,
+    uses INTEGER NOT NULL,
+    used INTEGER NOT NULL DEFAULT 0,
+    bound_key TEXT NOT NULL DEFAULT '',
+    revoked_unix_ms INTEGER NOT NULL DEFAULT 0
+);
 """
 
 
@@ -131,6 +142,20 @@ class StoredSpec:
     spec_hash: str
     spec_toml: str
     created_unix_ms: int
+
+
+@dataclass(frozen=True)
+class JoinTokenRow:
+    """What the store knows of an issued join token (the signed bytes are not kept)."""
+
+    token_id: str  # hex
+    name: str
+    issued_unix_ms: int
+    expires_unix_ms: int
+    uses: int
+    used: int = 0
+    bound_key: str = ""  # hex Ed25519 public key of the worker it was bound to at first use
+    revoked_unix_ms: int = 0
 
 
 def _dumps(record: Any) -> str:
@@ -275,6 +300,89 @@ class Store:
     def put_kv(self, key: str, value: Any) -> None:
         with self._tx() as c:
             _upsert(c, "kv", {"key": key}, value, 0)
+
+    # ------------------------------------------------------------------ join tokens
+    #
+    # Written by `bagel-coordinator token` (its own connection, while the daemon may run:
+    # WAL, BEGIN IMMEDIATE, a 30 s busy timeout) and by the daemon's writer thread on
+    # Register; the daemon reads the row on every Register with a token, so a revocation
+    # takes effect at once, and polls `revoked_bound_keys` to remove revoked workers.
+
+    def add_token(self, token: JoinTokenRow) -> None:
+        """Record an issued token; StoreError if its name or id is taken."""
+        try:
+            with self._tx() as c:
+                c.execute(
+                    "INSERT INTO join_tokens (token_id, name, issued_unix_ms, expires_unix_ms, uses)"
+                    " VALUES (?, ?, ?, ?, ?)",
+                    (token.token_id, token.name, token.issued_unix_ms, token.expires_unix_ms, token.uses),
+                )
+        except sqlite3.IntegrityError:
+            raise StoreError(f"a token named {token.name!r} exists already") from None
+
+    def list_tokens(self) -> list[JoinTokenRow]:
+        q = (
+            "SELECT token_id, name, issued_unix_ms, expires_unix_ms, uses, used, bound_key, revoked_unix_ms"
+            " FROM join_tokens ORDER BY issued_unix_ms, name"
+        )
+        try:
+            return [JoinTokenRow(*r) for r in self._conn.execute(q)]
+        except sqlite3.OperationalError:  # a read-only view of a store older than the table
+            return []
+
+    def revoke_token(self, name_or_id: str, now_ms: int) -> JoinTokenRow:
+        """Revoke by name or token id (a revoked token stays revoked); StoreError if none."""
+        with self._tx() as c:
+            row = c.execute(
+                "SELECT token_id FROM join_tokens WHERE name = ? OR token_id = ?", (name_or_id, name_or_id)
+            ).fetchone()
+            if row is None:
+                raise StoreError(f"no token named or with id {name_or_id!r}")
+            c.execute(
+                "UPDATE join_tokens SET revoked_unix_ms = ? WHERE token_id = ? AND revoked_unix_ms = 0",
+                (now_ms, row[0]),
+            )
+        return next(t for t in self.list_tokens() if t.token_id == row[0])
+
+    def use_token(self, token_id: str, key_hex: str, consume: bool) -> tuple[int, str]:
+        """Admit `key_hex` with the token, in one transaction; returns (used, bound_key) before.
+
+        The token binds to the first key that uses it; another key is refused. `consume`
+        counts a use (a joined worker registering again does not). Raises a
+        `JoinTokenError` (and changes nothing) when the token is unknown, revoked, bound
+        to another key or used up.
+        """
+        with self._tx() as c:
+            row = c.execute(
+                "SELECT uses, used, bound_key, revoked_unix_ms FROM join_tokens WHERE token_id = ?", (token_id,)
+            ).fetchone()
+            if row is None:
+                raise TokenUnknown("join token was not issued by this coordinator")
+            uses, used, bound, revoked = int(row[0]), int(row[1]), str(row[2]), int(row[3])
+            if revoked:
+                raise TokenRevoked("join token was revoked by the operator")
+            if bound and bound != key_hex:
+                raise TokenBound("join token is bound to another worker key")
+            if consume and used >= uses:
+                raise TokenUsedUp(f"join token has no uses left (all {uses} used)")
+            c.execute(
+                "UPDATE join_tokens SET used = ?, bound_key = ? WHERE token_id = ?",
+                (used + (1 if consume else 0), key_hex, token_id),
+            )
+        return used, bound
+
+    def restore_token(self, token_id: str, used: int, bound_key: str) -> None:
+        """Undo a `use_token` whose registration the core then refused."""
+        with self._tx() as c:
+            c.execute("UPDATE join_tokens SET used = ?, bound_key = ? WHERE token_id = ?", (used, bound_key, token_id))
+
+    def revoked_bound_keys(self) -> list[str]:
+        """Worker keys (hex) bound to a revoked token."""
+        q = "SELECT bound_key FROM join_tokens WHERE revoked_unix_ms > 0 AND bound_key != ''"
+        try:
+            return [str(r[0]) for r in self._conn.execute(q)]
+        except sqlite3.OperationalError:
+            return []
 
     # ------------------------------------------------------------------ checkpoint index
 

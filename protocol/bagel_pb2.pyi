@@ -180,18 +180,22 @@ class Instruction(_message.Message):
     def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("header", "profile", "peer", "local", "join_token")
+    __slots__ = ("header", "profile", "peer", "local", "join_token", "pow_challenge", "pow_nonce")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POW_CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    POW_NONCE_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     profile: WorkerProfile
     peer: PeerAddress
     local: LocalState
     join_token: bytes
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., profile: _Optional[_Union[WorkerProfile, _Mapping]] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., join_token: _Optional[bytes] = ...) -> None: ...
+    pow_challenge: bytes
+    pow_nonce: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., profile: _Optional[_Union[WorkerProfile, _Mapping]] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., join_token: _Optional[bytes] = ..., pow_challenge: _Optional[bytes] = ..., pow_nonce: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "lease_expires_unix_ms", "heartbeat_interval_ms", "spec_toml", "spec_hash", "instruction")
@@ -326,8 +330,16 @@ class LeaveResponse(_message.Message):
     def __init__(self, upload_first: _Optional[bool] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class GetStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("auth",)
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    auth: SignedRequest
+    def __init__(self, auth: _Optional[_Union[SignedRequest, _Mapping]] = ...) -> None: ...
+
+class StatusAuthRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "name", "state", "cell_id", "phase", "lease_expires_unix_ms", "reputation", "samples_per_s", "vram_bytes", "rounds_contributed")
@@ -382,18 +394,29 @@ class CellStatus(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[str] = ..., round: _Optional[int] = ..., round_state: _Optional[str] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., target_share: _Optional[float] = ..., actual_share: _Optional[float] = ..., last_loss: _Optional[float] = ..., latest_checkpoint_round: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "spec_hash", "now_unix_ms", "workers", "cells")
+    __slots__ = ("run_id", "spec_hash", "now_unix_ms", "workers", "cells", "detailed", "worker_counts")
+    class WorkerCountsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
     NOW_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     CELLS_FIELD_NUMBER: _ClassVar[int]
+    DETAILED_FIELD_NUMBER: _ClassVar[int]
+    WORKER_COUNTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec_hash: str
     now_unix_ms: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     cells: _containers.RepeatedCompositeFieldContainer[CellStatus]
-    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[str] = ..., now_unix_ms: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., cells: _Optional[_Iterable[_Union[CellStatus, _Mapping]]] = ...) -> None: ...
+    detailed: bool
+    worker_counts: _containers.ScalarMap[str, int]
+    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[str] = ..., now_unix_ms: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., cells: _Optional[_Iterable[_Union[CellStatus, _Mapping]]] = ..., detailed: _Optional[bool] = ..., worker_counts: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class UploadCheckpointHeader(_message.Message):
     __slots__ = ("header", "cell_id", "round", "state_hash", "total_bytes", "sha256")
@@ -458,3 +481,45 @@ class CheckpointDownloadChunk(_message.Message):
     info: CheckpointInfo
     data: bytes
     def __init__(self, info: _Optional[_Union[CheckpointInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class AdmissionChallengeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdmissionChallengeResponse(_message.Message):
+    __slots__ = ("run_id", "challenge", "pow_bits", "expires_unix_ms", "token_required")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHALLENGE_FIELD_NUMBER: _ClassVar[int]
+    POW_BITS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    challenge: bytes
+    pow_bits: int
+    expires_unix_ms: int
+    token_required: bool
+    def __init__(self, run_id: _Optional[str] = ..., challenge: _Optional[bytes] = ..., pow_bits: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., token_required: _Optional[bool] = ...) -> None: ...
+
+class JoinToken(_message.Message):
+    __slots__ = ("claims", "signature")
+    CLAIMS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    claims: bytes
+    signature: bytes
+    def __init__(self, claims: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class JoinTokenClaims(_message.Message):
+    __slots__ = ("run_id", "token_id", "name", "issued_unix_ms", "expires_unix_ms", "uses")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    USES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    token_id: bytes
+    name: str
+    issued_unix_ms: int
+    expires_unix_ms: int
+    uses: int
+    def __init__(self, run_id: _Optional[str] = ..., token_id: _Optional[bytes] = ..., name: _Optional[str] = ..., issued_unix_ms: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., uses: _Optional[int] = ...) -> None: ...

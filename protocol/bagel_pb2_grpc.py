@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=bagel__pb2.SignedRequest.SerializeToString,
                 response_deserializer=bagel__pb2.CheckpointDownloadChunk.FromString,
                 _registered_method=True)
+        self.AdmissionChallenge = channel.unary_unary(
+                '/bagel.v1.Coordinator/AdmissionChallenge',
+                request_serializer=bagel__pb2.AdmissionChallengeRequest.SerializeToString,
+                response_deserializer=bagel__pb2.AdmissionChallengeResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -123,6 +128,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdmissionChallenge(self, request, context):
+        """Unsigned: what a Register must carry here (the proof-of-work challenge and difficulty,
+        whether a join token is required). Rate-limited per address.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +173,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DownloadCheckpoint,
                     request_deserializer=bagel__pb2.SignedRequest.FromString,
                     response_serializer=bagel__pb2.CheckpointDownloadChunk.SerializeToString,
+            ),
+            'AdmissionChallenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmissionChallenge,
+                    request_deserializer=bagel__pb2.AdmissionChallengeRequest.FromString,
+                    response_serializer=bagel__pb2.AdmissionChallengeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +369,33 @@ class Coordinator:
             '/bagel.v1.Coordinator/DownloadCheckpoint',
             bagel__pb2.SignedRequest.SerializeToString,
             bagel__pb2.CheckpointDownloadChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmissionChallenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagel.v1.Coordinator/AdmissionChallenge',
+            bagel__pb2.AdmissionChallengeRequest.SerializeToString,
+            bagel__pb2.AdmissionChallengeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,6 +34,7 @@ from bagel.protocol.envelope import sign_request
 from bagel.protocol.grpc_options import CHECKPOINT_CHUNK_BYTES, MAX_MESSAGE_BYTES, channel_options
 from bagel.protocol.identity import Identity
 from bagel.protocol.messages import PartAudit
+from bagel.protocol.pow import solve_pow
 from bagel.protocol.runspec import SpecError, spec_source_hash
 from bagel.protocol.tls import DEFAULT_PROBE_TIMEOUT_S, PinnedTLS, pinned_credentials
 
@@ -44,6 +45,9 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_CHECKPOINT_BYTES = 2 << 30
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# the most proof-of-work bits a client pays for (~2^28 hashes, minutes of one core): a
+# coordinator that asks for more is refused rather than obeyed forever
+MAX_POW_BITS = 28
 
 
 class ClientError(Exception):
@@ -52,6 +56,10 @@ class ClientError(Exception):
 
 class SpecMismatch(ClientError):
     """The spec the coordinator sent does not hash to the expected spec hash."""
+
+
+class AdmissionError(ClientError):
+    """The coordinator's admission challenge is unusable (another run, absurd difficulty)."""
 
 
 class CheckpointIntegrityError(ClientError):
@@ -160,8 +168,19 @@ class CoordinatorClient:
         join_token: bytes = b"",
         timeout_s: float | None = None,
     ) -> pb.RegisterResponse:
-        """Register (or re-register after NOT_FOUND) and check the returned spec's hash."""
+        """Register (or re-register after NOT_FOUND) and check the returned spec's hash.
+
+        First asks for the admission challenge and, if the run wants one, solves the proof
+        of work (`bagel.protocol.pow`) in a thread; a coordinator without the RPC
+        (UNIMPLEMENTED) is registered with as before.
+        """
         req = pb.RegisterRequest(profile=profile, peer=peer, local=local or pb.LocalState(), join_token=join_token)
+        challenge = await self.admission_challenge(timeout_s=timeout_s)
+        if challenge is not None and challenge.pow_bits > 0:
+            req.pow_challenge = challenge.challenge
+            req.pow_nonce = await asyncio.to_thread(
+                solve_pow, challenge.challenge, self.run_id, self.identity.public_key, challenge.pow_bits
+            )
         resp: pb.RegisterResponse = await self.call("Register", req, timeout_s=timeout_s)  # type: ignore[assignment]
         try:
             actual = spec_source_hash(resp.spec_toml)
@@ -243,9 +262,31 @@ class CoordinatorClient:
         req = pb.LeaveRequest(reason=reason, offer_checkpoint=offer_checkpoint)
         return await self.call("Leave", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
-    async def status(self, *, timeout_s: float | None = None) -> pb.StatusResponse:
-        """Unsigned, read-only operator view."""
-        return await self._stub.GetStatus(pb.GetStatusRequest(), timeout=timeout_s or self.timeout_s)
+    async def admission_challenge(self, *, timeout_s: float | None = None) -> pb.AdmissionChallengeResponse | None:
+        """What a Register must carry (None: the coordinator predates the RPC)."""
+        try:
+            resp: pb.AdmissionChallengeResponse = await self._stub.AdmissionChallenge(
+                pb.AdmissionChallengeRequest(), timeout=timeout_s or self.timeout_s
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise
+        if resp.run_id != self.run_id:
+            raise AdmissionError(f"the coordinator runs {resp.run_id[:80]!r}, not {self.run_id!r}")
+        if not 0 <= resp.pow_bits <= MAX_POW_BITS:
+            raise AdmissionError(
+                f"the coordinator asks for a {resp.pow_bits}-bit proof of work (at most {MAX_POW_BITS})"
+            )
+        return resp
+
+    async def status(self, *, signed: bool = True, timeout_s: float | None = None) -> pb.StatusResponse:
+        """The read-only run view. Signed (the default), an active worker or the operator
+        sees every worker; unsigned, the aggregate view."""
+        req = pb.GetStatusRequest()
+        if signed:
+            req.auth.CopyFrom(self.sign("GetStatus", pb.StatusAuthRequest()))
+        return await self._stub.GetStatus(req, timeout=timeout_s or self.timeout_s)
 
     async def upload_checkpoint(
         self,

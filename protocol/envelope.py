@@ -63,6 +63,7 @@ PAYLOAD_TYPES: dict[str, type[Message]] = {
     "Leave": pb.LeaveRequest,
     "UploadCheckpoint": pb.UploadCheckpointHeader,
     "DownloadCheckpoint": pb.DownloadCheckpointRequest,
+    "GetStatus": pb.StatusAuthRequest,  # optional: a signed GetStatus sees worker details
 }
 
 M = TypeVar("M", bound=Message)

@@ -13,6 +13,7 @@ default.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -122,9 +123,34 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class SecuritySection:
+    """Admission and abuse limits (the coordinator's `admission.py` enforces them).
+
+    pow_bits: leading zero bits of the per-registration proof of work (`protocol/pow.py`);
+    2^16 sha256 are ~60 ms of one core in Python, 0 turns it off.
+    Rate limits are token buckets (rate per second, burst), per worker key on every signed
+    RPC and per client address on every RPC; `status_*` is GetStatus's own per-address
+    bucket, and its answer is recomputed at most every `status_cache_ms`; `register_*` is
+    Register's own per-address bucket (new identities per address, on top of the work).
+    Streams: an upload that sends nothing for `upload_idle_s` is closed; at most
+    `max_uploads` uploads (one per uploader) and `max_downloads` downloads run at once.
+    """
+
     mode: Literal["open", "permissioned"] = "open"
     max_clock_skew_s: float = 30.0
     operator_public_key: str = ""  # base64 Ed25519, permissioned runs only
+    pow_bits: int = 16
+    key_rate_per_s: float = 20.0
+    key_burst: int = 60
+    ip_rate_per_s: float = 1000.0
+    ip_burst: int = 2000
+    register_rate_per_s: float = 2.0
+    register_burst: int = 30
+    status_rate_per_s: float = 20.0
+    status_burst: int = 100
+    status_cache_ms: int = 500
+    upload_idle_s: float = 30.0
+    max_uploads: int = 8
+    max_downloads: int = 8
 
 
 @dataclass(frozen=True)
@@ -272,6 +298,19 @@ def _validate(spec: RunSpec) -> None:
         spec.security.mode == "open" or bool(spec.security.operator_public_key),
         "security.operator_public_key: required in permissioned mode",
     )
+    sec = spec.security
+    if sec.operator_public_key:
+        try:
+            raw = base64.b64decode(sec.operator_public_key, validate=True)
+        except ValueError:
+            raw = b""
+        need(len(raw) == 32, "security.operator_public_key: base64 of a 32-byte Ed25519 public key")
+    need(0 <= sec.pow_bits <= 32, "security.pow_bits: between 0 and 32")
+    for key in ("key_rate_per_s", "ip_rate_per_s", "register_rate_per_s", "status_rate_per_s", "upload_idle_s"):
+        need(getattr(sec, key) > 0, f"security.{key}: positive")
+    for key in ("key_burst", "ip_burst", "register_burst", "status_burst", "max_uploads", "max_downloads"):
+        need(getattr(sec, key) >= 1, f"security.{key}: at least 1")
+    need(0 <= sec.status_cache_ms <= 60_000, "security.status_cache_ms: between 0 and 60000")
 
 
 def parse_spec(text: str) -> RunSpec:

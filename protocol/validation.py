@@ -50,6 +50,7 @@ MAX_MADDR_CHARS = 256
 MAX_JOIN_TOKEN_BYTES = 1024
 MAX_AUDIT_CONTRIBUTORS = 256
 MAX_AUDIT_NORM = 1e300  # finite: a norm of float32 values of any count is far below it
+MAX_POW_CHALLENGE_BYTES = 64
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps"})
 
 HEX_SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -186,8 +187,10 @@ def validate_register(req: pb.RegisterRequest, spec: RunSpec) -> None:
     _local("local", req.local, spec)
     if len(req.join_token) > MAX_JOIN_TOKEN_BYTES:
         raise ValidationError("join_token", f"longer than {MAX_JOIN_TOKEN_BYTES} bytes")
-    if spec.security.mode == "permissioned" and not req.join_token:
-        raise ValidationError("join_token", "required in a permissioned run")
+    # a missing token is not a malformed field but a missing credential: the coordinator
+    # answers it UNAUTHENTICATED (bagel.protocol.jointoken.TokenMissing)
+    if len(req.pow_challenge) > MAX_POW_CHALLENGE_BYTES:
+        raise ValidationError("pow_challenge", f"longer than {MAX_POW_CHALLENGE_BYTES} bytes")
 
 
 _ACTIVE_PHASES = (pb.PHASE_TRAINING, pb.PHASE_READY, pb.PHASE_REDUCING)

@@ -24,6 +24,7 @@ from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import sign_request, wall_clock_ms
 from bagel.protocol.grpc_options import MAX_MESSAGE_BYTES
 from bagel.protocol.identity import Identity
+from bagel.protocol.pow import solve_pow
 from bagel.protocol.runspec import parse_spec
 
 from simworkers import cluster_spec_text, fake_peer_id, uniform_cells
@@ -124,6 +125,9 @@ async def coordinator(tmp_path: Path):
     me = Identity.generate()
     # a registered worker, so unknown-worker rejections do not hide the others
     reg = good_payload("Register")
+    challenge = await caller.stub.AdmissionChallenge(pb.AdmissionChallengeRequest(), timeout=10)
+    reg.pow_challenge = challenge.challenge
+    reg.pow_nonce = solve_pow(challenge.challenge, spec.run.id, me.public_key, challenge.pow_bits)
     await caller.stub.Register(sign_request(me, reg, run_id=spec.run.id, method="Register"), timeout=10)
     try:
         yield h, caller, me

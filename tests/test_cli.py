@@ -146,7 +146,7 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
         assert {c["cell_id"] for c in doc["cells"]} == {"k0.r0", "k0.r1", "k1.r0", "k1.r1", "router"}
         table = run_cli("status", "--data-dir", str(data))
         assert table.returncode == 0 and "cli-w" in table.stdout and "k1.r1" in table.stdout
-        live = run_cli("status", "--target", endpoint, "--tls-fingerprint", fingerprint, "--json")
+        live = run_cli("status", "--target", endpoint, "--tls-fingerprint", fingerprint, "--key", str(key), "--json")
         assert live.returncode == 0, live.stderr
         assert json.loads(live.stdout)["workers"][0]["worker_id"] == wid
         # the TLS matrix from the command line: no pin given, plaintext, a wrong pin
@@ -158,6 +158,11 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
         assert wrong.returncode == 1 and "not the pinned" in wrong.stderr
         for refused in (unpinned, plain, wrong):
             assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+        public = run_cli("status", "--target", endpoint, "--tls-fingerprint", fingerprint, "--json")
+        assert public.returncode == 0, public.stderr
+        doc = json.loads(public.stdout)
+        assert doc["workers"] == [] and doc["detailed"] is False
+        assert sum(int(n) for state, n in doc["worker_counts"].items() if state != "standby") == 1
 
         # metrics endpoint
         import urllib.request

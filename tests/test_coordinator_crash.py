@@ -19,6 +19,8 @@ import pytest
 from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
+from bagel.protocol.envelope import sign_request
+from bagel.protocol.identity import Identity
 
 from daemonproc import DaemonProcess, free_port
 from simworkers import cluster_spec_text, start_workers, stop_workers
@@ -33,17 +35,23 @@ def read_commits(data_dir: Path) -> tuple[list[tuple[str, int, str]], list[tuple
         store.close()
 
 
-async def status(target: str) -> pb.StatusResponse:
+async def status(target: str, key: Path | None = None) -> pb.StatusResponse:
+    """GetStatus: signed with `key` (the daemon's own) it lists every worker, else the aggregate view."""
+    req = pb.GetStatusRequest()
+    if key is not None:
+        req.auth.CopyFrom(
+            sign_request(Identity.load(key), pb.StatusAuthRequest(), run_id="crashrun", method="GetStatus")
+        )
     async with grpc.aio.insecure_channel(target) as ch:
-        return await pb_grpc.CoordinatorStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
+        return await pb_grpc.CoordinatorStub(ch).GetStatus(req, timeout=5)
 
 
-async def wait_status(target: str, pred, timeout_s: float, what: str) -> pb.StatusResponse:
+async def wait_status(target: str, pred, timeout_s: float, what: str, key: Path | None = None) -> pb.StatusResponse:
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
         try:
-            last = await status(target)
+            last = await status(target, key)
             if pred(last):
                 return last
         except grpc.aio.AioRpcError:
@@ -114,7 +122,9 @@ async def test_sigkill_mid_round_loses_no_commit_and_rounds_continue(tmp_path: P
                 )
             )
 
-        await wait_status(target, recovered, 90, "the workers re-attached and a new commit in every cell")
+        await wait_status(
+            target, recovered, 90, "the workers re-attached and a new commit in every cell", data / "coordinator.key"
+        )
     finally:
         await stop_workers(workers)
         first.close()

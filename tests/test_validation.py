@@ -218,15 +218,24 @@ def test_failed_report_needs_no_hash():
     validate("ReportRound", msg, SPEC)
 
 
-def test_permissioned_run_requires_join_token():
+def test_join_token_and_pow_fields_are_bounded():
+    """A permissioned Register without a token is well-formed (the coordinator answers the
+    missing credential UNAUTHENTICATED, tests/test_admission_tokens.py); oversized fields are not."""
     spec = dataclasses.replace(
         SPEC, security=dataclasses.replace(SPEC.security, mode="permissioned", operator_public_key="x")
     )
     msg = good_register()
+    validate_register(msg, spec)
+    msg.join_token = b"t" * 1025
     with pytest.raises(ValidationError) as err:
         validate_register(msg, spec)
     assert err.value.field == "join_token"
     msg.join_token = b"token"
+    msg.pow_challenge = b"c" * 65
+    with pytest.raises(ValidationError) as err:
+        validate_register(msg, spec)
+    assert err.value.field == "pow_challenge"
+    msg.pow_challenge = b"c" * 32
     validate_register(msg, spec)
 
 

@@ -97,6 +97,7 @@ class AgentConfig:
     resolve_timeout_s: float = 120.0
     sync_timeout_s: float = 120.0
     keep_round_history: bool = False  # also keep a checkpoint per committed round (tests)
+    join_token: bytes = b""  # a permissioned run's join token (`bagel-worker join --token`)
 
 
 class Agent:
@@ -123,6 +124,7 @@ class Agent:
         self.dataplane: Any = None
         self.stateserver: Any = None
         self.link = CoordinatorLink(self, self.join, self.identity, self.display, self._stop)
+        self.link.join_token = cfg.join_token
         self.orders = Orders(
             self, self.link, cfg, self.display, self.ctx, self.device, self.join.run_id, self.worker_id
         )

@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=15.0,
         help="on SIGTERM, wait at most this long for a running exchange before leaving (default: 15)",
     )
+    j.add_argument(
+        "--token",
+        default=None,
+        metavar="TOKEN",
+        help="join token (bagel-token1:...) for a permissioned run, from its operator; "
+        "also read from $BAGEL_JOIN_TOKEN",
+    )
     # fault injection and test hooks: documented in the module docstring, hidden from --help
     j.add_argument("--byzantine", choices=BYZANTINE_MODES, default="", help=argparse.SUPPRESS)
     j.add_argument("--keep-round-history", action="store_true", help=argparse.SUPPRESS)
@@ -101,6 +108,15 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         raise ValueError(f"--reduce-timeout-s must be positive, got {args.reduce_timeout_s}")
     if args.leave_grace_s < 0:
         raise ValueError(f"--leave-grace-s must be >= 0, got {args.leave_grace_s}")
+    token_text = args.token if args.token is not None else os.environ.get("BAGEL_JOIN_TOKEN", "")
+    join_token = b""
+    if token_text:
+        from bagel.protocol.jointoken import from_text
+
+        try:
+            join_token = from_text(token_text)
+        except ValueError as e:
+            raise ValueError(f"--token: {e}") from None
     return AgentConfig(
         join=args.join_string,
         data_dir=args.data_dir or default_data_dir(),
@@ -114,6 +130,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         reduce_timeout_s=args.reduce_timeout_s,
         leave_grace_s=args.leave_grace_s,
         keep_round_history=args.keep_round_history,
+        join_token=join_token,
     )
 
 

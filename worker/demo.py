@@ -107,14 +107,23 @@ def main(argv: list[str] | None = None) -> int:
                 workers.append((w, t))
                 print(f"started {name} (--throttle {t:g}), log: {w.log_path}", flush=True)
             start_losses = _initial_losses(spec)  # while the workers start up
-            _watch(coord.endpoint, coord.tls_fingerprint, workers, args.duration_s, stop)
+            _watch(
+                coord.endpoint,
+                coord.tls_fingerprint,
+                workers,
+                args.duration_s,
+                stop,
+                out / "coordinator" / "coordinator.key",
+            )
             print("\nstopping the workers (they finish or abandon their round and leave)...", flush=True)
             for w, _ in workers:
                 if w.alive():
                     w.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             for w, _ in workers:
                 w.stop(timeout_s=60)
-            final_status = _status_or_none(coord.endpoint, coord.tls_fingerprint)
+            final_status = _status_or_none(
+                coord.endpoint, coord.tls_fingerprint, out / "coordinator" / "coordinator.key"
+            )
             coord.stop(timeout_s=30)
         print("all processes stopped; evaluating...", flush=True)
         report = _report(spec, out, workers, start_losses, final_status, time.time() - started, args.sample_steps)
@@ -128,16 +137,18 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- live view
 
 
-def _status_or_none(endpoint: str, tls_fingerprint: str) -> Any:
+def _status_or_none(endpoint: str, tls_fingerprint: str, key: Path | None = None) -> Any:
     from bagel.worker.swarm import get_status
 
     try:
-        return get_status(endpoint, tls_fingerprint=tls_fingerprint)
+        return get_status(endpoint, tls_fingerprint=tls_fingerprint, key=key)
     except Exception:  # the coordinator may be briefly unresponsive; the view just skips
         return None
 
 
-def _watch(endpoint: str, tls_fingerprint: str, workers: list, duration_s: float, stop: _Stop) -> None:
+def _watch(
+    endpoint: str, tls_fingerprint: str, workers: list, duration_s: float, stop: _Stop, key: Path | None = None
+) -> None:
     """Print a compact table of cells and workers every few seconds until time is up."""
     from bagel.protocol import bagel_pb2 as pb
 
@@ -147,7 +158,7 @@ def _watch(endpoint: str, tls_fingerprint: str, workers: list, duration_s: float
     last_print = 0.0
     while time.time() - t0 < duration_s and not stop.requested:
         time.sleep(min(STATUS_EVERY_S, max(0.1, duration_s - (time.time() - t0))))
-        st = _status_or_none(endpoint, tls_fingerprint)
+        st = _status_or_none(endpoint, tls_fingerprint, key)
         if st is None:
             continue
         for w in st.workers:

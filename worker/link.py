@@ -83,6 +83,7 @@ class CoordinatorLink:
         self.down_since: float | None = None
         self._hb_wake = asyncio.Event()
         self._hb_task: asyncio.Task[None] | None = None
+        self.join_token = b""  # sent with every Register (permissioned runs)
 
     async def connect(self, dht: Any, record: CoordinatorRecord) -> bool:
         """The client for the record's endpoint, pinned to the record's TLS certificate.
@@ -208,7 +209,7 @@ class CoordinatorLink:
 
     # (the client is looked up when the call is made: a re-resolve may have replaced it)
     def _register_call(self, profile: pb.WorkerProfile, peer: pb.PeerAddress, local: pb.LocalState) -> Awaitable[Any]:
-        return self._current().register(profile, peer, local)
+        return self._current().register(profile, peer, local, join_token=self.join_token)
 
     def _heartbeat_call(self, req: pb.HeartbeatRequest) -> Awaitable[Any]:
         return self._current().call("Heartbeat", req)

@@ -231,13 +231,16 @@ def cleanup(procs: list[Managed]) -> Iterator[list[Managed]]:
                 p.kill()  # the leader is gone; its group may not be
 
 
-def get_status(endpoint: str, timeout_s: float = 5.0, *, tls_fingerprint: str = "") -> Any:
-    """The coordinator's GetStatus (unsigned, read-only) over a short-lived channel, TLS
-    pinned to `tls_fingerprint` (the daemon's `tls: sha256 HEX` line) or plaintext if ""."""
+def get_status(endpoint: str, timeout_s: float = 5.0, *, tls_fingerprint: str = "", key: Path | None = None) -> Any:
+    """The coordinator's GetStatus over a short-lived channel, TLS pinned to `tls_fingerprint`
+    (the daemon's `tls: sha256 HEX` line) or plaintext if "": the aggregate view, or with
+    `key` (the coordinator's `DATA_DIR/coordinator.key`) signed, with every worker."""
     import grpc
 
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol import bagel_pb2_grpc as pb_grpc
+    from bagel.protocol.envelope import sign_request
+    from bagel.protocol.identity import Identity
     from bagel.protocol.tls import pinned_credentials
 
     if tls_fingerprint:
@@ -246,4 +249,11 @@ def get_status(endpoint: str, timeout_s: float = 5.0, *, tls_fingerprint: str = 
     else:
         channel = grpc.insecure_channel(endpoint)
     with channel as ch:
-        return pb_grpc.CoordinatorStub(ch).GetStatus(pb.GetStatusRequest(), timeout=timeout_s)
+        stub = pb_grpc.CoordinatorStub(ch)
+        req = pb.GetStatusRequest()
+        if key is not None:
+            run_id = stub.AdmissionChallenge(pb.AdmissionChallengeRequest(), timeout=timeout_s).run_id
+            req.auth.CopyFrom(
+                sign_request(Identity.load(key), pb.StatusAuthRequest(), run_id=run_id, method="GetStatus")
+            )
+        return stub.GetStatus(req, timeout=timeout_s)
