@@ -25,7 +25,15 @@ from bagel.protocol.envelope import sign_request
 from bagel.protocol.identity import Identity
 from bagel.protocol.runspec import parse_spec
 
-from simworkers import SimWorker, cluster_spec_text, fake_peer_id, start_workers, stop_workers, uniform_cells
+from simworkers import (
+    SimWorker,
+    cluster_spec_text,
+    fake_peer_id,
+    sim_schema,
+    start_workers,
+    stop_workers,
+    uniform_cells,
+)
 
 ONE_CELL = {
     "clusters = 2": "clusters = 1",
@@ -93,7 +101,9 @@ async def frozen_uploader(h: CoordinatorHandle) -> tuple[Uploader, list[SimWorke
 
 async def start(tmp_path: Path, security: str) -> CoordinatorHandle:
     spec = parse_spec(spec_text(security))
-    return await start_coordinator(spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50)
+    return await start_coordinator(
+        spec, tmp_path / "c", cells=uniform_cells(spec.cell_ids), tick_ms=50, checkpoint_schema=sim_schema
+    )
 
 
 async def code_of(call: Any) -> grpc.StatusCode:

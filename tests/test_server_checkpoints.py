@@ -150,8 +150,10 @@ async def test_a_committed_state_that_is_not_the_cells_model_is_not_stored(tmp_p
     workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 2, cells=spec.cell_ids)
     try:
         errors = lambda: [e for w in workers for e in w.stats.errors if e.startswith("upload")]  # noqa: E731
-        await wait_for(lambda: len(errors()) >= 2, 60, "two refused uploads")
-        assert all("INVALID_ARGUMENT" in e and "not this cell's model" in e for e in errors()), errors()
+        refused = lambda: [e for e in errors() if "INVALID_ARGUMENT" in e and "not this cell's model" in e]  # noqa: E731
+        await wait_for(lambda: len(refused()) >= 2, 60, "two refused uploads")
+        # a retry that races the server's release of the refused upload's slot is told to wait
+        assert all(e in refused() or "one at a time" in e for e in errors()), errors()
         assert not any(w.stats.uploads for w in workers)
         assert h.app.checkpoints.list() == []
         assert [p for p in (h.data_dir / "checkpoints").rglob("*") if p.is_file()] == []
