@@ -290,15 +290,20 @@ class Rounds:
         if c.round is None and c.synced:
             self.open_round(c, now)
 
-    def drop_member(self, c: Cell, r: Round, wid: str, now: int) -> None:
-        """A member or contributor left the round (lease lost, left, banned)."""
+    def drop_member(self, c: Cell, r: Round, wid: str, now: int, *, distrust: bool = False) -> None:
+        """A member or contributor left the round (lease lost, left, banned).
+
+        `distrust` (a ban): what it sent or reduced can no longer be trusted, so a frozen
+        contributor set that includes it is re-frozen without it (or aborted) even when its
+        part was delivered and reports came in: no commit is made of a banned worker's bytes,
+        and no instruction names it as a contributor again."""
         r.dropped[wid] = None
         r.ready.pop(wid, None)
         self.changes.round(r)
         if r.state in (RoundState.OPEN, RoundState.TRAINING):
             self.check_freeze(c, r, now)
-        elif r.state is RoundState.REDUCING and wid in r.frozen and wid not in r.reports:
-            if any(not e.failed for e in r.reports.values()):
+        elif r.state is RoundState.REDUCING and wid in r.frozen and (distrust or wid not in r.reports):
+            if not distrust and any(not e.failed for e in r.reports.values()):
                 # someone finished the exchange, so the lost part was delivered: the
                 # remaining reports decide (an impossible quorum aborts now)
                 self.evaluate(c, r, now)
@@ -308,7 +313,8 @@ class Rounds:
             if survivors and self._freeze_ok(len(survivors), len(weighted)):
                 self._freeze(c, r, survivors, now)  # survivors redo only the exchange
             else:
-                self.abort(c, r, now, f"contributor {wid} lost, too few survivors")
+                why = "banned" if distrust else "lost"
+                self.abort(c, r, now, f"contributor {wid} {why}, too few survivors")
 
     # ---------------------------------------------------------------- orphaned cells
 

@@ -496,6 +496,8 @@ class CoordinatorState:
             self.roster.observe_throughput(w, c.id, ev.samples * 1000.0 / ev.compute_ms)
         if ev.failed:
             self.roster.reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
+            if w.state is WorkerState.BANNED:  # the round went on without it (re-frozen or aborted)
+                return self._instruction(w), Verdict.ABORTED, w.lease_ms
         result = self.rounds.evaluate(c, r, now)
         if result == RoundState.COMMITTED:
             ok = not ev.failed and ev.state_hash == c.committed_hash and c.committed_round == ev.round
