@@ -67,6 +67,8 @@ def report_event(worker_id: str, req: pb.ReportRoundRequest) -> ReportRound:
         failed=req.failed,
         reason=req.reason,
         reduce_attempt=req.reduce_attempt,
+        heldout_loss=req.heldout_loss if req.HasField("heldout_loss") else None,
+        heldout_loss_base=req.heldout_loss_base if req.HasField("heldout_loss_base") else None,
     )
 
 

@@ -24,6 +24,8 @@ invariants. After every step:
   its commit records' samples (a re-report, a late report or a re-freeze adds nothing);
 - a banned worker is never assigned: it is in no cell, no open round's live members or
   contributors, no instruction's plan or contributor list, and is told to LEAVE;
+- the commit guard: a commit that carries a held-out loss carries the median of its
+  agreeing reports, and never more than max_loss_ratio x the reference + abs_slack;
 - no exception other than a `CoordinatorError` (a `CoreFault` fails the test);
 - the fake store equals the state's snapshot (`FakeStore.check`).
 
@@ -62,8 +64,9 @@ from bagel.coordinator.core.events import (
     ReportRound,
     Tick,
 )
+from bagel.coordinator.core.guard import median
 from bagel.coordinator.core.policy import POLICIES
-from bagel.coordinator.core.records import CommitRecord, RoundRecord, RoundState, WorkerState
+from bagel.coordinator.core.records import CellRecord, CommitRecord, RoundRecord, RoundState, WorkerState
 from bagel.protocol.messages import Instruction, LocalState, Order, PeerAddress, Phase, Profile
 
 from test_state_harness import GB, Harness, h, make_spec
@@ -75,7 +78,7 @@ IDS = ("w0", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "ghost")  # only random r
 HASHES = tuple(h(n) for n in range(1, 5))
 
 # (worker, behaviour): a worker doing what it was told, honestly or not
-BEHAVIOURS = ("honest", "honest", "honest", "honest", "short", "lie", "fail")
+BEHAVIOURS = ("honest", "honest", "honest", "honest", "short", "lie", "fail", "jump", "unmeasured")
 MOVES = st.lists(st.tuples(st.sampled_from(IDS[:-1]), st.sampled_from(BEHAVIOURS)), min_size=1, max_size=12)
 
 counted = Counter[str]()  # events applied and refused, over the whole test
@@ -95,6 +98,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.quorum = 0.5
         self.seen_commits = 0
         self.last_committed: dict[str, tuple[int, int]] = {}  # cell -> (committed_round, rollbacks)
+        self.before: dict[str, CellRecord] = {}
 
     # ------------------------------------------------------------------ setup
 
@@ -122,6 +126,7 @@ class CoreMachine(RuleBasedStateMachine):
     def _apply(self, event: Any, now: int | None = None) -> Outcome | None:
         hz = self.hz
         assert hz is not None
+        self.before = dict(hz.store.cells)  # the cells as the event found them (the guard's reference)
         saved = hz.now
         if now is not None:
             hz.now = now
@@ -144,6 +149,9 @@ class CoreMachine(RuleBasedStateMachine):
         if out.instruction is not None:
             self._check_instruction(out.instruction, banned)
         rounds = {e.key: e for e in out.effects if isinstance(e, RoundRecord)}
+        counted["guard refusals"] += sum(
+            1 for e in rounds.values() if e.state is RoundState.ABORTED and e.reason.startswith("commit guard")
+        )
         for e in out.effects:
             if isinstance(e, CommitRecord):
                 self._check_commit(e, rounds.get((e.cell_id, e.round, e.attempt)))
@@ -184,13 +192,24 @@ class CoreMachine(RuleBasedStateMachine):
         assert set(commit.agreeing) == {
             x for x, e in rec.reports.items() if not e.failed and e.state_hash == commit.state_hash
         }
+        # the commit guard: a committed measurement never jumps past the bound of [guard]
+        agreeing_losses = [
+            e.heldout_loss for e in rec.reports.values() if not e.failed and e.state_hash == commit.state_hash
+        ]
+        hz = self.hz
+        assert hz is not None
+        g, before = hz.spec.guard, self.before[commit.cell_id]
+        if commit.heldout_loss >= 0:
+            assert commit.heldout_loss == median([x for x in agreeing_losses if x >= 0])
+            if before.heldout_loss >= 0 and before.rollbacks == hz.store.cells[commit.cell_id].rollbacks:
+                bound = g.max_loss_ratio * before.heldout_loss + g.abs_slack
+                assert commit.heldout_loss <= bound, f"guard let {commit.heldout_loss} past {bound}"
+                counted["guarded commits"] += 1
         plans = {p.worker_id: p.max_samples for p in rec.members}
         expect = sum(min(rec.reports[x].samples, plans[x]) for x in agree)
         assert commit.samples == expect, f"commit samples {commit.samples} != {expect} from its reports"
         assert all(x in rec.contributors for x in commit.agreeing)
         # a commit is always of the round after the cell's last committed one (rollbacks included)
-        hz = self.hz
-        assert hz is not None
         cell = hz.store.cells[commit.cell_id]
         prev_rb = self.last_committed[commit.cell_id][1]
         assert cell.committed_round == commit.round, "the cell holds the round it just committed"
@@ -296,6 +315,7 @@ class CoreMachine(RuleBasedStateMachine):
         samples=st.sampled_from((0, 1, 640, 10**12, -1)),
         compute_ms=st.sampled_from((0, 1, 6_400, -3)),
         loss=st.sampled_from((0.5, math.nan, math.inf, -1.0)),
+        heldout=st.sampled_from((None, None, 0.0, 0.7, 1e9, math.nan, -1.0)),
     )
     def report_any(
         self,
@@ -309,6 +329,7 @@ class CoreMachine(RuleBasedStateMachine):
         samples: int,
         compute_ms: int,
         loss: float,
+        heldout: float | None,
     ) -> None:
         hz = self.hz
         assert hz is not None
@@ -335,6 +356,8 @@ class CoreMachine(RuleBasedStateMachine):
                 failed=failed,
                 reason="fuzz" if failed else "",
                 reduce_attempt=ra,
+                heldout_loss=heldout,
+                heldout_loss_base=heldout,
             )
         )
 
@@ -413,6 +436,13 @@ class CoreMachine(RuleBasedStateMachine):
     def cooperate_again(self, moves: list[tuple[str, str]]) -> None:
         self.cooperate(moves)
 
+    def _heldout(self, cid: str) -> float:
+        """The held-out loss honest members measure for the cell's committed state."""
+        hz = self.hz
+        assert hz is not None
+        ref = hz.store.cells[cid].heldout_loss
+        return ref if ref > 0 else 1.0
+
     def _follow(self, wid: str, how: str) -> None:
         """The worker does what it was told ("lie": another hash, "fail": a failed exchange,
         "short": half its planned samples)."""
@@ -449,6 +479,10 @@ class CoreMachine(RuleBasedStateMachine):
             )
         elif ins.order is Order.REDUCE:
             good = honest_hash(ins.cell_id, ins.round, ins.reduce_attempt)
+            # the held-out loss of the new state: honest members agree on it; "jump" says it
+            # blew up (one member's report among honest ones, or all of a one-member cell's)
+            base = self._heldout(ins.cell_id)
+            heldout = None if how == "unmeasured" else base * (10.0 if how == "jump" else 0.9)
             self._apply(
                 ReportRound(
                     wid,
@@ -461,6 +495,8 @@ class CoreMachine(RuleBasedStateMachine):
                     loss=0.5,
                     compute_ms=6_400,
                     reduce_attempt=ins.reduce_attempt,
+                    heldout_loss=heldout,
+                    heldout_loss_base=None if heldout is None else base,
                 )
             )
             if how == "honest":  # a retry of the same report, as a worker whose answer was lost sends
@@ -542,7 +578,8 @@ def test_core_fuzz() -> None:
     )
     events = counted["events"] - before
     print(
-        f"\ncore fuzz: {events} events ({counted['refused']} refused), {counted['commits']} commits, "
+        f"\ncore fuzz: {events} events ({counted['refused']} refused), {counted['commits']} commits "
+        f"({counted['guarded commits']} guarded), {counted['guard refusals']} guard refusals, "
         f"{counted['restarts']} restarts"
     )
     if os.environ.get("BAGEL_FUZZ_VERBOSE"):

@@ -52,6 +52,10 @@ class ReportRound:
     failed: bool = False  # the exchange failed; `reason` says why (no hash)
     reason: str = ""
     reduce_attempt: int = 0
+    # the commit guard: held-out loss of the new state and of the round's base state on the
+    # cell's guard batch (None: not measured)
+    heldout_loss: float | None = None
+    heldout_loss_base: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
