@@ -555,6 +555,7 @@ class CoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def core_alive(self) -> None:
+        counted["steps"] += 1  # invariants run once per step
         hz = self.hz
         if hz is not None:
             assert hz.st.fault is None
@@ -580,7 +581,7 @@ def test_core_fuzz() -> None:
     print(
         f"\ncore fuzz: {events} events ({counted['refused']} refused), {counted['commits']} commits "
         f"({counted['guarded commits']} guarded), {counted['guard refusals']} guard refusals, "
-        f"{counted['restarts']} restarts"
+        f"{counted['restarts']} restarts, {counted['steps']} steps"
     )
     if os.environ.get("BAGEL_FUZZ_VERBOSE"):
         for k, v in sorted(counted.items()):
