@@ -178,6 +178,8 @@ class CoordinatorClient:
         failed: bool = False,
         reason: str = "",
         reduce_attempt: int = 0,
+        heldout_loss: float | None = None,
+        heldout_loss_base: float | None = None,
         timeout_s: float | None = None,
     ) -> pb.ReportRoundResponse:
         req = pb.ReportRoundRequest(
@@ -194,6 +196,10 @@ class CoordinatorClient:
             reason=reason,
             reduce_attempt=reduce_attempt,
         )
+        if heldout_loss is not None:  # optional fields: unset means "not measured"
+            req.heldout_loss = heldout_loss
+        if heldout_loss_base is not None:
+            req.heldout_loss_base = heldout_loss_base
         return await self.call("ReportRound", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
     async def leave(

@@ -49,6 +49,9 @@ class ReduceOutcome:
     bytes_sent: int
     bytes_received: int
     comm_s: float
+    # the commit guard's measurements (worker/heldout.py), None until measured
+    heldout_loss: float | None = None
+    heldout_loss_base: float | None = None
 
 
 @dataclass

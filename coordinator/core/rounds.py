@@ -103,10 +103,14 @@ class Rounds:
                 continue  # that attempt ended: a stale entry
             if kind == TRAIN_DEADLINE and r.state in (RoundState.OPEN, RoundState.TRAINING):
                 self.train_deadline(c, r, now)
-            elif kind == REDUCE_DEADLINE and r.state is RoundState.REDUCING and r.reduce_attempt == ra:
+            elif (
+                kind == REDUCE_DEADLINE
+                and r.state is RoundState.REDUCING
+                and r.reduce_attempt == ra
                 # a quorum the guard was still waiting on is judged with the reports there are
-                if self.evaluate(c, r, now, final=True) is None:
-                    self.abort(c, r, now, f"reduce deadline of attempt {ra} passed")
+                and self.evaluate(c, r, now, final=True) is None
+            ):
+                self.abort(c, r, now, f"reduce deadline of attempt {ra} passed")
 
     # ---------------------------------------------------------------- lifecycle
 
