@@ -212,11 +212,15 @@ class CoreMachine(RuleBasedStateMachine):
         # a commit is always of the round after the cell's last committed one (rollbacks included)
         cell = hz.store.cells[commit.cell_id]
         prev_rb = self.last_committed[commit.cell_id][1]
-        assert cell.committed_round == commit.round, "the cell holds the round it just committed"
         if cell.rollbacks == prev_rb:
+            assert cell.committed_round == commit.round, "the cell holds the round it just committed"
             assert commit.round == prev_round + 1, f"{commit.cell_id} committed {commit.round} after {prev_round}"
-        else:  # fell back to its checkpoint in the same transition, then committed the next round
+        else:
+            # a rollback in the same transition: before the commit (then the commit is of the
+            # checkpoint's next round), or right after it (its holders were lost: the cell
+            # falls back to its checkpoint, as it would at the next event that needs the state)
             assert commit.round <= prev_round + 1
+            assert cell.committed_round in (commit.round, max(cell.checkpoint_round, 0))
 
     # ------------------------------------------------------------------ random events
 
