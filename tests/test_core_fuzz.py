@@ -29,13 +29,18 @@ invariants. After every step:
 - no exception other than a `CoordinatorError` (a `CoreFault` fails the test);
 - the fake store equals the state's snapshot (`FakeStore.check`).
 
-The default run is small (`BAGEL_FUZZ_EXAMPLES` examples x `BAGEL_FUZZ_STEPS` steps,
-40 x 100). The full run of about 10^5 events:
+The default run is small and the same every time (`BAGEL_FUZZ_EXAMPLES` examples x up to
+`BAGEL_FUZZ_STEPS` steps, 40 x 100, derandomized: about 10^4 events in seconds). The full
+run, about 10^5 steps and 3 x 10^5 core events (a cooperative step applies several):
 
-    BAGEL_FUZZ_EXAMPLES=1000 BAGEL_FUZZ_STEPS=100 .venv/bin/pytest -q -s tests/test_core_fuzz.py
+    BAGEL_FUZZ_EXAMPLES=1000 BAGEL_FUZZ_STEPS=100 BAGEL_FUZZ_TIMEOUT_S=3000 \
+        .venv/bin/python -m pytest -q -s tests/test_core_fuzz.py::test_core_fuzz
 
-(`-s` shows the number of events applied; hypothesis ends some examples early, so the
-count is printed, not assumed).
+`-s` prints the counts (events, refusals, commits, guard refusals, restarts, steps):
+hypothesis ends some examples early, so they are printed, not assumed. BAGEL_FUZZ_RANDOM=1
+draws new examples instead of the fixed ones; BAGEL_FUZZ_SHRINK=0 reports a failure as
+found instead of minimising it (minimising a long run can take minutes);
+BAGEL_FUZZ_VERBOSE=1 also prints the refusals by event and error class.
 """
 
 from __future__ import annotations
