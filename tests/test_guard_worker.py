@@ -7,12 +7,18 @@ the core's verdict.
   would have) give the same number for the same state, on the CPU;
 - an honest round's new state passes the guard and commits;
 - the same round with a blown-up pseudo-gradient (`--byzantine scale`, x100) makes the
-  held-out loss jump, and the coordinator refuses to commit it.
+  held-out loss jump, and the coordinator refuses to commit it;
+- end to end (real processes): a coordinator and one `--byzantine scale` worker; every
+  attempt is refused by the guard and nothing is committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import sqlite3
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +35,7 @@ from bagel.worker.heldout import HeldoutProbe
 from bagel.worker.localstate import LocalCheckpoint
 from bagel.worker.orders import Orders
 from bagel.worker.roundwork import ReduceOutcome, RoundWork, corrupt, train_round
+from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup, free_port, get_status
 from bagel.worker.trainer import InnerPlan, build_runtime
 
 from test_state_harness import Harness, make_cells
@@ -63,6 +70,11 @@ abs_slack = 0.05
 eval_samples = 32
 """
 CELL = "k0.r0"
+# the end-to-end run: the same cell with short leases and rounds (as tests/test_e2e.py)
+E2E_SPEC = SPEC.replace("inner_steps = 8", "inner_steps = 5").replace(
+    "[schedule]\nmin_replicas = 1\n",
+    "[schedule]\nmin_replicas = 1\nlease_s = 3.0\nheartbeat_s = 0.5\nmin_round_s = 1.0\ndeadline_slack = 3.0\n",
+)
 
 
 def _measured(spec: object, held: LocalCheckpoint, new: CellState) -> ReduceOutcome:
@@ -124,3 +136,50 @@ def test_the_worker_measures_a_jump_and_the_coordinator_refuses_it() -> None:
             aborted = hz.store.rounds[(CELL, 1, 1)]
             assert aborted.state is RoundState.ABORTED and aborted.reason.startswith("commit guard")
             assert verdict is not None and verdict.name == "ABORTED"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_end_to_end_a_blown_up_round_is_never_committed(tmp_path: Path) -> None:
+    """A real coordinator and one real worker whose pseudo-gradient is x100
+    (`--byzantine scale`): the worker measures the jump after every outer step and the
+    coordinator refuses every attempt (guard refusals in its SQLite store, nothing
+    committed), while the worker stays a member in good standing."""
+    spec_path = tmp_path / "spec.toml"
+    spec_path.write_text(E2E_SPEC)
+    procs: list[Managed] = []
+    with cleanup(procs):
+        c = CoordinatorProc.make(spec_path, tmp_path / "coord", tmp_path / "coord.log", port=free_port())
+        procs.append(c)
+        c.start_and_wait(timeout_s=90)
+        w = WorkerProc.make(
+            c.join, tmp_path / "solo", tmp_path / "solo.log", name="solo", extra=["--byzantine", "scale"]
+        )
+        procs.append(w)
+        w.start()
+        db = tmp_path / "coord" / "coordinator.sqlite3"
+
+        def refusals() -> tuple[int, int]:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+            try:
+                rows = [json.loads(r[0]) for r in con.execute("SELECT record FROM cells")]
+            finally:
+                con.close()
+            cell = next(r for r in rows if r["cell_id"] == CELL)
+            return int(cell["guard_refusals"]), int(cell["committed_round"])
+
+        deadline = time.monotonic() + 180
+        seen = (0, 0)
+        while time.monotonic() < deadline and seen[0] < 2:
+            assert c.alive(), c.log_text()[-3000:]
+            try:
+                seen = refusals()
+            except (sqlite3.Error, StopIteration):
+                pass
+            time.sleep(1.0)
+        assert seen[0] >= 2, f"no guard refusals after 180 s: {seen}\n{w.log_text()[-3000:]}"
+        assert seen[1] == 0, "a blown-up round was committed"
+        assert not w.events("committed")
+        status = get_status(c.endpoint)
+        solo = [x for x in status.workers if x.state == "active"]
+        assert len(solo) == 1 and solo[0].reputation >= 0, "the guard charged the member"
