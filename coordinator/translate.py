@@ -69,6 +69,8 @@ def report_event(worker_id: str, req: pb.ReportRoundRequest) -> ReportRound:
         reason=req.reason,
         reduce_attempt=req.reduce_attempt,
         audit=audit_from_pb(req.audit) if req.HasField("audit") else None,
+        heldout_loss=req.heldout_loss if req.HasField("heldout_loss") else None,
+        heldout_loss_base=req.heldout_loss_base if req.HasField("heldout_loss_base") else None,
     )
 
 

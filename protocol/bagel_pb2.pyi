@@ -246,7 +246,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class ReportRoundRequest(_message.Message):
-    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt", "audit")
+    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt", "audit", "heldout_loss", "heldout_loss_base")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -261,6 +261,8 @@ class ReportRoundRequest(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     AUDIT_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_LOSS_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_LOSS_BASE_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     cell_id: str
     round: int
@@ -275,7 +277,9 @@ class ReportRoundRequest(_message.Message):
     reason: str
     reduce_attempt: int
     audit: AuditPart
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., audit: _Optional[_Union[AuditPart, _Mapping]] = ...) -> None: ...
+    heldout_loss: float
+    heldout_loss_base: float
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., audit: _Optional[_Union[AuditPart, _Mapping]] = ..., heldout_loss: _Optional[float] = ..., heldout_loss_base: _Optional[float] = ...) -> None: ...
 
 class AuditPart(_message.Message):
     __slots__ = ("part", "first_block", "senders")

@@ -235,6 +235,8 @@ class CoordinatorClient:
         reason: str = "",
         reduce_attempt: int = 0,
         audit: PartAudit | None = None,
+        heldout_loss: float | None = None,
+        heldout_loss_base: float | None = None,
         timeout_s: float | None = None,
     ) -> pb.ReportRoundResponse:
         req = pb.ReportRoundRequest(
@@ -253,6 +255,10 @@ class CoordinatorClient:
         )
         if audit is not None:
             req.audit.CopyFrom(audit_to_pb(audit))
+        if heldout_loss is not None:  # optional fields: unset means "not measured"
+            req.heldout_loss = heldout_loss
+        if heldout_loss_base is not None:
+            req.heldout_loss_base = heldout_loss_base
         return await self.call("ReportRound", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
     async def leave(

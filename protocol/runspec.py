@@ -189,6 +189,27 @@ class AuditSection:
 
 
 @dataclass(frozen=True)
+class GuardSection:
+    """The commit guard: a round whose new state's held-out loss jumps is not committed.
+
+    After the outer step every member computes the held-out loss of the new state on a
+    fixed batch (the first `eval_samples` held-out samples of its cell, fixed noise and t
+    draws, on the CPU) and reports it with its hash. The coordinator takes the median of
+    the reports that agree on the committed hash (a minority cannot move it) and refuses
+    the commit (the attempt aborts; no reputation changes) when it exceeds
+    `max_loss_ratio` x the cell's last committed held-out loss + `abs_slack` (the slack
+    keeps a tiny loss from making noise a jump). With no committed loss yet (round 1, after
+    a rollback) the reference is the median of the base-state losses the same members
+    report. Defaults: on, ratio 2.0, slack 0.05, 64 samples.
+    """
+
+    enabled: bool = True
+    max_loss_ratio: float = 2.0
+    abs_slack: float = 0.05
+    eval_samples: int = 64
+
+
+@dataclass(frozen=True)
 class RunSpec:
     run: RunSection
     model: ModelSection = field(default_factory=ModelSection)
@@ -199,6 +220,7 @@ class RunSpec:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     audit: AuditSection = field(default_factory=AuditSection)
+    guard: GuardSection = field(default_factory=GuardSection)
     # the exact source text; hashed, and handed to workers so they build the same run.
     source: str = field(default="", compare=False, repr=False)
 
@@ -242,6 +264,7 @@ _SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSection,
     "security": SecuritySection,
     "audit": AuditSection,
+    "guard": GuardSection,
 }
 
 
@@ -281,6 +304,9 @@ def _validate(spec: RunSpec) -> None:
     need(spec.schedule.lease_s > spec.schedule.heartbeat_s > 0, "schedule.lease_s must exceed schedule.heartbeat_s > 0")
     need(spec.schedule.deadline_slack >= 1.0, "schedule.deadline_slack: at least 1")
     need(0.0 < spec.schedule.quorum <= 1.0, "schedule.quorum: in (0, 1]")
+    need(1.0 <= spec.guard.max_loss_ratio <= 1e6, "guard.max_loss_ratio: in [1, 1e6]")
+    need(0.0 <= spec.guard.abs_slack <= 1e6, "guard.abs_slack: in [0, 1e6]")
+    need(1 <= spec.guard.eval_samples <= 4096, "guard.eval_samples: between 1 and 4096")
     need(0.0 <= spec.schedule.vram_headroom < 1.0, "schedule.vram_headroom: in [0, 1)")
     need(spec.checkpoint.every_rounds >= 1, "checkpoint.every_rounds: at least 1")
     need(spec.checkpoint.keep >= 1, "checkpoint.keep: at least 1")

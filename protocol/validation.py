@@ -223,6 +223,10 @@ def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:
     _int("bytes_received", req.bytes_received, 0, MAX_BYTES_COUNTER)
     _text("reason", req.reason, MAX_REASON_CHARS)
     _int("reduce_attempt", req.reduce_attempt, 0, MAX_REDUCE_ATTEMPT)
+    # the commit guard's measurements: optional, and when present finite and >= 0
+    for name in ("heldout_loss", "heldout_loss_base"):
+        if req.HasField(name):
+            _float(name, getattr(req, name), 0.0, MAX_LOSS)
     if req.HasField("audit"):
         _audit("audit", req.audit, spec)
 

@@ -42,6 +42,7 @@ from bagel.protocol.messages import Instruction, LocalState
 from bagel.protocol.runspec import RunSpec
 from bagel.worker import ddp, reconciler
 from bagel.worker.display import Display
+from bagel.worker.heldout import HeldoutProbe
 from bagel.worker.link import CoordinatorLink
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore, atomic_write
 from bagel.worker.reconciler import (
@@ -60,7 +61,15 @@ from bagel.worker.reconciler import (
     Work,
     WorkerView,
 )
-from bagel.worker.roundwork import RoundWork, claimed, corrupt, fresh_feedback, reduce_round, train_round
+from bagel.worker.roundwork import (
+    ReduceOutcome,
+    RoundWork,
+    claimed,
+    corrupt,
+    fresh_feedback,
+    reduce_round,
+    train_round,
+)
 from bagel.worker.trainer import CellRuntime, build_runtime
 
 log = logging.getLogger(__name__)
@@ -135,6 +144,7 @@ class Orders:
         self.store: LocalStore | None = None
         self.held: LocalCheckpoint | None = None  # committed state we hold
         self.runtime: CellRuntime | None = None
+        self.probe: HeldoutProbe | None = None  # the commit guard's measurement, for one cell
         self.work: RoundWork | None = None
         self.sync: SyncJob | None = None
         self.train_task: asyncio.Task[None] | None = None
@@ -407,6 +417,7 @@ class Orders:
             )
             if w.catch_up or not spec.diloco.error_feedback:
                 out.residuals = dict(held.residuals) if w.catch_up else {}
+            await self._measure(out, held)
         except ExchangeError as e:
             self.display.event(
                 "exchange-failed",
@@ -426,6 +437,22 @@ class Orders:
         self.display.update(bytes_sent=c.bytes_sent, bytes_received=c.bytes_received)
         w.pending, w.pending_attempt, w.report_epoch = out, i.reduce_attempt, self.link.epoch
         await self._report(w)
+
+    async def _measure(self, out: ReduceOutcome, held: LocalCheckpoint) -> None:
+        """The commit guard's measurements: held-out loss of the round's base and new state."""
+        spec = self.host.spec
+        assert spec is not None
+        if not spec.guard.enabled:
+            return
+        cell = held.cell_id
+        try:
+            if self.probe is None or self.probe.cell_id != cell:
+                self.probe = await asyncio.to_thread(HeldoutProbe, spec, cell)
+            probe = self.probe
+            out.heldout_loss_base = await asyncio.to_thread(probe.loss, held.state, held.state_hash)
+            out.heldout_loss = await asyncio.to_thread(probe.loss, out.state, out.state_hash)
+        except Exception as e:  # noqa: BLE001  (data or model errors: report unmeasured, the round still counts)
+            log.warning("held-out measurement failed: %s: %s", type(e).__name__, e)
 
     async def _report(self, w: RoundWork, *, failed: bool = False, reason: str = "") -> None:
         """ReportRound, retried while the coordinator is down; then act on the verdict."""
@@ -449,6 +476,8 @@ class Orders:
                 bytes_sent=out.bytes_sent,
                 bytes_received=out.bytes_received,
                 audit=out.audit,
+                heldout_loss=out.heldout_loss,
+                heldout_loss_base=out.heldout_loss_base,
             )
         attempt = 0
         while self.work is w:

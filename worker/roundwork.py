@@ -66,6 +66,9 @@ class ReduceOutcome:
     bytes_received: int
     comm_s: float
     audit: PartAudit | None = None  # what we saw of the part we reduced, for the coordinator
+    # the commit guard's measurements (worker/heldout.py), None until measured
+    heldout_loss: float | None = None
+    heldout_loss_base: float | None = None
 
 
 @dataclass

@@ -290,6 +290,8 @@ class Cell:
         "round_attempt",
         "reduce_attempt",
         "rollbacks",
+        "heldout_loss",
+        "guard_refusals",
         # derived / volatile
         "workers",
         "synced",
@@ -313,6 +315,8 @@ class Cell:
         self.round_attempt = 0
         self.reduce_attempt = 0
         self.rollbacks = 0
+        self.heldout_loss = -1.0
+        self.guard_refusals = 0
         self.workers: dict[str, None] = {}  # active workers assigned here
         self.synced: dict[str, None] = {}  # ... that hold the committed state
         self.idle: dict[str, None] = {}  # ... that are not busy in the open round (movable)
@@ -358,6 +362,8 @@ class Cell:
             round_attempt=self.round_attempt,
             reduce_attempt=self.reduce_attempt,
             rollbacks=self.rollbacks,
+            heldout_loss=self.heldout_loss,
+            guard_refusals=self.guard_refusals,
         )
 
     def load(self, rec: CellRecord) -> None:
@@ -372,3 +378,5 @@ class Cell:
         self.round_attempt = rec.round_attempt
         self.reduce_attempt = rec.reduce_attempt
         self.rollbacks = rec.rollbacks
+        self.heldout_loss = rec.heldout_loss
+        self.guard_refusals = rec.guard_refusals

@@ -53,6 +53,10 @@ class ReportRound:
     reason: str = ""
     reduce_attempt: int = 0
     audit: PartAudit | None = None  # what the reporter saw of the part it reduced
+    # the commit guard: held-out loss of the new state and of the round's base state on the
+    # cell's guard batch (None: not measured)
+    heldout_loss: float | None = None
+    heldout_loss_base: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,9 @@ class CellRecord:
     round_attempt: int = 0  # attempts of round committed_round + 1 started so far
     reduce_attempt: int = 0  # contributor sets of round committed_round + 1 frozen so far
     rollbacks: int = 0  # times the cell fell back to its checkpoint (orphaned)
+    # the commit guard's reference: median held-out loss of the committed state (-1 = unknown)
+    heldout_loss: float = -1.0
+    guard_refusals: int = 0  # attempts the commit guard refused, over the cell's life
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,8 @@ class ReportEntry:
     samples: int
     reduce_attempt: int
     loss: float = 0.0
+    heldout_loss: float = -1.0  # the commit guard's measurements (-1 = not reported)
+    heldout_loss_base: float = -1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +158,7 @@ class CommitRecord:
     agreeing: tuple[str, ...]  # contributors that reported state_hash
     samples: int  # sum of min(samples, max_samples) over the agreeing contributors
     loss: float  # mean reported loss of the agreeing contributors
+    heldout_loss: float = -1.0  # median held-out loss the agreeing reports gave (-1 = none)
 
 
 Record: TypeAlias = WorkerRecord | CellRecord | RoundRecord | CommitRecord

@@ -157,9 +157,10 @@ class Roster:
             self.changes.cell(c.id)
         self.changes.worker(w.id)
 
-    def detach(self, w: Worker, now: int, *, fail_fast: bool) -> None:
+    def detach(self, w: Worker, now: int, *, fail_fast: bool, distrust: bool = False) -> None:
         """Take an active worker out of its cell and open round (the caller sets its new
-        state). fail_fast=False keeps it counted in its open round until the deadline."""
+        state). fail_fast=False keeps it counted in its open round until the deadline;
+        distrust=True (a ban) also re-freezes a contributor set it is part of."""
         self.active -= 1
         self.balance.add_reference(w.profile.samples_per_s, -1)
         self.standby.pop(w.id, None)
@@ -170,7 +171,7 @@ class Roster:
         self._unassign(w)
         r = c.round
         if r is not None and fail_fast and (r.is_live_member(w.id) or r.is_contributor(w.id)):
-            self.rounds.drop_member(c, r, w.id, now)
+            self.rounds.drop_member(c, r, w.id, now, distrust=distrust)
         self.rounds.check_orphan(c, now)
 
     def expire(self, w: Worker, now: int) -> None:
@@ -291,7 +292,7 @@ class Roster:
         self._reweigh(w)
         self.changes.worker(w.id)
         if w.state is WorkerState.ACTIVE and w.reputation <= self.spec.schedule.ban_reputation:
-            self.detach(w, now, fail_fast=True)
+            self.detach(w, now, fail_fast=True, distrust=True)
             w.state, w.reason = WorkerState.BANNED, f"reputation {w.reputation:.2f}: {why}"
             self.rebalance(now, balance=False)
 

@@ -10,6 +10,9 @@ rules, in one place:
   ready, else the attempt aborts; with every live member ready it freezes at once;
 - commit quorum: strictly more than quorum x |weighted contributors| equal hashes
   (catch-up contributors do not count: they trained nothing);
+- commit guard (`guard.CommitGuard`): a hash that reaches the quorum is still refused (the
+  attempt aborts, nobody's reputation changes) when the median held-out loss its
+  reports give jumps past the cell's bound;
 - an attempt that can no longer reach the commit quorum aborts at once; one still
   REDUCING at its reduce deadline aborts then;
 - an aborted attempt is re-run at once (same round number, attempt + 1) by whoever holds
@@ -29,6 +32,7 @@ from collections import Counter
 
 from bagel.coordinator.core.changes import Changes
 from bagel.coordinator.core.entities import Cell, Round
+from bagel.coordinator.core.guard import CommitGuard, median
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
 from bagel.coordinator.core.roster import Roster
@@ -78,6 +82,7 @@ class Rounds:
         self.min_round_ms = int(spec.schedule.min_round_s * 1000)
         self.slack = policy.deadline_slack or spec.schedule.deadline_slack
         self.quorum = spec.schedule.quorum
+        self.guard = CommitGuard(spec.guard)
         # (at, seq, cell, round, attempt, kind, reduce_attempt); stale entries are skipped
         self.deadlines: list[tuple[int, int, str, int, int, str, int]] = []
         # each cell's last committed round (volatile): a straggler's report of it is still
@@ -101,7 +106,13 @@ class Rounds:
                 continue  # that attempt ended: a stale entry
             if kind == TRAIN_DEADLINE and r.state in (RoundState.OPEN, RoundState.TRAINING):
                 self.train_deadline(c, r, now)
-            elif kind == REDUCE_DEADLINE and r.state is RoundState.REDUCING and r.reduce_attempt == ra:
+            elif (
+                kind == REDUCE_DEADLINE
+                and r.state is RoundState.REDUCING
+                and r.reduce_attempt == ra
+                # a quorum the guard was still waiting on is judged with the reports there are
+                and self.evaluate(c, r, now, final=True) is None
+            ):
                 self.abort(c, r, now, f"reduce deadline of attempt {ra} passed")
 
     # ---------------------------------------------------------------- lifecycle
@@ -210,16 +221,32 @@ class Rounds:
                     self.roster.workers[wid], self.policy.rep_missed_deadline, now, "missed a round deadline"
                 )
 
-    def evaluate(self, c: Cell, r: Round, now: int) -> RoundState | None:
-        """Commit on a quorum of equal hashes, abort once a quorum is impossible."""
+    def evaluate(self, c: Cell, r: Round, now: int, *, final: bool = False) -> RoundState | None:
+        """Commit on a quorum of equal hashes, abort once a quorum is impossible.
+
+        When the agreeing reports carry held-out losses and the guard is on, the commit
+        waits for every live weighted contributor's report (or `final`: the reduce
+        deadline): judged at the quorum, the median would be over the first reports only,
+        and a minority that reports first would decide it."""
         weighted = r.weighted()
         need = self.quorum * len(weighted)
         votes = Counter(r.reports[x].state_hash for x in weighted if x in r.reports and not r.reports[x].failed)
+        outstanding = sum(1 for x in weighted if x not in r.reports and x not in r.dropped)
         for h, k in votes.most_common(1):
             if k > need:
+                agreeing = [e for e in r.reports.values() if not e.failed and e.state_hash == h]
+                measured = self.guard.cfg.enabled and any(e.heldout_loss >= 0 for e in agreeing)
+                if measured and outstanding and not final:
+                    return None
+                verdict = self.guard.judge(
+                    c.heldout_loss, [e.heldout_loss for e in agreeing], [e.heldout_loss_base for e in agreeing]
+                )
+                if not verdict.ok:  # nobody is charged: the members may all be honest
+                    c.guard_refusals += 1
+                    self.abort(c, r, now, verdict.reason)
+                    return RoundState.ABORTED
                 self.commit(c, r, h, now)
                 return RoundState.COMMITTED
-        outstanding = sum(1 for x in weighted if x not in r.reports and x not in r.dropped)
         if max(votes.values(), default=0) + outstanding <= need:
             self.abort(c, r, now, "no hash can reach the quorum")
             return RoundState.ABORTED
@@ -232,8 +259,12 @@ class Rounds:
         trained = [x for x in agreeing if x not in r.catch_up]
         samples = sum(min(reports[x].samples, r.budget(x)) for x in trained)
         loss = sum(reports[x].loss for x in trained) / len(trained)
-        commit = CommitRecord(c.id, r.round, r.attempt, state_hash, now, r.contributors, agreeing, samples, loss)
+        heldout_loss = median([reports[x].heldout_loss for x in agreeing if reports[x].heldout_loss >= 0])
+        commit = CommitRecord(
+            c.id, r.round, r.attempt, state_hash, now, r.contributors, agreeing, samples, loss, heldout_loss
+        )
         c.committed_round, c.committed_hash = r.round, state_hash
+        c.heldout_loss = heldout_loss  # the guard's next reference (-1: unknown, members report a base)
         c.samples_committed += samples
         c.last_loss = loss
         c.round_attempt = c.reduce_attempt = 0
@@ -300,15 +331,20 @@ class Rounds:
         if c.round is None and c.synced:
             self.open_round(c, now)
 
-    def drop_member(self, c: Cell, r: Round, wid: str, now: int) -> None:
-        """A member or contributor left the round (lease lost, left, banned)."""
+    def drop_member(self, c: Cell, r: Round, wid: str, now: int, *, distrust: bool = False) -> None:
+        """A member or contributor left the round (lease lost, left, banned).
+
+        `distrust` (a ban): what it sent or reduced can no longer be trusted, so a frozen
+        contributor set that includes it is re-frozen without it (or aborted) even when its
+        part was delivered and reports came in: no commit is made of a banned worker's bytes,
+        and no instruction names it as a contributor again."""
         r.dropped[wid] = None
         r.ready.pop(wid, None)
         self.changes.round(r)
         if r.state in (RoundState.OPEN, RoundState.TRAINING):
             self.check_freeze(c, r, now)
-        elif r.state is RoundState.REDUCING and wid in r.frozen and wid not in r.reports:
-            if any(not e.failed for e in r.reports.values()):
+        elif r.state is RoundState.REDUCING and wid in r.frozen and (distrust or wid not in r.reports):
+            if not distrust and any(not e.failed for e in r.reports.values()):
                 # someone finished the exchange, so the lost part was delivered: the
                 # remaining reports decide (an impossible quorum aborts now)
                 self.evaluate(c, r, now)
@@ -318,7 +354,8 @@ class Rounds:
             if survivors and self._freeze_ok(len(survivors), len(weighted)):
                 self._freeze(c, r, survivors, now)  # survivors redo only the exchange
             else:
-                self.abort(c, r, now, f"contributor {wid} lost, too few survivors")
+                why = "banned" if distrust else "lost"
+                self.abort(c, r, now, f"contributor {wid} {why}, too few survivors")
 
     # ---------------------------------------------------------------- orphaned cells
 
@@ -336,6 +373,7 @@ class Rounds:
         else:
             c.committed_round, c.committed_hash = 0, ""
         c.rollbacks += 1
+        c.heldout_loss = -1.0  # the guard's reference was of the lost state
         c.round_attempt = c.reduce_attempt = 0
         c.upload_round, c.uploader = -1, ""
         c.synced = {wid: None for wid in c.workers if c.holds_committed(self.roster.workers[wid].local)}

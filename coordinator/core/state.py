@@ -467,6 +467,9 @@ class CoordinatorState:
             raise InvalidEvent("round must be >= 1; samples, times, bytes and reduce_attempt >= 0")
         if not ev.failed and not ev.state_hash:
             raise InvalidEvent("state_hash: required unless failed")
+        for name, x in (("heldout_loss", ev.heldout_loss), ("heldout_loss_base", ev.heldout_loss_base)):
+            if x is not None and not (_finite(x) and x >= 0):
+                raise InvalidEvent(f"{name}: must be finite and >= 0 when given")
         if w.cell != c.id:
             raise WrongCell(f"worker {w.id} is assigned to {w.cell or 'no cell'}, not {c.id}")
         r = c.round
@@ -490,7 +493,15 @@ class CoordinatorState:
             raise InvalidEvent(f"reduce_attempt {attempt} of {c.id} round {r.round} was never frozen")
         if not r.is_contributor(w.id):
             raise WrongPhase(f"worker {w.id} is not a contributor of {c.id} round {r.round}")
-        entry = ReportEntry(ev.state_hash, ev.failed, ev.samples, attempt, ev.loss if _finite(ev.loss) else 0.0)
+        entry = ReportEntry(
+            ev.state_hash,
+            ev.failed,
+            ev.samples,
+            attempt,
+            ev.loss if _finite(ev.loss) else 0.0,
+            -1.0 if ev.heldout_loss is None else float(ev.heldout_loss),
+            -1.0 if ev.heldout_loss_base is None else float(ev.heldout_loss_base),
+        )
         old = r.reports.get(w.id)
         if old is not None:
             if (old.state_hash, old.failed) != (entry.state_hash, entry.failed):
@@ -508,6 +519,8 @@ class CoordinatorState:
         self.changes.round(r)
         if ev.failed:
             self.roster.reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
+            if w.state is WorkerState.BANNED:  # the round went on without it (re-frozen or aborted)
+                return self._instruction(w), Verdict.ABORTED, w.lease_ms
         result = self.rounds.evaluate(c, r, now)
         if result == RoundState.COMMITTED:
             ok = not ev.failed and ev.state_hash == c.committed_hash and c.committed_round == ev.round
