@@ -211,7 +211,11 @@ class CoreMachine(RuleBasedStateMachine):
                 assert commit.heldout_loss <= bound, f"guard let {commit.heldout_loss} past {bound}"
                 counted["guarded commits"] += 1
         plans = {p.worker_id: p.max_samples for p in rec.members}
-        expect = sum(min(rec.reports[x].samples, plans[x]) for x in agree)
+        # a weighted contributor counts what it reported, at most its budget: the samples the
+        # core credited it at the freeze (`RoundRecord.ready`, from the time it observed),
+        # never above its plan's
+        budget = {x: max(1, min(plans[x], rec.ready.get(x, plans[x]))) for x in plans}
+        expect = sum(min(rec.reports[x].samples, budget[x]) for x in agree)
         assert commit.samples == expect, f"commit samples {commit.samples} != {expect} from its reports"
         assert all(x in rec.contributors for x in commit.agreeing)
         # a commit is always of the round after the cell's last committed one (rollbacks included)
