@@ -40,7 +40,8 @@ from bagel.coordinator.checkpoints import (
     CheckpointStore,
 )
 from bagel.coordinator.core.errors import CoreFault
-from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Tick
+from bagel.compression import get_codec
+from bagel.coordinator.core.events import Convicted, Event, Heartbeat, Outcome, Tick
 from bagel.coordinator.core.records import (
     CellRecord,
     CommitRecord,
@@ -50,15 +51,23 @@ from bagel.coordinator.core.records import (
     WorkerState,
 )
 from bagel.coordinator.core.state import CoordinatorState
-from bagel.coordinator.interceptor import NotAccepting
+from bagel.coordinator.interceptor import AccusationLimited, NotAccepting
 from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import Verified, Verifier, wall_clock_ms
 from bagel.protocol.runspec import RunSpec, parse_cell
 from bagel.protocol.validation import validate
+from bagel.robust.aggregation import get_reducer
+from bagel.robust.evidence import Conviction, adjudicate, parse_evidence
 
 log = logging.getLogger(__name__)
+
+# Checking an accusation re-runs one part's reduction (decode + aggregate, CPU work off the
+# event loop): at most ACCUSE_CONCURRENCY at once, and one per worker per ACCUSE_INTERVAL_MS.
+ACCUSE_CONCURRENCY = 2
+ACCUSE_INTERVAL_MS = 1000
+ACCUSERS_KEPT = 10_000  # the rate limiter's memory (oldest forgotten first)
 
 
 class WorkerTally:
@@ -124,6 +133,8 @@ class CoordinatorApp:
         self._cell_writes: dict[str, asyncio.Future[None]] = {}  # latest CellRecord batch per cell
         self.tally = WorkerTally(state.snapshot().workers)
         self._publish_worker_counts()
+        self._accused_at: dict[str, int] = {}  # accuser -> when its last accusation arrived
+        self._judging = 0
 
     # ------------------------------------------------------------------ request path
 
@@ -177,6 +188,51 @@ class CoordinatorApp:
             self._die(e, "store write failed")
             raise NotAccepting("the coordinator's store failed; it is restarting") from e
         return outcome
+
+    async def accuse(self, accuser: str, req: pb.EvidenceRequest) -> Conviction:
+        """Check evidence against a reducer (`bagel.robust.evidence.adjudicate`, off the event
+        loop) and, only on proof, apply `Convicted`. Raises an `EvidenceError` (no state change)
+        when the evidence convicts nobody, `AccusationLimited` past the rate limits."""
+        now = self.clock()
+        last = self._accused_at.get(accuser)
+        if last is not None and now - last < ACCUSE_INTERVAL_MS:
+            raise AccusationLimited(f"one accusation per {ACCUSE_INTERVAL_MS} ms per worker")
+        if self._judging >= ACCUSE_CONCURRENCY:
+            raise AccusationLimited("other accusations are being checked; retry shortly")
+        self.state.instruction_for(accuser, now)  # a registered worker (else NOT_FOUND)
+        self._accused_at.pop(accuser, None)
+        self._accused_at[accuser] = now
+        while len(self._accused_at) > ACCUSERS_KEPT:
+            del self._accused_at[next(iter(self._accused_at))]
+        evidence = parse_evidence(req)  # bounds and the receipt's signature: cheap
+        t = evidence.receipt.tag
+        members = self.state.frozen_set(t.cell_id, t.round, t.round_attempt, t.reduce_attempt)
+        self._judging += 1
+        try:
+            conviction = await asyncio.to_thread(
+                adjudicate,
+                evidence,
+                run_id=self.spec.run.id,
+                accuser=accuser,
+                members=members,
+                codec=get_codec(self.spec.diloco.codec),
+                reducer=get_reducer(self.spec.diloco.aggregation),
+            )
+        finally:
+            self._judging -= 1
+        log.warning("convicted %s on evidence from %s: %s", conviction.worker_id, accuser, conviction.reason)
+        await self.apply(
+            Convicted(
+                worker_id=conviction.worker_id,
+                accuser=accuser,
+                cell_id=t.cell_id,
+                round=t.round,
+                round_attempt=t.round_attempt,
+                reduce_attempt=t.reduce_attempt,
+                reason=conviction.reason,
+            )
+        )
+        return conviction
 
     def _die(self, exc: BaseException, what: str) -> None:
         if self.fatal is None:

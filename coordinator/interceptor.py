@@ -27,6 +27,7 @@ from bagel.coordinator.checkpoints import (
 from bagel.coordinator.core.errors import CoordinatorError, grpc_status_name
 from bagel.coordinator.metrics import Metrics
 from bagel.protocol.envelope import EnvelopeError
+from bagel.robust.evidence import EvidenceError
 from bagel.protocol.validation import ValidationError
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,13 @@ class NotAccepting(ShellError):
     reason = "unavailable"
 
 
+class AccusationLimited(ShellError):
+    """Too many accusations from this worker, or too many being checked at once: later."""
+
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "accusation_rate"
+
+
 class PermissionedNotSupported(ShellError):
     status = grpc.StatusCode.UNIMPLEMENTED
     reason = "permissioned_unsupported"
@@ -88,6 +96,8 @@ def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode[grpc_status_name(exc)], _snake(type(exc).__name__), str(exc) or type(exc).__name__
     if isinstance(exc, ShellError):
         return exc.status, exc.reason, str(exc)
+    if isinstance(exc, EvidenceError):
+        return grpc.StatusCode[exc.status], exc.reason, str(exc)
     for cls in type(exc).__mro__:
         if cls in _CHECKPOINT_STATUS:
             code, reason = _CHECKPOINT_STATUS[cls]

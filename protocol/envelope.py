@@ -63,6 +63,7 @@ PAYLOAD_TYPES: dict[str, type[Message]] = {
     "Leave": pb.LeaveRequest,
     "UploadCheckpoint": pb.UploadCheckpointHeader,
     "DownloadCheckpoint": pb.DownloadCheckpointRequest,
+    "Accuse": pb.EvidenceRequest,
 }
 
 M = TypeVar("M", bound=Message)
