@@ -69,7 +69,7 @@ from bagel.worker.link import CoordinatorLink
 from bagel.worker.localstate import LocalStore, atomic_write
 from bagel.worker.orders import Orders
 from bagel.worker.profile import DEFAULT_UPLINK_MBPS, MeasuredProfile, cached_profile, measure
-from bagel.worker.roundwork import ddp_follower
+from bagel.worker.roundwork import BAD_REDUCER_SCALE, ddp_follower
 from bagel.worker.trainer import pick_device
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class AgentConfig:
     name: str = ""
     throttle: float = 1.0
     uplink_mbps: float = DEFAULT_UPLINK_MBPS
-    byzantine: str = ""  # "" | sign-flip | scale | nan | zero | stale (fault injection)
+    byzantine: str = ""  # "" | one of roundwork.BYZANTINE_MODES (fault injection)
     dht_listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     reduce_timeout_s: float = 60.0  # safety net; the coordinator re-freezes or aborts sooner
     # a graceful leave waits at most this long for a running exchange: below the 30 s that
@@ -160,7 +160,12 @@ class Agent:
                 return 0
             self.display.event("coordinator", endpoint=record.endpoint, spec_hash=record.spec_hash[:12])
             self.p2p = await self.dht.replicate_p2p()
-            self.dataplane = DataPlane(self.p2p, self.join.run_id)
+            self.dataplane = DataPlane(
+                self.p2p,
+                self.join.run_id,
+                identity=self.identity,
+                doctor=BAD_REDUCER_SCALE if self.cfg.byzantine == "bad-reducer" else 0.0,
+            )
             await self.dataplane.start()
             self.stateserver = StateServer(self.p2p, self.join.run_id)
             await self.stateserver.start()

@@ -405,6 +405,10 @@ class Orders:
             if w.catch_up or not spec.diloco.error_feedback:
                 out.residuals = dict(held.residuals) if w.catch_up else {}
         except ExchangeError as e:
+            # accuse first: the failure reports may end the exchange at the coordinator, which
+            # then still checks the evidence against the contributor set it remembers
+            for ev in getattr(e, "evidence", ()):
+                await self._accuse(ev)
             self.display.event(
                 "exchange-failed",
                 level="warning",
@@ -423,6 +427,16 @@ class Orders:
         self.display.update(bytes_sent=c.bytes_sent, bytes_received=c.bytes_received)
         w.pending, w.pending_attempt, w.report_epoch = out, i.reduce_attempt, self.link.epoch
         await self._report(w)
+
+    async def _accuse(self, evidence: pb.EvidenceRequest) -> None:
+        """Send evidence against a reducer of a part we also reduced (the coordinator checks it)."""
+        try:
+            resp = await self.link.rpc(lambda: self.link.client.accuse(evidence))  # type: ignore[union-attr]
+        except grpc.aio.AioRpcError as e:
+            self.display.event("accusation-refused", level="warning", message=f"{e.code().name}: {e.details()}")
+            return
+        if resp is not None:
+            self.display.event("accused", level="warning", convicted=resp.convicted, reason=resp.reason)
 
     async def _report(self, w: RoundWork, *, failed: bool = False, reason: str = "") -> None:
         """ReportRound, retried while the coordinator is down; then act on the verdict."""

@@ -37,7 +37,9 @@ from bagel.worker.trainer import (
     round_indices,
 )
 
-BYZANTINE_MODES = ("sign-flip", "scale", "nan", "zero", "stale")
+BYZANTINE_MODES = ("sign-flip", "scale", "nan", "zero", "stale", "bad-reducer")
+# bad-reducer: the part this worker reduces is scaled by this before it is encoded and signed
+BAD_REDUCER_SCALE = 1e3
 BYZANTINE_SCALE = 100.0
 
 
