@@ -36,11 +36,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from bagel.compression import get_codec
 from bagel.coordinator.checkpoints import (
     CheckpointStore,
 )
 from bagel.coordinator.core.errors import CoreFault
-from bagel.compression import get_codec
 from bagel.coordinator.core.events import Convicted, Event, Heartbeat, Outcome, Tick
 from bagel.coordinator.core.records import (
     CellRecord,
@@ -199,7 +199,7 @@ class CoordinatorApp:
             raise AccusationLimited(f"one accusation per {ACCUSE_INTERVAL_MS} ms per worker")
         if self._judging >= ACCUSE_CONCURRENCY:
             raise AccusationLimited("other accusations are being checked; retry shortly")
-        self.state.instruction_for(accuser, now)  # a registered worker (else NOT_FOUND)
+        self.state.worker_phase(accuser)  # a registered worker (else NOT_FOUND), not banned (PERMISSION_DENIED)
         self._accused_at.pop(accuser, None)
         self._accused_at[accuser] = now
         while len(self._accused_at) > ACCUSERS_KEPT:

@@ -27,8 +27,8 @@ from bagel.coordinator.checkpoints import (
 from bagel.coordinator.core.errors import CoordinatorError, grpc_status_name
 from bagel.coordinator.metrics import Metrics
 from bagel.protocol.envelope import EnvelopeError
-from bagel.robust.evidence import EvidenceError
 from bagel.protocol.validation import ValidationError
+from bagel.robust.evidence import EvidenceError
 
 log = logging.getLogger(__name__)
 

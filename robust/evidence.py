@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from bagel.protocol import bagel_pb2 as pb
-from bagel.protocol import validation
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.protocol import validation
 from bagel.protocol.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify_signature, worker_id_of
 from bagel.robust.aggregation import Reducer
 from bagel.robust.reduction import (

@@ -18,6 +18,22 @@ written so that every contributor applies the *same decoded bytes*:
    bytes back on every stream; every contributor, the reducer too, applies
    `decode(those bytes)`. Result: a bit-identical averaged delta on every contributor.
 
+Verified reducers (every worker process: the plane has the worker's identity). A reducer
+could otherwise return anything finite and of the right size, and since every member
+applies the same bytes the round would commit with them. So each part j is reduced twice,
+by its primary (contributor j) and by its shadow (contributor j+1 mod k), with the same
+deterministic `bagel.robust.reduction.reduce_one_part`; every contribution header is
+signed by its sender, and both reducers answer with a signed receipt (result digest, the
+signed inputs). A contributor applies nothing unless sha256(primary bytes) equals the
+shadow's digest for every part; otherwise `all_reduce` raises `ReducersDisagree` (naming
+the part and both reducers), and where we are the other reducer of the disagreeing part it
+carries the evidence the worker sends to the coordinator (`bagel.robust.evidence`). Cost:
+the reduce-scatter upload doubles (each part goes to two reducers), each part is reduced
+twice, the all-gather gains a ~150-byte receipt per input and part; with k = 1 there is
+nothing to verify. A plane without an identity (tests of the exchange mechanics) runs
+the unverified exchange: one reducer per part, no signatures; a verified reducer refuses
+unsigned contributions, so the two never mix.
+
 The contributor set is frozen by the coordinator (sorted worker ids, peer addresses and
 budgets, with `reduce_attempt`); we exchange with exactly that set. A contributor that
 dies or hangs makes `all_reduce` raise `ExchangeTimeout` (naming it) by the caller's
@@ -32,6 +48,11 @@ enc(m) = `codec.encoded_nbytes(m)`, h ~ 130 bytes per message: two 4-byte frame 
 a protobuf header, a little more when a reply lists exclusions):
 sent_i = sum_{j != i} (enc(n_j) + h) + (k-1) (enc(n_i) + h), received_i the same;
 with equal parts that is about 2 (k-1)/k enc(n) each way (the butterfly optimum).
+Verified, each contributor also sends its k-1 parts whose shadow is not itself to those
+shadows, and receives the k-1 contributions to the part it shadows: about (k-1)/k enc(n)
+more each way, plus per message ~100 bytes of key and signature and a receipt of ~250
+bytes per input (measured by bench/verified_reducers.py): about 3 (k-1)/k enc(n) each way,
+1.5x the butterfly in all, 2x on the reduce-scatter half.
 """
 
 from __future__ import annotations
