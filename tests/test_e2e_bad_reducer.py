@@ -65,6 +65,9 @@ def test_a_doctored_averaged_part_is_not_applied_and_its_reducer_is_banned_on_ve
     start = s.committed_round()
     s.wait("two more commits after the ban", lambda: s.committed_round() >= max(start, 0) + 2, 180)
 
+    # the attacker trained and contributed like anyone (its lie is only in what it returns)
+    assert s.events("bad", "ready"), "the bad reducer never contributed a trained delta"
+    assert not s.events("bad", "train-failed")
     # every honest worker refused to apply the round whose part the bad worker reduced
     failures = {n: [e for e in s.events(n, "exchange-failed") if f"primary {bad}" in e["message"]] for n in honest}
     for n, evs in failures.items():

@@ -144,7 +144,8 @@ def test_byzantine_corruptions():
     assert torch.equal(corrupt(d, "zero", None)["x"], torch.zeros(2))
     assert torch.equal(corrupt(d, "stale", prev)["x"], prev["x"])
     assert torch.equal(corrupt(d, "stale", None)["x"], torch.zeros(2))
-    assert set(BYZANTINE_MODES) == {"sign-flip", "scale", "nan", "zero", "stale"}
+    assert torch.equal(corrupt(d, "bad-reducer", None)["x"], d["x"])  # it lies as a reducer instead
+    assert set(BYZANTINE_MODES) == {"sign-flip", "scale", "nan", "zero", "stale", "bad-reducer"}
     with pytest.raises(ValueError, match="unknown byzantine"):
         corrupt(d, "evil", None)
 

@@ -228,8 +228,11 @@ def corrupt(
     sign-flip: -delta; scale: delta x 100; nan: all NaN (our own data plane then abstains,
     sending weight 0: reducers' non-finite rejection is the data plane's own test); zero:
     zeros with the full sample count (a freeloader); stale: the previous round's honest
-    delta (zeros in the first round).
+    delta (zeros in the first round); bad-reducer: the honest delta (this worker lies as a
+    reducer instead: `DataPlane(doctor=BAD_REDUCER_SCALE)`).
     """
+    if mode == "bad-reducer":
+        return dict(delta)
     if mode == "sign-flip":
         return {k: -v for k, v in delta.items()}
     if mode == "scale":
