@@ -63,6 +63,9 @@ def test_a_doctored_averaged_part_is_not_applied_and_its_reducer_is_banned_on_ve
         return any(w.worker_id == bad and w.state == "banned" for w in s.status().workers)
 
     s.wait("the bad reducer banned", banned, 240)
+    # told so by the coordinator's refusal (no instruction of its own said LEAVE), it stops
+    s.wait("the bad reducer stopped", lambda: not s.workers["bad"].alive(), 60)
+    assert s.events("bad", "banned")
     # the honest workers go on and commit without it
     start = s.committed_round()
     s.wait("two more commits after the ban", lambda: s.committed_round() >= max(start, 0) + 2, 180)
