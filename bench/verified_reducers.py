@@ -26,12 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from dataplane_peers import RUN_ID, peers  # noqa: E402
-
 from bagel.compression import get_codec  # noqa: E402
 from bagel.robust.aggregation import get_reducer  # noqa: E402
-from bagel.robust.evidence import adjudicate, parse_evidence, shadow_of  # noqa: E402
+from bagel.robust.evidence import adjudicate, parse_evidence  # noqa: E402
 from bagel.worker.averaging import ExchangeResult, ReducersDisagree  # noqa: E402
+
+from dataplane_peers import RUN_ID, peers  # noqa: E402
 
 
 async def one(k: int, numel: int, codec: str, signed: bool, repeats: int, doctor: bool = False) -> dict[str, Any]:
@@ -74,7 +74,8 @@ async def one(k: int, numel: int, codec: str, signed: bool, repeats: int, doctor
             "bytes_per_member": statistics.mean(bytes_per_member) if bytes_per_member else 0.0,
         }
         if doctor:
-            ev = last[shadow_of(1, k)]
+            holder = next(i for i, r in enumerate(last) if isinstance(r, ReducersDisagree) and r.evidence)
+            ev = last[holder]
             assert isinstance(ev, ReducersDisagree) and ev.evidence
             req = ev.evidence[0]
             members = [(c.worker_id, c.peer_id, c.max_samples) for c in cs]
@@ -82,7 +83,7 @@ async def one(k: int, numel: int, codec: str, signed: bool, repeats: int, doctor
             conviction = adjudicate(
                 parse_evidence(req),
                 run_id=RUN_ID,
-                accuser=ps[shadow_of(1, k)].worker_id,
+                accuser=ps[holder].worker_id,
                 members=members,
                 codec=get_codec(codec),
                 reducer=get_reducer("mean"),

@@ -2,8 +2,9 @@
 
 The mechanism (verified reducers). In a verified exchange each part j of the butterfly
 all-reduce is reduced twice: by its primary (contributor j, which sends the result bytes
-to every contributor) and by its shadow (contributor j+1 mod k, which sends only the
-digest), both with `bagel.robust.reduction.reduce_one_part`, which is deterministic. Every
+to every contributor) and by its shadow (contributor j+d mod k, which sends only the
+digest; the offset d in [1, k-1] is drawn per exchange, `shadow_offset`), both with
+`bagel.robust.reduction.reduce_one_part`, which is deterministic. Every
 contribution travels in a `ContributionHeader` signed by its sender (Ed25519 over the
 exchange tag, part, sha256 of the payload, weight, and the rest of the header), and every
 reducer answers with a signed `EvidenceReceipt`: the result digest and every signed input
@@ -22,19 +23,28 @@ re-runs the reduction itself (`adjudicate`) and convicts only on proof:
   convicts nobody and raises an `EvidenceError` naming what failed.
 
 Cost: every contributor uploads each of its parts to two reducers, so the reduce-scatter
-upload doubles (the all-gather does not: the shadow returns a 32-byte digest in a receipt
-of ~150 bytes per input); each part is reduced twice (twice the reducer CPU), and each
-contributor verifies k receipt signatures and signs 2(k-1) headers (~60 us each). The
-evidence itself holds every input of one part: about one encoded delta in all, bounded by
-the gRPC message limit.
+upload doubles, while the all-gather does not (the shadow answers with a receipt, no
+bytes); in all the data plane moves 1.5x the butterfly's bytes (1.52x and 1.54x measured
+for 3 and 4 members by bench/verified_reducers.py). Each part is reduced twice (twice the
+reducer CPU). A receipt repeats the k signed headers of its inputs (~330 bytes each), and
+each member receives 2k receipts: 2 k^2 x ~330 bytes per round (~10 KB at k = 4, ~170 KB
+at k = 16), small next to a pseudo-gradient but quadratic in the group. Each contributor
+signs k headers and verifies 2k receipts, each reducer verifies the k - 1 headers of each
+part it reduces (~60 us per Ed25519 operation). The evidence holds the k inputs of one
+part, k x enc(n / k) ~ enc(n): about one encoded delta (0.21 MB for 200k elements in int8,
+checked in ~10 ms). It must fit the gRPC message limit (8 MiB), so a model whose encoded
+delta is larger cannot be adjudicated yet: the accusation is refused as too large, and the
+round still fails safely, unapplied.
 
 What it does not catch: a primary that shows the shadow honest bytes but sends others
 doctored ones is detected (the others' digests disagree, they do not apply the round)
 but not convicted, because only the shadow could prove a lie and it saw none; the round
-fails and the failure reports name the part and its reducers. Two colluding reducers of
-the same part (primary and its shadow) can agree on a wrong result: the mechanism assumes
-they are not both hostile, as BTARD (Gorbunov et al., "Secure Distributed Training at
-Scale", ICML 2022) assumes honest validators among the peers it picks.
+fails and the failure reports name the part and its reducers. Two colluding members can
+agree on a wrong result when the draw makes one the shadow of the other's part: with the
+offset drawn per exchange, that happens to a given pair with probability 2/(k-1) per
+exchange (never for a lone attacker). More shadows per part would shrink it at more
+upload each; BTARD (Gorbunov et al., "Secure Distributed Training at Scale", ICML 2022)
+likewise relies on randomly chosen validators being honest.
 """
 
 from __future__ import annotations
@@ -178,9 +188,22 @@ def open_receipt(blob: bytes, signature: bytes, public_key: bytes) -> dp.Evidenc
     return r
 
 
-def shadow_of(part: int, k: int) -> int:
+def shadow_offset(tag: dp.ExchangeTag, k: int) -> int:
+    """How far after its primary the shadow of every part sits in this exchange, in [1, k-1].
+
+    Drawn from the exchange's coordinates, the coordinator-frozen group digest included, so
+    nobody picks it: worker ids sort by a hash of the key, and a fixed "next in order" would
+    let an attacker grind a second key that sorts right after its first and shadow itself.
+    """
+    if k < 2:
+        return 0
+    text = f"{tag.run_id}|{tag.cell_id}|{tag.round}|{tag.round_attempt}|{tag.reduce_attempt}|{tag.group_digest}"
+    return 1 + int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % (k - 1)
+
+
+def shadow_of(part: int, k: int, offset: int) -> int:
     """The position of the shadow reducer of `part` among k contributors (k >= 2)."""
-    return (part + 1) % k
+    return (part + offset) % k
 
 
 def _same_tag(a: dp.ExchangeTag, b: dp.ExchangeTag) -> bool:
@@ -255,7 +278,8 @@ def adjudicate(
         raise ForeignEvidence(f"the accuser {accuser} is not a contributor of {where}")
     if k < 2 or not 0 <= r.part < k:
         raise MalformedEvidence(f"part {r.part} of {k} contributors has no second reducer")
-    expected = {dp.EVIDENCE_ROLE_PRIMARY: ids[r.part], dp.EVIDENCE_ROLE_SHADOW: ids[shadow_of(r.part, k)]}
+    shadow = ids[shadow_of(r.part, k, shadow_offset(t, k))]
+    expected = {dp.EVIDENCE_ROLE_PRIMARY: ids[r.part], dp.EVIDENCE_ROLE_SHADOW: shadow}
     if expected.get(r.role) != r.reducer:
         raise ForeignEvidence(f"{r.reducer} is not the {dp.EvidenceRole.Name(r.role)} reducer of {where}")
     if len(r.result_sha256) != 32:

@@ -53,6 +53,7 @@ class ByzantineMode(str, Enum):
     NAN = "nan"  # send non-finite values
     ZERO = "zero"  # send zeros (freeload) while claiming samples
     STALE = "stale"  # send the previous round's delta
+    BAD_REDUCER = "bad-reducer"  # contribute honestly, return a doctored averaged part as a reducer
 
 
 SIM_KINDS = frozenset({FaultKind.KILL, FaultKind.LEAVE, FaultKind.STOP, FaultKind.PARTITION})

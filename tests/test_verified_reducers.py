@@ -31,11 +31,12 @@ from bagel.robust.evidence import (
     contribution_statement,
     parse_evidence,
     shadow_of,
+    shadow_offset,
     sign_contribution,
 )
 from bagel.robust.reduction import PartInput, decode_part, reduce_one_part, result_generator
 from bagel.worker.averaging import ExchangeResult, ReducersDisagree
-from bagel.worker.parts import Layout, part_bounds, prepare_contribution
+from bagel.worker.parts import Layout, group_digest, part_bounds, prepare_contribution
 
 from dataplane_peers import RUN_ID, Peer, peers, torch_shm_manager  # noqa: F401 (autouse fixture)
 
@@ -66,6 +67,19 @@ async def run_exchange(ps: list[Peer], *, round: int = 1) -> list[ExchangeResult
         for i, p in enumerate(ps)
     ]
     return list(await asyncio.wait_for(asyncio.gather(*coros, return_exceptions=True), 60))
+
+
+def offset_of(ps: list[Peer], round: int = 1) -> int:
+    """The exchange's shadow offset, as every member and the coordinator compute it."""
+    tag = dp.ExchangeTag(
+        run_id=RUN_ID,
+        cell_id=CELL,
+        round=round,
+        round_attempt=1,
+        reduce_attempt=1,
+        group_digest=group_digest([p.contributor() for p in ps]),
+    )
+    return shadow_offset(tag, len(ps))
 
 
 def frozen(ps: list[Peer]) -> list[tuple[str, str, int]]:
@@ -104,7 +118,7 @@ async def test_a_doctored_part_is_applied_by_nobody_and_the_evidence_convicts_it
         for i, r in enumerate(results):
             assert isinstance(r, ReducersDisagree), f"{ids[i]} applied the round: {r!r}"
             assert f"part {bad}: primary {ids[bad]}" in str(r)
-        shadow = shadow_of(bad, 3)
+        shadow = shadow_of(bad, 3, offset_of(ps))
         evidence = results[shadow].evidence  # type: ignore[union-attr]
         assert len(evidence) == 1
         assert all(not results[i].evidence for i in range(3) if i not in (shadow, bad))  # type: ignore[union-attr]
@@ -176,12 +190,13 @@ async def test_a_doctored_part_is_applied_by_nobody_and_the_evidence_convicts_it
 async def test_an_honest_reducer_falsely_accused_is_not_convicted() -> None:
     """What a hostile shadow would send against an honest primary: the primary's signed
     receipt and every signed input of its part. The re-run agrees with the receipt."""
-    # an honest exchange: the shadow of part 0 (peer 1) accuses the honest primary (peer 0)
+    # an honest exchange: the shadow of part 0 accuses the honest primary (peer 0)
     async with peers(3, signed=True) as ps:
         ids = [p.worker_id for p in ps]
         judge = {"run_id": RUN_ID, "codec": get_codec(CODEC), "reducer": get_reducer("mean"), "members": frozen(ps)}
         receipts: dict[str, pb.EvidenceRequest] = {}
-        plane = ps[1].plane
+        accuser = shadow_of(0, 3, offset_of(ps))  # the shadow of part 0 holds its signed inputs
+        plane = ps[accuser].plane
         original = plane._check_agreement
 
         def spy(tag, me, members, sessions, replies, shadows, own):  # noqa: ANN001, ANN202
@@ -204,7 +219,7 @@ async def test_an_honest_reducer_falsely_accused_is_not_convicted() -> None:
         assert all(isinstance(r, ExchangeResult) for r in results)
         false = receipts["evidence"]
         with pytest.raises(EvidenceRefuted, match="verifies"):
-            adjudicate(parse_evidence(false), accuser=ids[1], **judge)  # type: ignore[arg-type]
+            adjudicate(parse_evidence(false), accuser=ids[accuser], **judge)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(120)
@@ -214,7 +229,8 @@ async def test_an_equivocating_sender_is_convicted() -> None:
     async with peers(3, signed=True) as ps:
         ids = [p.worker_id for p in ps]
         captured: dict[str, pb.EvidenceRequest] = {}
-        plane = ps[1].plane  # shadow of part 0
+        accuser = shadow_of(0, 3, offset_of(ps))  # the shadow of part 0
+        plane = ps[accuser].plane
         original = plane._check_agreement
 
         def spy(tag, me, members, sessions, replies, shadows, own):  # noqa: ANN001, ANN202
@@ -237,12 +253,13 @@ async def test_an_equivocating_sender_is_convicted() -> None:
         results = await run_exchange(ps)
         assert all(isinstance(r, ExchangeResult) for r in results)
         ev = captured["evidence"]
-        # peer 2 also signs a second, different contribution to part 0 (what it would have
+        eq = ({0, 1, 2} - {0, accuser}).pop()  # neither the primary of part 0 nor the accuser
+        # it also signs a second, different contribution to part 0 (what it would have
         # sent the shadow had it equivocated): with its own key, for the same exchange and part
-        ident2 = ps[2].plane.identity
+        ident2 = ps[eq].plane.identity
         assert ident2 is not None
         headers = [dp.ContributionHeader.FromString(e.contribution_header) for e in ev.inputs]
-        n = [h.sender for h in headers].index(ids[2])
+        n = [h.sender for h in headers].index(ids[eq])
         other_payload = get_codec(CODEC).encode(torch.ones(headers[n].part_numel))
         h2 = dp.ContributionHeader()
         h2.CopyFrom(headers[n])
@@ -253,6 +270,6 @@ async def test_an_equivocating_sender_is_convicted() -> None:
         ev.inputs[n].contribution_header = h2.SerializeToString()
         ev.inputs[n].payload = other_payload
         judge = {"run_id": RUN_ID, "codec": get_codec(CODEC), "reducer": get_reducer("mean"), "members": frozen(ps)}
-        conviction = adjudicate(parse_evidence(ev), accuser=ids[1], **judge)  # type: ignore[arg-type]
-        assert conviction.worker_id == ids[2] and conviction.kind == "equivocation"
+        conviction = adjudicate(parse_evidence(ev), accuser=ids[accuser], **judge)  # type: ignore[arg-type]
+        assert conviction.worker_id == ids[eq] and conviction.kind == "equivocation"
         assert "signed two different contributions" in conviction.reason

@@ -21,7 +21,8 @@ written so that every contributor applies the *same decoded bytes*:
 Verified reducers (every worker process: the plane has the worker's identity). A reducer
 could otherwise return anything finite and of the right size, and since every member
 applies the same bytes the round would commit with them. So each part j is reduced twice,
-by its primary (contributor j) and by its shadow (contributor j+1 mod k), with the same
+by its primary (contributor j) and by its shadow (contributor j+d mod k, d drawn per
+exchange: `bagel.robust.evidence.shadow_offset`), with the same
 deterministic `bagel.robust.reduction.reduce_one_part`; every contribution header is
 signed by its sender, and both reducers answer with a signed receipt (result digest, the
 signed inputs). A contributor applies nothing unless sha256(primary bytes) equals the
@@ -74,7 +75,7 @@ from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.identity import Identity
 from bagel.robust.aggregation import PartRejected, Reducer, get_reducer
-from bagel.robust.evidence import EvidenceError, open_receipt, shadow_of, sign_contribution
+from bagel.robust.evidence import EvidenceError, open_receipt, shadow_of, shadow_offset, sign_contribution
 from bagel.worker.framing import (
     LEN_NBYTES,
     FrameError,
@@ -313,7 +314,8 @@ class DataPlane:
         k = len(members)
         verified = self.identity is not None and k >= 2
         ident = self.identity if verified else None
-        shadowed = (index - 1) % k  # the part we reduce a second time, as its shadow (verified)
+        offset = shadow_offset(tag, k)
+        shadowed = (index - offset) % k  # the part we reduce a second time, as its shadow (verified)
         sessions = {
             index: Reduction(
                 tag,
@@ -370,7 +372,7 @@ class DataPlane:
             for j in range(k):
                 if bounds[j][0] == bounds[j][1]:
                     continue
-                for pos in (j, shadow_of(j, k)) if verified else (j,):
+                for pos in (j, shadow_of(j, k, offset)) if verified else (j,):
                     if pos != index:
                         sends[(j, pos)] = asyncio.create_task(
                             self._exchange_part(
@@ -409,7 +411,7 @@ class DataPlane:
                     continue
                 replies[j] = own_done[j] if j == index else sent_done[(j, j)]
                 if verified:
-                    sh = shadow_of(j, k)
+                    sh = shadow_of(j, k, offset)
                     shadows[j] = own_done[j][1] if sh == index else sent_done[(j, sh)][1]
             if verified:
                 self._check_agreement(tag, worker_id, members, sessions, replies, shadows, own_done)
@@ -508,7 +510,7 @@ class DataPlane:
         evidence: list[pb.EvidenceRequest] = []
         for j, sh_reply in shadows.items():
             buf, reply = replies[j]
-            primary, shadow = members[j].worker_id, members[shadow_of(j, k)].worker_id
+            primary, shadow = members[j].worker_id, members[shadow_of(j, k, shadow_offset(tag, k))].worker_id
             digest = hashlib.sha256(buf).digest()
             claims: dict[int, dp.EvidenceReceipt | None] = {}
             for role, who, rep in (
