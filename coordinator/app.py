@@ -64,8 +64,11 @@ from bagel.robust.evidence import Conviction, adjudicate, parse_evidence
 log = logging.getLogger(__name__)
 
 # Checking an accusation re-runs one part's reduction (decode + aggregate, CPU work off the
-# event loop): at most ACCUSE_CONCURRENCY at once, and one per worker per ACCUSE_INTERVAL_MS.
+# event loop): at most ACCUSE_CONCURRENCY at once, and per worker a token bucket of
+# ACCUSE_BURST accusations refilled one per ACCUSE_INTERVAL_MS (a worker holds evidence
+# about at most two parts per exchange: the one it reduces and the one it shadows).
 ACCUSE_CONCURRENCY = 2
+ACCUSE_BURST = 2
 ACCUSE_INTERVAL_MS = 1000
 ACCUSERS_KEPT = 10_000  # the rate limiter's memory (oldest forgotten first)
 
@@ -133,7 +136,7 @@ class CoordinatorApp:
         self._cell_writes: dict[str, asyncio.Future[None]] = {}  # latest CellRecord batch per cell
         self.tally = WorkerTally(state.snapshot().workers)
         self._publish_worker_counts()
-        self._accused_at: dict[str, int] = {}  # accuser -> when its last accusation arrived
+        self._accusations: dict[str, tuple[float, int]] = {}  # accuser -> (tokens left, as of when)
         self._judging = 0
 
     # ------------------------------------------------------------------ request path
@@ -194,16 +197,17 @@ class CoordinatorApp:
         loop) and, only on proof, apply `Convicted`. Raises an `EvidenceError` (no state change)
         when the evidence convicts nobody, `AccusationLimited` past the rate limits."""
         now = self.clock()
-        last = self._accused_at.get(accuser)
-        if last is not None and now - last < ACCUSE_INTERVAL_MS:
-            raise AccusationLimited(f"one accusation per {ACCUSE_INTERVAL_MS} ms per worker")
+        tokens, since = self._accusations.get(accuser, (float(ACCUSE_BURST), now))
+        tokens = min(float(ACCUSE_BURST), tokens + max(0, now - since) / ACCUSE_INTERVAL_MS)
+        if tokens < 1.0:
+            raise AccusationLimited(f"{ACCUSE_BURST} accusations per worker, then one per {ACCUSE_INTERVAL_MS} ms")
         if self._judging >= ACCUSE_CONCURRENCY:
             raise AccusationLimited("other accusations are being checked; retry shortly")
         self.state.worker_phase(accuser)  # a registered worker (else NOT_FOUND), not banned (PERMISSION_DENIED)
-        self._accused_at.pop(accuser, None)
-        self._accused_at[accuser] = now
-        while len(self._accused_at) > ACCUSERS_KEPT:
-            del self._accused_at[next(iter(self._accused_at))]
+        self._accusations.pop(accuser, None)
+        self._accusations[accuser] = (tokens - 1.0, now)
+        while len(self._accusations) > ACCUSERS_KEPT:
+            del self._accusations[next(iter(self._accusations))]
         evidence = parse_evidence(req)  # bounds and the receipt's signature: cheap
         t = evidence.receipt.tag
         members = self.state.frozen_set(t.cell_id, t.round, t.round_attempt, t.reduce_attempt)

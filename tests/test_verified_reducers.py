@@ -20,7 +20,7 @@ from bagel.compression import get_codec
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.identity import Identity
-from bagel.robust.aggregation import get_reducer
+from bagel.robust.aggregation import exact_norm, exact_sum, get_reducer
 from bagel.robust.evidence import (
     EvidenceRefuted,
     ForeignEvidence,
@@ -273,3 +273,21 @@ async def test_an_equivocating_sender_is_convicted() -> None:
         conviction = adjudicate(parse_evidence(ev), accuser=ids[accuser], **judge)  # type: ignore[arg-type]
         assert conviction.worker_id == ids[eq] and conviction.kind == "equivocation"
         assert "signed two different contributions" in conviction.reason
+
+
+def test_exact_sum_is_a_fixed_pairwise_tree_and_exact_norm_agrees_with_torch() -> None:
+    """The rules' sums are a fixed tree of elementwise adds (the same bits on every CPU): equal,
+    bit for bit, to the same tree in plain Python floats, and close to torch's own norm."""
+
+    def tree(vals: list[float]) -> float:
+        while len(vals) > 1:
+            if len(vals) % 2:
+                vals = [*vals, 0.0]
+            vals = [vals[i] + vals[i + 1] for i in range(0, len(vals), 2)]
+        return vals[0] if vals else 0.0
+
+    g = torch.Generator().manual_seed(3)
+    for n in (0, 1, 2, 7, 1000, 4097):
+        x = torch.randn(n, generator=g, dtype=torch.float64) * 1e3
+        assert exact_sum(x) == tree(x.tolist())
+        assert abs(exact_norm(x) - float(torch.linalg.vector_norm(x))) <= 1e-12 * (1 + exact_norm(x))

@@ -612,7 +612,7 @@ class CoordinatorState:
         c = self._cells.get(ev.cell_id)
         if c is None:
             raise InvalidEvent(f"cell_id: unknown cell {ev.cell_id!r}")
-        why = f"banned: {ev.reason} (accused by {ev.accuser})"
+        why = f"{ev.reason} (accused by {ev.accuser})"
         if w.state is WorkerState.ACTIVE:
             self.roster.detach(w, now, fail_fast=True)
         w.state, w.reason = WorkerState.BANNED, why
