@@ -31,7 +31,7 @@ from bagel.robust.aggregation import get_reducer  # noqa: E402
 from bagel.robust.evidence import adjudicate, parse_evidence  # noqa: E402
 from bagel.worker.averaging import ExchangeResult, ReducersDisagree  # noqa: E402
 
-from dataplane_peers import RUN_ID, peers  # noqa: E402
+from dataplane_peers import RUN_ID, peers  # type: ignore[import-not-found]  # noqa: E402  (tests/ on the path)
 
 
 async def one(k: int, numel: int, codec: str, signed: bool, repeats: int, doctor: bool = False) -> dict[str, Any]:

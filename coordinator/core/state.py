@@ -30,6 +30,10 @@ The round protocol, per cell:
 - After a commit the agreeing contributors hold the new state, everybody else resyncs;
   the scheduler may move idle workers (round boundary), and the next round opens at once.
 - Every checkpoint.every_rounds commits, one agreeing contributor is asked to upload.
+- Convicted (the shell has verified evidence that a worker lied as a reducer, or signed two
+  different contributions to one part): the worker is banned with the proof as its reason,
+  and if that exchange is still the open one it is re-frozen without the worker (or
+  aborted when too few remain), so it never commits with the liar's bytes.
 - A lost lease drops the worker from its open round at once (fail_fast_leases) and from
   its cell. A cell whose committed state nobody live holds, when someone needs it, falls
   back to its latest checkpoint.
