@@ -292,3 +292,34 @@ def test_exact_sum_is_a_fixed_pairwise_tree_and_exact_norm_agrees_with_torch() -
         x = torch.randn(n, generator=g, dtype=torch.float64) * 1e3
         assert exact_sum(x) == tree(x.tolist())
         assert abs(exact_norm(x) - float(torch.linalg.vector_norm(x))) <= 1e-12 * (1 + exact_norm(x))
+
+
+@pytest.mark.timeout(120)
+async def test_a_lying_shadow_is_convicted_on_the_primarys_evidence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shadow signs a wrong digest (the primary is honest): nobody applies the part, and the
+    primary, which holds the same signed inputs, proves the shadow lied."""
+    from bagel.worker import reducer as reducer_mod
+
+    async with peers(3, signed=True) as ps:
+        ids = [p.worker_id for p in ps]
+        liar = 2
+        honest_compute = reducer_mod.Reduction._compute
+
+        def compute(self: reducer_mod.Reduction):  # noqa: ANN202
+            res = honest_compute(self)
+            if self.me == ids[liar] and self.role == dp.EVIDENCE_ROLE_SHADOW:
+                return reducer_mod.PartResult(b"\0" + res.payload[1:], res.included, res.excluded, res.total_weight)
+            return res
+
+        monkeypatch.setattr(reducer_mod.Reduction, "_compute", compute)
+        results = await run_exchange(ps)
+        part = (liar - offset_of(ps)) % 3  # the part the liar shadows
+        for i, r in enumerate(results):
+            assert isinstance(r, ReducersDisagree), f"{ids[i]} applied the round: {r!r}"
+            assert f"part {part}: primary {ids[part]}" in str(r) and f"shadow {ids[liar]}" in str(r)
+        evidence = results[part].evidence  # type: ignore[union-attr]
+        assert len(evidence) == 1
+        judge = {"run_id": RUN_ID, "codec": get_codec(CODEC), "reducer": get_reducer("mean"), "members": frozen(ps)}
+        conviction = adjudicate(parse_evidence(evidence[0]), accuser=ids[part], **judge)  # type: ignore[arg-type]
+        assert conviction.worker_id == ids[liar]
+        assert conviction.reason.startswith("verified evidence: shadow reducer of")
