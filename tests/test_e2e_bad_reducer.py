@@ -55,6 +55,10 @@ def test_a_doctored_averaged_part_is_not_applied_and_its_reducer_is_banned_on_ve
     honest = ["a", "b"]
     for n in honest:
         s.start_worker(n)
+    # the attacker joins once the honest workers are in the cell: alone in a group there is
+    # no second reducer to check it (a lone member owns its cell; that is the audits' job)
+    for n in honest:
+        s.wait(f"{n} registered", lambda n=n: s.events(n, "registered"), 120)
     s.start_worker("bad", "--byzantine", "bad-reducer")
     ids = {n: s.wait(f"{n}'s identity", lambda n=n: worker_id(s, n), 120) for n in (*honest, "bad")}
     bad = ids["bad"]
