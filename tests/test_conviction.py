@@ -33,8 +33,11 @@ def test_conviction_bans_refreezes_without_the_liar_and_its_hash_never_commits()
     assert [m[0] for m in hz.st.frozen_set(CELL, 1, 1, 1) or ()] == ["a", "b", "c", "d"]
     # the liar claims success with the doctored state; an honest member reports the failure
     assert hz.report("d", h(666)).verdict is Verdict.PENDING
+    rep_c = hz.store.workers["c"].reputation
     assert hz.report("c", "", failed=True, reason="part 3 disagrees").verdict is Verdict.PENDING
+    assert hz.store.workers["c"].reputation < rep_c  # a failed report costs reputation...
     hz.apply(convicted("d"))
+    assert hz.store.workers["c"].reputation == rep_c  # ...refunded: the liar caused it
     w = hz.store.workers["d"]
     assert w.state is WorkerState.BANNED and "verified evidence: test" in w.reason and "accused by b" in w.reason
     r = hz.round()

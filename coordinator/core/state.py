@@ -33,7 +33,8 @@ The round protocol, per cell:
 - Convicted (the shell has verified evidence that a worker lied as a reducer, or signed two
   different contributions to one part): the worker is banned with the proof as its reason,
   and if that exchange is still the open one it is re-frozen without the worker (or
-  aborted when too few remain), so it never commits with the liar's bytes.
+  aborted when too few remain), so it never commits with the liar's bytes; the other
+  contributors' failure reports of that exchange get their reputation back.
 - A lost lease drops the worker from its open round at once (fail_fast_leases) and from
   its cell. A cell whose committed state nobody live holds, when someone needs it, falls
   back to its latest checkpoint.
@@ -627,6 +628,10 @@ class CoordinatorState:
             and r.state is RoundState.REDUCING
             and (r.round, r.attempt, r.reduce_attempt) == (ev.round, ev.round_attempt, ev.reduce_attempt)
         ):
+            # the others' failure reports of this exchange were the liar's doing: refund them
+            for x, e in r.reports.items():
+                if e.failed and x != w.id and x in self.roster.workers:
+                    self.roster.reputation(self.roster.workers[x], -self.policy.rep_failed_report, now, "")
             self.rounds.discard_exchange(c, r, w.id, now, f"contributor {w.id} convicted: {ev.reason}")
         self.roster.rebalance(now, balance=False)
         return None, None, None
