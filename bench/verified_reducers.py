@@ -74,10 +74,14 @@ async def one(k: int, numel: int, codec: str, signed: bool, repeats: int, doctor
             "bytes_per_member": statistics.mean(bytes_per_member) if bytes_per_member else 0.0,
         }
         if doctor:
-            holder = next(i for i, r in enumerate(last) if isinstance(r, ReducersDisagree) and r.evidence)
-            ev = last[holder]
-            assert isinstance(ev, ReducersDisagree) and ev.evidence
-            req = ev.evidence[0]
+            # the accusation of the doctoring peer 1 (peer 1 also accuses the honest shadow: refuted)
+            holder, req = next(
+                (i, e)
+                for i, r in enumerate(last)
+                if isinstance(r, ReducersDisagree)
+                for e in r.evidence
+                if parse_evidence(e).receipt.reducer == ps[1].worker_id
+            )
             members = [(c.worker_id, c.peer_id, c.max_samples) for c in cs]
             t0 = time.perf_counter()
             conviction = adjudicate(
