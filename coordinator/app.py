@@ -36,12 +36,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from bagel.compression import get_codec
 from bagel.coordinator.admission import Admission
 from bagel.coordinator.checkpoints import (
     CheckpointStore,
 )
 from bagel.coordinator.core.errors import CoordinatorError, CoreFault
-from bagel.coordinator.core.events import Event, Heartbeat, Leave, Outcome, ReportRound, Tick
+from bagel.coordinator.core.events import Convicted, Event, Heartbeat, Leave, Outcome, ReportRound, Tick
 from bagel.coordinator.core.records import (
     CellRecord,
     CommitRecord,
@@ -51,7 +52,7 @@ from bagel.coordinator.core.records import (
     WorkerState,
 )
 from bagel.coordinator.core.state import CoordinatorState
-from bagel.coordinator.interceptor import NotAccepting
+from bagel.coordinator.interceptor import AccusationLimited, NotAccepting
 from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
@@ -60,11 +61,21 @@ from bagel.protocol.identity import worker_id_of
 from bagel.protocol.jointoken import operator_key_bytes
 from bagel.protocol.runspec import RunSpec, parse_cell
 from bagel.protocol.validation import validate
+from bagel.robust.aggregation import get_reducer
+from bagel.robust.evidence import Conviction, adjudicate, parse_evidence
 
 log = logging.getLogger(__name__)
 
 REVOCATION_POLL_S = 1.0  # how often a permissioned run looks for revoked join tokens
 STATUS_HOLD_FACTOR = 10.0
+# Checking an accusation re-runs one part's reduction (decode + aggregate, CPU work off the
+# event loop): at most ACCUSE_CONCURRENCY at once, and per worker a token bucket of
+# ACCUSE_BURST accusations refilled one per ACCUSE_INTERVAL_MS (a worker holds evidence
+# about at most two parts per exchange: the one it reduces and the one it shadows).
+ACCUSE_CONCURRENCY = 2
+ACCUSE_BURST = 2
+ACCUSE_INTERVAL_MS = 1000
+ACCUSERS_KEPT = 10_000  # the rate limiter's memory (oldest forgotten first)
 
 
 class WorkerTally:
@@ -138,6 +149,8 @@ class CoordinatorApp:
         self.status_keys: set[bytes] = {self.operator_key} if self.operator_key else set()
         self._status_cache: dict[bool, tuple[float, bytes, float]] = {}  # (at, bytes, hold_s)
         self._last_revocation_poll = 0.0
+        self._accusations: dict[str, tuple[float, int]] = {}  # accuser -> (tokens left, as of when)
+        self._judging = 0
 
     # ------------------------------------------------------------------ request path
 
@@ -223,6 +236,52 @@ class CoordinatorApp:
             self._die(e, "store write failed")
             raise NotAccepting("the coordinator's store failed; it is restarting") from e
         return outcome
+
+    async def accuse(self, accuser: str, req: pb.EvidenceRequest) -> Conviction:
+        """Check evidence against a reducer (`bagel.robust.evidence.adjudicate`, off the event
+        loop) and, only on proof, apply `Convicted`. Raises an `EvidenceError` (no state change)
+        when the evidence convicts nobody, `AccusationLimited` past the rate limits."""
+        now = self.clock()
+        tokens, since = self._accusations.get(accuser, (float(ACCUSE_BURST), now))
+        tokens = min(float(ACCUSE_BURST), tokens + max(0, now - since) / ACCUSE_INTERVAL_MS)
+        if tokens < 1.0:
+            raise AccusationLimited(f"{ACCUSE_BURST} accusations per worker, then one per {ACCUSE_INTERVAL_MS} ms")
+        if self._judging >= ACCUSE_CONCURRENCY:
+            raise AccusationLimited("other accusations are being checked; retry shortly")
+        self.state.worker_phase(accuser)  # a registered worker (else NOT_FOUND), not banned (PERMISSION_DENIED)
+        self._accusations.pop(accuser, None)
+        self._accusations[accuser] = (tokens - 1.0, now)
+        while len(self._accusations) > ACCUSERS_KEPT:
+            del self._accusations[next(iter(self._accusations))]
+        evidence = parse_evidence(req)  # bounds and the receipt's signature: cheap
+        t = evidence.receipt.tag
+        members = self.state.frozen_set(t.cell_id, t.round, t.round_attempt, t.reduce_attempt)
+        self._judging += 1
+        try:
+            conviction = await asyncio.to_thread(
+                adjudicate,
+                evidence,
+                run_id=self.spec.run.id,
+                accuser=accuser,
+                members=members,
+                codec=get_codec(self.spec.diloco.codec),
+                reducer=get_reducer(self.spec.diloco.aggregation),
+            )
+        finally:
+            self._judging -= 1
+        log.warning("convicted %s on evidence from %s: %s", conviction.worker_id, accuser, conviction.reason)
+        await self.apply(
+            Convicted(
+                worker_id=conviction.worker_id,
+                accuser=accuser,
+                cell_id=t.cell_id,
+                round=t.round,
+                round_attempt=t.round_attempt,
+                reduce_attempt=t.reduce_attempt,
+                reason=conviction.reason,
+            )
+        )
+        return conviction
 
     def _die(self, exc: BaseException, what: str) -> None:
         if self.fatal is None:

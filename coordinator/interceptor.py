@@ -29,6 +29,7 @@ from bagel.coordinator.metrics import Metrics
 from bagel.protocol.envelope import EnvelopeError
 from bagel.protocol.jointoken import JoinTokenError
 from bagel.protocol.validation import ValidationError
+from bagel.robust.evidence import EvidenceError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,13 @@ class NotAccepting(ShellError):
     reason = "unavailable"
 
 
+class AccusationLimited(ShellError):
+    """Too many accusations from this worker, or too many being checked at once: later."""
+
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "accusation_rate"
+
+
 _CHECKPOINT_STATUS: dict[type, tuple[grpc.StatusCode, str]] = {
     CheckpointTooLarge: (grpc.StatusCode.RESOURCE_EXHAUSTED, "checkpoint_too_large"),
     CheckpointRejected: (grpc.StatusCode.INVALID_ARGUMENT, "checkpoint_rejected"),
@@ -84,6 +92,8 @@ def classify_error(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode[grpc_status_name(exc)], _snake(type(exc).__name__), str(exc) or type(exc).__name__
     if isinstance(exc, ShellError):
         return exc.status, exc.reason, str(exc)
+    if isinstance(exc, EvidenceError):
+        return grpc.StatusCode[exc.status], exc.reason, str(exc)
     for cls in type(exc).__mro__:
         if cls in _CHECKPOINT_STATUS:
             code, reason = _CHECKPOINT_STATUS[cls]

@@ -124,6 +124,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return pb.LeaveResponse(upload_first=True, instruction=wire.instruction_to_pb(out.instruction))
         return pb.LeaveResponse()
 
+    async def Accuse(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.AccuseResponse:
+        v = self.app.verify(request, "Accuse")
+        conviction = await self.app.accuse(v.worker_id, v.message)
+        return pb.AccuseResponse(convicted=conviction.worker_id, reason=conviction.reason)
+
     async def GetStatus(self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext) -> bytes:
         """Cached and rate-limited; worker details only for a signed request by the
         coordinator's or the operator's key or an active worker, else the aggregate view.

@@ -527,3 +527,33 @@ class JoinTokenClaims(_message.Message):
     expires_unix_ms: int
     uses: int
     def __init__(self, run_id: _Optional[str] = ..., token_id: _Optional[bytes] = ..., name: _Optional[str] = ..., issued_unix_ms: _Optional[int] = ..., expires_unix_ms: _Optional[int] = ..., uses: _Optional[int] = ...) -> None: ...
+
+class EvidenceInput(_message.Message):
+    __slots__ = ("contribution_header", "payload")
+    CONTRIBUTION_HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    contribution_header: bytes
+    payload: bytes
+    def __init__(self, contribution_header: _Optional[bytes] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class EvidenceRequest(_message.Message):
+    __slots__ = ("header", "receipt", "receipt_signature", "reducer_public_key", "inputs")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    REDUCER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    receipt: bytes
+    receipt_signature: bytes
+    reducer_public_key: bytes
+    inputs: _containers.RepeatedCompositeFieldContainer[EvidenceInput]
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., receipt: _Optional[bytes] = ..., receipt_signature: _Optional[bytes] = ..., reducer_public_key: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[EvidenceInput, _Mapping]]] = ...) -> None: ...
+
+class AccuseResponse(_message.Message):
+    __slots__ = ("convicted", "reason")
+    CONVICTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    convicted: str
+    reason: str
+    def __init__(self, convicted: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -74,6 +74,11 @@ class CoordinatorStub:
                 request_serializer=bagel__pb2.AdmissionChallengeRequest.SerializeToString,
                 response_deserializer=bagel__pb2.AdmissionChallengeResponse.FromString,
                 _registered_method=True)
+        self.Accuse = channel.unary_unary(
+                '/bagel.v1.Coordinator/Accuse',
+                request_serializer=bagel__pb2.SignedRequest.SerializeToString,
+                response_deserializer=bagel__pb2.AccuseResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -136,6 +141,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Accuse(self, request, context):
+        """payload: EvidenceRequest. A reducer accuses another of a wrong result, with proof.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +190,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.AdmissionChallenge,
                     request_deserializer=bagel__pb2.AdmissionChallengeRequest.FromString,
                     response_serializer=bagel__pb2.AdmissionChallengeResponse.SerializeToString,
+            ),
+            'Accuse': grpc.unary_unary_rpc_method_handler(
+                    servicer.Accuse,
+                    request_deserializer=bagel__pb2.SignedRequest.FromString,
+                    response_serializer=bagel__pb2.AccuseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +413,33 @@ class Coordinator:
             '/bagel.v1.Coordinator/AdmissionChallenge',
             bagel__pb2.AdmissionChallengeRequest.SerializeToString,
             bagel__pb2.AdmissionChallengeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Accuse(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagel.v1.Coordinator/Accuse',
+            bagel__pb2.SignedRequest.SerializeToString,
+            bagel__pb2.AccuseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -261,6 +261,11 @@ class CoordinatorClient:
             req.heldout_loss_base = heldout_loss_base
         return await self.call("ReportRound", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
+    async def accuse(self, evidence: pb.EvidenceRequest, *, timeout_s: float | None = None) -> pb.AccuseResponse:
+        """Send evidence that another reducer lied (built by the data plane); the coordinator
+        re-runs the reduction and answers who was convicted, or a status saying why nobody."""
+        return await self.call("Accuse", evidence, timeout_s=timeout_s)  # type: ignore[return-value]
+
     async def leave(
         self, reason: str = "", *, offer_checkpoint: bool = False, timeout_s: float | None = None
     ) -> pb.LeaveResponse:

@@ -15,12 +15,21 @@ class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STATUS_FAILED: _ClassVar[Status]
     STATUS_NOT_AVAILABLE: _ClassVar[Status]
     STATUS_NOT_READY: _ClassVar[Status]
+
+class EvidenceRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVIDENCE_ROLE_UNSPECIFIED: _ClassVar[EvidenceRole]
+    EVIDENCE_ROLE_PRIMARY: _ClassVar[EvidenceRole]
+    EVIDENCE_ROLE_SHADOW: _ClassVar[EvidenceRole]
 STATUS_UNSPECIFIED: Status
 STATUS_OK: Status
 STATUS_REJECTED: Status
 STATUS_FAILED: Status
 STATUS_NOT_AVAILABLE: Status
 STATUS_NOT_READY: Status
+EVIDENCE_ROLE_UNSPECIFIED: EvidenceRole
+EVIDENCE_ROLE_PRIMARY: EvidenceRole
+EVIDENCE_ROLE_SHADOW: EvidenceRole
 
 class ExchangeTag(_message.Message):
     __slots__ = ("run_id", "cell_id", "round", "reduce_attempt", "group_digest", "round_attempt")
@@ -39,7 +48,7 @@ class ExchangeTag(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., reduce_attempt: _Optional[int] = ..., group_digest: _Optional[str] = ..., round_attempt: _Optional[int] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("tag", "sender", "part", "num_parts", "total_numel", "part_numel", "layout_digest", "codec", "weight", "payload_nbytes")
+    __slots__ = ("tag", "sender", "part", "num_parts", "total_numel", "part_numel", "layout_digest", "codec", "weight", "payload_nbytes", "sender_public_key", "payload_sha256", "signature")
     TAG_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +59,9 @@ class ContributionHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     tag: ExchangeTag
     sender: str
     part: int
@@ -60,7 +72,10 @@ class ContributionHeader(_message.Message):
     codec: str
     weight: float
     payload_nbytes: int
-    def __init__(self, tag: _Optional[_Union[ExchangeTag, _Mapping]] = ..., sender: _Optional[str] = ..., part: _Optional[int] = ..., num_parts: _Optional[int] = ..., total_numel: _Optional[int] = ..., part_numel: _Optional[int] = ..., layout_digest: _Optional[str] = ..., codec: _Optional[str] = ..., weight: _Optional[float] = ..., payload_nbytes: _Optional[int] = ...) -> None: ...
+    sender_public_key: bytes
+    payload_sha256: bytes
+    signature: bytes
+    def __init__(self, tag: _Optional[_Union[ExchangeTag, _Mapping]] = ..., sender: _Optional[str] = ..., part: _Optional[int] = ..., num_parts: _Optional[int] = ..., total_numel: _Optional[int] = ..., part_numel: _Optional[int] = ..., layout_digest: _Optional[str] = ..., codec: _Optional[str] = ..., weight: _Optional[float] = ..., payload_nbytes: _Optional[int] = ..., sender_public_key: _Optional[bytes] = ..., payload_sha256: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class Exclusion(_message.Message):
     __slots__ = ("sender", "reason")
@@ -71,7 +86,7 @@ class Exclusion(_message.Message):
     def __init__(self, sender: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReducedHeader(_message.Message):
-    __slots__ = ("status", "reason", "tag", "part", "payload_nbytes", "included", "excluded", "total_weight", "reducer_rule", "missing")
+    __slots__ = ("status", "reason", "tag", "part", "payload_nbytes", "included", "excluded", "total_weight", "reducer_rule", "missing", "receipt", "receipt_signature", "reducer_public_key")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +97,9 @@ class ReducedHeader(_message.Message):
     TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     REDUCER_RULE_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    REDUCER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: str
     tag: ExchangeTag
@@ -92,7 +110,36 @@ class ReducedHeader(_message.Message):
     total_weight: float
     reducer_rule: str
     missing: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., tag: _Optional[_Union[ExchangeTag, _Mapping]] = ..., part: _Optional[int] = ..., payload_nbytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[_Union[Exclusion, _Mapping]]] = ..., total_weight: _Optional[float] = ..., reducer_rule: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ...) -> None: ...
+    receipt: bytes
+    receipt_signature: bytes
+    reducer_public_key: bytes
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., tag: _Optional[_Union[ExchangeTag, _Mapping]] = ..., part: _Optional[int] = ..., payload_nbytes: _Optional[int] = ..., included: _Optional[_Iterable[str]] = ..., excluded: _Optional[_Iterable[_Union[Exclusion, _Mapping]]] = ..., total_weight: _Optional[float] = ..., reducer_rule: _Optional[str] = ..., missing: _Optional[_Iterable[str]] = ..., receipt: _Optional[bytes] = ..., receipt_signature: _Optional[bytes] = ..., reducer_public_key: _Optional[bytes] = ...) -> None: ...
+
+class EvidenceReceipt(_message.Message):
+    __slots__ = ("tag", "part", "reducer", "role", "result_sha256", "inputs", "excluded", "reducer_rule", "codec", "total_numel", "layout_digest")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    REDUCER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    REDUCER_RULE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    tag: ExchangeTag
+    part: int
+    reducer: str
+    role: EvidenceRole
+    result_sha256: bytes
+    inputs: _containers.RepeatedCompositeFieldContainer[ContributionHeader]
+    excluded: _containers.RepeatedCompositeFieldContainer[Exclusion]
+    reducer_rule: str
+    codec: str
+    total_numel: int
+    layout_digest: str
+    def __init__(self, tag: _Optional[_Union[ExchangeTag, _Mapping]] = ..., part: _Optional[int] = ..., reducer: _Optional[str] = ..., role: _Optional[_Union[EvidenceRole, str]] = ..., result_sha256: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[ContributionHeader, _Mapping]]] = ..., excluded: _Optional[_Iterable[_Union[Exclusion, _Mapping]]] = ..., reducer_rule: _Optional[str] = ..., codec: _Optional[str] = ..., total_numel: _Optional[int] = ..., layout_digest: _Optional[str] = ...) -> None: ...
 
 class StateRequest(_message.Message):
     __slots__ = ("run_id", "cell_id", "committed_round", "state_hash")

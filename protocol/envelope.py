@@ -64,6 +64,7 @@ PAYLOAD_TYPES: dict[str, type[Message]] = {
     "UploadCheckpoint": pb.UploadCheckpointHeader,
     "DownloadCheckpoint": pb.DownloadCheckpointRequest,
     "GetStatus": pb.StatusAuthRequest,  # optional: a signed GetStatus sees worker details
+    "Accuse": pb.EvidenceRequest,
 }
 
 M = TypeVar("M", bound=Message)

@@ -51,6 +51,11 @@ MAX_JOIN_TOKEN_BYTES = 1024
 MAX_AUDIT_CONTRIBUTORS = 256
 MAX_AUDIT_NORM = 1e300  # finite: a norm of float32 values of any count is far below it
 MAX_POW_CHALLENGE_BYTES = 64
+# An accusation (EvidenceRequest): one signed input per contributor of the disputed part.
+# bagel.robust.evidence parses within the same bounds.
+MAX_EVIDENCE_INPUTS = 256
+MAX_EVIDENCE_HEADER_BYTES = 4096
+MAX_EVIDENCE_RECEIPT_BYTES = MAX_EVIDENCE_INPUTS * (MAX_EVIDENCE_HEADER_BYTES + 8) + 65536
 DEVICE_KINDS = frozenset({"cpu", "cuda", "mps"})
 
 HEX_SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -276,6 +281,21 @@ def validate_download_request(req: pb.DownloadCheckpointRequest, spec: RunSpec) 
     _round("round", req.round, lo=0)
 
 
+def validate_evidence(req: pb.EvidenceRequest, spec: RunSpec) -> None:
+    """Sizes only: what the evidence proves is checked by `bagel.robust.evidence.adjudicate`."""
+    if not 0 < len(req.receipt) <= MAX_EVIDENCE_RECEIPT_BYTES:
+        raise ValidationError("receipt", f"{len(req.receipt)} bytes, expected 1..{MAX_EVIDENCE_RECEIPT_BYTES}")
+    if len(req.receipt_signature) != 64:
+        raise ValidationError("receipt_signature", f"{len(req.receipt_signature)} bytes, expected 64")
+    if len(req.reducer_public_key) != 32:
+        raise ValidationError("reducer_public_key", f"{len(req.reducer_public_key)} bytes, expected 32")
+    if not 0 < len(req.inputs) <= MAX_EVIDENCE_INPUTS:
+        raise ValidationError("inputs", f"{len(req.inputs)} inputs, expected 1..{MAX_EVIDENCE_INPUTS}")
+    for i, e in enumerate(req.inputs):
+        if not 0 < len(e.contribution_header) <= MAX_EVIDENCE_HEADER_BYTES:
+            raise ValidationError(f"inputs[{i}].contribution_header", f"{len(e.contribution_header)} bytes")
+
+
 VALIDATORS: dict[str, Callable[[Any, RunSpec], None]] = {
     "Register": validate_register,
     "Heartbeat": validate_heartbeat,
@@ -283,6 +303,7 @@ VALIDATORS: dict[str, Callable[[Any, RunSpec], None]] = {
     "Leave": validate_leave,
     "UploadCheckpoint": validate_upload_header,
     "DownloadCheckpoint": validate_download_request,
+    "Accuse": validate_evidence,
 }
 
 

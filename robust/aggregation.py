@@ -5,10 +5,13 @@ A reducer owns one part of the flattened pseudo-gradient in a group exchange
 `Reducer.validate` whether to keep it (finite, the right shape), clamps each weight to the
 sample budget the coordinator gave its sender (`clamp_weight`), lets `Reducer.screen` drop
 parts whose norm is far outside the group's, and `Reducer.aggregate` combines the rest.
-Only that one reducer computes the part, and every member applies the bytes it sends,
-so replicas stay bit-identical whatever the rule; the rules are still written to be
+Every member applies the bytes of one reducer (the part's primary), so replicas stay
+bit-identical whatever the rule; the rules are still written to be
 deterministic (fixed summation order, float64 accumulation, stable sorts) so a golden
-test and a re-run reproduce the same numbers.
+test and a re-run reproduce the same numbers. Since a part is also reduced by a shadow
+and re-checked by the coordinator, on other machines, the rules use no torch reduction
+whose summation order depends on the CPU (norms and sums go through `exact_norm` /
+`exact_sum` / `math.fsum`; sorts and medians are exact selections).
 
 Rules (select with `get_reducer(name)`; a run picks one with the spec's `diloco.aggregation`,
 grammar and defaults in `bagel.protocol.reducerspec`). The breakdown point is the share of
@@ -123,7 +126,8 @@ class Reducer(ABC):
         and the upper bound is not applied (the lower one still flags an exact zero unless
         the upper median is 0 too: then most parts are zero and nothing is excluded).
         """
-        norms = [float(torch.linalg.vector_norm(p.to(torch.float64))) for p in parts]
+        # exact_norm: the same bits on every machine, so a shadow and the coordinator screen alike
+        norms = [exact_norm(p) for p in parts]
         if not norms:
             return Screening((), (), 0.0)
         ordered = sorted(norms)
@@ -164,6 +168,28 @@ class Reducer(ABC):
         return self.params().text()
 
 
+def exact_sum(x: torch.Tensor) -> float:
+    """sum(x) of a float64 vector by a fixed pairwise tree of elementwise adds.
+
+    Two machines must get the same bits (a part's primary and shadow reducers, and the
+    coordinator checking them, compare digests): torch's own reductions pick their
+    summation order by the vector width the CPU offers at run time, elementwise IEEE adds
+    do not depend on it. O(n) work in log2(n) passes.
+    """
+    x = x.reshape(-1).to(torch.float64)
+    while x.numel() > 1:
+        if x.numel() % 2:
+            x = torch.cat([x, x.new_zeros(1)])
+        x = x[0::2] + x[1::2]
+    return float(x[0]) if x.numel() else 0.0
+
+
+def exact_norm(x: torch.Tensor) -> float:
+    """||x||_2 with `exact_sum`, so it is the same on every machine."""
+    x = x.to(torch.float64)
+    return math.sqrt(exact_sum(x * x))
+
+
 def _check(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     if not parts:
         raise ValueError("no parts to aggregate")
@@ -185,7 +211,7 @@ class WeightedMean(Reducer):
         acc = torch.zeros(parts[0].numel(), dtype=torch.float64)
         for x, wi in zip(parts, w.tolist(), strict=True):
             acc += x.to(torch.float64) * wi  # one multiply, one add per element: no FMA ambiguity
-        return (acc / float(w.sum())).to(torch.float32)
+        return (acc / math.fsum(w.tolist())).to(torch.float32)
 
 
 class TrimmedMean(Reducer):
@@ -249,14 +275,14 @@ class CenteredClip(Reducer):
 
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
-        w = w / w.sum()
+        w = w / math.fsum(w.tolist())
         x = [p.to(torch.float64) for p in parts]
         # Robust start: the coordinate-wise (lower) median; a mean would be dragged by outliers.
         v = torch.stack(x).median(dim=0).values
         if self.tau is not None:
             tau = self.tau
         else:
-            dists = sorted(float(torch.linalg.vector_norm(xi - v)) for xi in x)
+            dists = sorted(exact_norm(xi - v) for xi in x)
             tau = self.rel * dists[(len(dists) - 1) // 2]
             if tau <= 0:  # most parts sit on the median already: it is the answer
                 return v.to(torch.float32)
@@ -264,11 +290,11 @@ class CenteredClip(Reducer):
             step = torch.zeros_like(v)
             for xi, wi in zip(x, w.tolist(), strict=True):
                 diff = xi - v
-                norm = float(torch.linalg.vector_norm(diff))
+                norm = exact_norm(diff)
                 scale = 1.0 if norm <= tau else tau / norm
                 step += diff * (wi * scale)
             v = v + step
-            if float(torch.linalg.vector_norm(step)) <= self.eps * (1.0 + float(torch.linalg.vector_norm(v))):
+            if exact_norm(step) <= self.eps * (1.0 + exact_norm(v)):
                 break
         return v.to(torch.float32)
 
@@ -333,6 +359,8 @@ __all__ = [
     "ZERO_REASON",
     "CenteredClip",
     "GroupReduction",
+    "exact_norm",
+    "exact_sum",
     "PartRejected",
     "Reducer",
     "ReducerSpecError",

@@ -58,6 +58,7 @@ class ByzantineMode(str, Enum):
     FREELOAD_ZERO = "freeload-zero"  # send zeros, claim the full samples
     FREELOAD_REPLAY = "freeload-replay"  # send its first delta again every round
     BUDGET_LIAR = "budget-liar"  # claim 1e9 samples/s, 10x the samples in a tenth of the time
+    BAD_REDUCER = "bad-reducer"  # contribute honestly, return a doctored averaged part as a reducer
 
 
 SIM_KINDS = frozenset({FaultKind.KILL, FaultKind.LEAVE, FaultKind.STOP, FaultKind.PARTITION})

@@ -14,6 +14,7 @@ import hivemind
 import pytest
 import torch
 
+from bagel.protocol.identity import Identity
 from bagel.worker.averaging import Contributor, DataPlane
 
 RUN_ID = "test-run"
@@ -48,18 +49,37 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def peers(n: int, *, reducer: str = "mean", pending_wait_s: float = 10.0) -> AsyncIterator[list[Peer]]:
-    """n peers with their own DHT nodes (bootstrapped off the first) and started data planes."""
+async def peers(
+    n: int,
+    *,
+    reducer: str = "mean",
+    pending_wait_s: float = 10.0,
+    signed: bool = False,
+    doctors: dict[int, float] | None = None,
+) -> AsyncIterator[list[Peer]]:
+    """n peers with their own DHT nodes (bootstrapped off the first) and started data planes.
+
+    signed: every peer gets an Ed25519 identity (its worker id derived from the key, sorted
+    by it), so exchanges are verified (primary and shadow reducers); doctors: peer index ->
+    the factor its data plane scales the part it reduces by (a hostile reducer)."""
     dhts: list[hivemind.DHT] = []
     out: list[Peer] = []
     try:
         for _ in range(n):
             initial = dhts[0].get_visible_maddrs() if dhts else []
             dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
+        idents = sorted((Identity.generate() for _ in range(n)), key=lambda x: x.worker_id) if signed else []
         for i, dht in enumerate(dhts):
-            plane = DataPlane(await dht.replicate_p2p(), RUN_ID, reducer=reducer, pending_wait_s=pending_wait_s)
+            plane = DataPlane(
+                await dht.replicate_p2p(),
+                RUN_ID,
+                reducer=reducer,
+                pending_wait_s=pending_wait_s,
+                identity=idents[i] if signed else None,
+                doctor=(doctors or {}).get(i, 0.0),
+            )
             await plane.start()
-            out.append(Peer(f"w{i}", dht, plane))
+            out.append(Peer(idents[i].worker_id if signed else f"w{i}", dht, plane))
         yield out
     finally:
         for p in out:

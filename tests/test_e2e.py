@@ -251,10 +251,12 @@ def test_three_workers_commit_bit_identical_rounds(swarm: Swarm):
         assert_replicas_identical(s, names, r)
         for n in names:
             c = s.commits(n)[r]
-            # bytes are counted, and int8 pseudo-gradients are far smaller than the fp32 state
+            # bytes are counted, and int8 pseudo-gradients are far smaller than the fp32 state:
+            # verified reducers send every part to its primary and its shadow, about
+            # 3 (k-1)/k x enc(n) = 2 x state/4 at k = 3 (1.5x the plain butterfly's 4/3 x state/4)
             assert c["bytes_sent"] > 0 and c["bytes_received"] > 0
             state_nbytes = sum(t.numel() * 4 for k, t in s.history(n, r).items() if k.startswith("w."))
-            assert c["bytes_sent"] < state_nbytes / 2
+            assert c["bytes_sent"] < 0.6 * state_nbytes
     assert s.committed_round() >= rounds[-1]
     initial = heldout_loss(None)
     first = heldout_loss(s.history("a", rounds[0]))

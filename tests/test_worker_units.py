@@ -164,7 +164,9 @@ def test_byzantine_corruptions():
         "budget-liar",
         "alie",
         "ipm",
+        "bad-reducer",
     } <= set(BYZANTINE_MODES)
+    assert torch.equal(corrupt(d, "bad-reducer", None)["x"], d["x"])  # it lies as a reducer instead
     with pytest.raises(ValueError, match="unknown byzantine"):
         corrupt(d, "evil", None)
 

@@ -71,7 +71,7 @@ from bagel.worker.link import CoordinatorLink
 from bagel.worker.localstate import LocalStore, atomic_write
 from bagel.worker.orders import Orders
 from bagel.worker.profile import DEFAULT_UPLINK_MBPS, MeasuredProfile, cached_profile, measure
-from bagel.worker.roundwork import LIAR_SAMPLES_PER_S, ddp_follower
+from bagel.worker.roundwork import BAD_REDUCER_SCALE, LIAR_SAMPLES_PER_S, ddp_follower
 from bagel.worker.trainer import pick_device
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,12 @@ class Agent:
                 tls=f"sha256 {record.tls_sha256[:16]}" if record.tls_sha256 else "off",
             )
             self.p2p = await self.dht.replicate_p2p()
-            self.dataplane = DataPlane(self.p2p, self.join.run_id)
+            self.dataplane = DataPlane(
+                self.p2p,
+                self.join.run_id,
+                identity=self.identity,
+                doctor=BAD_REDUCER_SCALE if self.cfg.byzantine == "bad-reducer" else 0.0,
+            )
             await self.dataplane.start()
             self.stateserver = StateServer(self.p2p, self.join.run_id)
             await self.stateserver.start()

@@ -18,6 +18,23 @@ written so that every contributor applies the *same decoded bytes*:
    bytes back on every stream; every contributor, the reducer too, applies
    `decode(those bytes)`. Result: a bit-identical averaged delta on every contributor.
 
+Verified reducers (every worker process: the plane has the worker's identity). A reducer
+could otherwise return anything finite and of the right size, and since every member
+applies the same bytes the round would commit with them. So each part j is reduced twice,
+by its primary (contributor j) and by its shadow (contributor j+d mod k, d drawn per
+exchange: `bagel.robust.evidence.shadow_offset`), with the same
+deterministic `bagel.robust.reduction.reduce_one_part`; every contribution header is
+signed by its sender, and both reducers answer with a signed receipt (result digest, the
+signed inputs). A contributor applies nothing unless sha256(primary bytes) equals the
+shadow's digest for every part; otherwise `all_reduce` raises `ReducersDisagree` (naming
+the part and both reducers), and where we are the other reducer of the disagreeing part it
+carries the evidence the worker sends to the coordinator (`bagel.robust.evidence`). Cost:
+the reduce-scatter upload doubles (each part goes to two reducers), each part is reduced
+twice, the all-gather gains a ~150-byte receipt per input and part; with k = 1 there is
+nothing to verify. A plane without an identity (tests of the exchange mechanics) runs
+the unverified exchange: one reducer per part, no signatures; a verified reducer refuses
+unsigned contributions, so the two never mix.
+
 The contributor set is frozen by the coordinator (sorted worker ids, peer addresses and
 budgets, with `reduce_attempt`); we exchange with exactly that set. A contributor that
 dies or hangs makes `all_reduce` raise `ExchangeTimeout` (naming it) by the caller's
@@ -32,11 +49,17 @@ enc(m) = `codec.encoded_nbytes(m)`, h ~ 130 bytes per message: two 4-byte frame 
 a protobuf header, a little more when a reply lists exclusions):
 sent_i = sum_{j != i} (enc(n_j) + h) + (k-1) (enc(n_i) + h), received_i the same;
 with equal parts that is about 2 (k-1)/k enc(n) each way (the butterfly optimum).
+Verified, each contributor also sends its k-1 parts whose shadow is not itself to those
+shadows, and receives the k-1 contributions to the part it shadows: about (k-1)/k enc(n)
+more each way, plus per message ~100 bytes of key and signature and a receipt of ~250
+bytes per input (measured by bench/verified_reducers.py): about 3 (k-1)/k enc(n) each way,
+1.5x the butterfly in all, 2x on the reduce-scatter half.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -48,9 +71,12 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
+from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.protocol.identity import Identity
 from bagel.protocol.messages import PartAudit
 from bagel.robust.aggregation import PartRejected, Reducer, get_reducer
+from bagel.robust.evidence import EvidenceError, open_receipt, shadow_of, shadow_offset, sign_contribution
 from bagel.worker.framing import (
     LEN_NBYTES,
     FrameError,
@@ -77,6 +103,7 @@ from bagel.worker.reducer import (
     ExchangeError,
     ExchangeFailed,
     ExchangeTimeout,
+    ReducersDisagree,
     Reduction,
     Refused,
 )
@@ -92,6 +119,7 @@ __all__ = [
     "ExchangeResult",
     "ExchangeTimeout",
     "Exclusion",
+    "ReducersDisagree",
     "Layout",
     "group_digest",
     "part_bounds",
@@ -163,16 +191,20 @@ class DataPlane:
         max_pending_streams: int = 64,
         header_timeout_s: float = 10.0,
         reply_grace_s: float = 5.0,
+        identity: Identity | None = None,
+        doctor: float = 0.0,
     ):
         self.p2p = p2p
+        self.identity = identity
+        self.doctor = doctor
         self.run_id = run_id
         self.reducer = get_reducer(reducer) if isinstance(reducer, str) else reducer
         self.pending_wait_s = pending_wait_s
         self.max_pending_streams = max_pending_streams
         self.header_timeout_s = header_timeout_s
         self.reply_grace_s = reply_grace_s
-        self._sessions: dict[tuple[str, int, int, int], Reduction] = {}
-        self._finished: OrderedDict[tuple[str, int, int, int], Reduction] = OrderedDict()
+        self._sessions: dict[tuple[str, int, int, int], dict[int, Reduction]] = {}  # exchange -> part -> ours
+        self._finished: OrderedDict[tuple[str, int, int, int], dict[int, Reduction]] = OrderedDict()
         self._latest: dict[str, tuple[int, int, int]] = {}  # cell -> newest (round, round_attempt, reduce_attempt)
         self._session_added = asyncio.Condition()
         self._pending = 0
@@ -190,8 +222,9 @@ class DataPlane:
 
     async def close(self) -> None:
         self._closed = True
-        for s in list(self._sessions.values()):
-            s.fail("the reducer is shutting down")
+        for sessions in list(self._sessions.values()):
+            for s in sessions.values():
+                s.fail("the reducer is shutting down")
         async with self._session_added:  # wake streams waiting for an exchange: they are refused
             self._session_added.notify_all()
         if self._started:
@@ -283,73 +316,140 @@ class DataPlane:
         # Reducers give up on missing contributions a little before the caller's deadline, so
         # every contributor learns *who* was missing instead of just timing out on each other.
         reduce_deadline = deadline - min(1.0, 0.2 * timeout_s)
-        session = Reduction(tag, worker_id, members, index, bounds, codec_obj, rule, layout, deadline, reduce_deadline)
-        session.audit_blocks = audit_blocks
-        self._sessions[key] = session
+        k = len(members)
+        verified = self.identity is not None and k >= 2
+        ident = self.identity if verified else None
+        offset = shadow_offset(tag, k)
+        shadowed = (index - offset) % k  # the part we reduce a second time, as its shadow (verified)
+        sessions = {
+            index: Reduction(
+                tag,
+                worker_id,
+                members,
+                index,
+                bounds,
+                codec_obj,
+                rule,
+                layout,
+                deadline,
+                reduce_deadline,
+                role=dp.EVIDENCE_ROLE_PRIMARY if verified else dp.EVIDENCE_ROLE_UNSPECIFIED,
+                identity=ident,
+                doctor=self.doctor,
+            )
+        }
+        if verified:
+            sessions[shadowed] = Reduction(
+                tag,
+                worker_id,
+                members,
+                shadowed,
+                bounds,
+                codec_obj,
+                rule,
+                layout,
+                deadline,
+                reduce_deadline,
+                role=dp.EVIDENCE_ROLE_SHADOW,
+                identity=ident,
+            )
+        sessions[index].audit_blocks = audit_blocks  # the audit of the part we reduce as its primary
+        self._sessions[key] = sessions
         self._finished.pop(key, None)
         self._latest[cell_id] = max(self._latest.get(cell_id, key[1:]), key[1:])
         async with self._session_added:
             self._session_added.notify_all()
         dial = asyncio.create_task(_dial_all(self.p2p, members, worker_id))
-        tasks: dict[int, asyncio.Task] = {}
+        headers = [
+            self._header(tag, worker_id, j, layout, bounds, codec_obj, abstained, weight, payloads[j]) for j in range(k)
+        ]
+        own_tasks: dict[int, asyncio.Task] = {}
+        sends: dict[tuple[int, int], asyncio.Task] = {}  # (part, position of the reducer) -> its reply
         client_bytes = [0, 0]
-        try:  # from here on, the finally unregisters the session even if the caller cancels us
-            if abstained:
-                session.exclude(worker_id, abstained)
-            elif session.numel:
-                session.accept(worker_id, float(weight), own.decoded[index])
+        try:  # from here on, the finally unregisters the sessions even if the caller cancels us
+            for p, session in sessions.items():
+                if abstained:
+                    session.exclude(worker_id, abstained, headers[p])
+                elif session.numel:
+                    session.accept(worker_id, float(weight), payloads[p], headers[p])
             await asyncio.wait({dial}, timeout=min(2.0, timeout_s / 4))  # then exchange anyway: streams retry
-            tasks[index] = asyncio.create_task(session.reduce_own())
-            for j, c in enumerate(members):
-                if j != index and bounds[j][0] != bounds[j][1]:
-                    header = dp.ContributionHeader(
-                        tag=tag,
-                        sender=worker_id,
-                        part=j,
-                        num_parts=len(members),
-                        total_numel=layout.total,
-                        part_numel=bounds[j][1] - bounds[j][0],
-                        layout_digest=layout.digest,
-                        codec=codec_obj.name,
-                        weight=0.0 if abstained else float(weight),
-                        payload_nbytes=len(payloads[j]),
-                    )
-                    tasks[j] = asyncio.create_task(self._exchange_part(c, header, payloads[j], codec_obj, client_bytes))
-            await asyncio.wait(
-                tasks.values(), timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_EXCEPTION
-            )
-            for t in tasks.values():  # a definite failure (rejection, reducer failure) wins over a timeout
+            for p, session in sessions.items():
+                own_tasks[p] = asyncio.create_task(session.reduce_own())
+            for j in range(k):
+                if bounds[j][0] == bounds[j][1]:
+                    continue
+                for pos in (j, shadow_of(j, k, offset)) if verified else (j,):
+                    if pos != index:
+                        sends[(j, pos)] = asyncio.create_task(
+                            self._exchange_part(
+                                members[pos], headers[j], payloads[j], codec_obj, client_bytes, with_payload=pos == j
+                            )
+                        )
+            every = [*own_tasks.values(), *sends.values()]
+            await asyncio.wait(every, timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_EXCEPTION)
+            for t in every:  # a definite failure (rejection, reducer failure) wins over a timeout
                 if t.done() and (exc := t.exception()) is not None:
                     raise exc
-            late = [members[j].worker_id for j, t in tasks.items() if not t.done() and j != index]
-            if late or not tasks[index].done():
-                raise ExchangeTimeout(set(late) | (set(session.missing()) - {worker_id}))
-            done = [t.result() for t in tasks.values()]
+            late = {members[pos].worker_id for (_, pos), t in sends.items() if not t.done()}
+            if late or not all(t.done() for t in own_tasks.values()):
+                missing = {m for s in sessions.values() for m in s.missing()}
+                raise ExchangeTimeout(late | (missing - {worker_id}))
+            own_done = {p: t.result() for p, t in own_tasks.items()}
+            sent_done = {jp: t.result() for jp, t in sends.items()}
         finally:
-            for t in (*tasks.values(), dial):
+            for t in (*own_tasks.values(), *sends.values(), dial):
                 t.cancel()
                 if t.done() and not t.cancelled():
                     t.exception()  # retrieved: one failure is reported, the others are consequences
-            session.fail("the exchange ended at this reducer before its part was reduced")
-            session.release()
+            for session in sessions.values():
+                session.fail("the exchange ended at this reducer before its part was reduced")
             self._sessions.pop(key, None)
-            self._finished[key] = session
+            self._finished[key] = sessions
             while len(self._finished) > _FINISHED_KEPT:
                 self._finished.popitem(last=False)
 
-        parts: dict[int, torch.Tensor] = {}
+        try:
+            replies: dict[int, tuple[bytes, dp.ReducedHeader]] = {}  # part -> the primary's bytes and reply
+            shadows: dict[int, dp.ReducedHeader] = {}
+            for j in range(k):
+                if bounds[j][0] == bounds[j][1]:
+                    replies[j] = (b"", dp.ReducedHeader(status=dp.STATUS_OK, part=j))
+                    continue
+                replies[j] = own_done[j] if j == index else sent_done[(j, j)]
+                if verified:
+                    sh = shadow_of(j, k, offset)
+                    shadows[j] = own_done[j][1] if sh == index else sent_done[(j, sh)][1]
+            if verified:
+                self._check_agreement(tag, worker_id, members, sessions, replies, shadows, own_done)
+            parts: dict[int, torch.Tensor] = {}
+            for j, (buf, _reply) in replies.items():
+                numel = bounds[j][1] - bounds[j][0]
+                if not numel:
+                    parts[j] = torch.zeros(0)
+                    continue
+                try:
+                    part = await asyncio.to_thread(decode_part, codec_obj, buf, numel)
+                    rule.validate(part, numel)
+                except PartRejected as e:
+                    who = members[j].worker_id
+                    raise ExchangeFailed(f"reducer {who} sent an unusable averaged part: {e.reason}") from e
+                parts[j] = part
+        finally:
+            for session in sessions.values():
+                session.release()
+
         excluded: list[Exclusion] = []
         weights: dict[int, float] = {}
-        for j, (part, reply) in zip(tasks, done, strict=True):
-            parts[j] = part
+        for j, (_, reply) in replies.items():
             weights[j] = reply.total_weight
             excluded += [Exclusion(j, e.sender, e.reason) for e in reply.excluded]
-        pieces = [parts[j] if j in parts else torch.zeros(0) for j in range(len(members))]
-        averaged = layout.unflatten(torch.cat(pieces))
-        if session.replies_pending:
+        averaged = layout.unflatten(torch.cat([parts[j] for j in range(k)]))
+        pending = [s for s in sessions.values() if s.replies_pending]
+        if pending:
             try:
                 await asyncio.wait_for(
-                    session.replies_done.wait(), min(self.reply_grace_s, max(0.0, deadline - loop.time()))
+                    asyncio.gather(*(s.replies_done.wait() for s in pending)),
+                    min(self.reply_grace_s, max(0.0, deadline - loop.time())),
                 )
             except TimeoutError:
                 log.debug("some contributors did not take their averaged part in time")
@@ -358,31 +458,146 @@ class DataPlane:
         return ExchangeResult(
             averaged=averaged,
             residual=own.residual(),
-            bytes_sent=client_bytes[0] + session.bytes_sent,
-            bytes_received=client_bytes[1] + session.bytes_received,
+            bytes_sent=client_bytes[0] + sum(s.bytes_sent for s in sessions.values()),
+            bytes_received=client_bytes[1] + sum(s.bytes_received for s in sessions.values()),
             excluded=tuple(sorted(excluded, key=lambda e: (e.part, e.sender))),
-            total_weights=tuple(weights.get(j, 0.0) for j in range(len(members))),
+            total_weights=tuple(weights.get(j, 0.0) for j in range(k)),
             abstained=abstained,
             comm_s=loop.time() - started,
-            audit=session.audit,
+            audit=sessions[index].audit,
         )
 
+    def _header(
+        self,
+        tag: dp.ExchangeTag,
+        worker_id: str,
+        j: int,
+        layout: Layout,
+        bounds: list[tuple[int, int]],
+        codec: Codec,
+        abstained: str,
+        weight: float,
+        payload: bytes,
+    ) -> dp.ContributionHeader:
+        """Our contribution header for part j, signed in a verified exchange."""
+        h = dp.ContributionHeader(
+            tag=tag,
+            sender=worker_id,
+            part=j,
+            num_parts=len(bounds),
+            total_numel=layout.total,
+            part_numel=bounds[j][1] - bounds[j][0],
+            layout_digest=layout.digest,
+            codec=codec.name,
+            weight=0.0 if abstained else float(weight),
+            payload_nbytes=len(payload),
+            payload_sha256=hashlib.sha256(payload).digest() if payload else b"",
+        )
+        if self.identity is not None:
+            sign_contribution(self.identity, h)
+        return h
+
+    def _check_agreement(
+        self,
+        tag: dp.ExchangeTag,
+        me: str,
+        members: Sequence[Contributor],
+        sessions: Mapping[int, Reduction],
+        replies: Mapping[int, tuple[bytes, dp.ReducedHeader]],
+        shadows: Mapping[int, dp.ReducedHeader],
+        own: Mapping[int, tuple[bytes, dp.ReducedHeader]],
+    ) -> None:
+        """Apply nothing unless every part's primary bytes hash to its shadow's signed digest.
+
+        Where we are the other reducer of a part that disagrees, we hold its signed inputs
+        and the disagreeing reducer's signed receipt: that is evidence for the coordinator.
+        """
+        k = len(members)
+        problems: list[str] = []
+        evidence: list[pb.EvidenceRequest] = []
+        for j, sh_reply in shadows.items():
+            buf, reply = replies[j]
+            primary, shadow = members[j].worker_id, members[shadow_of(j, k, shadow_offset(tag, k))].worker_id
+            digest = hashlib.sha256(buf).digest()
+            claims: dict[int, dp.EvidenceReceipt | None] = {}
+            for role, who, rep in (
+                (dp.EVIDENCE_ROLE_PRIMARY, primary, reply),
+                (dp.EVIDENCE_ROLE_SHADOW, shadow, sh_reply),
+            ):
+                try:
+                    r = open_receipt(rep.receipt, rep.receipt_signature, rep.reducer_public_key)
+                except EvidenceError:
+                    r = None
+                if r is not None and (r.reducer != who or r.role != role or r.part != j or r.tag != tag):
+                    r = None
+                claims[role] = r
+            p_claim, s_claim = claims[dp.EVIDENCE_ROLE_PRIMARY], claims[dp.EVIDENCE_ROLE_SHADOW]
+            if p_claim is not None and s_claim is not None and p_claim.result_sha256 == s_claim.result_sha256 == digest:
+                continue
+            problems.append(
+                f"part {j}: primary {primary} sent "
+                + (f"sha256 {digest.hex()[:16]}" if p_claim is not None else "no valid receipt")
+                + f", shadow {shadow} signed "
+                + (s_claim.result_sha256.hex()[:16] if s_claim is not None else "no valid receipt")
+            )
+            # evidence: we reduced part j too, and the other reducer signed a different digest
+            mine = sessions.get(j)
+            if mine is None or j not in own:
+                continue
+            ours = hashlib.sha256(own[j][0]).digest()
+            primary_here = mine.role == dp.EVIDENCE_ROLE_PRIMARY
+            other, other_reply = (s_claim, sh_reply) if primary_here else (p_claim, reply)
+            if other is not None and other.result_sha256 != ours:
+                evidence.append(
+                    pb.EvidenceRequest(
+                        receipt=other_reply.receipt,
+                        receipt_signature=other_reply.receipt_signature,
+                        reducer_public_key=other_reply.reducer_public_key,
+                        inputs=[
+                            pb.EvidenceInput(
+                                contribution_header=h.SerializeToString(deterministic=True),
+                                payload=(mine.accepted[s].payload or b"") if s in mine.accepted else b"",
+                            )
+                            for s, h in sorted(mine.headers.items())
+                        ],
+                    )
+                )
+        if problems:
+            raise ReducersDisagree("; ".join(problems) + ": the round is not applied", tuple(evidence))
+
     async def _exchange_part(
-        self, c: Contributor, header: dp.ContributionHeader, payload: bytes, codec: Codec, counters: list[int]
-    ) -> tuple[torch.Tensor, dp.ReducedHeader]:
-        """Send our contribution to reducer c and receive its averaged part; retry broken streams."""
+        self,
+        c: Contributor,
+        header: dp.ContributionHeader,
+        payload: bytes,
+        codec: Codec,
+        counters: list[int],
+        *,
+        with_payload: bool = True,
+    ) -> tuple[bytes, dp.ReducedHeader]:
+        """Send our contribution to reducer c and receive its reply; retry broken streams.
+
+        with_payload: c is the part's primary (its reply carries the averaged bytes); False:
+        c is its shadow, whose reply is a signed receipt only.
+        """
         delay = 0.05
         while True:
             try:
-                return await self._try_exchange_part(c, header, payload, codec, counters)
+                return await self._try_exchange_part(c, header, payload, codec, counters, with_payload)
             except _RETRYABLE as e:
                 log.debug("part %d to %s: %s; retrying", header.part, c.worker_id, e)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
     async def _try_exchange_part(
-        self, c: Contributor, header: dp.ContributionHeader, payload: bytes, codec: Codec, counters: list[int]
-    ) -> tuple[torch.Tensor, dp.ReducedHeader]:
+        self,
+        c: Contributor,
+        header: dp.ContributionHeader,
+        payload: bytes,
+        codec: Codec,
+        counters: list[int],
+        with_payload: bool,
+    ) -> tuple[bytes, dp.ReducedHeader]:
         _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(c.peer_id), PART_PROTOCOL)
         try:
             # (never `counters[0] += await ...`: the read happens before the await, and the
@@ -402,6 +617,10 @@ class DataPlane:
                 raise ExchangeTimeout(reply.missing, f"reported by reducer {c.worker_id} of part {header.part}")
             if reply.status != dp.STATUS_OK:
                 raise ExchangeFailed(f"reducer {c.worker_id} (part {header.part}) failed: {reply.reason}")
+            if not with_payload:
+                if reply.part != header.part or reply.payload_nbytes != 0:
+                    raise ExchangeFailed(f"shadow reducer {c.worker_id} sent a bad reply header (part {reply.part})")
+                return b"", reply
             limit = codec.encoded_nbytes(header.part_numel)
             if reply.part != header.part or not 0 < reply.payload_nbytes <= limit:
                 raise ExchangeFailed(
@@ -411,12 +630,7 @@ class DataPlane:
             counters[1] += LEN_NBYTES + len(buf)
             if len(buf) != reply.payload_nbytes:
                 raise ExchangeFailed(f"reducer {c.worker_id} sent {len(buf)} bytes, announced {reply.payload_nbytes}")
-            try:
-                part = await asyncio.to_thread(decode_part, codec, buf, header.part_numel)
-                self.reducer.validate(part, header.part_numel)
-            except PartRejected as e:
-                raise ExchangeFailed(f"reducer {c.worker_id} sent an unusable averaged part: {e.reason}") from e
-            return part, reply
+            return buf, reply
         finally:
             writer.close()
 
@@ -426,7 +640,10 @@ class DataPlane:
         header = None
         try:
             header, nbytes = await asyncio.wait_for(read_message(reader, dp.ContributionHeader), self.header_timeout_s)
-            session = await self._session_for(header.tag)
+            sessions = await self._session_for(header.tag)
+            session = sessions.get(header.part)
+            if session is None:
+                raise Refused(f"we do not reduce part {header.part} of this exchange (we reduce {sorted(sessions)})")
             await session.serve(header, nbytes, info.peer_id, reader, writer)
         except Refused as e:
             log.log(logging.DEBUG if e.retry else logging.INFO, "refused a stream from %s: %s", info.peer_id, e.reason)
@@ -451,12 +668,12 @@ class DataPlane:
         finally:
             writer.close()
 
-    async def _session_for(self, tag: dp.ExchangeTag) -> Reduction:
+    async def _session_for(self, tag: dp.ExchangeTag) -> dict[int, Reduction]:
         if tag.run_id != self.run_id:
             raise Refused(f"wrong run {tag.run_id!r}")
         key = (tag.cell_id, tag.round, tag.round_attempt, tag.reduce_attempt)
 
-        def lookup() -> Reduction | None:
+        def lookup() -> dict[int, Reduction] | None:
             return self._sessions.get(key) or self._finished.get(key)
 
         s = lookup()
@@ -481,7 +698,7 @@ class DataPlane:
             s = lookup()
             if s is None:
                 raise Refused("this peer is shutting down")
-        if tag.group_digest != s.tag.group_digest:
+        if tag.group_digest != next(iter(s.values())).tag.group_digest:
             raise Refused("a different contributor set for this exchange")
         return s
 

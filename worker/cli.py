@@ -10,7 +10,9 @@ one aborts at once. Exit codes: 0 done, 2 bad arguments, 3 the coordinator runs 
 
 `--byzantine MODE` is hidden from `--help` on purpose (it exists for fault-injection runs,
 `bagel-sim chaos`): the worker then contributes a corrupted pseudo-gradient, one of
-sign-flip (-delta), scale (x100), nan, zero (freeloading), stale (last round's delta).
+sign-flip (-delta), scale (x100), nan, zero (freeloading), stale (last round's delta);
+or, with bad-reducer, it contributes honestly but returns the part it reduces scaled x1000
+under a consistent signed receipt (the verified-reducer check must catch it).
 """
 
 from __future__ import annotations

@@ -63,6 +63,10 @@ class LinkOwner(Protocol):
 
     def on_instruction(self, instr: pb.Instruction) -> None: ...
 
+    def request_stop(self, reason: str = "signal") -> None:
+        """Stop the worker (it leaves)."""
+        ...
+
 
 class CoordinatorLink:
     """The coordinator, as the worker reaches it (see the module docstring)."""
@@ -240,6 +244,12 @@ class CoordinatorLink:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     self.display.event("re-register", level="warning", message=e.details() or "unknown worker")
                     await self.register()
+                elif e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    # banned (final): e.g. convicted on another worker's evidence, so no
+                    # instruction ever said LEAVE; retrying would only be refused again
+                    self.display.event("banned", level="error", message=e.details() or "banned")
+                    self.owner.request_stop(f"banned: {e.details()}")
+                    return
                 else:
                     self.display.event("heartbeat-refused", level="warning", message=f"{e.code().name}: {e.details()}")
             if resp is not None:

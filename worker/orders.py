@@ -419,6 +419,10 @@ class Orders:
                 out.residuals = dict(held.residuals) if w.catch_up else {}
             await self._measure(out, held)
         except ExchangeError as e:
+            # accuse first: the failure reports may end the exchange at the coordinator, which
+            # then still checks the evidence against the contributor set it remembers
+            for ev in getattr(e, "evidence", ()):
+                await self._accuse(ev)
             self.display.event(
                 "exchange-failed",
                 level="warning",
@@ -453,6 +457,16 @@ class Orders:
             out.heldout_loss = await asyncio.to_thread(probe.loss, out.state, out.state_hash)
         except Exception as e:  # noqa: BLE001  (data or model errors: report unmeasured, the round still counts)
             log.warning("held-out measurement failed: %s: %s", type(e).__name__, e)
+
+    async def _accuse(self, evidence: pb.EvidenceRequest) -> None:
+        """Send evidence against a reducer of a part we also reduced (the coordinator checks it)."""
+        try:
+            resp = await self.link.rpc(lambda: self.link.client.accuse(evidence))  # type: ignore[union-attr]
+        except grpc.aio.AioRpcError as e:
+            self.display.event("accusation-refused", level="warning", message=f"{e.code().name}: {e.details()}")
+            return
+        if resp is not None:
+            self.display.event("accused", level="warning", convicted=resp.convicted, reason=resp.reason)
 
     async def _report(self, w: RoundWork, *, failed: bool = False, reason: str = "") -> None:
         """ReportRound, retried while the coordinator is down; then act on the verdict."""

@@ -13,46 +13,34 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from bagel.compression import decode, get_codec
-from bagel.robust.aggregation import PartRejected
+from bagel.compression import get_codec
+from bagel.robust.reduction import Codec, decode_part, group_digest_of, part_bounds, part_generator
+
+__all__ = [
+    "Codec",
+    "Contribution",
+    "Contributor",
+    "Layout",
+    "decode_part",
+    "encode_parts",
+    "group_digest",
+    "part_bounds",
+    "part_generator",
+    "prepare_contribution",
+    "reduce_part",
+    "resolve_codec",
+]
 
 # ---------------------------------------------------------------- codecs
-
-
-class Codec(Protocol):
-    """The slice of `bagel.compression.Codec` the data plane uses."""
-
-    @property
-    def name(self) -> str: ...
-
-    def encode(self, t: torch.Tensor, *, generator: torch.Generator | None = None) -> bytes: ...
-
-    def encoded_nbytes(self, numel: int) -> int: ...
 
 
 def resolve_codec(codec: str | Codec) -> Codec:
     """A codec object from its name (`bagel.compression.get_codec`), or the object itself."""
     return get_codec(codec) if isinstance(codec, str) else codec
-
-
-def decode_part(codec: Codec, buf: bytes, numel: int) -> torch.Tensor:
-    """Decode with the codec's own `decode` if it has one (test stand-ins), else the module's."""
-    dec = getattr(codec, "decode", None)
-    try:
-        t = dec(buf, max_elements=numel) if dec is not None else decode(buf, max_elements=numel)
-    except (ValueError, RuntimeError, TypeError) as e:  # CodecError is a ValueError; stand-ins may differ
-        raise PartRejected(f"undecodable payload: {e}") from e
-    return t.reshape(-1).clone()  # decode may return a view of the immutable buffer
-
-
-def part_generator(*key: object) -> torch.Generator:
-    """A generator seeded from the exchange coordinates, so stochastic codecs are reproducible."""
-    seed = int.from_bytes(hashlib.sha256("|".join(map(str, key)).encode()).digest()[:8], "big") >> 1
-    return torch.Generator().manual_seed(seed)
 
 
 # ---------------------------------------------------------------- layout
@@ -98,19 +86,6 @@ class Layout:
         return out
 
 
-def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
-    """Split [0, total) into `parts` contiguous ranges; the first total % parts get one more."""
-    if parts < 1:
-        raise ValueError("at least one part")
-    base, extra = divmod(total, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
 @dataclass(frozen=True)
 class Contributor:
     """One member of the frozen contributor set (from the coordinator's `Member`)."""
@@ -123,8 +98,7 @@ class Contributor:
 
 def group_digest(contributors: Sequence[Contributor]) -> str:
     """Binds an exchange to one frozen contributor set: every member must see the same one."""
-    text = "|".join(f"{c.worker_id},{c.peer_id},{c.max_samples}" for c in contributors)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return group_digest_of([(c.worker_id, c.peer_id, c.max_samples) for c in contributors])
 
 
 def encode_parts(
@@ -207,8 +181,6 @@ def reduce_part(
     weights: Sequence[float],
     generator: torch.Generator | None,
 ) -> bytes:
-    """The reducer's output for one part: aggregate the decoded contributions, encode once.
-
-    Every contributor (the reducer included) applies decode() of exactly these bytes.
-    """
+    """Aggregate already decoded and validated contributions and encode once (the last two
+    steps of `bagel.robust.reduction.reduce_one_part`, which the reducers call)."""
     return codec.encode(reducer.aggregate(parts, weights), generator=generator)

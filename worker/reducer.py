@@ -1,16 +1,21 @@
 """The reducer's side of one group exchange: collect, validate, aggregate, answer.
 
-`averaging.DataPlane` creates one `Reduction` per exchange it takes part in (keyed by
-cell, round, round_attempt, reduce_attempt). Incoming contribution streams for our part
-are handed to `Reduction.serve`; `Reduction.reduce_own` waits until every contributor is
-accounted for (accepted, or excluded with a reason), aggregates the kept parts with the
-pluggable rule in sorted-sender order, encodes the result once, and every waiting stream
-gets those same bytes. Only identity problems (not a contributor, impostor peer id, wrong
-part, conflicting duplicate) refuse a stream outright (`Refused`); a contributor whose
-part is merely bad (inconsistent header, oversized, undecodable, non-finite, weight <= 0,
-a norm the group screen finds far outside the others': `Reducer.screen`) is *excluded*
-from the aggregate and still receives the result, so the exchange completes for everyone
-else without waiting for a timeout.
+`averaging.DataPlane` creates one `Reduction` per part it reduces in an exchange (keyed by
+cell, round, round_attempt, reduce_attempt, then the part). Incoming contribution streams
+for that part are handed to `Reduction.serve`; `Reduction.reduce_own` waits until every
+contributor is accounted for (received, or excluded with a reason), then calls
+`bagel.robust.reduction.reduce_one_part` (decode, validate, aggregate in sorted-sender
+order, encode once), and every waiting stream gets those same bytes. Only identity
+problems (not a contributor, impostor peer id, wrong part, a bad signature, conflicting
+duplicate, a payload that is not the one the header signs) refuse a stream outright
+(`Refused`); a contributor whose part is merely bad (inconsistent header, oversized,
+undecodable, non-finite, weight <= 0, a norm the group screen finds far outside the
+others': `Reducer.screen`) is *excluded* from the aggregate and still receives the result, so the exchange completes for everyone else without waiting for a timeout.
+
+In a verified exchange (the plane has an identity; see `bagel.robust.evidence`) a part has
+two reductions: the PRIMARY one answers with the result bytes and a signed receipt, the
+SHADOW one with its signed receipt only (the digest of the same result), and both keep the
+signed inputs, from which the data plane builds evidence when the two disagree.
 """
 
 from __future__ import annotations
@@ -18,19 +23,29 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from hivemind.p2p import PeerID
 
+from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.protocol.identity import Identity
 from bagel.protocol.messages import PartAudit
-from bagel.robust.aggregation import PartRejected, Reducer, clamp_weight
+from bagel.robust.aggregation import Reducer
 from bagel.robust.audit import part_audit
+from bagel.robust.evidence import contribution_problem, contribution_statement, sign_receipt
+from bagel.robust.reduction import (
+    NoValidContribution,
+    PartInput,
+    PartResult,
+    decode_part,
+    header_problem,
+    reduce_one_part,
+    result_generator,
+)
 from bagel.worker.framing import LEN_NBYTES, discard_frame, read_frame, write_frame, write_message
-from bagel.worker.parts import Codec, Contributor, Layout, decode_part, part_generator, reduce_part
+from bagel.worker.parts import Codec, Contributor, Layout
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +82,18 @@ class ExchangeFailed(ExchangeError):
     """A reducer reported failure, or sent an averaged part we cannot accept."""
 
 
+class ReducersDisagree(ExchangeFailed):
+    """The two reducers of a part signed different results: nothing of the round is applied.
+
+    `evidence`: accusations to send to the coordinator (`Accuse`), built where we are the
+    other reducer of a disagreeing part; empty when we are not.
+    """
+
+    def __init__(self, message: str, evidence: tuple[pb.EvidenceRequest, ...] = ()):
+        super().__init__(message)
+        self.evidence = evidence
+
+
 class Refused(Exception):
     """Refuse an incoming stream; `retry`: the sender may try again (we are not ready yet)."""
 
@@ -77,19 +104,23 @@ class Refused(Exception):
 
 @dataclass
 class Reduction:
-    """One exchange as seen by this peer: its own part's reduction and the byte counters."""
+    """One part this peer reduces in one exchange (as primary or shadow), and the byte counters."""
 
     tag: dp.ExchangeTag
     me: str
     contributors: tuple[Contributor, ...]
-    index: int  # our position = the part we reduce
+    index: int  # the part we reduce
     bounds: list[tuple[int, int]]
     codec: Codec
     reducer: Reducer
     layout: Layout
     deadline: float  # event-loop time: the caller's deadline
     reduce_deadline: float  # a little earlier: the verdict on missing contributions reaches everyone in time
-    accepted: dict[str, tuple[float, torch.Tensor]] = field(default_factory=dict)
+    role: int = dp.EVIDENCE_ROLE_UNSPECIFIED  # PRIMARY / SHADOW in a verified exchange
+    identity: Identity | None = None  # signs our receipt (verified exchanges)
+    doctor: float = 0.0  # fault injection (--byzantine bad-reducer): scale our result by this, and sign it
+    accepted: dict[str, PartInput] = field(default_factory=dict)
+    headers: dict[str, dp.ContributionHeader] = field(default_factory=dict)  # the signed header of each sender
     digests: dict[str, bytes] = field(default_factory=dict)
     excluded: dict[str, str] = field(default_factory=dict)
     complete: asyncio.Event = field(default_factory=asyncio.Event)
@@ -110,6 +141,10 @@ class Reduction:
         return e - s
 
     @property
+    def verified(self) -> bool:
+        return self.identity is not None
+
+    @property
     def by_worker(self) -> dict[str, Contributor]:
         return {c.worker_id: c for c in self.contributors}
 
@@ -120,7 +155,7 @@ class Reduction:
             if c.worker_id not in self.accepted and c.worker_id not in self.excluded
         ]
 
-    def exclude(self, sender: str, reason: str) -> None:
+    def exclude(self, sender: str, reason: str, header: dp.ContributionHeader | None = None) -> None:
         if sender not in self.accepted and sender not in self.excluded:
             log.warning(
                 "exchange %s/%d: excluding %s from part %d: %s",
@@ -131,15 +166,17 @@ class Reduction:
                 reason,
             )
             self.excluded[sender] = reason
+            if header is not None:
+                self.headers[sender] = header
             self._check_complete()
 
-    def accept(self, sender: str, weight: float, part: torch.Tensor) -> None:
-        try:
-            self.reducer.validate(part, self.numel)
-        except PartRejected as e:
-            self.exclude(sender, e.reason)
+    def accept(self, sender: str, weight: float, payload: bytes, header: dp.ContributionHeader | None = None) -> None:
+        """A contribution's payload arrived (decoded and validated at reduction time)."""
+        if sender in self.accepted or sender in self.excluded:
             return
-        self.accepted[sender] = (clamp_weight(weight, self.by_worker[sender].max_samples), part)
+        self.accepted[sender] = PartInput(sender, float(weight), self.by_worker[sender].max_samples, payload)
+        if header is not None:
+            self.headers[sender] = header
         self._check_complete()
 
     def _check_complete(self) -> None:
@@ -148,21 +185,14 @@ class Reduction:
 
     def header_problem(self, h: dp.ContributionHeader) -> str:
         """Why a contributor's header is inconsistent with ours ('' when it is fine)."""
-        c = self.codec
-        if h.num_parts != len(self.contributors) or h.total_numel != self.layout.total:
-            ours = f"{len(self.contributors)} parts of {self.layout.total}"
-            return f"sender has {h.num_parts} parts of {h.total_numel} elements, we have {ours}"
-        if h.part_numel != self.numel:
-            return f"part has {h.part_numel} elements, expected {self.numel}"
-        if h.layout_digest != self.layout.digest:
-            return "different tensor layout (model)"
-        if h.codec != c.name:
-            return f"codec {h.codec!r}, the run uses {c.name!r}"
-        if not (math.isfinite(h.weight) and h.weight > 0):
-            return f"weight {h.weight} is not positive"
-        if not 0 < h.payload_nbytes <= c.encoded_nbytes(self.numel):
-            return f"payload of {h.payload_nbytes} bytes, limit {c.encoded_nbytes(self.numel)}"
-        return ""
+        return header_problem(
+            h,
+            num_parts=len(self.contributors),
+            total_numel=self.layout.total,
+            part_numel=self.numel,
+            layout_digest=self.layout.digest,
+            codec=self.codec,
+        )
 
     def fail(self, reason: str, missing: Sequence[str] = ()) -> None:
         if not self.result.done():
@@ -172,14 +202,52 @@ class Reduction:
             self.result.set_result((header, b""))
 
     def release(self) -> None:
-        """Drop the decoded parts once the exchange is over (the reply bytes stay for re-attaching senders)."""
-        for sender, (weight, _) in self.accepted.items():
-            self.accepted[sender] = (weight, torch.empty(0))
+        """Drop the received payloads once the exchange is over (the reply bytes stay for re-attaching senders)."""
+        for sender, inp in self.accepted.items():
+            self.accepted[sender] = PartInput(sender, inp.weight, inp.max_samples, b"")
 
-    async def reduce_own(self) -> tuple[torch.Tensor, dp.ReducedHeader]:
-        """Wait for every contribution to our part, aggregate, encode once, decode what we send."""
+    def inputs(self) -> list[PartInput]:
+        """Every contribution accounted for, as `reduce_one_part` takes them."""
+        ms = {c.worker_id: c.max_samples for c in self.contributors}
+        out = list(self.accepted.values())
+        out += [PartInput(s, 0.0, ms[s], None, reason) for s, reason in self.excluded.items()]
+        return out
+
+    def _compute(self) -> PartResult:
+        t = self.tag
+        gen = result_generator(t.run_id, t.cell_id, t.round, t.round_attempt, t.reduce_attempt, self.index)
+        res = reduce_one_part(self.codec, self.reducer, self.numel, self.inputs(), gen)
+        if self.doctor:  # a hostile reducer: a finite, well-formed, wrong part
+            gen = result_generator(t.run_id, t.cell_id, t.round, t.round_attempt, t.reduce_attempt, self.index)
+            doctored = decode_part(self.codec, res.payload, self.numel) * self.doctor
+            res = PartResult(self.codec.encode(doctored, generator=gen), res.included, res.excluded, res.total_weight)
+        return res
+
+    def _signed(self, header: dp.ReducedHeader, res: PartResult) -> None:
+        assert self.identity is not None
+        receipt = dp.EvidenceReceipt(
+            tag=self.tag,
+            part=self.index,
+            reducer=self.me,
+            role=self.role,  # type: ignore[arg-type]
+            result_sha256=res.digest,
+            inputs=[self.headers[s] for s in sorted(self.headers)],
+            excluded=[dp.Exclusion(sender=k, reason=v) for k, v in res.excluded],
+            reducer_rule=self.reducer.spec(),
+            codec=self.codec.name,
+            total_numel=self.layout.total,
+            layout_digest=self.layout.digest,
+        )
+        header.receipt, header.receipt_signature = sign_receipt(self.identity, receipt)
+        header.reducer_public_key = self.identity.public_key
+
+    async def reduce_own(self) -> tuple[bytes, dp.ReducedHeader]:
+        """Wait for every contribution to our part, reduce it once; (result bytes, our reply header).
+
+        A shadow's reply carries no payload (only its signed receipt), but the bytes are returned here.
+        """
         if self.numel == 0:
-            return torch.zeros(0), dp.ReducedHeader(status=dp.STATUS_OK, tag=self.tag, part=self.index)
+            return b"", dp.ReducedHeader(status=dp.STATUS_OK, tag=self.tag, part=self.index)
         try:
             await asyncio.wait_for(
                 self.complete.wait(), max(0.0, self.reduce_deadline - asyncio.get_running_loop().time())
@@ -188,21 +256,16 @@ class Reduction:
             missing = self.missing()
             self.fail(f"no contribution to part {self.index} from {missing}", missing)
             raise ExchangeTimeout(missing, f"at our part {self.index}") from None
-        names = sorted(self.accepted)
-        screening = await asyncio.to_thread(self.reducer.screen, [self.accepted[n][1] for n in names])
-        for i, reason in screening.excluded:  # norm far outside the group's: out, like a bad part
-            del self.accepted[names[i]]
-            self.exclude(names[i], reason)
-        names = [names[i] for i in screening.kept]
-        if not names:
+        payload = b""
+        try:
+            res = await asyncio.to_thread(self._compute)
+        except NoValidContribution:
             self.fail(f"no valid contribution to part {self.index}: {self.excluded}")
         else:
-            parts = [self.accepted[n][1] for n in names]
-            weights = [self.accepted[n][0] for n in names]
-            t = self.tag
-            gen = part_generator(t.run_id, t.cell_id, t.round, t.round_attempt, t.reduce_attempt, "result", self.index)
-            payload = await asyncio.to_thread(reduce_part, self.codec, self.reducer, parts, weights, gen)
+            payload = res.payload
+            shadow = self.role == dp.EVIDENCE_ROLE_SHADOW
             if self.audit_blocks:
+                t = self.tag
                 self.audit = await asyncio.to_thread(
                     part_audit,
                     t.run_id,
@@ -210,25 +273,27 @@ class Reduction:
                     self.bounds[self.index][0],
                     self.layout.total,
                     self.audit_blocks,
-                    {n: self.accepted[n][1] for n in names},
-                    dict(self.excluded),
+                    res.parts,
+                    dict(self.excluded) | dict(res.excluded),
                 )
             header = dp.ReducedHeader(
                 status=dp.STATUS_OK,
                 tag=self.tag,
                 part=self.index,
-                payload_nbytes=len(payload),
-                included=names,
-                excluded=[dp.Exclusion(sender=k, reason=v) for k, v in sorted(self.excluded.items())],
-                total_weight=sum(weights),
+                payload_nbytes=0 if shadow else len(payload),
+                included=res.included,
+                excluded=[dp.Exclusion(sender=k, reason=v) for k, v in res.excluded],
+                total_weight=res.total_weight,
                 reducer_rule=self.reducer.spec(),
             )
+            if self.verified:
+                self._signed(header, res)
             if not self.result.done():
-                self.result.set_result((header, payload))
-        header, payload = await self.result
+                self.result.set_result((header, b"" if shadow else payload))
+        header, sent = await self.result
         if header.status != dp.STATUS_OK:
             raise ExchangeFailed(f"part {self.index} (ours): {header.reason}")
-        return await asyncio.to_thread(decode_part, self.codec, payload, self.numel), header
+        return payload or sent, header
 
     async def serve(
         self,
@@ -245,6 +310,8 @@ class Reduction:
             raise Refused(f"peer {remote} is not {h.sender}'s peer")
         if h.part != self.index:
             raise Refused(f"part {h.part} is reduced by another contributor (we reduce {self.index})")
+        if self.verified and (problem := contribution_problem(h)):
+            raise Refused(f"contribution from {h.sender}: {problem}")
         if self.streams.get(h.sender, 0) >= 2:
             raise Refused("too many concurrent streams from this sender")
         self.streams[h.sender] = self.streams.get(h.sender, 0) + 1
@@ -257,14 +324,17 @@ class Reduction:
             async with asyncio.timeout_at(self.deadline + 1.0):
                 problem = self.header_problem(h)
                 if problem:
-                    if h.weight == 0 and h.payload_nbytes == 0:
-                        problem = "abstained (non-finite delta or no samples)"
-                    self.exclude(h.sender, problem)
+                    self.exclude(h.sender, problem, h)
                     unread = h.payload_nbytes
                 else:
                     buf = await read_frame(reader, h.payload_nbytes)
                     self.bytes_received += LEN_NBYTES + len(buf)
-                    digest = hashlib.sha256(repr(h.weight).encode() + buf).digest()
+                    if self.verified and hashlib.sha256(buf).digest() != h.payload_sha256:
+                        # never an exclusion: the other reducer of this part may get the right
+                        # bytes under the same signed header, and then the two must still agree
+                        raise Refused("the payload is not the one the header signs", payload_read=True)
+                    stmt = contribution_statement(h) if self.verified else repr(h.weight).encode()
+                    digest = hashlib.sha256(stmt + buf).digest()
                     if h.sender in self.digests:
                         if self.digests[h.sender] != digest:
                             raise Refused(
@@ -272,14 +342,10 @@ class Reduction:
                             )
                     elif h.sender not in self.excluded and h.sender not in self.accepted and not self.result.done():
                         self.digests[h.sender] = digest
-                        try:
-                            if len(buf) != h.payload_nbytes:
-                                raise PartRejected("payload shorter than announced")
-                            part = await asyncio.to_thread(decode_part, self.codec, buf, self.numel)
-                        except PartRejected as e:
-                            self.exclude(h.sender, e.reason)
+                        if len(buf) != h.payload_nbytes:
+                            self.exclude(h.sender, "payload shorter than announced", h)
                         else:
-                            self.accept(h.sender, h.weight, part)
+                            self.accept(h.sender, h.weight, buf, h)
                 reply, payload = await asyncio.shield(self.result)
             self.bytes_sent += LEN_NBYTES + reply.ByteSize() + (LEN_NBYTES + len(payload) if payload else 0)
             await write_message(writer, reply)

@@ -50,7 +50,10 @@ BYZANTINE_MODES = (
     "freeload-zero",
     "freeload-replay",
     "budget-liar",
+    "bad-reducer",
 )
+# bad-reducer: the part this worker reduces is scaled by this before it is encoded and signed
+BAD_REDUCER_SCALE = 1e3
 BYZANTINE_SCALE = 100.0
 # budget-liar: what it claims (its profile's samples/s, and x this many samples done in 1/this of the time)
 LIAR_SAMPLES_PER_S = 1e9
@@ -254,9 +257,10 @@ def corrupt(
     delta again, every round (honest the first time); budget-liar: its honest delta (it
     lies in its figures instead, see `claimed`); alie / ipm: the papers' attacks as a lone worker can
     run them from its own delta d (`bagel.robust.attacks`): ALIE sends d - 1.5 x |d| (the
-    honest per-coordinate std taken as |d|), IPM sends -0.5 x d.
+    honest per-coordinate std taken as |d|), IPM sends -0.5 x d; bad-reducer: the honest
+    delta (this worker lies as a reducer instead: `DataPlane(doctor=BAD_REDUCER_SCALE)`).
     """
-    if mode == "budget-liar":
+    if mode in ("budget-liar", "bad-reducer"):
         return dict(delta)
     if mode == "freeload-zero":
         mode = "zero"

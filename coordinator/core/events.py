@@ -95,7 +95,26 @@ class CheckpointStored:
     state_hash: str
 
 
-Event: TypeAlias = Register | Heartbeat | ReportRound | Leave | Tick | LeaseExpired | CheckpointStored
+@dataclass(frozen=True, slots=True)
+class Convicted:
+    """The shell verified evidence that `worker_id` lied in the exchange it names.
+
+    Built only after `bagel.robust.evidence.adjudicate` re-ran the disputed reduction (or
+    found two signed contributions of one sender to one part): the worker is banned with
+    `reason`, and if that exchange is still the cell's open one it is discarded (re-frozen
+    without the worker, or aborted), so the round never commits with its bytes.
+    """
+
+    worker_id: str
+    accuser: str
+    cell_id: str
+    round: int
+    round_attempt: int
+    reduce_attempt: int
+    reason: str
+
+
+Event: TypeAlias = Register | Heartbeat | ReportRound | Leave | Tick | LeaseExpired | CheckpointStored | Convicted
 
 
 @dataclass(frozen=True, slots=True)

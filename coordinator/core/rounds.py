@@ -28,7 +28,7 @@ import heapq
 import itertools
 import math
 import random
-from collections import Counter
+from collections import Counter, deque
 
 from bagel.coordinator.core.changes import Changes
 from bagel.coordinator.core.entities import Cell, Round
@@ -38,6 +38,14 @@ from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
 from bagel.coordinator.core.roster import Roster
 from bagel.coordinator.core.scheduler import PlanMember, plan_round, throughput_for
 from bagel.protocol.runspec import RunSpec
+
+# Frozen contributor sets remembered per cell, so evidence about an exchange that has been
+# aborted or re-frozen since can still be checked against the set it was reduced over.
+FROZEN_KEPT = 8
+
+# (cell, round, round_attempt, reduce_attempt) -> ((worker id, peer id, budget), ...) sorted
+FrozenKey = tuple[str, int, int, int]
+FrozenSet = tuple[tuple[str, str, int], ...]
 
 _LEGAL = frozenset(
     {
@@ -89,6 +97,9 @@ class Rounds:
         # checked against its plan and the times the core saw
         self.last_committed: dict[str, Round] = {}
         self._seq = itertools.count()
+        # the last FROZEN_KEPT frozen contributor sets of each cell (memory only: after a
+        # restart, evidence about an exchange frozen before it cannot be checked)
+        self.frozen_sets: dict[str, deque[tuple[FrozenKey, FrozenSet]]] = {}
 
     # ---------------------------------------------------------------- deadlines
 
@@ -174,6 +185,10 @@ class Rounds:
         self.changes.ops += len(c.synced)
         peers = {x: self.roster.workers[x].peer for x in catch if x not in r.plans}
         r.set_contributors(tuple(sorted(w_set.union(catch))), catch, peers)
+        # as the workers' data plane sees the set: a zero budget (catch-up) counts as 1
+        frozen = tuple((m.worker_id, m.peer.peer_id, max(1, m.max_samples)) for m in r.contributors_wire)
+        kept = self.frozen_sets.setdefault(c.id, deque(maxlen=FROZEN_KEPT))
+        kept.append(((c.id, r.round, r.attempt, r.reduce_attempt), frozen))
         self.change_state(c, r, RoundState.REDUCING, now)
         r.frozen_ms = now
         r.reports = {}
@@ -330,6 +345,23 @@ class Rounds:
         self.roster.rebalance(now)
         if c.round is None and c.synced:
             self.open_round(c, now)
+
+    def frozen_set(self, key: FrozenKey) -> FrozenSet | None:
+        """The contributor set frozen for (cell, round, round_attempt, reduce_attempt), if remembered."""
+        for k, members in self.frozen_sets.get(key[0], ()):
+            if k == key:
+                return members
+        return None
+
+    def discard_exchange(self, c: Cell, r: Round, wid: str, now: int, reason: str) -> None:
+        """A contributor was convicted of lying in the open exchange: its result must not
+        commit. Re-freeze the others (they redo only the exchange) if enough remain, else abort."""
+        weighted = r.weighted()
+        survivors = tuple(x for x in weighted if x not in r.dropped and x != wid)
+        if survivors and self._freeze_ok(len(survivors), len(weighted)):
+            self._freeze(c, r, survivors, now)
+        else:
+            self.abort(c, r, now, reason)
 
     def drop_member(self, c: Cell, r: Round, wid: str, now: int, *, distrust: bool = False) -> None:
         """A member or contributor left the round (lease lost, left, banned).

@@ -30,6 +30,11 @@ The round protocol, per cell:
 - After a commit the agreeing contributors hold the new state, everybody else resyncs;
   the scheduler may move idle workers (round boundary), and the next round opens at once.
 - Every checkpoint.every_rounds commits, one agreeing contributor is asked to upload.
+- Convicted (the shell has verified evidence that a worker lied as a reducer, or signed two
+  different contributions to one part): the worker is banned with the proof as its reason,
+  and if that exchange is still the open one it is re-frozen without the worker (or
+  aborted when too few remain), so it never commits with the liar's bytes; the other
+  contributors' failure reports of that exchange get their reputation back.
 - A lost lease drops the worker from its open round at once (fail_fast_leases) and from
   its cell. A cell whose committed state nobody live holds, when someone needs it, falls
   back to its latest checkpoint.
@@ -79,6 +84,7 @@ from bagel.coordinator.core.errors import (
 )
 from bagel.coordinator.core.events import (
     CheckpointStored,
+    Convicted,
     Event,
     Heartbeat,
     LeaseExpired,
@@ -168,6 +174,7 @@ class CoordinatorState:
             Tick: self._on_tick,
             LeaseExpired: self._on_lease_expired,
             CheckpointStored: self._on_checkpoint_stored,
+            Convicted: self._on_convicted,
         }
 
     # ================================================================ entry point
@@ -233,6 +240,13 @@ class CoordinatorState:
         """Hash of a recent committed round of a cell (None if unknown or no longer kept)."""
         c = self._cells.get(cell_id)
         return None if c is None else c.hash_of(round)
+
+    def frozen_set(
+        self, cell_id: str, round: int, round_attempt: int, reduce_attempt: int
+    ) -> tuple[tuple[str, str, int], ...] | None:
+        """The contributors frozen for that exchange as (worker id, peer id, budget), sorted, if
+        the core still remembers it (the last few of each cell); what evidence is checked against."""
+        return self.rounds.frozen_set((cell_id, round, round_attempt, reduce_attempt))
 
     def check_upload(self, worker_id: str, cell_id: str, round: int, state_hash: str) -> bool:
         """True if `worker_id` was asked to upload the checkpoint of (cell, round, hash); False
@@ -669,6 +683,38 @@ class CoordinatorState:
         if c.upload_round != -1 and ev.round >= c.upload_round:
             c.upload_round, c.uploader = -1, ""
             self.changes.cell(c.id)
+        return None, None, None
+
+    def _on_convicted(self, now: int, ev: Convicted) -> tuple[None, None, None]:
+        """Ban a worker proven to lie (the shell verified the evidence), and make sure the
+        exchange it lied in never commits: discard it if it is still the open one."""
+        w = self.roster.workers.get(ev.worker_id)
+        if w is None:
+            raise UnknownWorker(f"unknown worker {ev.worker_id!r}")
+        if not ev.reason:
+            raise InvalidEvent("reason: required")
+        if w.state is WorkerState.BANNED:
+            return None, None, None  # a second proof of the same lie, or of another one: banned once
+        c = self._cells.get(ev.cell_id)
+        if c is None:
+            raise InvalidEvent(f"cell_id: unknown cell {ev.cell_id!r}")
+        why = f"{ev.reason} (accused by {ev.accuser})"
+        if w.state is WorkerState.ACTIVE:
+            self.roster.detach(w, now, fail_fast=True)
+        w.state, w.reason = WorkerState.BANNED, why
+        self.changes.worker(w.id)
+        r = c.round
+        if (
+            r is not None
+            and r.state is RoundState.REDUCING
+            and (r.round, r.attempt, r.reduce_attempt) == (ev.round, ev.round_attempt, ev.reduce_attempt)
+        ):
+            # the others' failure reports of this exchange were the liar's doing: refund them
+            for x, e in r.reports.items():
+                if e.failed and x != w.id and x in self.roster.workers:
+                    self.roster.reputation(self.roster.workers[x], -self.policy.rep_failed_report, now, "")
+            self.rounds.discard_exchange(c, r, w.id, now, f"contributor {w.id} convicted: {ev.reason}")
+        self.roster.rebalance(now, balance=False)
         return None, None, None
 
     # ================================================================ instructions

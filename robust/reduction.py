@@ -1,0 +1,218 @@
+"""The reduction of one part of a group exchange, as one function every checker shares.
+
+`reduce_one_part` is what a reducer does with the contributions it received for its part:
+decode each codec frame, drop the ones the rule refuses (`Reducer.validate`: shape, dtype,
+finiteness; header-level problems and abstentions arrive here already named), clamp each
+kept weight to the sender's budget from the frozen contributor set, screen the group's
+norms (`Reducer.screen`: a part far above the group's, or a "zero update"), aggregate in
+sorted-sender order (`Reducer.aggregate`: float64, fixed order, so deterministic), and
+encode the result once with a generator seeded from the exchange's coordinates
+(`result_generator`). Because every step is deterministic, the same inputs give the same
+bytes on every machine, which is what makes a reducer checkable at all:
+
+- the worker's primary and shadow reducers (`bagel.worker.reducer`) both call it, and a
+  contributor applies a part only when their digests agree;
+- the coordinator calls it again over the signed inputs of an accusation
+  (`bagel.robust.evidence`) and compares with the accused's signed digest.
+
+The group screen runs inside this function (before the aggregate, with `exact_norm`), so
+that all three computations stay one and the same.
+
+Also here, because the coordinator needs them without importing the worker: the part
+split (`part_bounds`), the codec slice the data plane uses (`Codec`), decoding one part
+(`decode_part`) and the seeded generators (`part_generator`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from bagel.compression import decode
+from bagel.protocol import dataplane_pb2 as dp
+from bagel.robust.aggregation import PartRejected, Reducer
+
+__all__ = [
+    "Codec",
+    "NoValidContribution",
+    "PartInput",
+    "PartResult",
+    "decode_part",
+    "group_digest_of",
+    "header_problem",
+    "part_bounds",
+    "part_generator",
+    "reduce_one_part",
+    "result_generator",
+]
+
+
+class Codec(Protocol):
+    """The slice of `bagel.compression.Codec` the data plane uses."""
+
+    @property
+    def name(self) -> str: ...
+
+    def encode(self, t: torch.Tensor, *, generator: torch.Generator | None = None) -> bytes: ...
+
+    def encoded_nbytes(self, numel: int) -> int: ...
+
+
+class NoValidContribution(ValueError):
+    """Every contribution to the part was excluded: there is nothing to aggregate."""
+
+
+def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
+    """Split [0, total) into `parts` contiguous ranges; the first total % parts get one more."""
+    if parts < 1:
+        raise ValueError("at least one part")
+    base, extra = divmod(total, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def decode_part(codec: Codec, buf: bytes, numel: int) -> torch.Tensor:
+    """Decode with the codec's own `decode` if it has one (test stand-ins), else the module's."""
+    dec = getattr(codec, "decode", None)
+    try:
+        t = dec(buf, max_elements=numel) if dec is not None else decode(buf, max_elements=numel)
+    except (ValueError, RuntimeError, TypeError) as e:  # CodecError is a ValueError; stand-ins may differ
+        raise PartRejected(f"undecodable payload: {e}") from e
+    return t.reshape(-1).clone()  # decode may return a view of the immutable buffer
+
+
+def part_generator(*key: object) -> torch.Generator:
+    """A generator seeded from the exchange coordinates, so stochastic codecs are reproducible."""
+    seed = int.from_bytes(hashlib.sha256("|".join(map(str, key)).encode()).digest()[:8], "big") >> 1
+    return torch.Generator().manual_seed(seed)
+
+
+def result_generator(
+    run_id: str, cell_id: str, round: int, round_attempt: int, reduce_attempt: int, part: int
+) -> torch.Generator:
+    """The generator the result of `part` is encoded with: the same for every reducer of it."""
+    return part_generator(run_id, cell_id, round, round_attempt, reduce_attempt, "result", part)
+
+
+@dataclass(frozen=True)
+class PartInput:
+    """One contributor's input to a part, as received.
+
+    weight: the weight the sender claimed (signed, in a verified exchange); max_samples: its
+    budget in the frozen contributor set; payload: the codec frame, None when the sender
+    sent none (abstained, or refused before reading); problem: a reason to exclude it that
+    was found before decoding (an inconsistent header), "" when there is none.
+    """
+
+    sender: str
+    weight: float
+    max_samples: int
+    payload: bytes | None
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class PartResult:
+    payload: bytes  # the encoded averaged part: every contributor applies decode(payload)
+    included: tuple[str, ...]  # senders aggregated, sorted
+    excluded: tuple[tuple[str, str], ...]  # (sender, reason), sorted by sender
+    total_weight: float  # sum of the clamped weights of `included`
+    # sender -> its decoded part, for the included senders: what the reducer's audit reads
+    # (`robust/audit.py`); not part of the result's identity
+    parts: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def digest(self) -> bytes:
+        return hashlib.sha256(self.payload).digest()
+
+
+def _exclusion(inp: PartInput, reducer: Reducer, codec: Codec, numel: int) -> tuple[str, torch.Tensor | None]:
+    if inp.problem:
+        return inp.problem, None
+    if not (math.isfinite(inp.weight) and inp.weight > 0) or inp.payload is None:
+        return "abstained (non-finite delta or no samples)", None
+    try:
+        part = decode_part(codec, inp.payload, numel)
+        reducer.validate(part, numel)
+    except PartRejected as e:
+        return e.reason, None
+    return "", part
+
+
+def reduce_one_part(
+    codec: Codec,
+    reducer: Reducer,
+    numel: int,
+    inputs: Sequence[PartInput],
+    generator: torch.Generator | None,
+) -> PartResult:
+    """Decode, validate, clamp, screen the group's norms, aggregate in sorted-sender order, encode once (see the module doc).
+
+    Raises NoValidContribution when nothing is left to aggregate, ValueError on duplicate senders.
+    """
+    by_sender = {i.sender: i for i in inputs}
+    if len(by_sender) != len(inputs):
+        raise ValueError("duplicate senders among the inputs")
+    kept: list[tuple[str, float, torch.Tensor]] = []
+    excluded: list[tuple[str, str]] = []
+    for sender in sorted(by_sender):
+        inp = by_sender[sender]
+        reason, part = _exclusion(inp, reducer, codec, numel)
+        if part is None:
+            excluded.append((sender, reason))
+        else:
+            kept.append((sender, min(float(inp.weight), float(max(1, inp.max_samples))), part))
+    # the group screen: norms far outside the group's are left out like a bad part
+    screening = reducer.screen([p for _, _, p in kept])
+    excluded += [(kept[j][0], reason) for j, reason in screening.excluded]
+    kept = [kept[j] for j in screening.kept]
+    if not kept:
+        raise NoValidContribution(f"no valid contribution: {dict(excluded)}")
+    excluded.sort()
+    weights = [w for _, w, _ in kept]
+    averaged = reducer.aggregate([p for _, _, p in kept], weights)
+    payload = codec.encode(averaged, generator=generator)
+    return PartResult(
+        payload, tuple(s for s, _, _ in kept), tuple(excluded), float(sum(weights)), {s: p for s, _, p in kept}
+    )
+
+
+def group_digest_of(members: Sequence[tuple[str, str, int]]) -> str:
+    """Binds an exchange to one frozen contributor set of (worker id, peer id, budget), sorted
+    by worker id: every member, and the coordinator checking evidence, must see the same one."""
+    text = "|".join(f"{w},{p},{m}" for w, p, m in members)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def header_problem(
+    h: dp.ContributionHeader, *, num_parts: int, total_numel: int, part_numel: int, layout_digest: str, codec: Codec
+) -> str:
+    """Why a contributor's header is inconsistent with the reducer's view ('' when it is fine).
+
+    A contribution with a problem is excluded before its payload is read; the coordinator
+    applies the same check to the headers of an accusation.
+    """
+    if h.num_parts != num_parts or h.total_numel != total_numel:
+        return f"sender has {h.num_parts} parts of {h.total_numel} elements, we have {num_parts} parts of {total_numel}"
+    if h.part_numel != part_numel:
+        return f"part has {h.part_numel} elements, expected {part_numel}"
+    if h.layout_digest != layout_digest:
+        return "different tensor layout (model)"
+    if h.codec != codec.name:
+        return f"codec {h.codec!r}, the run uses {codec.name!r}"
+    if not (math.isfinite(h.weight) and h.weight > 0):
+        if h.weight == 0 and h.payload_nbytes == 0:
+            return "abstained (non-finite delta or no samples)"
+        return f"weight {h.weight} is not positive"
+    if not 0 < h.payload_nbytes <= codec.encoded_nbytes(part_numel):
+        return f"payload of {h.payload_nbytes} bytes, limit {codec.encoded_nbytes(part_numel)}"
+    return ""
