@@ -155,7 +155,8 @@ def reduce_one_part(
     inputs: Sequence[PartInput],
     generator: torch.Generator | None,
 ) -> PartResult:
-    """Decode, validate, clamp, screen the group's norms, aggregate in sorted-sender order, encode once (see the module doc).
+    """Decode, validate, clamp, screen the group's norms, aggregate in sorted-sender order, encode
+    once (see the module doc).
 
     Raises NoValidContribution when nothing is left to aggregate, ValueError on duplicate senders.
     """

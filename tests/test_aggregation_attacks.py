@@ -25,6 +25,7 @@ from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.reducerspec import DEFAULT_RULE
 from bagel.robust.aggregation import ZERO_REASON, TrimmedMean, get_reducer, reduce_group
 from bagel.robust.attacks import ATTACKS, alie, alie_own, craft, honest_group, ipm_own
+from bagel.robust.reduction import decode_part
 from bagel.worker.parts import Contributor, Layout
 from bagel.worker.reducer import Reduction
 
@@ -74,10 +75,11 @@ async def through_reduction(rule: str, parts: list[torch.Tensor], claimed: list[
         loop.time() + 30.0,
         loop.time() + 20.0,
     )
+    codec = get_codec("fp32")  # lossless for finite float32: the reducer decodes what was sent
     for n, part, w in zip(names, parts, claimed, strict=True):
-        red.accept(n, w, part)
-    result, header = await red.reduce_own()
-    return result, header, names
+        red.accept(n, w, codec.encode(part))
+    payload, header = await red.reduce_own()  # the encoded averaged part every member applies
+    return decode_part(codec, payload, DIM), header, names
 
 
 @pytest.mark.parametrize("rule", [DEFAULT_RULE, "trimmed_mean:0.2", "mean"])

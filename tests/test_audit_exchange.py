@@ -73,59 +73,70 @@ async def run_rounds(
                 hz.sync(w)  # a straggler of the last round fetches the state
             if hz.st.instruction_for(w).order is Order.TRAIN:
                 hz.ready(w)
-        reducing = [w for w in live if hz.st.instruction_for(w).order is Order.REDUCE]
-        assert reducing, f"round {rnd}: nobody is reducing"
-        ins = hz.st.instruction_for(reducing[0])
-        budgets = {m.worker_id: m.max_samples for m in ins.contributors}
-        contributors = [by_id[m.worker_id].contributor(max(1, m.max_samples)) for m in ins.contributors]
-        deltas = {}
-        for w in budgets:
-            if budgets[w] == 0:  # a catch-up contributor (a straggler of the last round): zeros, weight 0
-                deltas[w] = {"x": torch.zeros(NUMEL)}
-                continue
-            honest = {"x": ups.honest()}
-            deltas[w] = corrupt(honest, modes[w], last.get(w), first.get(w)) if modes.get(w) else honest
-            first.setdefault(w, honest)
-            last[w] = honest
-        results = await asyncio.gather(
-            *(
-                by_id[w].plane.all_reduce(
-                    worker_id=w,
-                    cell_id="k0.r0",
-                    round=rnd,
-                    round_attempt=ins.round_attempt,
-                    reduce_attempt=ins.reduce_attempt,
-                    contributors=contributors,
-                    delta=deltas[w],
-                    weight=float(budgets[w]),
-                    codec="int8",
-                    timeout_s=60.0,
-                    audit_blocks=hz.spec.audit.sketch_blocks,
+        # a worker banned while the exchange is open makes the core re-freeze the others
+        # without it: the survivors redo only the exchange, until the round is decided
+        for _attempt in range(4):
+            live = [w for w in by_id if hz.store.workers[w].state is WorkerState.ACTIVE]
+            if hz.store.cells["k0.r0"].committed_round >= rnd and _attempt > 0:
+                break
+            if _attempt > 0 and not any(hz.st.instruction_for(w).order is Order.REDUCE for w in live):
+                break
+            reducing = [w for w in live if hz.st.instruction_for(w).order is Order.REDUCE]
+            assert reducing, f"round {rnd}: nobody is reducing"
+            ins = hz.st.instruction_for(reducing[0])
+            budgets = {m.worker_id: m.max_samples for m in ins.contributors}
+            contributors = [by_id[m.worker_id].contributor(max(1, m.max_samples)) for m in ins.contributors]
+            deltas = {}
+            for w in budgets:
+                if budgets[w] == 0:  # a catch-up contributor (a straggler of the last round): zeros, weight 0
+                    deltas[w] = {"x": torch.zeros(NUMEL)}
+                    continue
+                honest = {"x": ups.honest()}
+                deltas[w] = corrupt(honest, modes[w], last.get(w), first.get(w)) if modes.get(w) else honest
+                first.setdefault(w, honest)
+                last[w] = honest
+            results = await asyncio.gather(
+                *(
+                    by_id[w].plane.all_reduce(
+                        worker_id=w,
+                        cell_id="k0.r0",
+                        round=rnd,
+                        round_attempt=ins.round_attempt,
+                        reduce_attempt=ins.reduce_attempt,
+                        contributors=contributors,
+                        delta=deltas[w],
+                        weight=float(budgets[w]),
+                        codec="int8",
+                        timeout_s=60.0,
+                        audit_blocks=hz.spec.audit.sketch_blocks,
+                    )
+                    for w in budgets
                 )
-                for w in budgets
             )
-        )
-        res = dict(zip(budgets, results, strict=True))
-        for r in res.values():
-            for e in r.excluded:
-                if budgets[e.sender] > 0:  # a catch-up contributor abstains by design
-                    excluded[e.sender] = excluded.get(e.sender, 0) + 1
-        # the Byzantine ones report first, so they count in the quorum rather than as stragglers
-        for w in sorted(budgets, key=lambda x: (x not in modes, x)):
-            if hz.store.workers[w].state is not WorkerState.ACTIVE:
-                continue
-            p = hz.st.instruction_for(w).plan if hz.st.instruction_for(w).order is Order.REDUCE else None
-            plan_samples = p.micro_batch * p.grad_accum * p.inner_steps if p is not None else budgets[w]
-            samples, compute_ms = claimed(modes.get(w, ""), plan_samples, ROUND_MS - 100)
-            hz.report(
-                w,
-                h(rnd),
-                round=rnd,
-                reduce_attempt=ins.reduce_attempt,
-                samples=samples,
-                compute_ms=compute_ms,
-                audit=res[w].audit,
-            )
+            res = dict(zip(budgets, results, strict=True))
+            for r in res.values():
+                for e in r.excluded:
+                    if budgets[e.sender] > 0:  # a catch-up contributor abstains by design
+                        excluded[e.sender] = excluded.get(e.sender, 0) + 1
+            # the Byzantine ones report first, so they count in the quorum rather than as stragglers
+            for w in sorted(budgets, key=lambda x: (x not in modes, x)):
+                if hz.store.workers[w].state is not WorkerState.ACTIVE:
+                    continue
+                now = hz.st.instruction_for(w)
+                if now.order is Order.REDUCE and now.reduce_attempt != ins.reduce_attempt:
+                    continue  # a ban during the exchange re-froze the set without the banned worker
+                p = hz.st.instruction_for(w).plan if hz.st.instruction_for(w).order is Order.REDUCE else None
+                plan_samples = p.micro_batch * p.grad_accum * p.inner_steps if p is not None else budgets[w]
+                samples, compute_ms = claimed(modes.get(w, ""), plan_samples, ROUND_MS - 100)
+                hz.report(
+                    w,
+                    h(rnd),
+                    round=rnd,
+                    reduce_attempt=ins.reduce_attempt,
+                    samples=samples,
+                    compute_ms=compute_ms,
+                    audit=res[w].audit,
+                )
         for w in by_id:
             if w not in banned and hz.store.workers[w].state is WorkerState.BANNED:
                 banned[w] = rnd

@@ -10,7 +10,8 @@ problems (not a contributor, impostor peer id, wrong part, a bad signature, conf
 duplicate, a payload that is not the one the header signs) refuse a stream outright
 (`Refused`); a contributor whose part is merely bad (inconsistent header, oversized,
 undecodable, non-finite, weight <= 0, a norm the group screen finds far outside the
-others': `Reducer.screen`) is *excluded* from the aggregate and still receives the result, so the exchange completes for everyone else without waiting for a timeout.
+others': `Reducer.screen`) is *excluded* from the aggregate and still receives the result,
+so the exchange completes for everyone else without waiting for a timeout.
 
 In a verified exchange (the plane has an identity; see `bagel.robust.evidence`) a part has
 two reductions: the PRIMARY one answers with the result bytes and a signed receipt, the
