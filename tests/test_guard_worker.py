@@ -180,6 +180,7 @@ def test_end_to_end_a_blown_up_round_is_never_committed(tmp_path: Path) -> None:
         assert seen[0] >= 2, f"no guard refusals after 180 s: {seen}\n{w.log_text()[-3000:]}"
         assert seen[1] == 0, "a blown-up round was committed"
         assert not w.events("committed")
-        status = get_status(c.endpoint)
+        # pinned to the daemon's certificate, signed with its key: the detailed view lists workers
+        status = get_status(c.endpoint, tls_fingerprint=c.tls_fingerprint, key=tmp_path / "coord" / "coordinator.key")
         solo = [x for x in status.workers if x.state == "active"]
         assert len(solo) == 1 and solo[0].reputation >= 0, "the guard charged the member"
