@@ -178,6 +178,28 @@ def test_full_loss_drops_and_no_loss_delivers(lab: NetLab) -> None:
     assert probe(lab, "home1-1", "connect", "--to", "198.51.100.10:9004")[0] == 0
 
 
+def udp_delivered(lab: NetLab, src: str, dst: str, port: int, count: int) -> int:
+    sink = lab.run_in(dst, [*PROBE, "udp-sink", "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None
+    ready, _, _ = select.select([sink.stdout], [], [], 20.0)
+    assert ready and json.loads(sink.stdout.readline()) == {"listening": port}
+    assert probe(lab, src, "udp-send", "--to", f"{lab.ip(dst)}:{port}", "--count", str(count))[0] == 0
+    out, _ = sink.communicate(timeout=30)
+    return int(json.loads(out.strip().splitlines()[-1])["received"])
+
+
+@needs_bed
+@pytest.mark.timeout(90)
+def test_loss_drops_about_its_share_of_packets(lab: NetLab) -> None:
+    n = 2000
+    clean = udp_delivered(lab, "pub1", "coord", 9101, n)
+    lab.shape("pub1", loss_pct=30.0, direction="up")
+    lossy = udp_delivered(lab, "pub1", "coord", 9102, n)
+    # Bernoulli(0.3) over 2000 packets: 1400 +- 20 (one standard deviation)
+    assert clean >= 0.97 * n, clean
+    assert 0.6 * n <= lossy <= 0.8 * n, lossy
+
+
 @needs_bed
 @pytest.mark.timeout(60)
 def test_nothing_routes_out_of_the_bed(lab: NetLab) -> None:

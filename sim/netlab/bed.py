@@ -13,8 +13,9 @@ Links are shaped at run time, per direction, on the sending device's egress:
   a kernel without it refuses a delay with a `NetLabError` that says so, never silently,
 - loss with netem where present, else with an nftables `numgen random` drop rule on the
   receiving device's ingress (the same Bernoulli loss per packet),
-- a partition drops every packet of a link in both directions (nftables ingress on both
-  ends), and healing removes the rule; addresses, routes and the NAT's state stay.
+- a partition drops every IP packet of a link in both directions (nftables ingress on both
+  ends; ARP still passes), and healing removes the rule; addresses, routes and the NAT's
+  state stay.
 
 Every name starts with `bagelnl-<tag>-`, so `setup` first removes whatever a killed run of
 the same tag left, and `teardown` (idempotent, also on the context manager's exit) kills
@@ -41,6 +42,9 @@ from bagel.sim.netlab.topology import PREFIX, Node, Topology, plan
 
 CMD_TIMEOUT_S = 20.0
 NFT_TABLE = "bagelnl"
+# Faults drop IP packets only: ARP keeps working, so a healed link carries traffic at once
+# instead of waiting out a neighbour entry that went FAILED while every frame was dropped.
+IP_ONLY = "meta protocol { ip, ip6 }"
 
 
 class NetLabError(RuntimeError):
@@ -339,7 +343,8 @@ table inet {NFT_TABLE}_nat {{
             # numgen draws uniformly in [0, 1e6): Bernoulli loss at ppm resolution.
             loss = 0.0 if self.has_netem else shape.loss_pct
             ppm = round(loss * 10_000)
-            drop = ["drop"] if ppm >= 1_000_000 else [f"numgen random mod 1000000 < {ppm} drop"] if ppm else []
+            draw = "" if ppm >= 1_000_000 else f"numgen random mod 1000000 < {ppm} "
+            drop = [f"{IP_ONLY} {draw}drop"] if ppm else []
             self._set_ingress(peer_ns, peer_dev, "loss", drop)
 
     def _egress(self, ns: str, dev: str, shape: Shape) -> None:
@@ -379,7 +384,7 @@ table inet {NFT_TABLE}_nat {{
     def partition(self, link: str) -> None:
         """Cut `link` (a home's name cuts that home off the internet): every packet dropped, both ways."""
         for ns, dev in self._ends(link):
-            self._set_ingress(ns, dev, "part", ["drop"])
+            self._set_ingress(ns, dev, "part", [f"{IP_ONLY} drop"])
 
     def heal(self, link: str) -> None:
         """Undo `partition(link)`; shaping and loss stay as they were."""

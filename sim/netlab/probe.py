@@ -4,6 +4,8 @@ that pushes bytes for a while, and a connect check. Each prints one JSON line.
     python -m bagel.sim.netlab.probe sink --port 9000 [--once]
     python -m bagel.sim.netlab.probe send --to 198.51.100.10:9000 --seconds 1.5
     python -m bagel.sim.netlab.probe connect --to 192.168.1.11:9000 --timeout 2
+    python -m bagel.sim.netlab.probe udp-sink --port 9100 --quiet-s 1.5
+    python -m bagel.sim.netlab.probe udp-send --to 198.51.100.10:9100 --count 2000
 
 The sink answers each connection, after the sender's end of stream, with the number of
 bytes it received and the source address it saw, so the sender learns what was really
@@ -95,6 +97,36 @@ def connect(to: str, timeout_s: float) -> int:
     return 0
 
 
+def udp_sink(port: int, quiet_s: float, timeout_s: float) -> int:
+    """Count datagrams until none came for `quiet_s` (after the first) or `timeout_s` passed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("0.0.0.0", port))
+        print(json.dumps({"listening": s.getsockname()[1]}), flush=True)
+        got = 0
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            s.settimeout(min(left, quiet_s) if got else left)
+            try:
+                s.recv(CHUNK)
+            except TimeoutError:
+                break
+            got += 1
+    print(json.dumps({"received": got}), flush=True)
+    return 0
+
+
+def udp_send(to: str, count: int, size: int) -> int:
+    """Send `count` datagrams of `size` bytes, paced so no local queue overflows."""
+    payload = b"d" * size
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for i in range(count):
+            s.sendto(payload, _addr(to))
+            if i % 50 == 49:
+                time.sleep(0.002)
+    print(json.dumps({"sent": count}), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bagel.sim.netlab.probe", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -109,7 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("connect")
     c.add_argument("--to", required=True)
     c.add_argument("--timeout", type=float, default=2.0)
+    u = sub.add_parser("udp-sink")
+    u.add_argument("--port", type=int, required=True)
+    u.add_argument("--quiet-s", type=float, default=1.5)
+    u.add_argument("--timeout", type=float, default=30.0)
+    v = sub.add_parser("udp-send")
+    v.add_argument("--to", required=True)
+    v.add_argument("--count", type=int, default=1000)
+    v.add_argument("--size", type=int, default=200)
     a = p.parse_args(argv)
+    if a.cmd == "udp-sink":
+        return udp_sink(a.port, a.quiet_s, a.timeout)
+    if a.cmd == "udp-send":
+        return udp_send(a.to, a.count, a.size)
     if a.cmd == "sink":
         return sink(a.port, a.once, a.idle_timeout)
     if a.cmd == "send":
