@@ -14,7 +14,6 @@ import json
 import select
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -250,4 +249,29 @@ def test_delay_is_refused_by_name_where_the_kernel_has_no_netem(lab: NetLab) -> 
 
 def test_missing_prerequisite_names_a_reason_or_none() -> None:
     assert REASON is None or REASON.startswith(("netlab needs", "this machine refuses", "nftables", "netlab cannot"))
-    time.sleep(0)  # nothing timed
+
+
+def netlab_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bagel.sim.netlab", *args], capture_output=True, text=True, timeout=60)
+
+
+@needs_bed
+@pytest.mark.timeout(120)
+def test_the_cli_builds_changes_and_removes_a_bed_with_one_line_errors() -> None:
+    try:
+        up = netlab_cli("up", "--tag", "cl", "--homes", "1", "--per-home", "1", "--public", "0")
+        assert up.returncode == 0, up.stderr
+        assert "home1-1" in up.stdout and "192.168.1.11/24" in up.stdout and "20 Mbit/s up" in up.stdout
+        assert len(bed_namespaces("bagelnl-cl-")) == 4
+        assert netlab_cli("partition", "home1", "--tag", "cl").returncode == 0
+        status = netlab_cli("status", "--tag", "cl")
+        assert status.returncode == 0 and "rate 20Mbit" in status.stdout, status.stdout
+        for bad, code in ((("shape", "nope", "--tag", "cl"), 2), (("shape", "home1", "--rate", "0", "--tag", "cl"), 2)):
+            got = netlab_cli(*bad)
+            assert got.returncode == code and len(got.stderr.strip().splitlines()) == 1, got.stderr
+            assert "Traceback" not in got.stderr
+    finally:
+        down = netlab_cli("down", "--tag", "cl")
+    assert down.returncode == 0 and bed_namespaces("bagelnl-cl-") == []
+    gone = netlab_cli("status", "--tag", "cl")
+    assert gone.returncode == 1 and gone.stderr.strip().count("\n") == 0 and "no test bed" in gone.stderr
