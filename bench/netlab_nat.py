@@ -6,8 +6,10 @@ For each placement of two workers, on a fresh bed (sim/netlab/, root only): a re
 in the namespaces named; after `--seconds`, the coordinator's store is read (rounds
 committed and aborted, the last abort's reason, the peer addresses each worker announced)
 and the workers' `--log-json` commits are compared (bit-identical replicas: the same state
-hash for every round both committed). Prints a table; `--json FILE` writes the figures.
-Never asserted in tests; a finding, not a claim.
+hash for every round both committed; `shared`: the commits with two or more contributors,
+fewer on either worker, since a worker left alone in its cell commits rounds by itself).
+Prints a table; `--json FILE` writes the figures. Never asserted in tests; a finding, not a
+claim.
 
     sudo .venv/bin/python bench/netlab_nat.py [--seconds 60] [--json out.json]
 """
@@ -137,6 +139,10 @@ def run_placement(name: str, nodes: tuple[str, ...], seconds: float, root: Path)
     common = set.intersection(*(set(c) for c in commits.values())) if commits else set()
     identical = all(len({commits[n][r] for n in nodes}) == 1 for r in common)
     registered = {n: bool(_events(root / f"{n}.log", "registered")) for n in nodes}
+    # a commit with one contributor is a worker training alone, not an exchange across the path
+    shared = {
+        n: sum(1 for e in _events(root / f"{n}.log", "committed") if int(e.get("contributors", 0)) >= 2) for n in nodes
+    }
     cells = st.get("cells", [{}])
     return {
         "placement": name,
@@ -147,6 +153,7 @@ def run_placement(name: str, nodes: tuple[str, ...], seconds: float, root: Path)
         "aborted_attempts_in_last_50": len(aborted),
         "last_abort_reason": aborted[0].get("reason", "") if aborted else "",
         "rounds_both_committed": len(common),
+        "commits_with_2_or_more_contributors": shared,
         "replicas_bit_identical": identical if common else None,
         "announced_maddrs": announced,
         "exchange_failed_events": {n: len(_events(root / f"{n}.log", "exchange-failed")) for n in nodes},
@@ -169,10 +176,14 @@ def main() -> int:
         base = a.keep or Path(tmp)
         for name in a.only or list(PLACEMENTS):
             results.append(run_placement(name, PLACEMENTS[name], a.seconds, base / name.replace(" ", "-")))
-    print(f"{'placement':15s} {'workers':18s} {'s':>4s} {'commits':>7s} {'aborts':>6s} {'identical':>9s}  last abort")
+    print(
+        f"{'placement':15s} {'workers':18s} {'s':>4s} {'commits':>7s} {'shared':>6s} {'aborts':>6s} "
+        f"{'identical':>9s}  last abort"
+    )
     for r in results:
         print(
             f"{r['placement']:15s} {','.join(r['workers']):18s} {r['seconds']:4.0f} {r['committed_rounds']:7d} "
+            f"{min(r['commits_with_2_or_more_contributors'].values()):6d} "
             f"{r['aborted_attempts_in_last_50']:6d} {str(r['replicas_bit_identical']):>9s}  {r['last_abort_reason']}"
         )
     if a.json:
