@@ -153,6 +153,29 @@ def test_tbf_caps_a_link_to_its_rate(lab: NetLab) -> None:
 
 @needs_bed
 @pytest.mark.timeout(90)
+def test_tbf_caps_the_download_direction_separately(lab: NetLab) -> None:
+    src = lab.run_in(
+        "coord", [*PROBE, "source", "--port", "9006", "--seconds", "1.0"], stdout=subprocess.PIPE, text=True
+    )
+    assert src.stdout is not None
+    ready, _, _ = select.select([src.stdout], [], [], 20.0)
+    assert ready and json.loads(src.stdout.readline()) == {"listening": 9006}
+    cap = 8.0
+    lab.shape("home1", rate_mbit=cap, direction="down")
+    rc, capped = probe(lab, "home1-1", "fetch", "--to", "198.51.100.10:9006")
+    assert rc == 0, capped
+    rc, free = probe(lab, "home2-1", "fetch", "--to", "198.51.100.10:9006")
+    assert rc == 0, free
+    assert capped["mbit_s"] <= cap * 1.15 and capped["received"] >= 100_000, capped
+    assert free["mbit_s"] >= 4 * capped["mbit_s"], (free, capped)
+    # the cap is on the download only: the same home's upload is not limited
+    start_sink(lab, "coord", 9007)
+    rc, up = probe(lab, "home1-1", "send", "--to", "198.51.100.10:9007", "--seconds", "0.5")
+    assert rc == 0 and up["mbit_s"] >= 4 * capped["mbit_s"], up
+
+
+@needs_bed
+@pytest.mark.timeout(90)
 def test_a_partition_cuts_a_home_off_and_heal_restores_it(lab: NetLab) -> None:
     start_sink(lab, "coord", 9003)
     assert probe(lab, "home1-1", "connect", "--to", "198.51.100.10:9003")[0] == 0

@@ -4,6 +4,8 @@ that pushes bytes for a while, and a connect check. Each prints one JSON line.
     python -m bagel.sim.netlab.probe sink --port 9000 [--once]
     python -m bagel.sim.netlab.probe send --to 198.51.100.10:9000 --seconds 1.5
     python -m bagel.sim.netlab.probe connect --to 192.168.1.11:9000 --timeout 2
+    python -m bagel.sim.netlab.probe source --port 9001 --seconds 1.5
+    python -m bagel.sim.netlab.probe fetch --to 198.51.100.10:9001
     python -m bagel.sim.netlab.probe udp-sink --port 9100 --quiet-s 1.5
     python -m bagel.sim.netlab.probe udp-send --to 198.51.100.10:9100 --count 2000
 
@@ -86,6 +88,42 @@ def send(to: str, seconds: float, timeout_s: float) -> int:
     return 0 if delivered >= 0 else 1
 
 
+def source(port: int, seconds: float) -> int:
+    """Accept connections; send to each for `seconds`, then close (the download direction)."""
+    payload = b"\0" * CHUNK
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("0.0.0.0", port))
+        srv.listen(16)
+        print(json.dumps({"listening": srv.getsockname()[1]}), flush=True)
+        while True:
+            conn, _ = srv.accept()
+            with conn:
+                conn.settimeout(30.0)
+                started = time.monotonic()
+                try:
+                    while time.monotonic() - started < seconds:
+                        conn.sendall(payload)
+                except OSError:
+                    pass
+
+
+def fetch(to: str, timeout_s: float) -> int:
+    """Read from a `source` until it closes; the rate is received bytes over the elapsed time."""
+    started = time.monotonic()
+    got = 0
+    try:
+        with socket.create_connection(_addr(to), timeout=timeout_s) as s:
+            while data := s.recv(CHUNK):
+                got += len(data)
+    except OSError as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}", "received": got}), flush=True)
+        return 1
+    elapsed = time.monotonic() - started
+    print(json.dumps({"received": got, "elapsed_s": elapsed, "mbit_s": got * 8 / elapsed / 1e6}), flush=True)
+    return 0
+
+
 def connect(to: str, timeout_s: float) -> int:
     """Exit 0 if a TCP connection to `to` opens within the timeout, else 1 with the reason."""
     try:
@@ -148,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("connect")
     c.add_argument("--to", required=True)
     c.add_argument("--timeout", type=float, default=2.0)
+    o = sub.add_parser("source")
+    o.add_argument("--port", type=int, required=True)
+    o.add_argument("--seconds", type=float, default=1.0)
+    f = sub.add_parser("fetch")
+    f.add_argument("--to", required=True)
+    f.add_argument("--timeout", type=float, default=10.0)
     u = sub.add_parser("udp-sink")
     u.add_argument("--port", type=int, required=True)
     u.add_argument("--quiet-s", type=float, default=1.5)
@@ -157,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--count", type=int, default=1000)
     v.add_argument("--size", type=int, default=200)
     a = p.parse_args(argv)
+    if a.cmd == "source":
+        return source(a.port, a.seconds)
+    if a.cmd == "fetch":
+        return fetch(a.to, a.timeout)
     if a.cmd == "udp-sink":
         return udp_sink(a.port, a.quiet_s, a.timeout)
     if a.cmd == "udp-send":
