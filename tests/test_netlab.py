@@ -274,6 +274,17 @@ def test_missing_prerequisite_names_a_reason_or_none() -> None:
     assert REASON is None or REASON.startswith(("netlab needs", "this machine refuses", "nftables", "netlab cannot"))
 
 
+def test_the_skip_reason_names_root_and_each_missing_tool(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bagel.sim.netlab.bed as bed
+
+    monkeypatch.setattr(bed.os, "geteuid", lambda: 1000)
+    assert missing_prerequisite() == "netlab needs root (network namespaces, nftables and tc)"
+    monkeypatch.setattr(bed.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(bed.shutil, "which", lambda tool: None if tool == "nft" else f"/usr/sbin/{tool}")
+    reason = missing_prerequisite()
+    assert reason is not None and "`nft`" in reason and "nftables" in reason
+
+
 def netlab_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "bagel.sim.netlab", *args], capture_output=True, text=True, timeout=60)
 
