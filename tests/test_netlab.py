@@ -9,12 +9,16 @@ connection once the firewall lets it through, the partition with the link before
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
+import os
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -309,3 +313,89 @@ def test_the_cli_builds_changes_and_removes_a_bed_with_one_line_errors() -> None
     assert down.returncode == 0 and bed_namespaces("bagelnl-cl-") == []
     gone = netlab_cli("status", "--tag", "cl")
     assert gone.returncode == 1 and gone.stderr.strip().count("\n") == 0 and "no test bed" in gone.stderr
+
+
+# ---------------------------------------------------------------------------- a real run on the bed
+
+
+def _log_events(path: Path, kind: str) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                rec = json.loads(line)
+                if rec.get("event") == kind:
+                    out.append(rec)
+    return out
+
+
+@needs_bed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_home_worker_behind_nat_averages_with_a_public_worker(tmp_path: Path) -> None:
+    """The real coordinator on the public segment (TLS gRPC and its DHT on 198.51.100.10),
+    one worker behind a NAT and one public: both join with the printed join string and
+    commit rounds they averaged together (2 contributors), with equal state hashes."""
+    from test_e2e import SPEC
+
+    spec = tmp_path / "spec.toml"
+    spec.write_text(SPEC)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with NetLab(tag="rr", homes=1, per_home=1, public=1) as lab:
+
+        def start(node: str, argv: list[str]) -> Path:
+            log = tmp_path / f"{node}.log"
+            with open(log, "ab") as f:
+                lab.run_in(node, argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            return log
+
+        coord = start(
+            "coord",
+            [sys.executable, "-m", "bagel.coordinator", "serve", "--run", str(spec),
+             "--data-dir", str(tmp_path / "coord"), "--listen", "198.51.100.10:7070",
+             "--dht-listen", "/ip4/198.51.100.10/tcp/7071", "--tick-ms", "100"],
+        )  # fmt: skip
+        join = ""
+        deadline = time.monotonic() + 120
+        while not join and time.monotonic() < deadline:
+            lines = coord.read_text(errors="replace").splitlines() if coord.exists() else []
+            join = next((ln.removeprefix("join:").strip() for ln in lines if ln.startswith("join:")), "")
+            time.sleep(0.2)
+        assert join, coord.read_text()[-3000:]
+        logs = {
+            node: start(
+                node,
+                [
+                    sys.executable,
+                    "-m",
+                    "bagel.worker",
+                    "join",
+                    join,
+                    "--data-dir",
+                    str(tmp_path / node),
+                    "--log-json",
+                    "--name",
+                    node,
+                    "--reduce-timeout-s",
+                    "20",
+                ],
+            )  # fmt: skip
+            for node in ("home1-1", "pub1")
+        }
+
+        def shared() -> dict[str, dict[int, str]]:
+            return {
+                n: {e["round"]: e["hash"] for e in _log_events(p, "committed") if e.get("contributors", 0) >= 2}
+                for n, p in logs.items()
+            }
+
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and min(len(c) for c in shared().values()) < 3:
+            time.sleep(1.0)
+    commits = shared()
+    tails = {n: p.read_text(errors="replace")[-1500:] for n, p in logs.items()}
+    assert all(len(c) >= 3 for c in commits.values()), tails
+    both = set(commits["home1-1"]) & set(commits["pub1"])
+    assert both, commits
+    assert all(commits["home1-1"][r] == commits["pub1"][r] for r in both)
+    assert bed_namespaces("bagelnl-rr-") == []
