@@ -25,7 +25,7 @@ CORE_MODULES = $(foreach f,$(wildcard $(PURE_CORES)),-m bagel.$(subst /,.,$(pats
 PACKAGES := coordinator worker protocol compression models robust sim
 TYPECHECK_ROOT := build/typecheck/bagel
 
-.PHONY: setup test lint typecheck-root demo proto clean bench
+.PHONY: setup test lint typecheck-root demo proto clean bench netlab netlab-down netlab-deps
 
 setup: $(VENV)/.installed
 
@@ -72,6 +72,30 @@ bench: setup
 	$(PY) bench/experts_vs_monolith.py --json bench-out/experts_vs_monolith.json
 	$(PY) bench/diloco_vs_ddp.py --json bench-out/diloco_vs_ddp.json
 	$(PY) -m bagel.sim run sim/scenarios/heterogeneity-10x.toml --out bench-out/sim-het10x
+
+# The network test bed (sim/netlab/): namespaces, NAT routers and shaped links on this machine.
+# Needs root, iproute2 and nftables; netlab-deps installs the missing ones with apt-get, or
+# says why it cannot. NETLAB_ARGS go to `up` (e.g. --homes 2 --per-home 2 --public 1 --no-shape).
+NETLAB_TAG ?= 0
+NETLAB_ARGS ?=
+
+netlab-deps:
+	@missing=""; \
+	command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	command -v nft >/dev/null 2>&1 || missing="$$missing nftables"; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" != 0 ]; then echo "netlab: needs root to install$$missing (and to build the bed)"; exit 1; fi; \
+		if ! command -v apt-get >/dev/null 2>&1; then echo "netlab: install$$missing with your package manager"; exit 1; fi; \
+		echo "netlab: installing$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null \
+			|| { echo "netlab: apt-get could not install$$missing"; exit 1; }; \
+	fi
+
+netlab: setup netlab-deps
+	$(PY) -m bagel.sim.netlab up --tag $(NETLAB_TAG) $(NETLAB_ARGS)
+
+netlab-down: setup
+	$(PY) -m bagel.sim.netlab down --tag $(NETLAB_TAG)
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache build/typecheck

@@ -67,6 +67,7 @@ LAYERS: tuple[tuple[str, Layer], ...] = (
         ),
     ),
     ("sim/chaos/", Layer("chaos harness", ANY, never=("bagel.sim.discrete",))),
+    ("sim/netlab/", Layer("network test bed", ("bagel.sim.netlab",))),
     ("sim/", Layer("sim", ANY)),
 )
 

@@ -1,0 +1,195 @@
+"""Benchmark: does a real run work across the network test bed's NATs, as the code is today?
+
+For each placement of two workers, on a fresh bed (sim/netlab/, root only): a real
+`bagel-coordinator serve` on the public segment (gRPC on 198.51.100.10:7070, TLS, its DHT on
+198.51.100.10:7071), then real `bagel-worker join` processes with the printed join string,
+in the namespaces named; after `--seconds`, the coordinator's store is read (rounds
+committed and aborted, the last abort's reason, the peer addresses each worker announced)
+and the workers' `--log-json` commits are compared (bit-identical replicas: the same state
+hash for every round both committed; `shared`: the commits with two or more contributors,
+fewer on either worker, since a worker left alone in its cell commits rounds by itself).
+Prints a table; `--json FILE` writes the figures. Never asserted in tests; a finding, not a
+claim.
+
+    sudo .venv/bin/python bench/netlab_nat.py [--seconds 60] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bagel.sim.netlab.bed import NetLab, missing_prerequisite
+
+SPEC = """
+[run]
+id = "netlab"
+seed = 0
+
+[model]
+arch = "dit"
+preset = "tiny"
+image_size = 8
+channels = 1
+num_classes = 10
+
+[data]
+source = "digits"
+clusters = 1
+holdout_fraction = 0.1
+
+[cells]
+timestep_ranges = 1
+router = false
+
+[diloco]
+inner_steps = 10
+inner_lr = 0.002
+group_batch = 32
+codec = "int8"
+error_feedback = true
+
+[schedule]
+min_replicas = 1
+max_replicas = 4
+lease_s = 3.0
+heartbeat_s = 0.5
+deadline_slack = 3.0
+min_round_s = 1.0
+quorum = 0.5
+"""
+
+PLACEMENTS = {
+    "same home": ("home1-1", "home1-2"),
+    "public + home": ("pub1", "home1-1"),
+    "two homes": ("home1-1", "home2-1"),
+}
+
+
+def _wait_line(path: Path, prefix: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                if line.startswith(prefix):
+                    return line[len(prefix) :].strip()
+        time.sleep(0.2)
+    raise RuntimeError(f"no {prefix!r} line in {path} within {timeout_s} s:\n{path.read_text()[-2000:]}")
+
+
+def _events(path: Path, kind: str) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("event") == kind:
+                out.append(rec)
+    return out
+
+
+def run_placement(name: str, nodes: tuple[str, ...], seconds: float, root: Path) -> dict[str, Any]:
+    root.mkdir(parents=True, exist_ok=True)
+    spec = root / "spec.toml"
+    spec.write_text(SPEC)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    py = sys.executable
+    with NetLab(tag="bn", homes=2, per_home=2, public=1) as lab:
+
+        def start(node: str, argv: list[str], log: Path) -> None:
+            with open(log, "ab") as f:
+                lab.run_in(node, argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+        coord_log = root / "coord.log"
+        start(
+            "coord",
+            [py, "-m", "bagel.coordinator", "serve", "--run", str(spec), "--data-dir", str(root / "coord"),
+             "--listen", "198.51.100.10:7070", "--dht-listen", "/ip4/198.51.100.10/tcp/7071", "--tick-ms", "100"],
+            coord_log,
+        )  # fmt: skip
+        join = _wait_line(coord_log, "join:", 120)
+        for node in nodes:
+            start(
+                node,
+                [py, "-m", "bagel.worker", "join", join, "--data-dir", str(root / node), "--log-json",
+                 "--name", node, "--reduce-timeout-s", "20"],
+                root / f"{node}.log",
+            )  # fmt: skip
+        time.sleep(seconds)
+    status = subprocess.run(
+        [py, "-m", "bagel.coordinator", "status", "--data-dir", str(root / "coord"), "--json", "--rounds", "50"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    st = json.loads(status.stdout) if status.returncode == 0 else {}
+    rounds = st.get("rounds", [])
+    aborted = [r for r in rounds if r.get("state") == "aborted"]
+    announced = {m["worker_id"]: m["peer"]["maddrs"] for r in rounds[:1] for m in r.get("members", []) if "peer" in m}
+    commits = {n: {e["round"]: e["hash"] for e in _events(root / f"{n}.log", "committed")} for n in nodes}
+    common = set.intersection(*(set(c) for c in commits.values())) if commits else set()
+    identical = all(len({commits[n][r] for n in nodes}) == 1 for r in common)
+    registered = {n: bool(_events(root / f"{n}.log", "registered")) for n in nodes}
+    # a commit with one contributor is a worker training alone, not an exchange across the path
+    shared = {
+        n: sum(1 for e in _events(root / f"{n}.log", "committed") if int(e.get("contributors", 0)) >= 2) for n in nodes
+    }
+    cells = st.get("cells", [{}])
+    return {
+        "placement": name,
+        "workers": list(nodes),
+        "seconds": seconds,
+        "registered": registered,
+        "committed_rounds": cells[0].get("committed_round", 0) if cells else 0,
+        "aborted_attempts_in_last_50": len(aborted),
+        "last_abort_reason": aborted[0].get("reason", "") if aborted else "",
+        "rounds_both_committed": len(common),
+        "commits_with_2_or_more_contributors": shared,
+        "replicas_bit_identical": identical if common else None,
+        "announced_maddrs": announced,
+        "exchange_failed_events": {n: len(_events(root / f"{n}.log", "exchange-failed")) for n in nodes},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--only", choices=sorted(PLACEMENTS), action="append")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="keep logs and data dirs here (default: a temporary folder)")
+    a = ap.parse_args()
+    reason = missing_prerequisite()
+    if reason:
+        print(f"netlab_nat: {reason}", file=sys.stderr)
+        return 1
+    results = []
+    with tempfile.TemporaryDirectory(prefix="netlab-nat-") as tmp:
+        base = a.keep or Path(tmp)
+        for name in a.only or list(PLACEMENTS):
+            results.append(run_placement(name, PLACEMENTS[name], a.seconds, base / name.replace(" ", "-")))
+    print(
+        f"{'placement':15s} {'workers':18s} {'s':>4s} {'commits':>7s} {'shared':>6s} {'aborts':>6s} "
+        f"{'identical':>9s}  last abort"
+    )
+    for r in results:
+        print(
+            f"{r['placement']:15s} {','.join(r['workers']):18s} {r['seconds']:4.0f} {r['committed_rounds']:7d} "
+            f"{min(r['commits_with_2_or_more_contributors'].values()):6d} "
+            f"{r['aborted_attempts_in_last_50']:6d} {str(r['replicas_bit_identical']):>9s}  {r['last_abort_reason']}"
+        )
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
