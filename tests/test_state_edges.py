@@ -5,7 +5,8 @@
 - restore from the records the effects wrote rebuilds the same state, which then
   behaves exactly like the original;
 - a heartbeat that changes nothing does no work and writes nothing; joining is bounded
-  work whatever the number of workers (counted, never timed).
+  work whatever the number of workers (counted, never timed);
+- a ban reaches every open round that still counts the worker, not only its cell's.
 """
 
 from __future__ import annotations

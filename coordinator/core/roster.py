@@ -9,9 +9,10 @@ touches the heap.
 
 The roster and the rounds call each other on purpose, through one typed link each way: a
 worker that departs, is banned or moves is taken out of its cell's open round
-(`Rounds.drop_member`), and a cell nobody holds falls back to its checkpoint
-(`Rounds.check_orphan`); a round that ends charges or credits reputations and lets the
-roster repair the assignment (`Roster.reputation`, `Roster.rebalance`).
+(`Rounds.drop_member`; a ban, out of every open round that still counts it), and a cell
+nobody holds falls back to its checkpoint (`Rounds.check_orphan`); a round that ends
+charges or credits reputations and lets the roster repair the assignment
+(`Roster.reputation`, `Roster.rebalance`).
 """
 
 from __future__ import annotations
