@@ -5,7 +5,8 @@
 - restore from the records the effects wrote rebuilds the same state, which then
   behaves exactly like the original;
 - a heartbeat that changes nothing does no work and writes nothing; joining is bounded
-  work whatever the number of workers (counted, never timed).
+  work whatever the number of workers (counted, never timed);
+- a ban reaches every open round that still counts the worker, not only its cell's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from bagel.coordinator.core.events import (
     ReportRound,
     Tick,
 )
+from bagel.coordinator.core.policy import DILOCO_WAIT_ALL
 from bagel.coordinator.core.records import RoundState, WorkerState
 from bagel.protocol.messages import LocalState, Order, Phase, Profile, Verdict
 
@@ -338,3 +340,40 @@ def test_ready_is_volatile_and_relearned_after_restore() -> None:
     assert rec is not None and rec.state is RoundState.REDUCING and rec.contributors == ("a", "b", "c")
     assert rec.ready == {"a": 100, "b": 100, "c": 100}
     assert any(getattr(e, "state", None) is RoundState.REDUCING for e in out.effects)
+
+
+def test_ban_in_a_new_cell_refreezes_the_round_a_lost_lease_left_it_in() -> None:
+    """Without fail_fast_leases a lost contributor stays counted in its round until the
+    deadline; re-registered into another cell and banned there, it must leave that old
+    round too: no REDUCE names it and no commit is made of its bytes."""
+    hz = Harness(spec=make_spec(clusters=2, ban_reputation=-1.5), policy=DILOCO_WAIT_ALL)
+    for w in ("x", "b", "a"):
+        hz.reg(w)
+    old = hz.store.workers["x"].cell_id
+    assert old == hz.store.workers["a"].cell_id != hz.store.workers["b"].cell_id
+    hz.hb("x")
+    hz.ready("x")
+    hz.ready("a")
+    assert hz.round(old).contributors == ("a", "x")
+    hz.apply(LeaseExpired("x"))
+    assert hz.store.workers["x"].state is WorkerState.LOST
+    assert hz.round(old).contributors == ("a", "x") and hz.round(old).dropped == ()  # kept counted
+    hz.reg("d")  # fills the old cell's hole, so x comes back in the other one
+    hz.reg("x")
+    new = hz.store.workers["x"].cell_id
+    assert new != old and hz.round(old).state is RoundState.REDUCING
+    hz.hb("b")
+    for m in hz.round(new).members:
+        hz.ready(m.worker_id)
+    assert "x" in hz.round(new).contributors
+    out = hz.report("x", h(1), samples=10**6)  # more than its budget: a lie, -3, banned
+    assert out.verdict is Verdict.ABORTED and hz.store.workers["x"].state is WorkerState.BANNED
+    r = hz.round(old)
+    assert r is not None and r.state is RoundState.REDUCING and "x" not in r.contributors and "x" in r.dropped
+    ins = hz.st.instruction_for("a")
+    assert ins.order is Order.REDUCE and ins.reduce_attempt == r.reduce_attempt
+    assert "x" not in {m.worker_id for m in ins.contributors}
+    assert "x" not in {m.worker_id for m in restored(hz).instruction_for("a").contributors}  # as stored
+    assert hz.report("a", h(9)).verdict is Verdict.COMMITTED
+    (m,) = [m for m in hz.store.commits if m.cell_id == old]
+    assert m.contributors == ("a", "d") and m.agreeing == ("a",)

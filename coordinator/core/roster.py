@@ -9,9 +9,10 @@ touches the heap.
 
 The roster and the rounds call each other on purpose, through one typed link each way: a
 worker that departs, is banned or moves is taken out of its cell's open round
-(`Rounds.drop_member`), and a cell nobody holds falls back to its checkpoint
-(`Rounds.check_orphan`); a round that ends charges or credits reputations and lets the
-roster repair the assignment (`Roster.reputation`, `Roster.rebalance`).
+(`Rounds.drop_member`; a ban, out of every open round that still counts it), and a cell
+nobody holds falls back to its checkpoint (`Rounds.check_orphan`); a round that ends
+charges or credits reputations and lets the roster repair the assignment
+(`Roster.reputation`, `Roster.rebalance`).
 """
 
 from __future__ import annotations
@@ -160,19 +161,27 @@ class Roster:
     def detach(self, w: Worker, now: int, *, fail_fast: bool, distrust: bool = False) -> None:
         """Take an active worker out of its cell and open round (the caller sets its new
         state). fail_fast=False keeps it counted in its open round until the deadline;
-        distrust=True (a ban) also re-freezes a contributor set it is part of."""
+        distrust=True (a ban) also re-freezes a contributor set it is part of, in any cell."""
         self.active -= 1
         self.balance.add_reference(w.profile.samples_per_s, -1)
         self.standby.pop(w.id, None)
         self.changes.worker(w.id)
-        if not w.cell:
-            return
-        c = self.cells[w.cell]
-        self._unassign(w)
-        r = c.round
-        if r is not None and fail_fast and (r.is_live_member(w.id) or r.is_contributor(w.id)):
-            self.rounds.drop_member(c, r, w.id, now, distrust=distrust)
-        self.rounds.check_orphan(c, now)
+        if w.cell:
+            c = self.cells[w.cell]
+            self._unassign(w)
+            r = c.round
+            if r is not None and fail_fast and (r.is_live_member(w.id) or r.is_contributor(w.id)):
+                self.rounds.drop_member(c, r, w.id, now, distrust=distrust)
+            self.rounds.check_orphan(c, now)
+        if distrust:
+            # A lease lost without fail_fast_leases keeps the worker counted in its old
+            # cell's round until that round's deadline; re-registered since, it may sit in
+            # another cell or on standby. A ban must take it out of that round too.
+            self.changes.ops += len(self.cells)
+            for oc in self.cells.values():
+                r = oc.round
+                if r is not None and (r.is_live_member(w.id) or r.is_contributor(w.id)):
+                    self.rounds.drop_member(oc, r, w.id, now, distrust=True)
 
     def expire(self, w: Worker, now: int) -> None:
         self.detach(w, now, fail_fast=self.policy.fail_fast_leases)
