@@ -10,7 +10,8 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
-PYTEST_ARGS ?=
+# the slowest tests are listed after every run, so a slow newcomer is seen at once
+PYTEST_ARGS ?= --durations=15
 
 # The pure cores: no I/O, no clock, no sockets, no asyncio, no logging. `make lint` checks them
 # with mypy --strict, and tests/test_layering.py checks that this list is its own.

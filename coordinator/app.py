@@ -213,7 +213,7 @@ class CoordinatorApp:
                     f.reporters,
                 )
         if audit.counts.total() != flags and isinstance(event, ReportRound):
-            log.warning("audit counts after a report of %s: %s", event.worker_id, dict(sorted(audit.counts.items())))
+            log.debug("audit counts after a report of %s: %s", event.worker_id, dict(sorted(audit.counts.items())))
         try:
             if outcome.effects:
                 fut = self.writer.submit(outcome.effects, now)

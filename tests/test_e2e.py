@@ -127,7 +127,12 @@ class Swarm:
 
     def status(self) -> Any:
         assert self.coordinator is not None
-        return get_status(self.coordinator.endpoint, tls_fingerprint=self.coordinator.tls_fingerprint)
+        # signed with the daemon's own key: the detailed view, which lists the workers
+        return get_status(
+            self.coordinator.endpoint,
+            tls_fingerprint=self.coordinator.tls_fingerprint,
+            key=self.root / "coord" / "coordinator.key",
+        )
 
     def committed_round(self) -> int:
         try:
