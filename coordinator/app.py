@@ -54,6 +54,7 @@ from bagel.coordinator.core.records import (
 from bagel.coordinator.core.state import CoordinatorState
 from bagel.coordinator.interceptor import AccusationLimited, NotAccepting
 from bagel.coordinator.metrics import Metrics
+from bagel.coordinator.ratelimit import RateLimiter
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import Verified, Verifier, wall_clock_ms
@@ -149,7 +150,7 @@ class CoordinatorApp:
         self.status_keys: set[bytes] = {self.operator_key} if self.operator_key else set()
         self._status_cache: dict[bool, tuple[float, bytes, float]] = {}  # (at, bytes, hold_s)
         self._last_revocation_poll = 0.0
-        self._accusations: dict[str, tuple[float, int]] = {}  # accuser -> (tokens left, as of when)
+        self._accusations = RateLimiter(1000.0 / ACCUSE_INTERVAL_MS, ACCUSE_BURST, capacity=ACCUSERS_KEPT)
         self._judging = 0
 
     # ------------------------------------------------------------------ request path
@@ -241,18 +242,11 @@ class CoordinatorApp:
         """Check evidence against a reducer (`bagel.robust.evidence.adjudicate`, off the event
         loop) and, only on proof, apply `Convicted`. Raises an `EvidenceError` (no state change)
         when the evidence convicts nobody, `AccusationLimited` past the rate limits."""
-        now = self.clock()
-        tokens, since = self._accusations.get(accuser, (float(ACCUSE_BURST), now))
-        tokens = min(float(ACCUSE_BURST), tokens + max(0, now - since) / ACCUSE_INTERVAL_MS)
-        if tokens < 1.0:
-            raise AccusationLimited(f"{ACCUSE_BURST} accusations per worker, then one per {ACCUSE_INTERVAL_MS} ms")
         if self._judging >= ACCUSE_CONCURRENCY:
             raise AccusationLimited("other accusations are being checked; retry shortly")
         self.state.worker_phase(accuser)  # a registered worker (else NOT_FOUND), not banned (PERMISSION_DENIED)
-        self._accusations.pop(accuser, None)
-        self._accusations[accuser] = (tokens - 1.0, now)
-        while len(self._accusations) > ACCUSERS_KEPT:
-            del self._accusations[next(iter(self._accusations))]
+        if self._accusations.take(accuser, self.clock() / 1000.0) > 0:
+            raise AccusationLimited(f"{ACCUSE_BURST} accusations per worker, then one per {ACCUSE_INTERVAL_MS} ms")
         evidence = parse_evidence(req)  # bounds and the receipt's signature: cheap
         t = evidence.receipt.tag
         members = self.state.frozen_set(t.cell_id, t.round, t.round_attempt, t.reduce_attempt)
