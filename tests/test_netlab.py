@@ -332,16 +332,22 @@ def _log_events(path: Path, kind: str) -> list[dict[str, Any]]:
 @needs_bed
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_home_worker_behind_nat_averages_with_a_public_worker(tmp_path: Path) -> None:
-    """The real coordinator on the public segment (TLS gRPC and its DHT on 198.51.100.10),
-    one worker behind a NAT and one public: both join with the printed join string and
-    commit rounds they averaged together (2 contributors), with equal state hashes."""
+def test_workers_behind_two_different_nats_average_through_the_relay(tmp_path: Path) -> None:
+    """The real coordinator on the public segment (TLS gRPC and its DHT on 198.51.100.10, which
+    also serves as the libp2p circuit relay), a worker behind each of the two NATs and one
+    public worker: all join with the printed join string, report how they are reached, and
+    commit rounds they averaged together with equal state hashes. The two home workers accept
+    no inbound connection, so each reaches the other only through the relay.
+
+    Control: the reachability verdicts differ by placement (relayed at home, direct in public),
+    and the home workers' logged connection to each other is the relay circuit."""
     from test_e2e import SPEC
 
     spec = tmp_path / "spec.toml"
     spec.write_text(SPEC)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with NetLab(tag="rr", homes=1, per_home=1, public=1) as lab:
+    nodes = ("home1-1", "home2-1", "pub1")
+    with NetLab(tag="rr", homes=2, per_home=1, public=1) as lab:
 
         def start(node: str, argv: list[str]) -> Path:
             log = tmp_path / f"{node}.log"
@@ -380,12 +386,12 @@ def test_a_home_worker_behind_nat_averages_with_a_public_worker(tmp_path: Path) 
                     "20",
                 ],
             )  # fmt: skip
-            for node in ("home1-1", "pub1")
+            for node in nodes
         }
 
         def shared() -> dict[str, dict[int, str]]:
             return {
-                n: {e["round"]: e["hash"] for e in _log_events(p, "committed") if e.get("contributors", 0) >= 2}
+                n: {e["round"]: e["hash"] for e in _log_events(p, "committed") if e.get("contributors", 0) >= 3}
                 for n, p in logs.items()
             }
 
@@ -395,7 +401,16 @@ def test_a_home_worker_behind_nat_averages_with_a_public_worker(tmp_path: Path) 
     commits = shared()
     tails = {n: p.read_text(errors="replace")[-1500:] for n, p in logs.items()}
     assert all(len(c) >= 3 for c in commits.values()), tails
-    both = set(commits["home1-1"]) & set(commits["pub1"])
-    assert both, commits
-    assert all(commits["home1-1"][r] == commits["pub1"][r] for r in both)
+    every = set.intersection(*(set(c) for c in commits.values()))
+    assert every, commits
+    assert all(len({commits[n][r] for n in nodes}) == 1 for r in every)
+    reach = {n: _log_events(p, "reachability")[-1] for n, p in logs.items()}
+    assert reach["pub1"]["reachability"] == "direct", reach["pub1"]
+    for home in ("home1-1", "home2-1"):
+        assert reach[home]["reachability"] == "relayed", reach[home]
+        assert any("/p2p-circuit/p2p/" in m for m in reach[home]["maddrs"]), reach[home]
+    # how the home workers were connected to each other in their averaged rounds: the circuit
+    ids = {n: _log_events(p, "identity")[0]["worker_id"] for n, p in logs.items()}
+    paths = [e.get("paths", {}) for e in _log_events(logs["home1-1"], "committed") if e.get("contributors", 0) >= 3]
+    assert paths and all(p.get(ids["home2-1"]) == "relay" for p in paths), paths
     assert bed_namespaces("bagelnl-rr-") == []

@@ -72,6 +72,24 @@ class Shape:
         return self.rate_mbit is None and self.delay_ms == 0 and self.loss_pct == 0
 
 
+@dataclass(frozen=True)
+class LinkState:
+    """A link as the kernel holds it (`NetLab.link_state`): partitioned or not, and the rate
+    and loss of each direction (delay is not read back)."""
+
+    link: str
+    partitioned: bool
+    up: Shape
+    down: Shape
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "partitioned": self.partitioned,
+            "up": {"rate_mbit": self.up.rate_mbit, "loss_pct": self.up.loss_pct},
+            "down": {"rate_mbit": self.down.rate_mbit, "loss_pct": self.down.loss_pct},
+        }
+
+
 def missing_prerequisite() -> str | None:
     """Why this machine cannot hold the bed, or None: not root, no `ip`/`tc`/`nft`, or a
     kernel (or container) that refuses a network namespace."""
@@ -287,12 +305,16 @@ table inet {NFT_TABLE}_nat {{
 
     # ------------------------------------------------------------------ processes
 
+    def exec_argv(self, node: str, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside `node`'s namespace: `ip netns exec NS ...`, which enters the
+        namespace and execs `argv` in place (the pid a caller starts is the program's)."""
+        return ["ip", "netns", "exec", self.topology.node(node).ns, *argv]
+
     def run_in(self, node: str, argv: Sequence[str], **popen: Any) -> subprocess.Popen[Any]:
         """Start `argv` inside `node`'s namespace (`ip netns exec`), in its own process group;
         `teardown` stops it. Keyword arguments go to `subprocess.Popen`."""
-        ns = self.topology.node(node).ns
         popen.setdefault("start_new_session", True)
-        proc: subprocess.Popen[Any] = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **popen)
+        proc: subprocess.Popen[Any] = subprocess.Popen(self.exec_argv(node, argv), **popen)
         self.procs.append(proc)
         return proc
 
@@ -392,6 +414,61 @@ table inet {NFT_TABLE}_nat {{
             self._set_ingress(ns, dev, "part", [])
 
     # ------------------------------------------------------------------ inspection
+
+    def link_state(self, link: str) -> LinkState:
+        """What the kernel holds for `link` now, read back from tc and nftables (not from what
+        was asked): whether it is partitioned, and each direction's rate and loss."""
+        (u_ns, u_dev), (d_ns, d_dev) = self._ends(link)
+        parts = [self._chain_rules(ns, f"part_{dev.replace('-', '_')}") for ns, dev in ((u_ns, u_dev), (d_ns, d_dev))]
+        # a direction's loss is dropped where it arrives: up at the parent's end, down at the node's
+        up_loss = self._nft_loss(self._chain_rules(d_ns, f"loss_{d_dev.replace('-', '_')}"))
+        down_loss = self._nft_loss(self._chain_rules(u_ns, f"loss_{u_dev.replace('-', '_')}"))
+        up_rate, up_netem = self._tc_shape(u_ns, u_dev)
+        down_rate, down_netem = self._tc_shape(d_ns, d_dev)
+        return LinkState(
+            link=link,
+            partitioned=all(any(r.endswith("drop") for r in rules) for rules in parts),
+            up=Shape(up_rate, 0.0, min(100.0, up_loss + up_netem)),
+            down=Shape(down_rate, 0.0, min(100.0, down_loss + down_netem)),
+        )
+
+    def _chain_rules(self, ns: str, chain: str) -> list[str]:
+        """The rule lines of one of the bed's netdev chains (none when it was never made)."""
+        done = self._ns(ns, "nft", "list", "chain", "netdev", NFT_TABLE, chain, check=False)
+        if done.returncode != 0:
+            return []
+        lines = [ln.strip() for ln in done.stdout.splitlines()]
+        return [ln for ln in lines if ln and not ln.startswith(("table", "chain", "type", "}"))]
+
+    @staticmethod
+    def _nft_loss(rules: Sequence[str]) -> float:
+        """The loss in % that `_set_ingress`'s rules drop: numgen ppm, or every packet."""
+        for r in rules:
+            m = re.search(r"numgen random mod 1000000 < (\d+) drop$", r)
+            if m:
+                return int(m.group(1)) / 10_000
+            if r.endswith("drop"):
+                return 100.0
+        return 0.0
+
+    def _tc_shape(self, ns: str, dev: str) -> tuple[float | None, float]:
+        """(tbf rate in Mbit/s or None, netem loss in %) of a device's egress, from `tc -j`."""
+        done = self._ns(ns, "tc", "-j", "qdisc", "show", "dev", dev, check=False)
+        try:
+            qdiscs = json.loads(done.stdout) if done.returncode == 0 and done.stdout.strip() else []
+        except json.JSONDecodeError:
+            return None, 0.0
+        rate: float | None = None
+        loss = 0.0
+        for q in qdiscs:
+            opts = q.get("options") or {}
+            if q.get("kind") == "tbf" and isinstance(opts.get("rate"), (int, float)):
+                rate = round(float(opts["rate"]) * 8 / 1e6, 6)  # tc reports bytes/s
+            elif q.get("kind") == "netem":
+                lr = opts.get("loss_random") or {}
+                if isinstance(lr.get("loss"), (int, float)):
+                    loss = float(lr["loss"]) * 100.0
+        return rate, loss
 
     def qdiscs(self, link: str) -> dict[str, str]:
         """`tc qdisc show` of both ends of a link, by direction (for the map and for tests)."""
