@@ -1,16 +1,38 @@
-"""Serve a cell's committed state to joiners, and fetch it from a donor, over hivemind P2P.
+"""Serve a cell's committed state to joiners, and fetch it from one or several donors, over hivemind P2P.
 
-A worker that joins a cell (or must resync) gets `ORDER_SYNC` naming a live donor member
-and the committed (round, hash). It opens `/bagel/dataplane/v1/state` to the donor, asks
-for exactly that (cell, round, hash), and the donor streams its committed state as a
-safetensors file (weights "w.*" and outer momentum "m.*") in bounded chunks
+A worker that joins a cell (or must resync) gets `ORDER_SYNC` naming up to `[sync]
+max_donors` live donor members (`Instruction.donors`, best first; `donor` is the first, for
+a worker that reads only it) and the committed (round, hash). It opens
+`/bagel/dataplane/v1/state` to a donor, asks for exactly that (cell, round, hash), and the
+donor streams its committed state as a safetensors file (weights "w.*", outer momentum "m.*"
+and, where the run keeps one, the average of the committed weights "ema.*") in bounded chunks
 (`protocol/dataplane.proto`: StateRequest, StateInfo, then data frames).
 
+With several donors (`fetch_state_from_donors`) the joiner downloads byte ranges of the one
+file from all of them at once. Every donor serializes the same committed state to the same
+bytes (safetensors of the same names, dtypes, shapes and values, no metadata;
+tests/test_statesync_multi.py proves it across a sync and a rebuild), so a range from one
+donor fits a range from another. First each donor announces its file (`pieces_only`): size,
+sha256, and the sha256 of every piece (`piece_nbytes_for`: at most `MAX_PIECES`). The
+donors that announce the same file are used together (the others get `STALL_S` after the
+first announcement to make theirs); its pieces start split among them in
+ranges proportional to the coordinator's expected bandwidth of each, each donor is asked
+for bounded ranges (`StateRequest.offset/length`) from the front of its share, one that is
+done takes the back half of the largest share not yet asked for (work stealing), and at
+the end the slowest request in flight is asked for again from an idle donor. Each piece is
+checked against its digest as it completes: a donor that sends a wrong byte is caught at
+that piece (a proven liar), dropped, and what it had not delivered is fetched from the
+others; so is a donor that fails or sends nothing for `STALL_S`. One donor, or donors that
+serve no ranges (older workers): the single stream, `fetch_state`.
+
 The joiner trusts nothing it receives: the announced size must fit `max_nbytes` before a
-byte is read, every chunk must fit the announced chunk size, the sha256 is computed while
-streaming and compared at the end, the file is parsed by safetensors (never pickle), and the
-state hash (`protocol/statehash.py`) must equal the committed hash the coordinator gave.
-A donor that lies about its state therefore fails the sync instead of corrupting the joiner.
+byte is read (the buffer is allocated only then), every chunk must fit the announced chunk
+size and the requested range, the sha256 is compared at the end, the file is parsed by
+safetensors (never pickle), and the state hash (`protocol/statehash.py`) must equal the
+committed hash the coordinator gave. Donors that lie together about their file (its sha256
+and pieces) fail that check, and the next group of donors (if any announced another file)
+is tried; a sync that no group completes fails, and the caller falls back to the
+coordinator's checkpoint, so a liar never corrupts the joiner.
 The donor keeps its last few committed states per cell, so a joiner one round behind can
 still be served. A joiner can also be a moment ahead: the coordinator names a donor as soon
 as a round commits, but the donor adopts that round only when it hears the verdict, so a
@@ -22,16 +44,18 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.utils.multiaddr import Multiaddr
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from bagel.protocol import dataplane_pb2 as dp
+from bagel.protocol.relay import dial_addrs
+from bagel.protocol.runspec import MAX_SYNC_DONORS
 from bagel.worker.diloco import CellState, StateFormatError
 from bagel.worker.framing import FrameError, read_frame, read_message, write_frame, write_message
 
@@ -50,6 +74,49 @@ with no checkpoint to fall back to (`test_e2e`'s SIGKILLed worker) missed its sy
 rounds late. A few heartbeats cover the gap; a donor that never gets there is refused after it.
 """
 MAX_WAITING = 16  # requests waiting at once; more are refused at once (a peer cannot pile them up)
+MIN_PIECE_NBYTES = 64 << 10
+MAX_PIECES = 1024  # so a StateInfo's piece digests (32 bytes each) fit the 64 KiB header limit
+DEFAULT_REQUEST_NBYTES = 8 << 20  # a multi-donor fetch asks for at most this much per request
+STALL_S = 15.0  # a donor that sends nothing for this long is dropped from a multi-donor fetch
+
+
+def piece_nbytes_for(total_nbytes: int) -> int:
+    """The piece size of a `total_nbytes`-byte state file: the smallest power of two from
+    `MIN_PIECE_NBYTES` up that cuts it into at most `MAX_PIECES` pieces. A fixed function of
+    the size, so every donor of the same file announces the same pieces."""
+    need = -(-total_nbytes // MAX_PIECES)
+    size = MIN_PIECE_NBYTES
+    while size < need:
+        size <<= 1
+    return size
+
+
+def piece_digests(data: bytes | memoryview, piece_nbytes: int) -> bytes:
+    """The concatenated sha256 of every `piece_nbytes` piece of `data` (the last one shorter)."""
+    view = memoryview(data)
+    return b"".join(hashlib.sha256(view[i : i + piece_nbytes]).digest() for i in range(0, len(view), piece_nbytes))
+
+
+def split_pieces(n_pieces: int, weights: Sequence[float]) -> list[tuple[int, int]]:
+    """Cut pieces [0, n_pieces) into one contiguous [start, end) range per weight, each as
+    long as its share of the weights (largest remainder; a weight that is not a positive
+    number counts as the mean of the others, or 1 if none is)."""
+    if not weights:
+        return []
+    known = [w for w in weights if math.isfinite(w) and w > 0]
+    fill = sum(known) / len(known) if known else 1.0
+    ws = [w if math.isfinite(w) and w > 0 else fill for w in weights]
+    total = sum(ws)
+    exact = [n_pieces * w / total for w in ws]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(ws)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: n_pieces - sum(counts)]:
+        counts[i] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return out
 
 
 class StateSyncError(Exception):
@@ -124,6 +191,8 @@ class StateServer:
         self.chunk_nbytes, self.keep, self.round_wait_s = chunk_nbytes, keep, round_wait_s
         self.max_waiting = max_waiting
         self._states: dict[str, OrderedDict[int, _Entry]] = {}
+        # piece digests of a held state, computed (off the loop) on its first pieces_only request
+        self._digests: dict[tuple[str, int, str], asyncio.Future[bytes]] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever _states changes
         self._slots = asyncio.Semaphore(max_concurrent)
         self._started = False
@@ -164,7 +233,10 @@ class StateServer:
         self._wake_waiters()  # a withdrawn cell's waiting requests are refused now
 
     def _wake_waiters(self) -> None:
-        """Wake every request waiting in `_lookup`; each looks again at what is held now."""
+        """Wake every request waiting in `_lookup`; each looks again at what is held now
+        (and forget the piece digests of states no longer held)."""
+        for key in [k for k in self._digests if self._states.get(k[0], _NO_STATES).get(k[1]) is None]:
+            del self._digests[key]
         # replaced before it is set, so a woken request that must wait on waits for the next change
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
@@ -215,43 +287,73 @@ class StateServer:
             )
         return entry
 
+    async def _pieces(self, cell_id: str, entry: _Entry) -> bytes:
+        """The piece digests of a held state, computed once (in a thread) and shared."""
+        key = (cell_id, entry.committed_round, entry.sha256)
+        fut = self._digests.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(asyncio.to_thread(piece_digests, entry.data, piece_nbytes_for(len(entry.data))))
+            self._digests[key] = fut
+        return await asyncio.shield(fut)  # a request that ends does not cancel it for the others
+
+    @staticmethod
+    def _range_refusal(req: dp.StateRequest, total: int) -> str:
+        """Why a ranged request's range is refused ('' if it is served)."""
+        if req.pieces_only:
+            return "" if req.offset == req.length == 0 else "a pieces_only request takes no range"
+        if not 0 <= req.offset < total:
+            return f"offset {req.offset} is outside the {total}-byte state"
+        if req.length <= 0:
+            return f"length {req.length} must be positive"
+        return ""
+
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             req, _ = await asyncio.wait_for(read_message(reader, dp.StateRequest), 10.0)
+            ranged = bool(req.offset or req.length or req.pieces_only)
             # the run first: another run's request must not wait for one of our rounds
             entry = await self._lookup(req.cell_id, req.committed_round) if req.run_id == self.run_id else None
+            status = dp.STATUS_NOT_AVAILABLE
             if req.run_id != self.run_id:
                 reason = f"wrong run {req.run_id!r}"
             elif entry is None:
                 reason = f"{req.cell_id} round {req.committed_round} is not held here"
             elif req.state_hash and req.state_hash != entry.state_hash:
                 reason = "our state of that round has a different hash"
+            elif ranged and (reason := self._range_refusal(req, len(entry.data))):
+                status = dp.STATUS_REJECTED
             elif self._slots.locked():
                 reason = "busy serving other joiners"
             else:
                 reason = ""
             if reason:
-                await write_message(
-                    writer, dp.StateInfo(status=dp.STATUS_NOT_AVAILABLE, reason=reason, cell_id=req.cell_id)
-                )
+                await write_message(writer, dp.StateInfo(status=status, reason=reason, cell_id=req.cell_id))
                 return
             assert entry is not None
             async with self._slots:
-                await write_message(
-                    writer,
-                    dp.StateInfo(
-                        status=dp.STATUS_OK,
-                        cell_id=req.cell_id,
-                        committed_round=entry.committed_round,
-                        state_hash=entry.state_hash,
-                        total_nbytes=len(entry.data),
-                        sha256=entry.sha256,
-                        chunk_nbytes=self.chunk_nbytes,
-                    ),
+                total = len(entry.data)
+                start, end = 0, total
+                out = dp.StateInfo(
+                    status=dp.STATUS_OK,
+                    cell_id=req.cell_id,
+                    committed_round=entry.committed_round,
+                    state_hash=entry.state_hash,
+                    total_nbytes=total,
+                    sha256=entry.sha256,
+                    chunk_nbytes=self.chunk_nbytes,
                 )
+                if ranged:
+                    out.piece_nbytes = piece_nbytes_for(total)
+                    if req.pieces_only:
+                        out.piece_sha256 = await self._pieces(req.cell_id, entry)
+                        start = end = 0
+                    else:
+                        start, end = req.offset, min(total, req.offset + req.length)
+                    out.range_offset, out.range_nbytes = start, end - start
+                await write_message(writer, out)
                 view = memoryview(entry.data)
-                for start in range(0, len(view), self.chunk_nbytes):
-                    n = await write_frame(writer, view[start : start + self.chunk_nbytes])
+                for at in range(start, end, self.chunk_nbytes):
+                    n = await write_frame(writer, view[at : min(end, at + self.chunk_nbytes)])
                     self.bytes_served += n  # not `+= await`: concurrent streams would lose counts
         except (FrameError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("state stream from %s ended: %s", info.peer_id, e)
@@ -301,15 +403,7 @@ async def _fetch(
     max_nbytes: int,
     maddrs: Sequence[str],
 ) -> SyncedState:
-    pid = PeerID.from_base58(donor)
-    if maddrs:
-        try:
-            bare = [
-                Multiaddr(a).decapsulate(Multiaddr(f"/p2p/{donor}")) if "/p2p/" in a else Multiaddr(a) for a in maddrs
-            ]
-            await p2p._client.connect(pid, bare)  # no public connect in P2P; see averaging._dial_all
-        except Exception as e:
-            log.debug("dialing donor %s failed: %s", donor, e)
+    pid = await _dial(p2p, donor, maddrs)
     _, reader, writer = await p2p.call_binary_stream_handler(pid, STATE_PROTOCOL)
     try:
         await write_message(
@@ -317,16 +411,9 @@ async def _fetch(
             dp.StateRequest(run_id=run_id, cell_id=cell_id, committed_round=committed_round, state_hash=state_hash),
         )
         info, _ = await read_message(reader, dp.StateInfo)
-        if info.status != dp.STATUS_OK:
-            raise StateNotAvailable(f"donor {donor}: {info.reason or dp.Status.Name(info.status)}")
-        if (info.cell_id, info.committed_round, info.state_hash) != (cell_id, committed_round, state_hash):
-            raise StateIntegrityError(
-                f"donor offers {info.cell_id} round {info.committed_round}, not the requested state"
-            )
+        _check_info(info, cell_id, committed_round, state_hash, donor)
         if not 0 < info.total_nbytes <= max_nbytes:
             raise StateIntegrityError(f"donor announces {info.total_nbytes} bytes, limit {max_nbytes}")
-        if not 0 < info.chunk_nbytes <= MAX_CHUNK_NBYTES:
-            raise StateIntegrityError(f"donor announces {info.chunk_nbytes}-byte chunks, limit {MAX_CHUNK_NBYTES}")
         digest = hashlib.sha256()
         buf = bytearray()
         while len(buf) < info.total_nbytes:
@@ -341,3 +428,457 @@ async def _fetch(
         writer.close()
     state = await asyncio.to_thread(verify_state_bytes, bytes(buf), state_hash)
     return SyncedState(cell_id, committed_round, state_hash, state, len(buf))
+
+
+# ---------------------------------------------------------------------- several donors
+
+
+@dataclass(frozen=True)
+class DonorRef:
+    """One donor of a multi-donor fetch: its peer, addresses, the coordinator's expected
+    bandwidth for it (0 = unknown) and a name for messages (its worker id)."""
+
+    peer_id: str
+    maddrs: tuple[str, ...] = ()
+    expected_bytes_per_s: float = 0.0
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.peer_id[-8:]
+
+
+@dataclass(frozen=True)
+class MultiSynced:
+    """A multi-donor fetch's result: the state, and what each donor did."""
+
+    synced: SyncedState
+    nbytes_by_donor: dict[str, int]  # verified piece bytes adopted from each donor (label)
+    failed: dict[str, str]  # donors dropped on the way (label -> why)
+    liars: tuple[str, ...]  # donors proven to have sent bytes that are not the committed state's
+
+
+class _DonorFailed(Exception):
+    """One donor of a multi-donor fetch failed; the others carry on without it."""
+
+    def __init__(self, why: str, *, lied: bool = False) -> None:
+        super().__init__(why)
+        self.lied = lied
+
+
+_DONOR_ERRORS = (
+    StateSyncError,
+    FrameError,
+    P2PDaemonError,
+    P2PHandlerError,
+    ConnectionError,
+    OSError,
+    asyncio.IncompleteReadError,
+)
+
+
+@dataclass(frozen=True)
+class _Offer:
+    """What one donor announced: the file of the committed state it would serve."""
+
+    donor: DonorRef
+    total_nbytes: int
+    sha256: str
+    digests: bytes
+
+    @property
+    def key(self) -> tuple[int, str, bytes]:
+        return (self.total_nbytes, self.sha256, self.digests)
+
+
+class _Legacy(Exception):
+    """The donor answered a pieces_only request with the whole file: it serves no ranges."""
+
+
+async def _dial(p2p: P2P, donor: str, maddrs: Sequence[str]) -> PeerID:
+    pid = PeerID.from_base58(donor)
+    if maddrs:
+        try:
+            # no public connect in P2P; see averaging._dial_all
+            await p2p._client.connect(pid, dial_addrs(donor, maddrs))
+        except Exception as e:
+            log.debug("dialing donor %s failed: %s", donor, e)
+    return pid
+
+
+def _check_info(info: dp.StateInfo, cell_id: str, committed_round: int, state_hash: str, label: str) -> None:
+    if info.status != dp.STATUS_OK:
+        raise StateNotAvailable(f"donor {label}: {info.reason or dp.Status.Name(info.status)}")
+    if (info.cell_id, info.committed_round, info.state_hash) != (cell_id, committed_round, state_hash):
+        raise StateIntegrityError(
+            f"donor {label} offers {info.cell_id} round {info.committed_round}, not the requested state"
+        )
+    if not 0 < info.chunk_nbytes <= MAX_CHUNK_NBYTES:
+        raise StateIntegrityError(f"donor {label} announces {info.chunk_nbytes}-byte chunks, limit {MAX_CHUNK_NBYTES}")
+
+
+class _RangedFetch:
+    """One attempt to assemble a file from the donors that announced it (one `_Offer` key).
+
+    The file's pieces start split among the donors in contiguous ranges proportional to
+    their expected bandwidth. Each donor's task asks for up to `request_nbytes` at a time
+    from the front of its own range; one whose range is done takes the back half of the
+    largest range another donor has not asked for yet (work stealing), and once nothing is
+    left to ask for, it asks again for the rest of the slowest request in flight (the
+    endgame: the first copy of a piece to arrive is kept). Every piece is checked against the
+    announced digests as it completes, so a donor that sends a wrong byte is caught at that
+    piece and dropped, and what it had not delivered goes back to the others; so is a donor
+    that fails, or sends nothing for `stall_s`. Memory: the file, plus one piece per donor.
+    """
+
+    def __init__(
+        self,
+        p2p: P2P,
+        offers: Sequence[_Offer],
+        req: dp.StateRequest,
+        *,
+        stall_s: float,
+        request_nbytes: int,
+    ) -> None:
+        self.p2p, self.offers, self.req, self.stall_s = p2p, list(offers), req, stall_s
+        first = offers[0]
+        self.total, self.sha256, self.digests = first.total_nbytes, first.sha256, first.digests
+        self.piece = piece_nbytes_for(self.total)
+        self.n = -(-self.total // self.piece)
+        self.batch = max(1, request_nbytes // self.piece)
+        self.buf = bytearray(self.total)
+        self.done = bytearray(self.n)
+        self.remaining = self.n
+        # unrequested work: [start, end) piece ranges, each owned by a donor index (None: anyone's)
+        self.claims: list[list[Any]] = [
+            [i, a, b] for i, (a, b) in enumerate(split_pieces(self.n, [o.donor.expected_bytes_per_s for o in offers]))
+        ]
+        self.inflight: dict[int, tuple[int, int]] = {}  # donor -> the piece range it is fetching
+        self.duplicated: set[tuple[int, int]] = set()  # in-flight ranges a second donor asked for too
+        self.alive = set(range(len(offers)))
+        self.failed: dict[str, str] = {}
+        self.liars: list[str] = []
+        self.nbytes_by_donor = {o.donor.label: 0 for o in offers}
+        self._changed = asyncio.Event()
+        self.finished = asyncio.Event()
+
+    def _piece_len(self, p: int) -> int:
+        return min(self.piece, self.total - p * self.piece)
+
+    def _signal(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _take_from(self, claim: list[Any]) -> tuple[int, int] | None:
+        while claim[1] < claim[2] and self.done[claim[1]]:
+            claim[1] += 1  # fetched already (an endgame copy, or returned work done since)
+        if claim[1] >= claim[2]:
+            return None
+        a = claim[1]
+        b = min(claim[2], a + self.batch)
+        claim[1] = b
+        return a, b
+
+    def _take(self, i: int) -> tuple[int, int] | None:
+        """The next piece range donor i should ask for, or None if nothing is left for it now."""
+        for owner in (i, None):
+            for c in self.claims:
+                if c[0] == owner and (got := self._take_from(c)) is not None:
+                    return got
+        # steal the back half of the largest range another live donor has not asked for yet
+        victims = [c for c in self.claims if c[0] is not None and c[0] != i and c[2] > c[1]]
+        if victims:
+            v = max(victims, key=lambda c: (c[2] - c[1], -c[1]))
+            mid = v[1] + (v[2] - v[1]) // 2
+            mine = [i, mid, v[2]]
+            v[2] = mid
+            self.claims.append(mine)
+            got = self._take_from(mine)
+            if got is not None:
+                return got
+        # endgame: the rest of the in-flight request with the most pieces still missing
+        best: tuple[int, int] | None = None
+        copied: tuple[int, int] | None = None
+        for j, (a, b) in self.inflight.items():
+            if j == i or (a, b) in self.duplicated:
+                continue
+            rest = [p for p in range(a, b) if not self.done[p]]
+            if rest and (best is None or len(rest) > best[1] - best[0]):
+                best, copied = (rest[0], b), (a, b)
+        if copied is not None:
+            self.duplicated.add(copied)
+        return best
+
+    def _give_back(self, i: int, a: int, b: int) -> None:
+        """Donor i is gone: its unrequested ranges and what it had not delivered become anyone's."""
+        for c in self.claims:
+            if c[0] == i:
+                c[0] = None
+        if a < b:
+            self.claims.append([None, a, b])
+
+    async def run(self) -> None:
+        tasks: list[asyncio.Task[Any]] = [asyncio.create_task(self._donor(i)) for i in range(len(self.offers))]
+        done_wait: asyncio.Task[Any] = asyncio.create_task(self.finished.wait())
+        try:
+            pending: set[asyncio.Task[Any]] = {*tasks}
+            while pending and not self.finished.is_set():
+                _, pending = await asyncio.wait(pending | {done_wait}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(done_wait)
+                for t in tasks:
+                    if t.done() and not t.cancelled() and (bug := t.exception()) is not None:
+                        raise bug  # not a donor's failure (those are caught in _donor)
+        finally:
+            for t in (*tasks, done_wait):
+                t.cancel()
+            await asyncio.gather(*tasks, done_wait, return_exceptions=True)
+        if self.remaining:
+            why = "; ".join(f"{d}: {r}" for d, r in self.failed.items()) or "no donor left"
+            raise StateSyncError(f"{self.remaining} of {self.n} pieces missing after every donor failed ({why})")
+
+    async def _donor(self, i: int) -> None:
+        label = self.offers[i].donor.label
+        while self.remaining and i in self.alive:
+            got = self._take(i)
+            if got is None:
+                if not self.inflight:
+                    return  # nothing in flight anywhere: nothing will come back to take
+                changed = self._changed
+                await changed.wait()
+                continue
+            a, b = got
+            self.inflight[i] = got
+            try:
+                await self._fetch(i, a, b)
+            except (_DonorFailed, *_DONOR_ERRORS, TimeoutError) as e:
+                self.alive.discard(i)
+                self.failed[label] = str(e) if isinstance(e, _DonorFailed) else f"{type(e).__name__}: {e}"
+                if isinstance(e, _DonorFailed) and e.lied:
+                    self.liars.append(label)
+                log.info("state sync: donor %s dropped: %s", label, self.failed[label])
+                self._give_back(i, a, b)  # the pieces it delivered are skipped when taken again
+                return
+            finally:
+                self.inflight.pop(i, None)
+                self._signal()
+
+    async def _fetch(self, i: int, a: int, b: int) -> None:
+        """Fetch pieces [a, b) from donor i (it stops early once another donor has delivered
+        every piece it had left)."""
+        o = self.offers[i]
+        off, length = a * self.piece, min(b * self.piece, self.total) - a * self.piece
+        pid = PeerID.from_base58(o.donor.peer_id)
+        opening = self.p2p.call_binary_stream_handler(pid, STATE_PROTOCOL)
+        _, reader, writer = await asyncio.wait_for(opening, self.stall_s)
+        try:
+            req = dp.StateRequest()
+            req.CopyFrom(self.req)
+            req.offset, req.length = off, length
+            await write_message(writer, req)
+            info, _ = await asyncio.wait_for(read_message(reader, dp.StateInfo), self.stall_s)
+            _check_info(info, req.cell_id, req.committed_round, req.state_hash, o.donor.label)
+            if (info.total_nbytes, info.sha256) != (self.total, self.sha256):
+                raise _DonorFailed("announced another file than before", lied=True)
+            if (info.range_offset, info.range_nbytes) != (off, length):
+                got_range = (info.range_offset, info.range_nbytes)
+                raise _DonorFailed(f"served the range {got_range}, not ({off}, {length})")
+            p, acc, got = a, bytearray(), 0
+            while got < length:
+                if all(self.done[q] for q in range(p, b)):
+                    return  # another donor delivered the rest first
+                chunk = await asyncio.wait_for(read_frame(reader, min(info.chunk_nbytes, length - got)), self.stall_s)
+                if not chunk:
+                    raise _DonorFailed("sent an empty chunk")
+                got += len(chunk)
+                view = memoryview(chunk)
+                while view:
+                    need = self._piece_len(p) - len(acc)
+                    acc += view[:need]
+                    view = view[need:]
+                    if len(acc) == self._piece_len(p):
+                        if hashlib.sha256(acc).digest() != self.digests[32 * p : 32 * p + 32]:
+                            raise _DonorFailed(f"piece {p} does not match the announced digest", lied=True)
+                        if not self.done[p]:
+                            self.buf[p * self.piece : p * self.piece + len(acc)] = acc
+                            self.done[p] = 1
+                            self.remaining -= 1
+                            self.nbytes_by_donor[o.donor.label] += len(acc)
+                            if not self.remaining:
+                                self.finished.set()
+                        p += 1
+                        acc = bytearray()
+        finally:
+            writer.close()
+
+
+async def _announce(p2p: P2P, donor: DonorRef, req: dp.StateRequest, max_nbytes: int, stall_s: float) -> _Offer:
+    """Ask one donor what it would serve (pieces_only), and check the answer's bounds. The
+    answer itself has no deadline here: a donor hashes its pieces on the first such request,
+    which takes a while for a large state; `_announce_all` bounds the wait."""
+    pid = await _dial(p2p, donor.peer_id, donor.maddrs)
+    _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(pid, STATE_PROTOCOL), stall_s)
+    try:
+        ask = dp.StateRequest()
+        ask.CopyFrom(req)
+        ask.pieces_only = True
+        await write_message(writer, ask)
+        info, _ = await read_message(reader, dp.StateInfo)
+    finally:
+        writer.close()
+    _check_info(info, req.cell_id, req.committed_round, req.state_hash, donor.label)
+    if not 0 < info.total_nbytes <= max_nbytes:
+        raise StateIntegrityError(f"donor {donor.label} announces {info.total_nbytes} bytes, limit {max_nbytes}")
+    if info.piece_nbytes == 0:
+        raise _Legacy(donor.label)
+    piece = piece_nbytes_for(info.total_nbytes)
+    if info.piece_nbytes != piece or len(info.piece_sha256) != 32 * -(-info.total_nbytes // piece):
+        raise StateIntegrityError(f"donor {donor.label} announces pieces that do not cut its file")
+    if (info.range_offset, info.range_nbytes) != (0, 0):
+        raise StateIntegrityError(f"donor {donor.label} answers a pieces_only request with data")
+    return _Offer(donor, info.total_nbytes, info.sha256, info.piece_sha256)
+
+
+def _verify_assembled(buf: bytearray, sha256: str, state_hash: str) -> CellState:
+    """The assembled file's sha256 (the donors' announced one), then its state hash."""
+    data = bytes(buf)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise StateIntegrityError("sha256 of the assembled bytes does not match the donors'")
+    return verify_state_bytes(data, state_hash)
+
+
+async def _announce_all(
+    p2p: P2P, refs: Sequence[DonorRef], req: dp.StateRequest, max_nbytes: int, stall_s: float
+) -> list[BaseException | _Offer]:
+    """Every donor's announcement (or its failure), in order. The wait ends `stall_s` after
+    the first good one arrives (the others are refused as too slow then; honest donors hash
+    the same file at about the same speed), or once every donor has answered."""
+    tasks = [asyncio.create_task(_announce(p2p, d, req, max_nbytes, stall_s)) for d in refs]
+    try:
+        pending: set[asyncio.Task[_Offer]] = set(tasks)
+        while pending and not any(t.done() and not t.cancelled() and t.exception() is None for t in tasks):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if pending:
+            await asyncio.wait(pending, timeout=stall_s)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    out: list[BaseException | _Offer] = []
+    for t in tasks:
+        if t.cancelled():
+            out.append(TimeoutError(f"announced nothing within {stall_s}s of the first donor"))
+        else:
+            out.append(t.exception() or t.result())
+    return out
+
+
+async def fetch_state_from_donors(
+    p2p: P2P,
+    donors: Sequence[DonorRef],
+    *,
+    run_id: str,
+    cell_id: str,
+    committed_round: int,
+    state_hash: str,
+    max_nbytes: int,
+    timeout_s: float = 120.0,
+    stall_s: float = STALL_S,
+    request_nbytes: int = DEFAULT_REQUEST_NBYTES,
+) -> MultiSynced:
+    """Fetch and verify (cell, committed_round) from several donors at once; raises a
+    StateSyncError on failure (the caller falls back, as for one donor).
+
+    One donor (or none that serves ranges): `fetch_state`, the single-stream path. Otherwise
+    every donor first announces its file (size, sha256, piece digests, `pieces_only`); the
+    donors that announce the same file form a group, the largest first (ties: the one
+    holding the coordinator's earliest donor), and the group's pieces are fetched in
+    parallel (`_RangedFetch`). The assembled file must then hash to the announced sha256 and
+    parse into the committed state hash; if it does not, every donor of the group lied
+    together, and the next group is tried. The donors are the coordinator's, at most
+    `MAX_SYNC_DONORS` of them, duplicates dropped."""
+    if not state_hash:
+        raise ValueError("a committed state hash is required (round 0 is built locally, not synced)")
+    if not 0 < request_nbytes <= 1 << 30 or stall_s <= 0:
+        raise ValueError("request_nbytes must be in (0, 1 GiB] and stall_s positive")
+    seen: dict[str, DonorRef] = {}
+    for d in donors:
+        if d.peer_id and d.peer_id not in seen and len(seen) < MAX_SYNC_DONORS:
+            seen[d.peer_id] = d
+    refs = list(seen.values())
+    if not refs:
+        raise StateNotAvailable("no donor to fetch from")
+
+    def single(d: DonorRef) -> Any:
+        return fetch_state(
+            p2p,
+            d.peer_id,
+            run_id=run_id,
+            cell_id=cell_id,
+            committed_round=committed_round,
+            state_hash=state_hash,
+            max_nbytes=max_nbytes,
+            donor_maddrs=d.maddrs,
+            timeout_s=timeout_s,
+        )
+
+    if len(refs) == 1:
+        got = await single(refs[0])
+        return MultiSynced(got, {refs[0].label: got.nbytes}, {}, ())
+    req = dp.StateRequest(run_id=run_id, cell_id=cell_id, committed_round=committed_round, state_hash=state_hash)
+    failed: dict[str, str] = {}
+    liars: list[str] = []
+    legacy: list[DonorRef] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            answers = await _announce_all(p2p, refs, req, max_nbytes, stall_s)
+            offers: list[_Offer] = []
+            for d, ans in zip(refs, answers, strict=True):
+                if isinstance(ans, _Offer):
+                    offers.append(ans)
+                elif isinstance(ans, _Legacy):
+                    legacy.append(d)
+                elif isinstance(ans, (*_DONOR_ERRORS, TimeoutError)):
+                    failed[d.label] = f"{type(ans).__name__}: {ans}"
+                else:
+                    raise ans  # a bug
+            if not offers:
+                if legacy:
+                    got = await single(legacy[0])
+                    return MultiSynced(got, {legacy[0].label: got.nbytes}, failed, ())
+                why = "; ".join(f"{k}: {v}" for k, v in failed.items())
+                raise StateNotAvailable(f"no donor serves the state: {why}")
+            groups: dict[tuple[int, str, bytes], list[_Offer]] = {}
+            for o in offers:
+                groups.setdefault(o.key, []).append(o)
+            order = sorted(groups.values(), key=lambda g: (-len(g), offers.index(g[0])))
+            last: StateSyncError | None = None
+            for g in order:
+                fetch = _RangedFetch(p2p, g, req, stall_s=stall_s, request_nbytes=request_nbytes)
+                try:
+                    await fetch.run()
+                except StateSyncError as e:
+                    failed.update(fetch.failed)
+                    liars.extend(fetch.liars)
+                    last = e
+                    continue
+                failed.update(fetch.failed)
+                liars.extend(fetch.liars)
+                try:
+                    # off the event loop: hashing and parsing gigabytes takes seconds
+                    state = await asyncio.to_thread(_verify_assembled, fetch.buf, fetch.sha256, state_hash)
+                except StateIntegrityError as e:
+                    group = [o.donor.label for o in g]
+                    liars.extend(x for x in group if x not in liars)
+                    for x in group:
+                        failed[x] = f"announced a file that is not the committed state: {e}"
+                    last = e
+                    continue
+                for o in offers:  # another file than the one that verified: maybe a lie, maybe not ours
+                    if o.key != g[0].key:
+                        failed.setdefault(o.donor.label, "announced another file than the donors whose file verified")
+                synced = SyncedState(cell_id, committed_round, state_hash, state, len(fetch.buf))
+                return MultiSynced(synced, fetch.nbytes_by_donor, failed, tuple(liars))
+            assert last is not None
+            raise last
+    except TimeoutError:
+        raise StateSyncError(f"state sync from {len(refs)} donors timed out after {timeout_s}s") from None

@@ -22,7 +22,10 @@ Communication
 
 Join / resync
     The committed state (weights + outer momentum, 8 bytes per parameter in fp32) travels
-    from the donor to the joiner; the slower of the two links bounds it.
+    from the donors to the joiner, as the real worker fetches it (`worker/statesync.py`):
+    each of the k donors the coordinator names sends a share proportional to its bandwidth,
+    so all finish together, and the joiner's downlink or the donors' summed uplinks bound it
+    (`multi_donor_download_s`; k = 1 is one donor's link against the joiner's).
 """
 
 from __future__ import annotations
@@ -119,6 +122,18 @@ def allreduce_bytes_per_member(nbytes: int, n: int) -> int:
 def download_s(nbytes: float, joiner_bw: float, donor_bw: float | None, latency_s: float) -> float:
     bw = joiner_bw if donor_bw is None else min(joiner_bw, donor_bw)
     return latency_s + nbytes / bw
+
+
+def multi_donor_shares(donor_bws: Sequence[float]) -> list[float]:
+    """The fraction of the state each donor sends: proportional to its bandwidth."""
+    total = sum(donor_bws)
+    return [b / total for b in donor_bws] if total > 0 else []
+
+
+def multi_donor_download_s(nbytes: float, joiner_bw: float, donor_bws: Sequence[float], latency_s: float) -> float:
+    """A download from k donors in parallel, in bandwidth-proportional shares (no donor: the
+    joiner's own link bounds it, as `download_s` with no donor)."""
+    return download_s(nbytes, joiner_bw, sum(donor_bws) if donor_bws else None, latency_s)
 
 
 def cell_memory_bytes(work: WorkloadSpec, cell_id: str) -> int:

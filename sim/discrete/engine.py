@@ -487,6 +487,9 @@ class Engine(WorkerBehaviour):
             self.rounds_now[j] += 1
         led.resolve_commit(key, useful, rejected)
         self.locksteps.pop(key, None)
+        hold = self.core.next_round_hold_ms(c.cell_id)
+        if hold is not None:  # the next round waits for late reporters, at most until then
+            self._tick_at(hold - T0_MS)
 
     def _poll_later(self, w: W) -> None:
         """The worker's next periodic heartbeat (fixed phase) delivers its new instruction."""

@@ -29,20 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-BUCKETS = (
-    "committed",
-    "aborted",
-    "straggler",
-    "preempted",
-    "rejected",
-    "resync",
-    "comm",
-    "barrier",
-    "idle",
-    "unresolved",
-)
-WASTE = ("aborted", "straggler", "preempted", "rejected", "resync", "comm", "barrier", "idle")
-TRAINING = ("committed", "aborted", "straggler", "preempted", "rejected", "unresolved")
+# the buckets are the shared ones (bagel.protocol.goodput: names, definitions, waste and
+# training groups), which the real worker's accounting (worker/goodput.py) uses too
+from bagel.protocol.goodput import BUCKETS
 
 RoundKey = tuple[str, int, int]  # (cell, round, attempt)
 

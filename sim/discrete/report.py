@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from bagel.protocol.goodput import BUCKET_DEFINITIONS, BUCKETS, TRAINING, WASTE
 from bagel.sim.discrete.engine import EngineResult
-from bagel.sim.discrete.ledger import BUCKETS, TRAINING, WASTE, jain
+from bagel.sim.discrete.ledger import jain
 
 
 def _time_to_target(r: EngineResult, target_samples: float) -> dict[str, Any]:
@@ -172,13 +173,50 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         "",
         "goodput = training FLOPs in committed rounds by agreeing contributors / offered FLOPs "
         "(online time x achieved FLOP/s); utilisation = all training / offered. "
-        "See `bagel.sim.discrete.ledger` for the causes.",
+        "Rounds are not comparable across policies (a sync_dp round is a block of lock-step steps, a "
+        "DiLoCo round H inner steps): compare committed compute.",
+        "",
+        "The buckets (every offered FLOP lands in exactly one; `bagel.sim.discrete.ledger`):",
+        "",
+        "| bucket | what it holds |",
+        "| --- | --- |",
+        *(f"| {b} | {BUCKET_DEFINITIONS[b]} |" for b in BUCKETS),
+        "",
+        "## Plots",
+        "",
+        *(f"- [{name}]({name}): {what}" for name, what in PLOTS.items()),
+        "",
+        *(f"![{what}]({name})" for name, what in PLOTS.items()),
         "",
     ]
     return "\n".join(lines)
 
 
+PLOTS = {
+    "committed_compute_per_cell.png": "committed training compute per expert cell over time, one panel per policy "
+    "(shared axes)",
+    "committed_compute.png": "committed training compute of the whole run over time, all policies on one axis",
+    "wasted_work.png": "where the offered compute went, by bucket (definitions below)",
+    "utilization.png": "utilisation (all training / online compute) over time, and the online workers",
+}
+_COMMITTED_COMPUTE = "committed compute = FLOPs of the samples in committed rounds (agreeing contributors)"
+
+
+def _cell_compute(r: EngineResult, cells: list[str]) -> np.ndarray:
+    """Cumulative committed PFLOP per cell (columns) at each timeline point (rows)."""
+    col = {c: j for j, c in enumerate(cells)}
+    t_h = np.asarray(r.timeline_h, dtype=float)
+    out = np.zeros((len(t_h), len(cells)))
+    commits = [
+        (t / 3600.0, col[c], smp * r.cell_flops_per_sample[c] / 1e15) for t, c, smp in r.ledger.commits if c in col
+    ]
+    for t, j, pflop in commits:
+        out[np.searchsorted(t_h, t, side="left") :, j] += pflop
+    return out
+
+
 def plot(results: Sequence[EngineResult], out: Path) -> list[Path]:
+    """The four plots of `PLOTS`, each with a title and its terms defined on the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,14 +224,14 @@ def plot(results: Sequence[EngineResult], out: Path) -> list[Path]:
 
     paths = []
     n = len(results)
-    # committed rounds per cell: a sync_dp "round" is a block of lock-step steps and a
-    # DiLoCo round is H inner steps, so each policy gets its own y axis
-    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
+    # committed compute per expert cell: the same units for every policy (a sync_dp "round"
+    # and a DiLoCo round of H inner steps are not comparable, their compute is), so the
+    # panels share both axes
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 4.4), squeeze=False, sharex=True, sharey=True)
     for ax, r in zip(axes[0], results, strict=True):
-        rt = r.rounds_timeline
-        experts = [j for j, c in enumerate(r.cells) if c != "router"]
-        if rt.size and experts:
-            ex = rt[:, experts]
+        experts = [c for c in r.cells if c != "router"]
+        if experts and len(r.timeline_h):
+            ex = _cell_compute(r, experts)
             for j in range(ex.shape[1]):
                 ax.plot(r.timeline_h, ex[:, j], lw=0.5, alpha=0.25, color="tab:blue")
             ax.fill_between(
@@ -202,72 +240,83 @@ def plot(results: Sequence[EngineResult], out: Path) -> list[Path]:
                 np.percentile(ex, 90, axis=1),
                 color="tab:blue",
                 alpha=0.2,
-                label="experts p10-p90",
+                label="expert cells p10-p90",
             )
-            ax.plot(r.timeline_h, np.median(ex, axis=1), lw=2.0, color="black", label="experts median")
-            ax.set_ylim(0, max(1.0, float(ex.max()) * 1.05))
-        if "router" in r.cells:
-            ax2 = ax.twinx()
-            ax2.plot(
-                r.timeline_h, rt[:, r.cells.index("router")], color="tab:orange", ls="--", label="router (right axis)"
-            )
-            ax2.tick_params(axis="y", colors="tab:orange")
-            ax2.legend(loc="lower right", fontsize=8)
-        ax.set_title(f"{r.policy} (H = {r.steps_per_round})")
+            ax.plot(r.timeline_h, np.median(ex, axis=1), lw=2.0, color="black", label="expert cells median")
+        ax.set_title(f"{r.policy} (H = {r.steps_per_round} steps per round)")
         ax.set_xlabel("virtual hours")
-        ax.set_ylabel("committed rounds per expert cell")
+        ax.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    p = out / "committed_rounds.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    axes[0][0].set_ylabel("committed compute per expert cell (PFLOP)")
+    fig.suptitle("Committed compute per expert cell (shared axes)")
+    fig.text(0.5, 0.01, _COMMITTED_COMPUTE + "; thin lines: single cells", ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    paths.append(_save(fig, out / "committed_compute_per_cell.png"))
 
-    # committed samples over time, comparable across policies
-    fig, ax = plt.subplots(figsize=(8, 4))
+    # the whole run's committed compute over time, comparable across policies
+    fig, ax = plt.subplots(figsize=(8, 4.4))
     for r in results:
         ts = [0.0] + [t / 3600.0 for t, _c, _s in r.ledger.commits]
         acc = np.cumsum([0.0] + [smp * r.cell_flops_per_sample[c] for _t, c, smp in r.ledger.commits]) / 1e21
         ax.step(ts, acc, where="post", label=r.policy)
+    ax.set_title("Committed compute over time, all cells")
     ax.set_xlabel("virtual hours")
     ax.set_ylabel("committed training compute (ZFLOP)")
+    ax.set_ylim(bottom=0)
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    p = out / "committed_compute.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    fig.text(0.5, 0.01, _COMMITTED_COMPUTE, ha="center", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    paths.append(_save(fig, out / "committed_compute.png"))
 
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.6 * n))
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.6 * n))
     left = np.zeros(n)
     names = [r.policy for r in results]
     colors = plt.get_cmap("tab10")
     for k, b in enumerate(BUCKETS):
         vals = np.array([r.ledger.buckets[b] / r.ledger.offered if r.ledger.offered else 0.0 for r in results])
-        ax.barh(names, vals, left=left, label=b, color=colors(k))
+        ax.barh(names, vals, left=left, label=f"{b}: {BUCKET_DEFINITIONS[b]}", color=colors(k))
         left += vals
     ax.set_xlim(0, 1)
-    ax.set_xlabel("fraction of offered compute")
-    ax.legend(ncol=5, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.05 * n))
-    fig.tight_layout()
-    p = out / "wasted_work.png"
-    fig.savefig(p, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    paths.append(p)
+    ax.set_title("Where the offered compute went")
+    ax.set_xlabel("fraction of offered compute (online time x achieved FLOP/s)")
+    # below the bars, one bucket a line with its definition: the legend is the glossary
+    legend = ax.legend(ncol=1, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.25 - 0.05 * n), frameon=False)
+    paths.append(_save(fig, out / "wasted_work.png", extra=(legend,)))
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.4))
     for r in results:
         ax.plot(r.timeline_h, r.util_timeline, label=r.policy)
     ax2 = ax.twinx()
-    ax2.plot(results[0].timeline_h, results[0].online_timeline, color="grey", ls=":", label="online workers")
+    online = np.asarray(results[0].online_timeline, dtype=float)
+    ax2.plot(results[0].timeline_h, online, color="grey", ls=":", label="online workers (right axis)")
+    # from zero, like the utilisation axis: a few percent of churn must look like a few percent
+    ax2.set_ylim(0, max(1.0, float(online.max()) * 1.1) if online.size else 1.0)
     ax2.set_ylabel("online workers")
     ax.set_ylim(0, 1)
+    ax.set_title("Utilisation over time")
     ax.set_xlabel("virtual hours")
     ax.set_ylabel("utilisation (training / online compute)")
-    ax.legend(loc="upper left", fontsize=8)
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    legend = ax.legend(
+        lines[0] + lines2[0],
+        lines[1] + lines2[1],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.15),
+        ncol=4,
+        fontsize=8,
+    )  # below the axes: never over the curves
+    fig.text(0.5, -0.06, "utilisation = all training, wasted or not / offered compute", ha="center", fontsize=8)
     fig.tight_layout()
-    p = out / "utilization.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, out / "utilization.png", extra=(legend,)))
     return paths
+
+
+def _save(fig: Any, path: Path, extra: tuple[Any, ...] = ()) -> Path:
+    """Save with a tight box that holds the axes, the legends outside them and the
+    figure's captions (matplotlib leaves the last two out unless named)."""
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110, bbox_inches="tight", bbox_extra_artists=(*extra, *fig.texts))
+    plt.close(fig)
+    return path

@@ -444,13 +444,23 @@ class WorkerBehaviour:
         )
 
     def _start_sync(self, w: W, ins: Instruction, target: tuple) -> None:
-        donor = self.by_id.get(ins.donor.worker_id) if ins.donor is not None and ins.donor.worker_id else None
-        dbw = donor.bw if donor is not None and donor.online and not donor.cut else COORDINATOR_BW
+        # the donors the coordinator named (its list, else its one donor), each giving what the
+        # coordinator expects of it (its uplink shared among the syncs it serves); none reachable:
+        # the coordinator's checkpoint store
+        named = ins.donors or ((ins.donor,) if ins.donor is not None else ())
+        donors, bws = [], []
+        for d in named:
+            x = self.by_id.get(d.worker_id) if d.worker_id else None
+            if x is not None and x.online and not x.cut:
+                donors.append(x)
+                bws.append(min(x.bw, d.expected_bytes_per_s) if d.expected_bytes_per_s > 0 else x.bw)
+        if not donors:
+            bws = [COORDINATOR_BW]
         nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
         w.recv += nbytes
-        if donor is not None:
-            donor.sent += nbytes
-        dur = cm.download_s(nbytes, w.bw, dbw, w.lat)
+        for x, share in zip(donors, cm.multi_donor_shares(bws), strict=False):
+            x.sent += int(nbytes * share)
+        dur = cm.multi_donor_download_s(nbytes, w.bw, bws, w.lat)
         w.sync_target = target
         self._set_act(w, SYNC)
         self._job(w, SYNC_DONE, dur)
