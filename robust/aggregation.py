@@ -42,7 +42,14 @@ the (clamped) weight hostile parts may hold before they can move the result arbi
 The group screen (every rule; `Reducer.screen`) runs before the rule: a part whose norm
 exceeds ``max_norm`` (default 10) x the group's lower-median part norm is excluded, and one
 whose norm is below ``min_norm`` (default 0.01) x the upper-median part norm is excluded as a
-zero update (its reason starts with "zero", so an auditor can count them).
+zero update (its reason starts with "zero", so an auditor can count them). Then, from 3
+parts left on, one whose cosine to the remaining parts' coordinate-wise median is below
+``min_cosine`` (default 0) is excluded as pointing against the group ("direction ...": a
+sign-flipped update of honest size, which the norm bounds cannot see). The screen needs
+the rules' honest majority by count (the medians it compares with), and shares their
+breakdown point: the screened mean is still not robust (a hostile part the screen keeps
+moves it by up to max_norm x the median norm times its weight share), but nothing it keeps
+points against the group.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ import torch
 
 from bagel.protocol.reducerspec import (
     DEFAULT_MAX_NORM,
+    DEFAULT_MIN_COSINE,
     DEFAULT_MIN_NORM,
     DEFAULT_RULE,
     ReducerSpec,
@@ -64,6 +72,7 @@ from bagel.protocol.reducerspec import (
 )
 
 ZERO_REASON = "zero update"  # the prefix of every exclusion for a suspiciously small norm
+DIRECTION_REASON = "direction"  # the prefix of every exclusion for an update against the group's
 
 
 class PartRejected(ValueError):
@@ -94,8 +103,14 @@ class Reducer(ABC):
 
     name: str = ""
 
-    def __init__(self, *, max_norm: float = DEFAULT_MAX_NORM, min_norm: float = DEFAULT_MIN_NORM):
-        self.max_norm, self.min_norm = max_norm, min_norm
+    def __init__(
+        self,
+        *,
+        max_norm: float = DEFAULT_MAX_NORM,
+        min_norm: float = DEFAULT_MIN_NORM,
+        min_cosine: float = DEFAULT_MIN_COSINE,
+    ):
+        self.max_norm, self.min_norm, self.min_cosine = max_norm, min_norm, min_cosine
 
     def validate(self, part: torch.Tensor, numel: int) -> None:
         """Raise PartRejected unless part is a finite float32 vector of numel elements."""
@@ -125,6 +140,24 @@ class Reducer(ABC):
         gradient, or a zero update in a group of two) there is no scale to compare against
         and the upper bound is not applied (the lower one still flags an exact zero unless
         the upper median is 0 too: then most parts are zero and nothing is excluded).
+
+        Direction (from 3 parts left on; ``min_cosine``, default 0): a part whose cosine to
+        the coordinate-wise median of the parts left is below min_cosine is excluded
+        ("direction ..."). A sign-flipped honest update has an honest norm, so the norm
+        bounds keep it, and the rule then counts it with a full clip radius against the
+        group (CenteredClip's fixed point moves by about delta / (1 - delta) x tau, every
+        round). The reference is the median, as FLTrust's is a trusted update (Cao, Fang,
+        Liu & Gong, "FLTrust: Byzantine-robust Federated Learning via Trust Bootstrapping",
+        NDSS 2021, which weights each update by ReLU of its cosine to a server update
+        computed on root data): with hostile parts f < n / 2 every coordinate of the
+        median lies between two honest values, so it points the honest way, and an update
+        against it is refused outright rather than down-weighted (the rule's own weights
+        stay the budgets). An honest update points the group's way: in the 8-member cell of
+        bench/robust_diloco.py its cosine to the median was 0.48..0.96 over 25 rounds, a
+        sign flip's -0.3..-0.9. A hostile part that stays has a non-negative projection on
+        the median, so it cannot pull the result against the group, only sideways (ALIE's
+        way), where the rule's clipping bounds it. In a group of two the median is the
+        midpoint and would keep the larger of two opposed parts, whoever sent it: no check.
         """
         # exact_norm: the same bits on every machine, so a shadow and the coordinator screen alike
         norms = [exact_norm(p) for p in parts]
@@ -153,7 +186,33 @@ class Reducer(ABC):
                 )
             else:
                 kept.append(i)
-        return Screening(tuple(kept), tuple(excluded), low)
+        if len(kept) >= 3 and self.min_cosine > -1.0:
+            kept = self._direction(parts, norms, kept, excluded)
+        return Screening(tuple(kept), tuple(sorted(excluded)), low)
+
+    def _direction(
+        self, parts: Sequence[torch.Tensor], norms: list[float], kept: list[int], excluded: list[tuple[int, str]]
+    ) -> list[int]:
+        """The direction check (see `screen`): the parts of `kept` whose cosine to the kept
+        parts' coordinate-wise median is at least min_cosine; the others go to `excluded`."""
+        ref = torch.stack([parts[i].to(torch.float64) for i in kept]).median(dim=0).values
+        ref_norm = exact_norm(ref)
+        if ref_norm == 0.0:  # no direction to compare with (most coordinates' median is 0)
+            return kept
+        out = []
+        for i in kept:
+            cos = exact_sum(parts[i].to(torch.float64) * ref) / (norms[i] * ref_norm) if norms[i] > 0 else 0.0
+            if cos < self.min_cosine:
+                excluded.append(
+                    (
+                        i,
+                        f"{DIRECTION_REASON}: cosine {cos:.3g} to the group's coordinate-wise median "
+                        f"(limit {self.min_cosine:g})",
+                    )
+                )
+            else:
+                out.append(i)
+        return out
 
     @abstractmethod
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -161,7 +220,7 @@ class Reducer(ABC):
 
     def params(self) -> ReducerSpec:
         """The parsed spec this reducer implements."""
-        return ReducerSpec("mean", max_norm=self.max_norm, min_norm=self.min_norm)
+        return ReducerSpec("mean", max_norm=self.max_norm, min_norm=self.min_norm, min_cosine=self.min_cosine)
 
     def spec(self) -> str:
         """The canonical rule string (every parameter explicit) that `get_reducer` maps back to this reducer."""
@@ -226,7 +285,9 @@ class TrimmedMean(Reducer):
         self.params()  # ReducerSpecError unless trim is in (0, 0.5)
 
     def params(self) -> ReducerSpec:
-        return ReducerSpec("trimmed_mean", trim=self.trim, max_norm=self.max_norm, min_norm=self.min_norm)
+        return ReducerSpec(
+            "trimmed_mean", trim=self.trim, max_norm=self.max_norm, min_norm=self.min_norm, min_cosine=self.min_cosine
+        )
 
     def trimmed(self, n: int) -> int:
         """How many values per side and coordinate a group of n parts trims (0 only for n <= 2)."""
@@ -271,6 +332,7 @@ class CenteredClip(Reducer):
             iters=self.iters,
             max_norm=self.max_norm,
             min_norm=self.min_norm,
+            min_cosine=self.min_cosine,
         )
 
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -303,7 +365,7 @@ def get_reducer(name: str | ReducerSpec = DEFAULT_RULE) -> Reducer:
     """Build a reducer from its spec string ("centered_clip", "trimmed_mean:0.2",
     "mean:max_norm=20"; grammar in `bagel.protocol.reducerspec`) or a parsed one."""
     spec = parse_reducer_spec(name) if isinstance(name, str) else name
-    screen = {"max_norm": spec.max_norm, "min_norm": spec.min_norm}
+    screen = {"max_norm": spec.max_norm, "min_norm": spec.min_norm, "min_cosine": spec.min_cosine}
     if spec.rule == "trimmed_mean":
         return TrimmedMean(spec.trim, **screen)
     if spec.rule == "centered_clip":
@@ -311,54 +373,10 @@ def get_reducer(name: str | ReducerSpec = DEFAULT_RULE) -> Reducer:
     return WeightedMean(**screen)
 
 
-@dataclass(frozen=True)
-class GroupReduction:
-    """What `reduce_group` made of one part's contributions: the aggregate (None when no part
-    survived), the indices aggregated, and (index, reason) for every part left out."""
-
-    result: torch.Tensor | None
-    included: tuple[int, ...]
-    excluded: tuple[tuple[int, str], ...]
-    weights: tuple[float, ...]  # the clamped weights of the included parts, in their order
-
-
-def reduce_group(
-    reducer: Reducer,
-    parts: Sequence[torch.Tensor],
-    claimed: Sequence[float],
-    budgets: Sequence[float],
-) -> GroupReduction:
-    """The reducer's whole path for one part, in one call: validate each part, drop a claimed
-    weight that is not positive, clamp each weight to its sender's budget, screen the group,
-    aggregate the rest in the given order. `worker.reducer.Reduction` runs the same steps as
-    the contributions arrive; benchmarks, tests and a re-run of an accused reduction call this."""
-    if not len(parts) == len(claimed) == len(budgets):
-        raise ValueError(f"{len(parts)} parts, {len(claimed)} claimed weights, {len(budgets)} budgets")
-    numel = parts[0].numel() if parts else 0
-    excluded: list[tuple[int, str]] = []
-    valid: list[int] = []
-    for i, part in enumerate(parts):
-        if not (math.isfinite(claimed[i]) and claimed[i] > 0):
-            excluded.append((i, f"weight {claimed[i]} is not positive"))
-            continue
-        try:
-            reducer.validate(part, numel)
-        except PartRejected as e:
-            excluded.append((i, e.reason))
-            continue
-        valid.append(i)
-    screening = reducer.screen([parts[i] for i in valid])
-    excluded += [(valid[j], reason) for j, reason in screening.excluded]
-    kept = tuple(valid[j] for j in screening.kept)
-    weights = tuple(clamp_weight(claimed[i], budgets[i]) for i in kept)
-    result = reducer.aggregate([parts[i] for i in kept], weights) if kept else None
-    return GroupReduction(result, kept, tuple(sorted(excluded)), weights)
-
-
 __all__ = [
+    "DIRECTION_REASON",
     "ZERO_REASON",
     "CenteredClip",
-    "GroupReduction",
     "exact_norm",
     "exact_sum",
     "PartRejected",
@@ -369,5 +387,4 @@ __all__ = [
     "WeightedMean",
     "clamp_weight",
     "get_reducer",
-    "reduce_group",
 ]

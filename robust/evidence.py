@@ -69,6 +69,7 @@ from bagel.robust.reduction import (
     part_bounds,
     reduce_one_part,
     result_generator,
+    skipped_positions,
 )
 
 CONTRIBUTION_DOMAIN = b"bagel/contribution/v1\n"
@@ -80,8 +81,8 @@ MAX_EVIDENCE_INPUTS = validation.MAX_EVIDENCE_INPUTS  # one per contributor of t
 MAX_HEADER_BYTES = validation.MAX_EVIDENCE_HEADER_BYTES  # one serialized ContributionHeader
 MAX_RECEIPT_BYTES = validation.MAX_EVIDENCE_RECEIPT_BYTES
 
-# FrozenMember: (worker id, peer id, budget) of one contributor, as in the group digest.
-FrozenMember = tuple[str, str, int]
+# FrozenMember: (worker id, peer id, budget[, no_reduce]) of one contributor, as in the group digest.
+FrozenMember = tuple[str, str, int] | tuple[str, str, int, bool]
 
 
 # ---------------------------------------------------------------- errors
@@ -336,7 +337,7 @@ def adjudicate(
         raise IncompleteEvidence(f"the accuser and the accused disagree on the model layout of {where}")
     if not 0 < r.total_numel <= 1 << 40:
         raise MalformedEvidence(f"total_numel {r.total_numel}")
-    s, e = part_bounds(r.total_numel, k)[r.part]
+    s, e = part_bounds(r.total_numel, k, skipped_positions(members))[r.part]
     numel = e - s
     inputs = []
     for x in ids:

@@ -27,15 +27,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from bagel.compression import decode
 from bagel.protocol import dataplane_pb2 as dp
-from bagel.robust.aggregation import PartRejected, Reducer
+from bagel.robust.aggregation import PartRejected, Reducer, clamp_weight
 
 __all__ = [
     "Codec",
@@ -49,6 +49,7 @@ __all__ = [
     "part_generator",
     "reduce_one_part",
     "result_generator",
+    "skipped_positions",
 ]
 
 
@@ -67,17 +68,33 @@ class NoValidContribution(ValueError):
     """Every contribution to the part was excluded: there is nothing to aggregate."""
 
 
-def part_bounds(total: int, parts: int) -> list[tuple[int, int]]:
-    """Split [0, total) into `parts` contiguous ranges; the first total % parts get one more."""
+def part_bounds(total: int, parts: int, skip: Collection[int] = ()) -> list[tuple[int, int]]:
+    """Split [0, total) into `parts` contiguous ranges; the first total % parts get one more.
+
+    Positions in `skip` (members that reduce no part: reached through a relay) get an empty
+    range and the others share the vector the same way; if every position is skipped, none is.
+    """
     if parts < 1:
         raise ValueError("at least one part")
-    base, extra = divmod(total, parts)
-    bounds, start = [], 0
+    skipped = {i for i in skip if 0 <= i < parts}
+    if len(skipped) == parts:
+        skipped = set()
+    active = parts - len(skipped)
+    base, extra = divmod(total, active)
+    bounds, start, n = [], 0, 0
     for i in range(parts):
-        end = start + base + (1 if i < extra else 0)
+        if i in skipped:
+            bounds.append((start, start))
+            continue
+        end = start + base + (1 if n < extra else 0)
         bounds.append((start, end))
-        start = end
+        start, n = end, n + 1
     return bounds
+
+
+def skipped_positions(members: Sequence[tuple[Any, ...]]) -> frozenset[int]:
+    """The positions of frozen members (worker id, peer id, budget[, no_reduce]) that reduce no part."""
+    return frozenset(i for i, m in enumerate(members) if len(m) > 3 and m[3])
 
 
 def decode_part(codec: Codec, buf: bytes, numel: int) -> torch.Tensor:
@@ -129,6 +146,9 @@ class PartResult:
     # sender -> its decoded part, for the included senders: what the reducer's audit reads
     # (`robust/audit.py`); not part of the result's identity
     parts: Mapping[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # sender -> its clamped weight in the aggregate, for the included senders (the loss audit
+    # measures each slice at its share of the mean)
+    weights: Mapping[str, float] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def digest(self) -> bytes:
@@ -171,7 +191,7 @@ def reduce_one_part(
         if part is None:
             excluded.append((sender, reason))
         else:
-            kept.append((sender, min(float(inp.weight), float(max(1, inp.max_samples))), part))
+            kept.append((sender, clamp_weight(inp.weight, max(1, inp.max_samples)), part))
     # the group screen: norms far outside the group's are left out like a bad part
     screening = reducer.screen([p for _, _, p in kept])
     excluded += [(kept[j][0], reason) for j, reason in screening.excluded]
@@ -183,14 +203,20 @@ def reduce_one_part(
     averaged = reducer.aggregate([p for _, _, p in kept], weights)
     payload = codec.encode(averaged, generator=generator)
     return PartResult(
-        payload, tuple(s for s, _, _ in kept), tuple(excluded), float(sum(weights)), {s: p for s, _, p in kept}
+        payload,
+        tuple(s for s, _, _ in kept),
+        tuple(excluded),
+        float(sum(weights)),
+        {s: p for s, _, p in kept},
+        {s: w for s, w, _ in kept},
     )
 
 
-def group_digest_of(members: Sequence[tuple[str, str, int]]) -> str:
-    """Binds an exchange to one frozen contributor set of (worker id, peer id, budget), sorted
-    by worker id: every member, and the coordinator checking evidence, must see the same one."""
-    text = "|".join(f"{w},{p},{m}" for w, p, m in members)
+def group_digest_of(members: Sequence[tuple[Any, ...]]) -> str:
+    """Binds an exchange to one frozen contributor set of (worker id, peer id, budget[, no_reduce]),
+    sorted by worker id: every member, and the coordinator checking evidence, must see the same one
+    (a member that reduces no part is marked, so the split is bound too)."""
+    text = "|".join(f"{m[0]},{m[1]},{m[2]}" + (",r" if len(m) > 3 and m[3] else "") for m in members)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

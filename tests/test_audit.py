@@ -103,17 +103,21 @@ def test_a_budget_liars_own_signed_figures_get_it_banned() -> None:
     _cell_of_three_and(hz, "liar")
     for n in (1, 2, 3):
         ids = [w for w in ("liar", "a", "b") if hz.store.workers[w].state is WorkerState.ACTIVE]
-        for w in ids:  # members of this round (a late reporter of the last one waits for the next)
+        for w in ids:  # members of this round
             if hz.st.instruction_for(w).order is Order.TRAIN:
                 hz.ready(w)
+        frozen = {w: hz.st.instruction_for(w) for w in ids}
         for w in ids:  # the liar reports first: counted before the quorum commits
             ins = hz.st.instruction_for(w)
             if ins.order is not Order.REDUCE:
-                continue
+                ins = frozen[w]  # one that reports after the quorum: the next round waits for it
+                if ins.order is not Order.REDUCE or hz.cell().committed_round != ins.round:
+                    continue
             p = ins.plan
             honest = p.micro_batch * p.grad_accum * p.inner_steps
             samples, compute_ms = claimed("budget-liar" if w == "liar" else "", honest, 6_400)
-            hz.report(w, h(n), samples=samples, compute_ms=compute_ms)
+            kw = {"round": ins.round, "reduce_attempt": ins.reduce_attempt}
+            hz.report(w, h(n), samples=samples, compute_ms=compute_ms, **kw)
         if hz.store.workers["liar"].state is WorkerState.BANNED:
             break
     liar = hz.store.workers["liar"]
@@ -307,7 +311,10 @@ def test_the_freeloader_scenarios_parse() -> None:
     assert sorted(fl.byzantine.values()) == ["budget-liar", "freeload-replay", "freeload-zero"]
     honest = load_chaos_scenario(root / "audit-honest.toml")
     assert not honest.byzantine and honest.settle_commits == 50
-    for sc in (fl, honest):
+    mixed = load_chaos_scenario(root / "audit-honest-mixed.toml")
+    assert not mixed.byzantine and mixed.settle_commits == 50
+    assert [mixed.throttle_of(i) for i in range(4)] == [1.0, 1.5, 2.0, 3.0]
+    for sc in (fl, honest, mixed):
         assert len(sc.spec.cell_ids) == 1  # one shared cell: everyone audits everyone
 
 

@@ -24,15 +24,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
+import torch
 from hivemind.p2p import PeerID
 
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.identity import Identity
 from bagel.protocol.messages import PartAudit
+from bagel.protocol.validation import MAX_LOSS
 from bagel.robust.aggregation import Reducer
 from bagel.robust.audit import part_audit
 from bagel.robust.evidence import contribution_problem, contribution_statement, sign_receipt
@@ -103,6 +105,11 @@ class Refused(Exception):
         self.reason, self.retry, self.payload_read = reason, retry, payload_read
 
 
+def _per_share(gain: float, share: float) -> float:
+    """A gain measured at `share` of the mean, per unit of share, within what validation accepts."""
+    return max(-MAX_LOSS, min(MAX_LOSS, gain / share))
+
+
 @dataclass
 class Reduction:
     """One part this peer reduces in one exchange (as primary or shadow), and the byte counters."""
@@ -135,6 +142,9 @@ class Reduction:
     # `audit_blocks` (the run's audit.sketch_blocks) is set, once the part is reduced
     audit_blocks: int = 0
     audit: PartAudit | None = None
+    # the loss audit of our part (`worker.heldout.SliceLossAudit`, through `roundwork.loss_probe`):
+    # (our part's first flat index, sender -> its decoded slice) -> sender -> (gain, gain on random)
+    loss_probe: Callable[[int, Mapping[str, torch.Tensor]], Mapping[str, tuple[float, float]]] | None = None
 
     @property
     def numel(self) -> int:
@@ -242,6 +252,36 @@ class Reduction:
         header.receipt, header.receipt_signature = sign_receipt(self.identity, receipt)
         header.reducer_public_key = self.identity.public_key
 
+    def _with_loss(
+        self, audit: PartAudit, parts: Mapping[str, torch.Tensor], weights: Mapping[str, float]
+    ) -> PartAudit:
+        """The audit with each included sender's loss gains (a failed measurement leaves it out).
+
+        Each slice is measured at its share of the part's weighted mean (its weight over the
+        included total), the step it actually contributes, and the gain is reported per unit of
+        that share (divided by it), so senders of any weight are judged on one scale. Taken
+        whole, a slow member's slice (the same number of AdamW steps as a fast one's, on a third
+        of the batch) overshot and raised the loss on its own samples often enough to get honest
+        members charged; at its share it does not, and a flipped slice is still charged
+        whatever budget its sender claims (bench/loss_audit_mixed_speeds.py)."""
+        assert self.loss_probe is not None
+        total = sum(weights.get(s, 0.0) for s in parts)
+        share = {s: weights.get(s, 0.0) / total for s in parts} if total > 0 else {}
+        scaled = {s: p * share[s] for s, p in parts.items() if share.get(s, 0.0) > 0}
+        try:
+            measured = self.loss_probe(self.bounds[self.index][0], scaled) if scaled else {}
+            gains = {s: (_per_share(g, share[s]), _per_share(r, share[s])) for s, (g, r) in measured.items()}
+        except Exception:  # noqa: BLE001  (the audit is advisory: the exchange goes on without it)
+            log.exception("loss audit of part %d failed", self.index)
+            return audit
+        senders = tuple(
+            replace(s, loss_gain=gains[s.sender][0], loss_gain_random=gains[s.sender][1], loss_measured=True)
+            if s.sender in gains and not s.excluded
+            else s
+            for s in audit.senders
+        )
+        return replace(audit, senders=senders)
+
     async def reduce_own(self) -> tuple[bytes, dp.ReducedHeader]:
         """Wait for every contribution to our part, reduce it once; (result bytes, our reply header).
 
@@ -291,6 +331,9 @@ class Reduction:
                 self._signed(header, res)
             if not self.result.done():
                 self.result.set_result((header, b"" if shadow else payload))
+            if self.audit is not None and self.loss_probe is not None and res.parts:
+                # after the result went out: the other contributors do not wait for the measurement
+                self.audit = await asyncio.to_thread(self._with_loss, self.audit, res.parts, res.weights)
         header, sent = await self.result
         if header.status != dp.STATUS_OK:
             raise ExchangeFailed(f"part {self.index} (ours): {header.reason}")

@@ -15,7 +15,15 @@ trains nothing):
 - `copy`: X's slice has a cosine of at least `audit.copy_cosine` with another sender's;
 - `replay`: most of X's sketch blocks in the part are within `audit.replay_bits` bits of
   X's own sketch of the same block in an earlier committed round (`audit.replay_history`
-  rounds are kept per block).
+  rounds are kept per block);
+- `loss` (the loss audit, Templar's Gauntlet idea; `worker/heldout.py` `SliceLossAudit`
+  measures it): X's slice, applied alone to the committed state at X's share of the part's
+  weighted mean (the step X contributes), *raises* the loss on X's
+  own assigned samples by more than `audit.loss_rel` times the median gain of the part's
+  other measured senders (only when that median is a gain). An update that was trained on
+  its assignment lowers the loss there; a sign-flipped, inverted (IPM) or stale update
+  raises it. The gain on a random batch is reported alongside and counted
+  (`loss_assigned_above_random`), not judged.
 
 A single reducer may be hostile, so a flag alone costs nothing. A finding against X is
 *confirmed* once at least `audit.min_agreeing` distinct other reporters, and more than half
@@ -37,7 +45,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from bagel.protocol.messages import PartAudit, SenderAudit
@@ -46,7 +54,7 @@ from bagel.protocol.runspec import AuditSection
 MAX_WORKERS_WITH_HISTORY = 20_000
 MAX_FINDINGS_KEPT = 1_000
 EXCHANGES_KEPT = 4  # per cell
-FLAGS = ("excluded", "zero", "copy", "replay")
+FLAGS = ("excluded", "zero", "copy", "replay", "loss")
 
 
 def _hamming(a: int, b: int) -> int:
@@ -83,6 +91,15 @@ class RoundAudit:
     reporters: set[str] = field(default_factory=set)
     flags: dict[str, dict[str, set[str]]] = field(default_factory=dict)  # accused -> kind -> reporters
     sketches: dict[str, dict[int, int]] = field(default_factory=dict)  # sender -> block -> bits
+
+
+def loss_flagged(gain: float, others: Sequence[float], loss_rel: float) -> bool:
+    """The loss audit's rule: a slice whose gain (loss removed on the sender's own samples) is
+    below -loss_rel x the median gain of the part's other measured senders, when that is positive."""
+    if not others:
+        return False
+    med = _median(list(others))
+    return med > 0 and gain < -loss_rel * med
 
 
 class Auditor:
@@ -163,6 +180,7 @@ class Auditor:
         members = set(ra.contributors)
         entries = [s for s in audit.senders if s.sender in members]
         norms = {s.sender: s.norm for s in entries if not s.excluded}
+        gains = {s.sender: s.loss_gain for s in entries if not s.excluded and s.loss_measured}
         out: list[Finding] = []
         for s in entries:
             x = s.sender
@@ -170,7 +188,7 @@ class Auditor:
                 continue
             if s.sketch and not s.excluded:
                 ra.sketches.setdefault(x, {}).update((audit.first_block + i, bits) for i, bits in enumerate(s.sketch))
-            kinds = self._flags(ra, s, norms, audit.first_block, members)
+            kinds = self._flags(ra, s, norms, audit.first_block, members) + self._loss_flags(s, gains)
             if not kinds:
                 continue
             per = ra.flags.setdefault(x, {})
@@ -208,6 +226,17 @@ class Auditor:
                 kinds.append("replay")
         return kinds
 
+    def _loss_flags(self, s: SenderAudit, gains: dict[str, float]) -> list[str]:
+        """The loss audit's flag: X's slice raises the loss on its own samples by more than
+        loss_rel x the median gain of the other measured senders of the part."""
+        if s.excluded or not s.loss_measured:
+            return []
+        self.counts["loss_measured"] += 1
+        if s.loss_gain > s.loss_gain_random:
+            self.counts["loss_assigned_above_random"] += 1
+        others = [g for k, g in gains.items() if k != s.sender]
+        return ["loss"] if loss_flagged(s.loss_gain, others, self.a.loss_rel) else []
+
     def _confirm(self, ra: RoundAudit, x: str) -> Finding | None:
         per = ra.flags.get(x, {})
         reporters = set().union(*per.values()) if per else set()
@@ -230,4 +259,4 @@ class Auditor:
         return f
 
 
-__all__ = ["FLAGS", "Auditor", "Finding", "RoundAudit"]
+__all__ = ["FLAGS", "Auditor", "Finding", "RoundAudit", "loss_flagged"]
