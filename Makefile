@@ -10,8 +10,10 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
-# the slowest tests are listed after every run, so a slow newcomer is seen at once
-PYTEST_ARGS ?= --durations=15
+# Two pytest workers (pytest-xdist): most of the suite waits on real processes and timers, so two
+# workers on two cores roughly halve its wall time. The slowest tests are listed after every run,
+# so a slow newcomer is seen at once. `make test PYTEST_ARGS=-n0` runs it in one process.
+PYTEST_ARGS ?= -n 2 --durations=15
 
 # The pure cores: no I/O, no clock, no sockets, no asyncio, no logging. `make lint` checks them
 # with mypy --strict, and tests/test_layering.py checks that this list is its own.
@@ -26,7 +28,7 @@ CORE_MODULES = $(foreach f,$(wildcard $(PURE_CORES)),-m bagel.$(subst /,.,$(pats
 PACKAGES := coordinator worker protocol compression models robust sim
 TYPECHECK_ROOT := build/typecheck/bagel
 
-.PHONY: setup test lint typecheck-root demo proto clean bench netlab netlab-down netlab-deps
+.PHONY: setup test lint typecheck-root demo proto clean bench netlab netlab-down netlab-deps browser-deps
 
 setup: $(VENV)/.installed
 
@@ -37,8 +39,25 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-test: setup lint
+test: setup lint browser-deps
+	@# the network test bed's tests need iproute2 and nftables (installed when missing, as root);
+	@# without them those tests skip and name the reason
+	@$(MAKE) -s netlab-deps || echo "netlab: the test-bed tests will skip"
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The dashboard's end-to-end test (tests/test_dashboard.py) opens the page in headless
+# Chromium: Debian's `chromium` package, installed here when missing (root and apt-get);
+# elsewhere that one test skips and says why.
+browser-deps:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "browser-deps: installing chromium"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+				|| echo "browser-deps: apt-get could not install chromium (the dashboard test will skip)"; \
+		else \
+			echo "browser-deps: install chromium with your package manager (the dashboard test skips without it)"; \
+		fi; \
+	fi
 
 # All four checks run (each one's findings are printed) and lint fails if any failed.
 lint: setup typecheck-root

@@ -8,8 +8,9 @@ vector, sign flip claiming 1e9 samples). For every rule and attack it reports th
 ``--seeds`` seeds of ||agg - honest mean|| / ||honest mean||, where the honest mean is the
 plain mean of the honest parts weighted by their (clamped) samples, for two paths:
 
-- ``reducer``: `bagel.robust.aggregation.reduce_group`, the steps `worker.reducer.Reduction`
-  runs: validate, clamp each weight to the sender's budget, screen norms, aggregate;
+- ``reducer``: `bagel.robust.reduction.reduce_one_part` on the fp32-encoded parts, the one
+  reduction of a part the reducers, shadows and the coordinator's check run: decode,
+  validate, clamp each weight to the sender's budget, screen norms and directions, aggregate;
 - ``rule only``: `Reducer.aggregate` on every part with the claimed weights (no clamp, no screen).
 
 Also printed: how many honest parts the screen excluded in all those runs (it must be 0), and
@@ -31,10 +32,20 @@ from typing import Any
 
 import torch
 
-from bagel.robust.aggregation import get_reducer, reduce_group
+from bagel.compression import get_codec
+from bagel.robust.aggregation import get_reducer
 from bagel.robust.attacks import ATTACKS, craft, honest_group
+from bagel.robust.reduction import NoValidContribution, PartInput, decode_part, reduce_one_part
 
-RULES = ("centered_clip", "trimmed_mean:0.2", "mean", "centered_clip:iters=30")
+RULES = (
+    "centered_clip",
+    "centered_clip:min_cosine=-1",
+    "trimmed_mean:0.2",
+    "mean",
+    "mean:min_cosine=-1",
+    "centered_clip:iters=30",
+)
+FP32 = get_codec("fp32")
 BUDGET = 64.0
 N_HONEST = 16
 
@@ -60,10 +71,16 @@ def run_case(rule: str, attack: str, seed: int, d: int, noise: float, spread: fl
     w = torch.tensor(claims, dtype=torch.float64)
     ref = (torch.stack([h.to(torch.float64) for h in honest]) * w[:, None]).sum(0) / w.sum()
     reducer = get_reducer(rule)
-    res = reduce_group(reducer, parts, claimed, [BUDGET] * len(parts))
-    excluded = [i for i, _ in res.excluded]
+    pairs = enumerate(zip(parts, claimed, strict=True))
+    inputs = [PartInput(f"w{i:02d}", c, int(BUDGET), FP32.encode(p)) for i, (p, c) in pairs]
+    try:
+        res = reduce_one_part(FP32, reducer, d, inputs, None)
+    except NoValidContribution:
+        result, excluded = None, list(range(len(parts)))
+    else:
+        result, excluded = decode_part(FP32, res.payload, d), [int(s[1:]) for s, _ in res.excluded]
     return {
-        "reducer": rel_err(res.result, ref),
+        "reducer": rel_err(result, ref),
         "rule_only": rel_err(reducer.aggregate(parts, claimed), ref),
         "honest_excluded": sum(i < N_HONEST for i in excluded),
         "hostile_excluded": sum(i >= N_HONEST for i in excluded),
@@ -100,11 +117,11 @@ def main() -> None:
         f"n = {N_HONEST} honest, dim {args.dim}, noise {args.noise}, spread {args.spread}, worst of {args.seeds} seeds"
     )
     print(
-        f"{'attack':<16} {'f':>2} {'rule':<24} {'reducer':>10} {'rule only':>10} {'honest out':>10} {'hostile out':>11}"
+        f"{'attack':<16} {'f':>2} {'rule':<28} {'reducer':>10} {'rule only':>10} {'honest out':>10} {'hostile out':>11}"
     )
     for r in rows:
         print(
-            f"{r['attack']:<16} {r['f']:>2} {r['rule']:<24} {r['reducer_rel_err']:>10.4g} "
+            f"{r['attack']:<16} {r['f']:>2} {r['rule']:<28} {r['reducer_rel_err']:>10.4g} "
             f"{r['rule_only_rel_err']:>10.4g} {r['honest_excluded']:>10} "
             f"{r['hostile_excluded']:>5}/{r['f'] * r['runs']}"
         )

@@ -33,8 +33,10 @@ from bagel.protocol.runspec import RunSpec, parse_spec
 from bagel.worker.localstate import LocalStateError, LocalStore
 
 
-def committed(out: Path) -> tuple[RunSpec, dict[tuple[str, int], str]]:
-    """The run's spec and (cell, round) -> committed state hash, from the coordinator's store."""
+def committed(out: Path) -> tuple[RunSpec, str, dict[tuple[str, int], str]]:
+    """The run's spec, its spec hash as the run stored it, and (cell, round) -> committed state
+    hash, from the coordinator's store. The stored hash names the workers' local files: a run
+    made before a change to the canonical rule strings (which the hash covers) is still read."""
     store = Store.open_readonly(out / "coordinator")
     try:
         stored = store.spec()
@@ -43,16 +45,16 @@ def committed(out: Path) -> tuple[RunSpec, dict[tuple[str, int], str]]:
         snap = store.load(recent_commits=1 << 30)
     finally:
         store.close()
-    return parse_spec(stored.spec_toml), {(c.cell_id, c.round): c.state_hash for c in snap.commits}
+    return parse_spec(stored.spec_toml), stored.spec_hash, {(c.cell_id, c.round): c.state_hash for c in snap.commits}
 
 
 def heldout_losses(out: Path) -> tuple[str, dict[str, dict[int, float]]]:
     """(rule, cell -> round -> held-out loss) of one chaos run."""
-    spec, hashes = committed(out)
+    spec, spec_hash, hashes = committed(out)
     found: dict[tuple[str, int], Any] = {}
     for wdir in sorted((out / "workers").iterdir()):
         for path in sorted((wdir / "runs" / spec.run.id / "history").glob("*.safetensors")):
-            store = LocalStore(wdir, spec.run.id, spec.spec_hash)
+            store = LocalStore(wdir, spec.run.id, spec_hash)
             store.path = path
             try:
                 cp = store.load()
@@ -92,6 +94,7 @@ def main() -> None:
         print(f"\ncell {cell}: held-out loss per committed round (ratio to {ref})")
         print(f"{'round':>5} " + " ".join(f"{n + ' (' + results[n][0].split(':')[0] + ')':>28}" for n in names))
         rows = []
+        by_round: list[tuple[int, dict[str, float | None]]] = []
         for r in rounds:
             row = {n: results[n][1].get(cell, {}).get(r) for n in names}
             base = row[ref]
@@ -106,7 +109,17 @@ def main() -> None:
                     cols.append(f"{v:>17.4f} ({v / base:>7.3f}x)")
             print(f"{r:>5} " + " ".join(cols))
             rows.append({"round": r, "loss": row})
+            by_round.append((r, row))
         cells[cell] = rows
+        for n in names[1:]:
+            pairs = [(row[n], row[ref]) for r, row in by_round if r > 0]
+            ratios = [a / b for a, b in pairs if a is not None and b is not None and b > 0]
+            if ratios:
+                within = sum(q <= 1.10 for q in ratios)
+                print(
+                    f"{n}: within 10% of {ref} at {within}/{len(ratios)} rounds, "
+                    f"peak {max(ratios):.3f}x, final {ratios[-1]:.3f}x"
+                )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         runs = [{"name": n, "dir": str(p), "aggregation": results[n][0]} for n, p in zip(names, args.runs, strict=True)]

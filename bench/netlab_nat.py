@@ -8,8 +8,9 @@ committed and aborted, the last abort's reason, the peer addresses each worker a
 and the workers' `--log-json` commits are compared (bit-identical replicas: the same state
 hash for every round both committed; `shared`: the commits with two or more contributors,
 fewer on either worker, since a worker left alone in its cell commits rounds by itself).
-Prints a table; `--json FILE` writes the figures. Never asserted in tests; a finding, not a
-claim.
+Also logged: each worker's reachability verdict, the groups that averaged per cell and how each
+worker was connected to each peer (direct or through the relay). Prints a table; `--json FILE`
+writes the figures. Never asserted in tests; a finding, not a claim.
 
     sudo .venv/bin/python bench/netlab_nat.py [--seconds 60] [--json out.json]
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bagel.sim.netlab.bed import NetLab, missing_prerequisite
+from bagel.sim.netlab.logs import events, wait_line
 
 SPEC = """
 [run]
@@ -70,37 +72,16 @@ PLACEMENTS = {
     "same home": ("home1-1", "home1-2"),
     "public + home": ("pub1", "home1-1"),
     "two homes": ("home1-1", "home2-1"),
+    # 2 workers behind each NAT and 1 public, over 2 cells
+    "2x2 homes + public": ("home1-1", "home1-2", "home2-1", "home2-2", "pub1"),
 }
-
-
-def _wait_line(path: Path, prefix: str, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            for line in path.read_text(errors="replace").splitlines():
-                if line.startswith(prefix):
-                    return line[len(prefix) :].strip()
-        time.sleep(0.2)
-    raise RuntimeError(f"no {prefix!r} line in {path} within {timeout_s} s:\n{path.read_text()[-2000:]}")
-
-
-def _events(path: Path, kind: str) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("event") == kind:
-                out.append(rec)
-    return out
+CELLS = {"2x2 homes + public": 2}
 
 
 def run_placement(name: str, nodes: tuple[str, ...], seconds: float, root: Path) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     spec = root / "spec.toml"
-    spec.write_text(SPEC)
+    spec.write_text(SPEC.replace("timestep_ranges = 1", f"timestep_ranges = {CELLS.get(name, 1)}"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     py = sys.executable
     with NetLab(tag="bn", homes=2, per_home=2, public=1) as lab:
@@ -116,7 +97,7 @@ def run_placement(name: str, nodes: tuple[str, ...], seconds: float, root: Path)
              "--listen", "198.51.100.10:7070", "--dht-listen", "/ip4/198.51.100.10/tcp/7071", "--tick-ms", "100"],
             coord_log,
         )  # fmt: skip
-        join = _wait_line(coord_log, "join:", 120)
+        join = wait_line(coord_log, "join:", 120)
         for node in nodes:
             start(
                 node,
@@ -135,28 +116,46 @@ def run_placement(name: str, nodes: tuple[str, ...], seconds: float, root: Path)
     rounds = st.get("rounds", [])
     aborted = [r for r in rounds if r.get("state") == "aborted"]
     announced = {m["worker_id"]: m["peer"]["maddrs"] for r in rounds[:1] for m in r.get("members", []) if "peer" in m}
-    commits = {n: {e["round"]: e["hash"] for e in _events(root / f"{n}.log", "committed")} for n in nodes}
-    common = set.intersection(*(set(c) for c in commits.values())) if commits else set()
-    identical = all(len({commits[n][r] for n in nodes}) == 1 for r in common)
-    registered = {n: bool(_events(root / f"{n}.log", "registered")) for n in nodes}
+    committed = {n: events(root / f"{n}.log", "committed") for n in nodes}
+    commits = {n: {(e["cell"], e["round"]): e["hash"] for e in committed[n]} for n in nodes}
+    # bit-identical replicas: every (cell, round) committed by two or more workers has one hash
+    keys = {k for c in commits.values() for k in c}
+    holders = {k: {commits[n][k] for n in nodes if k in commits[n]} for k in keys}
+    common = {k for k in keys if sum(k in commits[n] for n in nodes) >= 2}
+    identical = all(len(holders[k]) == 1 for k in common)
+    registered = {n: bool(events(root / f"{n}.log", "registered")) for n in nodes}
     # a commit with one contributor is a worker training alone, not an exchange across the path
-    shared = {
-        n: sum(1 for e in _events(root / f"{n}.log", "committed") if int(e.get("contributors", 0)) >= 2) for n in nodes
-    }
+    shared = {n: sum(1 for e in committed[n] if int(e.get("contributors", 0)) >= 2) for n in nodes}
+    reach = {n: (events(root / f"{n}.log", "reachability") or [{}])[-1] for n in nodes}
+    ids = {(events(root / f"{n}.log", "identity") or [{}])[0].get("worker_id", ""): n for n in nodes}
+    # the cells' groups: which nodes averaged together, and how each reached the others
+    groups: dict[str, set[tuple[str, ...]]] = {}
+    paths: dict[str, dict[str, str]] = {}
+    for n in nodes:
+        for e in committed[n]:
+            if int(e.get("contributors", 0)) >= 2:
+                peers = tuple(sorted([n, *(ids.get(w, w[:8]) for w in e.get("paths", {}))]))
+                groups.setdefault(e["cell"], set()).add(peers)
+                for w, how in e.get("paths", {}).items():
+                    paths.setdefault(n, {})[ids.get(w, w[:8])] = how
     cells = st.get("cells", [{}])
     return {
         "placement": name,
         "workers": list(nodes),
         "seconds": seconds,
         "registered": registered,
-        "committed_rounds": cells[0].get("committed_round", 0) if cells else 0,
+        "committed_rounds": sum(int(c.get("committed_round", 0)) for c in cells),
         "aborted_attempts_in_last_50": len(aborted),
         "last_abort_reason": aborted[0].get("reason", "") if aborted else "",
-        "rounds_both_committed": len(common),
+        "cells_committed_rounds": {c.get("cell_id", ""): c.get("committed_round", 0) for c in cells},
+        "rounds_committed_by_2_or_more": len(common),
         "commits_with_2_or_more_contributors": shared,
         "replicas_bit_identical": identical if common else None,
         "announced_maddrs": announced,
-        "exchange_failed_events": {n: len(_events(root / f"{n}.log", "exchange-failed")) for n in nodes},
+        "reachability": {n: [r.get("reachability", "?"), r.get("message", "")] for n, r in reach.items()},
+        "groups": {c: sorted(list(g) for g in gs) for c, gs in groups.items()},
+        "paths": paths,
+        "exchange_failed_events": {n: len(events(root / f"{n}.log", "exchange-failed")) for n in nodes},
     }
 
 
@@ -177,15 +176,22 @@ def main() -> int:
         for name in a.only or list(PLACEMENTS):
             results.append(run_placement(name, PLACEMENTS[name], a.seconds, base / name.replace(" ", "-")))
     print(
-        f"{'placement':15s} {'workers':18s} {'s':>4s} {'commits':>7s} {'shared':>6s} {'aborts':>6s} "
+        f"{'placement':19s} {'workers':40s} {'s':>4s} {'commits':>7s} {'shared':>6s} {'aborts':>6s} "
         f"{'identical':>9s}  last abort"
     )
     for r in results:
         print(
-            f"{r['placement']:15s} {','.join(r['workers']):18s} {r['seconds']:4.0f} {r['committed_rounds']:7d} "
+            f"{r['placement']:19s} {','.join(r['workers']):40s} {r['seconds']:4.0f} {r['committed_rounds']:7d} "
             f"{min(r['commits_with_2_or_more_contributors'].values()):6d} "
             f"{r['aborted_attempts_in_last_50']:6d} {str(r['replicas_bit_identical']):>9s}  {r['last_abort_reason']}"
         )
+    for r in results:
+        for n, (kind, why) in r["reachability"].items():
+            print(f"  {r['placement']}: {n:8s} {kind:9s} {why[:90]}")
+        for c, gs in r["groups"].items():
+            print(f"  {r['placement']}: {c} averaged in groups {gs}")
+        for n, ps in r["paths"].items():
+            print(f"  {r['placement']}: {n} reached {ps}")
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -14,8 +14,10 @@ the run spec's `[security]` table:
   an HMAC of the time window under a secret drawn at start, so it needs no table and a
   restart invalidates old ones; `check_pow` accepts the current and the previous window.
 - **streams**: `upload_slot` admits one upload per uploader and `max_uploads` in all;
-  `download_slot` admits `max_downloads`; `upload_idle_s` is the idle deadline the
-  servicer applies to every read of an upload stream.
+  `download_slot` admits `max_downloads`; `take_shard_slot` admits one data-shard stream
+  per worker and `max_downloads` in all (the servicer gives it back at the stream's
+  deadline even if the client stopped reading); `upload_idle_s` is the idle deadline the servicer
+  applies to every read of an upload stream.
 
 Join tokens (permissioned runs) are checked by the servicer with `protocol/jointoken.py`
 and the store (`Store.use_token`).
@@ -76,6 +78,16 @@ class DownloadsBusy(ShellError):
     reason = "downloads_busy"
 
 
+class ShardStreamBusy(ShellError):
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "shard_stream_busy"
+
+
+class ShardStreamExpired(ShellError):
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "shard_stream_expired"
+
+
 def client_address(peer: str) -> str:
     """The rate-limit key of a gRPC peer string: the IPv4 address, an IPv6 /64, or the peer.
 
@@ -116,6 +128,7 @@ class Admission:
         self.detailed = RateLimiter(sec.status_rate_per_s, sec.status_burst, capacity=1)
         self._uploads: set[str] = set()
         self.downloads = 0
+        self._shard_streams: dict[str, object] = {}  # worker -> the token of its open stream
 
     # ------------------------------------------------------------------ rate limits
 
@@ -198,6 +211,22 @@ class Admission:
             yield
         finally:
             self.downloads -= 1
+
+    def take_shard_slot(self, worker_id: str) -> object:
+        """One data-shard stream per worker, `max_downloads` in all (ShardStreamBusy otherwise);
+        give it back with `release_shard_slot` (idempotent), at the end or at the deadline."""
+        if worker_id in self._shard_streams:
+            raise ShardStreamBusy(f"worker {worker_id} has a data-shard stream open already: one at a time")
+        if len(self._shard_streams) >= self.max_downloads:
+            raise ShardStreamBusy(f"{self.max_downloads} data-shard streams in progress: retry later")
+        token = object()
+        self._shard_streams[worker_id] = token
+        return token
+
+    def release_shard_slot(self, worker_id: str, token: object) -> None:
+        """Give back the slot `token` holds (not a later stream's of the same worker)."""
+        if self._shard_streams.get(worker_id) is token:
+            del self._shard_streams[worker_id]
 
     @property
     def uploads(self) -> int:

@@ -52,9 +52,11 @@ from bagel.coordinator.core.records import (
     WorkerState,
 )
 from bagel.coordinator.core.state import CoordinatorState
+from bagel.coordinator.eventfeed import EventFeed
 from bagel.coordinator.interceptor import AccusationLimited, NotAccepting
-from bagel.coordinator.metrics import Metrics
+from bagel.coordinator.metrics import Metrics, RunBook, commit_rate, worker_class
 from bagel.coordinator.ratelimit import RateLimiter
+from bagel.coordinator.runhistory import RunHistory
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import Verified, Verifier, wall_clock_ms
@@ -140,7 +142,11 @@ class CoordinatorApp:
         self.heartbeat_interval_ms = int(spec.schedule.heartbeat_s * 1000)
         self._counts_dirty = False
         self._cell_writes: dict[str, asyncio.Future[None]] = {}  # latest CellRecord batch per cell
-        self.tally = WorkerTally(state.snapshot().workers)
+        workers = state.snapshot().workers
+        self.tally = WorkerTally(workers)
+        # the run's story (log lines, the dashboard's events) and series, from the same effects
+        self.feed = EventFeed(spec.cell_ids, workers)
+        self.history = RunHistory(spec.cell_ids, start_ms=clock())
         self._publish_worker_counts()
         self.admission = Admission(spec)
         self.operator_key = (
@@ -152,6 +158,8 @@ class CoordinatorApp:
         self._last_revocation_poll = 0.0
         self._accusations = RateLimiter(1000.0 / ACCUSE_INTERVAL_MS, ACCUSE_BURST, capacity=ACCUSERS_KEPT)
         self._judging = 0
+        self.started_ms = clock()
+        self.book = RunBook(spec, metrics, state.snapshot(), self.started_ms)  # the run series
 
     # ------------------------------------------------------------------ request path
 
@@ -165,6 +173,19 @@ class CoordinatorApp:
         self.admission.limit_key(verified.worker_id, time.monotonic())
         validate(method, verified.message, self.spec)
         return verified
+
+    def observe_report(self, worker_id: str, req: pb.ReportRoundRequest) -> None:
+        """The round metrics of a validated report (before the core sees it, while its round
+        is still the open one); `RunBook.report` decides whether it counts."""
+        w = self.state.roster.workers.get(worker_id)
+        if w is None:
+            return
+        try:
+            _rec, rnd, _members = self.state.cell_view(req.cell_id)
+        except CoordinatorError:
+            return
+        cls = worker_class(w.profile, self.spec.cost)
+        self.book.report(cls, w.profile.num_devices, req, rnd, worker_id, self.clock())
 
     def is_joined(self, worker_id: str) -> bool:
         """True if the run knows `worker_id` and it has not left: active, lost (its lease ran
@@ -220,6 +241,7 @@ class CoordinatorApp:
                 fut = self.writer.submit(outcome.effects, now)
                 self.metrics.store_writes.inc()
                 self._observe(outcome.effects)
+                self._record_story(event, outcome.effects, now)
                 for rec in outcome.effects:
                     if isinstance(rec, CellRecord):
                         self._cell_writes[rec.cell_id] = fut
@@ -285,7 +307,16 @@ class CoordinatorApp:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
 
+    def _record_story(self, event: Event, effects: tuple[Record, ...], now: int) -> None:
+        """The event feed (log lines, the dashboard's events) and the dashboard's series."""
+        try:
+            self.feed.record(effects, now)
+            self.history.record(event, effects, now)
+        except Exception:  # the run's story must never stop the run
+            log.exception("event feed failed")
+
     def _observe(self, effects: tuple[Record, ...]) -> None:
+        self.book.records(effects)
         workers_changed = False
         opened = {(r.cell_id, r.round, r.attempt): r.opened_ms for r in effects if isinstance(r, RoundRecord)}
         for rec in effects:
@@ -305,6 +336,11 @@ class CoordinatorApp:
         self._counts_dirty = False
         self.metrics.set_workers(self.tally.counts())
 
+    def publish_run_metrics(self) -> None:
+        """The gauges computed over windows (p99s, memory) and the queue counts; O(cells)."""
+        empty = sum(1 for c in self.spec.cell_ids if not self.state.cell_view(c)[2])
+        self.book.publish(self.tally.counts().get("standby", 0), empty)
+
     async def tick(self) -> None:
         """One Tick (leases, deadlines), skipped when the core says nothing is due."""
         if not self.accepting:
@@ -314,7 +350,7 @@ class CoordinatorApp:
             await self.apply(Tick())
 
     async def tick_loop(self, period_ms: int) -> None:
-        last_counts = 0.0
+        last_counts = last_run = 0.0
         loop = asyncio.get_running_loop()
         period_s = period_ms / 1000.0
         while True:
@@ -328,6 +364,9 @@ class CoordinatorApp:
                 if self._counts_dirty and time.monotonic() - last_counts >= 1.0:
                     last_counts = time.monotonic()
                     self._publish_worker_counts()
+                if time.monotonic() - last_run >= 1.0:
+                    last_run = time.monotonic()
+                    self.publish_run_metrics()
                 await self.tick()
                 if self.operator_key and time.monotonic() - self._last_revocation_poll >= REVOCATION_POLL_S:
                     self._last_revocation_poll = time.monotonic()
@@ -382,6 +421,8 @@ class CoordinatorApp:
         now = self.clock()
         out = pb.StatusResponse(run_id=self.spec.run.id, spec_hash=self.spec.spec_hash, now_unix_ms=now)
         out.detailed = detailed
+        out.started_unix_ms = self.started_ms
+        lease_span_ms = int(self.spec.schedule.lease_s * 1000)
         for state_name, n in self.tally.counts().items():
             out.worker_counts[state_name] = n
         snap = st.snapshot() if detailed else None
@@ -395,11 +436,14 @@ class CoordinatorApp:
                 samples_per_s=float(w.throughput.get(w.cell_id, 0.0)) if w.cell_id else 0.0,
                 vram_bytes=w.profile.vram_bytes,
                 rounds_contributed=w.rounds_contributed,
+                reachability=int(w.profile.reachability),
+                reachability_detail=w.profile.reachability_detail,
             )
             if w.state is WorkerState.ACTIVE:
                 phase, _round, _step, _loss, lease_ms = st.worker_phase(w.worker_id)
                 ws.phase = int(phase)  # type: ignore[assignment]
                 ws.lease_expires_unix_ms = lease_ms
+                ws.last_heartbeat_unix_ms = max(0, lease_ms - lease_span_ms)  # a lease is renewed by each call
         shares, targets = st.shares(), st.targets()
         for cell_id in self.spec.cell_ids:
             rec, rnd, members = st.cell_view(cell_id)
@@ -416,5 +460,8 @@ class CoordinatorApp:
                 last_loss=rec.last_loss,
                 latest_checkpoint_round=rec.checkpoint_round,
                 samples_committed=rec.samples_committed,
+                sample_target=self.spec.slo.cell_sample_target,
+                samples_per_s=commit_rate(list(self.book.commits.get(cell_id, ()))),
+                last_commit_unix_ms=self.book.commits[cell_id][-1][0] if self.book.commits.get(cell_id) else 0,
             )
         return out

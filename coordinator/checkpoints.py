@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import struct
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -42,6 +43,7 @@ from bagel.protocol.statehash import state_hash
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20  # download chunk: 1 MiB, well under the gRPC message limit
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 
 
 class CheckpointError(Exception):
@@ -222,10 +224,55 @@ class Upload:
                 raise CheckpointRejected(
                     f"state hash of the uploaded tensors is {got[:12]}..., committed is {self.state_hash[:12]}..."
                 )
+            if self._store.describe is not None:
+                meta = {**self._store.describe(self.cell_id), "round": str(self.round), "state_hash": self.state_hash}
+                self._describe(meta)
             self._verified = True
         except BaseException:
             self.abort()
             raise
+
+    def _describe(self, metadata: Mapping[str, str]) -> None:
+        """Rewrite the verified temp file with `metadata` as its safetensors `__metadata__`
+        (the model config, so the stored file is self-describing). Only the header changes:
+        tensor offsets are relative to the end of the header, so the data bytes are copied
+        as they are and the state hash is unchanged; size and sha256 become the new file's."""
+        fd, tmp = tempfile.mkstemp(dir=self._tmp.parent, prefix=".upload-", suffix=".tmp")
+        new = Path(tmp)
+        h = hashlib.sha256()
+        size = 0
+        try:
+            with open(self._tmp, "rb") as src, os.fdopen(fd, "wb") as dst:
+                (n,) = struct.unpack("<Q", src.read(8))
+                if n > MAX_HEADER_BYTES:
+                    raise CheckpointRejected(f"safetensors header of {n} bytes")
+                header = json.loads(src.read(n))
+                if not isinstance(header, dict):
+                    raise CheckpointRejected("safetensors header is not a JSON object")
+                header["__metadata__"] = dict(metadata)  # the coordinator's description, not the uploader's
+                raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+                raw += b" " * (-len(raw) % 8)  # safetensors aligns the data start to 8 bytes
+                for chunk in (struct.pack("<Q", len(raw)), raw):
+                    dst.write(chunk)
+                    h.update(chunk)
+                    size += len(chunk)
+                while chunk := src.read(CHUNK_BYTES):
+                    dst.write(chunk)
+                    h.update(chunk)
+                    size += len(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+            with safe_open(str(new), framework="numpy") as check:
+                if dict(check.metadata() or {}) != dict(metadata):
+                    raise CheckpointRejected("the described checkpoint does not read back")
+        except (OSError, ValueError, SafetensorError) as e:
+            _unlink_quiet(new)
+            raise CheckpointRejected(f"cannot describe the checkpoint: {e}") from None
+        except BaseException:
+            _unlink_quiet(new)
+            raise
+        _unlink_quiet(self._tmp)
+        self._tmp, self.sha256, self.total_bytes = new, h.hexdigest(), size
 
     def publish(self, now_ms: int) -> CheckpointMeta:
         """Make a verified upload visible (atomic replace + index row + retention).
@@ -262,11 +309,16 @@ class CheckpointStore:
         keep: int,
         max_bytes: int,
         schema: Callable[[str], Schema] | None = None,
+        describe: Callable[[str], Mapping[str, str]] | None = None,
     ) -> None:
         """schema: a cell's expected tensors (the daemon passes the run spec's
-        `cell_state_schema`); None skips that check (unit tests of the file handling)."""
+        `cell_state_schema`); None skips that check (unit tests of the file handling).
+        describe: a cell's model description (`models.export.cell_metadata`), written into
+        every stored file's safetensors metadata with its round and state hash; None
+        stores the uploaded bytes as they are."""
         self.root = Path(root)
         self.schema = schema
+        self.describe = describe
         self.root.mkdir(parents=True, exist_ok=True)
         self._index = index
         self.keep = keep

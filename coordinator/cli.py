@@ -1,21 +1,32 @@
 """`bagel-coordinator`: run the coordinator daemon, or inspect a run's state.
 
     bagel-coordinator serve --run SPEC.toml --data-dir DIR [--listen HOST:PORT]
-        [--dht-listen MULTIADDR] [--initial-peers MULTIADDR ...] [--metrics-listen HOST:PORT]
+        [--dht-listen MULTIADDR] [--announce MULTIADDR ...] [--initial-peers MULTIADDR ...] [--metrics-listen HOST:PORT]
         [--tick-ms N] [--grace-s S] [--advertise-endpoint HOST:PORT] [--no-dht] [--max-workers N]
         [--tls-cert FILE --tls-key FILE | --insecure]
+        [--dashboard-listen HOST:PORT [--dashboard-public]] [--health-log-s S]
     bagel-coordinator status --data-dir DIR [--json]
     bagel-coordinator status --target HOST:PORT (--tls-fingerprint HEX | --insecure) [--key FILE] [--json]
     bagel-coordinator token keygen --data-dir DIR
     bagel-coordinator token create --data-dir DIR --expires-s S --uses N --name NAME [--operator-key FILE]
     bagel-coordinator token list --data-dir DIR [--json]
     bagel-coordinator token revoke --data-dir DIR NAME|ID
+    bagel-coordinator sample --data-dir DIR --out DIR [--n N] [--classes 0,3,7] [--steps S] [--guidance W]
+        [--seed S] [--routing top1|sample|mixture|prior] [--allow-partial]
+    bagel-coordinator export --data-dir DIR --out DIR --format safetensors|diffusers
 
 `serve` speaks gRPC over TLS by default: with the operator's `--tls-cert/--tls-key`, or
 else a self-signed certificate generated into the data dir on the first start and reused
 afterwards. It prints the fingerprint (`tls: sha256 HEX`), which the DHT record and the
 join string carry, so workers pin it; `--insecure` serves plaintext (loopback tests,
 benchmarks, a TLS-terminating proxy in front).
+
+Ports: gRPC on `--listen` (default 127.0.0.1:7070) and the DHT on the same host at the
+gRPC port + 1 (7071) unless `--dht-listen` says otherwise. The DHT's peer id lives in
+`DIR/dht.key`, so with fixed ports the printed join string is byte-identical across
+restarts on the same data dir and flags. `--announce` (repeatable) names the public
+multiaddrs the join string carries instead of the listen addresses (behind a port forward,
+a DNS name); `serve` warns when the join string names only loopback addresses.
 
 `status` reads the SQLite store read-only, so it works while the daemon runs (WAL readers
 never block the writer); `--target` asks a live daemon over gRPC (GetStatus) instead,
@@ -34,8 +45,17 @@ the data dir's SQLite store, and all three commands work while the daemon runs (
 revocation takes effect on the next Register at once, and removes a worker that joined
 with the token within a second).
 
-Exit codes: 0 clean stop, 1 the store failed while serving, 2 bad arguments or a data dir
-that cannot be used (another run's spec, locked by another daemon, malformed spec).
+Before it writes anything, `serve` checks every flag (HOST:PORT with an explicit port,
+multiaddrs, directories, free ports), the spec and everything it names
+(`bagel.coordinator.preflight`: codec, data, models, checkpoint.max_bytes, sizing) and an
+existing data dir's key and store, read-only; a refused serve leaves no data dir behind
+and an existing one unchanged. SIGTERM/SIGINT, to the process or its group, stop it within
+`--grace-s` + 10 s; a second one exits at once (`bagel.protocol.shutdown`).
+
+Every failure is one line on stderr (`bagel.protocol.clierrors`). Exit codes: 0 clean stop,
+1 a runtime failure (a port in use, a damaged store or key, the store failing while
+serving, a stop past its bound), 2 bad usage (a flag, the spec, a path, a data dir of
+another run or locked by another daemon), 128 + N a second signal N.
 """
 
 from __future__ import annotations
@@ -48,11 +68,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+from bagel.protocol.clierrors import (
+    EXIT_OK,
+    EXIT_RUNTIME,
+    EXIT_USAGE,
+    OneLineParser,
+    RuntimeFailure,
+    UsageError,
+    check_dir_arg,
+    check_host_port,
+    check_multiaddr,
+    check_port_free,
+    guarded,
+    version_text,
+)
+
+EXIT_FAILED = EXIT_RUNTIME
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bagel-coordinator", description="Bagel run coordinator.")
+    p = OneLineParser(prog="bagel-coordinator", description="Bagel run coordinator.")
+    p.add_argument("--version", action="version", version=version_text("bagel-coordinator"))
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("serve", help="run the coordinator daemon until SIGTERM/SIGINT")
@@ -80,9 +116,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--dht-listen",
-        default="/ip4/127.0.0.1/tcp/0",
+        default=None,
         metavar="MULTIADDR",
-        help="hivemind DHT listen multiaddr; default %(default)s",
+        help="hivemind DHT listen multiaddr; default: the --listen host, gRPC port + 1 (/ip4/127.0.0.1/tcp/7071)",
+    )
+    s.add_argument(
+        "--announce",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="public multiaddr of the DHT node (e.g. /ip4/203.0.113.7/tcp/7071), put in the join string "
+        "instead of the listen addresses; repeatable",
     )
     s.add_argument(
         "--initial-peers",
@@ -143,6 +187,24 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="refuse registrations (RESOURCE_EXHAUSTED) while N workers are active (default: no limit)",
     )
+    s.add_argument(
+        "--dashboard-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve the live dashboard there (printed as 'dashboard: URL'; loopback only; default: off)",
+    )
+    s.add_argument(
+        "--dashboard-public",
+        action="store_true",
+        help="allow a non-loopback --dashboard-listen (it has no authentication and lists every worker)",
+    )
+    s.add_argument(
+        "--health-log-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="log a one-line health summary every S seconds (0: never); default %(default)s",
+    )
 
     st = sub.add_parser("status", help="show workers, cells and rounds of a run")
     st.add_argument("--data-dir", type=Path, metavar="DIR", help="read the daemon's store (read-only)")
@@ -186,16 +248,25 @@ def _parser() -> argparse.ArgumentParser:
     tr = tsub.add_parser("revoke", help="revoke a token by name or id (takes effect on a running daemon)")
     tr.add_argument("--data-dir", required=True, type=Path, metavar="DIR")
     tr.add_argument("token", metavar="NAME|ID")
+
+    from bagel.coordinator import export
+
+    export.add_parsers(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        return _cmd_serve(args)
+        return guarded("error: ", lambda: _cmd_serve(args))
     if args.command == "token":
-        return _cmd_token(args)
-    return _cmd_status(args)
+        return guarded("error: ", lambda: _cmd_token(args))
+    if args.command in ("sample", "export"):
+        from bagel.coordinator import export
+
+        cmd = export.cmd_sample if args.command == "sample" else export.cmd_export
+        return guarded("error: ", lambda: cmd(args))
+    return guarded("error: ", lambda: _cmd_status(args))
 
 
 # ---------------------------------------------------------------------------- serve
@@ -206,27 +277,57 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     from bagel.coordinator.daemon import serve
-    from bagel.coordinator.store import StoreError
+    from bagel.coordinator.dashboard import DashboardAddressError, parse_listen
     from bagel.protocol.runspec import SpecError, load_spec
-    from bagel.protocol.tls import TLSError
 
     if args.tick_ms < 10:
-        print("error: --tick-ms must be at least 10", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("--tick-ms must be at least 10")
     if args.max_workers is not None and args.max_workers < 1:
-        print("error: --max-workers must be at least 1", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("--max-workers must be at least 1")
+    if not args.grace_s >= 0:
+        raise UsageError("--grace-s must be >= 0")
     if (args.tls_cert is None) != (args.tls_key is None):
-        print("error: give both --tls-cert and --tls-key, or neither", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("give both --tls-cert and --tls-key, or neither")
+    if not args.health_log_s >= 0:
+        raise UsageError("--health-log-s must be 0 (off) or a positive number of seconds")
+    if args.dashboard_listen is not None:
+        try:
+            parse_listen(args.dashboard_listen, public=args.dashboard_public)
+        except DashboardAddressError as e:
+            raise UsageError(str(e)) from None
     if args.insecure and args.tls_cert is not None:
-        print("error: --insecure contradicts --tls-cert/--tls-key", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError("--insecure contradicts --tls-cert/--tls-key")
+    listen_host, listen_port = check_host_port("--listen", args.listen)
+    metrics = check_host_port("--metrics-listen", args.metrics_listen) if args.metrics_listen else None
+    if args.advertise_endpoint:
+        check_host_port("--advertise-endpoint", args.advertise_endpoint)
+    if not args.no_dht:
+        if args.dht_listen:
+            check_multiaddr("--dht-listen", args.dht_listen)
+        for peer in args.initial_peers:
+            check_multiaddr("--initial-peers", peer)
+    check_dir_arg("--data-dir", args.data_dir)
     try:
         spec = load_spec(args.run)
     except (OSError, SpecError) as e:
-        print(f"error: run spec {args.run}: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UsageError(f"run spec {args.run}: {e}") from None
+    from bagel.protocol.dhtaddress import AddressError, check_announce, check_listen, dht_listen_for
+
+    try:
+        dht_listen = check_listen(args.dht_listen) if args.dht_listen else dht_listen_for(args.listen)
+        announce = check_announce(args.announce)
+    except AddressError as e:
+        raise UsageError(str(e)) from None
+    from bagel.coordinator.preflight import check_data_dir, check_spec
+
+    check_spec(spec)  # before anything is written: a refused serve leaves no data dir
+    if args.data_dir.is_dir():
+        check_data_dir(spec, args.data_dir)  # read-only: a damaged or foreign data dir is left as it is
+    check_port_free("--listen", listen_host, listen_port)
+    if metrics is not None:
+        check_port_free("--metrics-listen", *metrics)
+    fresh = not args.data_dir.exists()
+    serving: list[bool] = []  # set once the daemon serves: from then on its data dir holds the run
     try:
         return serve(
             spec,
@@ -235,7 +336,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             listen=args.listen,
             advertise=args.advertise_endpoint,
             dht=None if args.no_dht else True,
-            dht_listen=args.dht_listen,
+            dht_listen=dht_listen,
+            announce=announce,
             initial_peers=list(args.initial_peers),
             metrics_listen=args.metrics_listen,
             tick_ms=args.tick_ms,
@@ -243,74 +345,134 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             max_workers=args.max_workers,
+            dashboard_listen=args.dashboard_listen,
+            dashboard_public=args.dashboard_public,
+            health_log_s=args.health_log_s,
+            on_serving=lambda: serving.append(True),
         )
-    except StoreError as e:  # another spec in the data dir, locked, bad schema
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except TLSError as e:  # unreadable certificate or key, a key of another certificate
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    except BaseException as e:
+        if fresh and not serving and args.data_dir.is_dir():  # refused while starting: leave no data dir behind
+            import shutil
+
+            shutil.rmtree(args.data_dir, ignore_errors=True)
+        raise _serve_failure(e, args.data_dir) from e
+
+
+def _serve_failure(e: BaseException, data_dir: Path) -> BaseException:
+    """The one-line error for a serve that failed to start (or the exception as it is)."""
+    import sqlite3
+
+    from bagel.coordinator.dashboard import DashboardAddressError
+    from bagel.coordinator.store import StoreError
+    from bagel.models.initfrom import InitFromError
+    from bagel.protocol.dhtaddress import AddressError
+    from bagel.protocol.discovery import DiscoveryError, RelayLimitError
+    from bagel.protocol.identity import IdentityError, KeyFilePermissionError
+    from bagel.protocol.tls import TLSError
+
+    if isinstance(e, StoreError | TLSError | InitFromError | AddressError | DashboardAddressError):
+        # another spec in the data dir, locked; an unusable certificate; init_from weights that do
+        # not fit a cell (naming the tensor); a corrupt dht.key; the dashboard's port taken
+        return UsageError(str(e))
+    if isinstance(e, KeyFilePermissionError):
+        return RuntimeFailure(str(e))
+    if isinstance(e, IdentityError):
+        return RuntimeFailure(
+            f"{e}; restore {data_dir}/coordinator.key from a backup (a new key changes the join string "
+            "and orphans the run's workers)"
+        )
+    if isinstance(e, sqlite3.DatabaseError):
+        return RuntimeFailure(
+            f"the store {data_dir}/coordinator.sqlite3 is damaged ({e}): restore the data dir from a backup, "
+            "or start the run again in an empty data dir"
+        )
+    if isinstance(e, RelayLimitError):  # decided at each start of its p2p daemon (`bagel.protocol.relay`)
+        return RuntimeFailure(f"the DHT node did not start: {e}; start serve again")
+    if isinstance(e, DiscoveryError):
+        return RuntimeFailure(f"the DHT node did not start: {e}; check --dht-listen and --initial-peers")
+    if isinstance(e, RuntimeError) and "Failed to bind" in str(e):
+        return RuntimeFailure(f"{e}; another process may hold the port: choose another --listen")
+    return e
 
 
 # ---------------------------------------------------------------------------- status
 
 
 def status_from_store(data_dir: Path, rounds: int = 10) -> dict[str, Any]:
-    """The status document from the store (read-only)."""
+    """The status document from the store (read-only); the schema of `statusdoc.document`."""
+    from bagel.coordinator.daemon import STARTED_KEY
+    from bagel.coordinator.statusdoc import cell_commit_stats, document
     from bagel.coordinator.store import Store, to_json
+    from bagel.protocol import bagel_pb2 as pb
+    from bagel.protocol.runspec import SpecError, parse_cell, parse_spec
 
     store = Store.open_readonly(data_dir)
     try:
         spec = store.spec()
         snap = store.load(recent_commits=1)
-        commits = store.commits()
-        per_cell: dict[str, int] = {}
-        for cell, _r, _h in commits:
-            per_cell[cell] = per_cell.get(cell, 0) + 1
+        stats = cell_commit_stats(store.commit_records())
+        try:
+            target = parse_spec(spec.spec_toml).slo.cell_sample_target if spec else 0
+        except SpecError:
+            target = 0
+        started = store.get_kv(STARTED_KEY)
+        resp = pb.StatusResponse(
+            run_id=spec.run_id if spec else "",
+            spec_hash=spec.spec_hash if spec else "",
+            now_unix_ms=int(time.time() * 1000),
+            started_unix_ms=int(started) if isinstance(started, int) else 0,
+            detailed=True,
+        )
         members: dict[str, list[str]] = {}
+        counts: dict[str, int] = {"standby": 0}
         for w in snap.workers:
-            if w.state.value == "active" and w.cell_id:
+            state = w.state.value
+            counts[state] = counts.get(state, 0) + 1
+            if state == "active" and w.cell_id:
                 members.setdefault(w.cell_id, []).append(w.worker_id)
+            elif state == "active":
+                counts["standby"] += 1
+            resp.workers.add(
+                worker_id=w.worker_id,
+                name=w.profile.name,
+                state=state,
+                cell_id=w.cell_id,
+                reputation=w.reputation,
+                samples_per_s=float(w.throughput.get(w.cell_id, 0.0)) if w.cell_id else 0.0,
+                vram_bytes=w.profile.vram_bytes,
+                rounds_contributed=w.rounds_contributed,
+            )
+        for state, n in counts.items():
+            resp.worker_counts[state] = n
         open_rounds = {r.cell_id: r for r in snap.rounds}
-        return {
-            "source": str(data_dir),
-            "run_id": spec.run_id if spec else "",
-            "spec_hash": spec.spec_hash if spec else "",
-            "now_unix_ms": int(time.time() * 1000),
-            "workers": [
-                {
-                    "worker_id": w.worker_id,
-                    "name": w.profile.name,
-                    "state": w.state.value,
-                    "cell_id": w.cell_id,
-                    "reputation": w.reputation,
-                    "samples_per_s": float(w.throughput.get(w.cell_id, 0.0)) if w.cell_id else 0.0,
-                    "vram_bytes": w.profile.vram_bytes,
-                    "rounds_contributed": w.rounds_contributed,
-                }
-                for w in snap.workers
-            ],
-            "cells": [
-                {
-                    "cell_id": c.cell_id,
-                    "round": open_rounds[c.cell_id].round if c.cell_id in open_rounds else 0,
-                    "round_state": open_rounds[c.cell_id].state.value if c.cell_id in open_rounds else "none",
-                    "committed_round": c.committed_round,
-                    "committed_hash": c.committed_hash,
-                    "commits_recorded": per_cell.get(c.cell_id, 0),
-                    "members": sorted(members.get(c.cell_id, [])),
-                    "samples_committed": c.samples_committed,
-                    "last_loss": c.last_loss,
-                    "latest_checkpoint_round": c.checkpoint_round,
-                }
-                for c in snap.cells
-            ],
-            "rounds": [to_json(r) for r in store.recent_rounds(rounds)],
-            "checkpoints": [
+        for c in snap.cells:
+            r = open_rounds.get(c.cell_id)
+            rate, last_ms = stats.get(c.cell_id, (0.0, 0))
+            resp.cells.add(
+                cell_id=c.cell_id,
+                kind="router" if parse_cell(c.cell_id) is None else "expert",
+                round=r.round if r else 0,
+                round_state=r.state.value if r else "none",
+                committed_round=c.committed_round,
+                committed_hash=c.committed_hash,
+                members=sorted(members.get(c.cell_id, [])),
+                last_loss=c.last_loss,
+                latest_checkpoint_round=c.checkpoint_round,
+                samples_committed=c.samples_committed,
+                sample_target=target,
+                samples_per_s=rate,
+                last_commit_unix_ms=last_ms,
+            )
+        return document(
+            resp,
+            source=str(data_dir),
+            live=False,
+            rounds=[to_json(r) for r in store.recent_rounds(rounds)],
+            checkpoints=[
                 {"cell_id": m.cell_id, "round": m.round, "state_hash": m.state_hash, "total_bytes": m.total_bytes}
                 for m in store.list_checkpoints()
             ],
-        }
+        )
     finally:
         store.close()
 
@@ -325,7 +487,6 @@ def status_from_target(
     import asyncio
 
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol import bagel_pb2_grpc as pb_grpc
@@ -356,52 +517,69 @@ def status_from_target(
                 )
             return await stub.GetStatus(req, timeout=timeout_s)
 
-    resp = asyncio.run(ask())
-    doc = MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    doc["source"] = target
-    return doc
+    from bagel.coordinator.statusdoc import document
+
+    return document(asyncio.run(ask()), source=target, live=True)
+
+
+DASH = "—"  # what the table shows for a value the source does not know (null in the JSON)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return DASH
+    s = int(seconds)
+    if s < 120:
+        return f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _render(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=200)  # a pipe gets 80 columns, too narrow for worker ids
     console.print(
-        f"[bold]run[/bold] {doc.get('run_id', '')}  spec {str(doc.get('spec_hash', ''))[:12]}  ({doc['source']})"
+        f"[bold]run[/bold] {doc['run_id']}  spec {doc['spec_hash'][:12]}  up {_age(doc['uptime_s'])}  ({doc['source']})"
     )
     cells = Table(title="cells")
-    for col in ("cell", "round", "state", "committed", "hash", "members", "samples", "loss", "ckpt"):
+    for col in ("cell", "round", "state", "committed", "hash", "members", "samples", "target", "ETA", "loss", "ckpt"):
         cells.add_column(col)
-    for c in doc.get("cells", []):
+    for c in doc["cells"]:
         cells.add_row(
             c["cell_id"],
-            str(c.get("round", 0)),
-            str(c.get("round_state", "")),
-            str(c.get("committed_round", 0)),
-            str(c.get("committed_hash", ""))[:12],
-            str(len(c.get("members", []))),
-            str(c.get("samples_committed", 0)),
-            f"{float(c.get('last_loss', 0.0)):.4f}",
-            str(c.get("latest_checkpoint_round", -1)),
+            str(c["round"]),
+            c["round_state"],
+            str(c["committed_round"]),
+            c["committed_hash"][:12] or DASH,
+            str(len(c["members"])),
+            str(c["samples_committed"]),
+            DASH if c["sample_target"] is None else str(c["sample_target"]),
+            _age(c["eta_s"]),
+            DASH if c["last_loss"] is None else f"{c['last_loss']:.4f}",
+            DASH if c["latest_checkpoint_round"] is None else str(c["latest_checkpoint_round"]),
         )
     console.print(cells)
-    workers = Table(title=f"workers ({len(doc.get('workers', []))})")
-    for col in ("worker", "name", "state", "cell", "samples/s", "vram GiB", "rep", "rounds"):
+    workers = Table(title=f"workers ({len(doc['workers'])})")
+    for col in ("worker", "name", "state", "cell", "phase", "heartbeat", "samples/s", "vram GiB", "rep", "rounds"):
         workers.add_column(col)
-    for w in doc.get("workers", [])[:200]:
+    for w in doc["workers"][:200]:
         workers.add_row(
             w["worker_id"],
-            str(w.get("name", "")),
-            str(w.get("state", "")),
-            str(w.get("cell_id", "")),
-            f"{float(w.get('samples_per_s', 0.0)):.1f}",
-            f"{int(w.get('vram_bytes', 0)) / 2**30:.1f}",
-            f"{float(w.get('reputation', 0.0)):.2f}",
-            str(w.get("rounds_contributed", 0)),
+            w["name"],
+            w["state"],
+            w["cell_id"] or DASH,
+            w["phase"] or DASH,
+            _age(w["heartbeat_age_s"]),
+            f"{w['samples_per_s']:.1f}",
+            f"{w['vram_bytes'] / 2**30:.1f}",
+            f"{w['reputation']:.2f}",
+            str(w["rounds_contributed"]),
         )
     console.print(workers)
-    if doc.get("rounds"):
+    if doc["rounds"]:
         rounds = Table(title="recent rounds")
         for col in ("cell", "round", "attempt", "state", "members", "contributors", "reason"):
             rounds.add_column(col)
@@ -419,6 +597,8 @@ def _render(doc: dict[str, Any]) -> None:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    import sqlite3
+
     from bagel.coordinator.store import StoreError
     from bagel.protocol.tls import TLSError, check_fingerprint
 
@@ -452,6 +632,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     except (StoreError, IdentityError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except sqlite3.DatabaseError:
+        raise  # `guarded` says the store is damaged and what to do
     except (TLSError, OSError) as e:  # the pin failed, or no server there
         print(f"error: {args.target}: {e}", file=sys.stderr)
         return EXIT_FAILED

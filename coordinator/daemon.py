@@ -3,23 +3,29 @@
 `start_coordinator(...)` is the in-process API (tests start a real coordinator on port 0
 with it); `serve(...)` is the process (`bagel-coordinator serve`): it runs
 `start_coordinator` on uvloop, prints `listening: HOST:PORT`, `tls: sha256 <hex>` (or
-`tls: off (plaintext)`) and `join: <string>` once serving, and waits for SIGTERM/SIGINT,
-which set an event; the daemon then leaves through `finally: handle.stop()` (torchrun and
-hivemind's run_dht do the same):
+`tls: off (plaintext)`), `dashboard: URL` (with `--dashboard-listen`) and `join: <string>`
+once serving, and waits for SIGTERM/SIGINT
+(`bagel.protocol.shutdown.StopSignals`: the first sets an event and arms a watchdog of
+`stop_bound_s(grace_s)`, a second exits at once); the daemon then leaves through
+`finally: handle.stop()` (torchrun and hivemind's run_dht do the same):
 
 1. health goes NOT_SERVING (load balancers and probes stop sending);
 2. the gRPC server stops accepting and gives in-flight calls `grace_s` to finish;
-3. the tick task stops, the store writer drains (every acknowledged change is already
-   durable; this flushes and closes SQLite);
+3. the tick task and the event log's task stop, the dashboard (if served) closes, the
+   store writer drains (every acknowledged change is already durable; this flushes and
+   closes SQLite);
 4. the DHT record publisher stops and the DHT node (a child process) shuts down;
-5. exit 0.
+5. any descendant still running is terminated; exit 0.
 
 The data dir holds: `coordinator.sqlite3` (the store), `coordinator.key` (Ed25519, mode
 0600, created on first start), `tls.crt` and `tls.key` (the self-signed TLS certificate,
 key mode 0600, created on the first start that serves TLS without `--tls-cert`, then
-reused so its fingerprint stays stable; see `bagel.protocol.tls`), `checkpoints/`, and
-`coordinator.lock`, an advisory lock so two daemons never share a data dir. A data dir
-bound to another run spec is refused.
+reused so its fingerprint stays stable; see `bagel.protocol.tls`), `dht.key` (the DHT
+node's libp2p key, created on the first start with a DHT: its peer id, and with a fixed
+DHT port the whole join string, stays the same across restarts; see
+`bagel.protocol.dhtaddress`), `checkpoints/`, `datashards/` (the data shards served to
+workers without the dataset, built on demand), and `coordinator.lock`, an advisory lock so
+two daemons never share a data dir. A data dir bound to another run spec is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ import functools
 import gc
 import logging
 import os
-import signal
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,18 +52,33 @@ from bagel.coordinator.app import CoordinatorApp
 from bagel.coordinator.checkpoints import CheckpointStore, Schema
 from bagel.coordinator.core.records import CellConfig
 from bagel.coordinator.core.state import CoordinatorState
+from bagel.coordinator.dashboard import start_dashboard
+from bagel.coordinator.datashards import DataShardStore
+from bagel.coordinator.eventfeed import DEFAULT_HEALTH_PERIOD_S, log_loop
 from bagel.coordinator.interceptor import SERVICE_NAME, ErrorInterceptor
 from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.servicer import CoordinatorServicer
 from bagel.coordinator.store import Store, StoreError
 from bagel.coordinator.writer import AsyncWriter
+from bagel.models import initfrom
 from bagel.models.experts import cell_state_schema
+from bagel.models.export import cell_metadata
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
+from bagel.protocol.dhtaddress import (
+    DHT_KEY_FILE,
+    host_of,
+    join_peers,
+    load_or_create_identity,
+    loopback_only,
+    node_id_for,
+    port_of,
+)
 from bagel.protocol.envelope import wall_clock_ms
 from bagel.protocol.grpc_options import server_options
 from bagel.protocol.identity import Identity
 from bagel.protocol.runspec import RunSpec
+from bagel.protocol.shutdown import StopSignals, descendants, end_descendants
 from bagel.protocol.tls import ServerCertificate, TLSError, load_or_create_self_signed, load_server_certificate
 
 log = logging.getLogger(__name__)
@@ -66,9 +86,23 @@ log = logging.getLogger(__name__)
 KEY_FILE = "coordinator.key"
 LOCK_FILE = "coordinator.lock"
 CELL_CONFIGS_KEY = "cell_configs"
+STARTED_KEY = "daemon_started_unix_ms"  # kv: when the daemon last started (status --data-dir: uptime)
 DEFAULT_TICK_MS = 250
 DEFAULT_GRACE_S = 5.0
 DEFAULT_DHT_LISTEN = "/ip4/127.0.0.1/tcp/0"
+LOOPBACK_WARNING = (
+    "the join string names only loopback addresses: workers on other machines cannot join "
+    "(serve with --listen 0.0.0.0:7070, or --announce /ip4/PUBLIC_IP/tcp/7071)"
+)
+# A stop on SIGTERM/SIGINT takes at most --grace-s for in-flight calls plus this much for the
+# rest (the writer's drain, the DHT child's shutdown, which hivemind bounds by 3 s); past
+# that the process exits anyway (`bagel.protocol.shutdown`).
+STOP_MARGIN_S = 10.0
+
+
+def stop_bound_s(grace_s: float) -> float:
+    """The documented bound of a graceful stop: `grace_s` plus `STOP_MARGIN_S`."""
+    return grace_s + STOP_MARGIN_S
 
 
 class DataDirLocked(StoreError):
@@ -84,15 +118,29 @@ def _lock_data_dir(data_dir: Path) -> int:
         raise DataDirLocked(f"another coordinator is running on {data_dir} (it holds {LOCK_FILE})") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
+    from bagel.protocol.shutdown import close_in_children
+
+    close_in_children(fd)  # a forked DHT child must not keep the lock
     return fd
 
 
-def _advertised(listen: str, port: int, advertise: str | None) -> str:
+def _unlock_data_dir(fd: int) -> None:
+    from bagel.protocol.shutdown import keep_in_children
+
+    keep_in_children(fd)
+    os.close(fd)  # releases the flock
+
+
+def _advertised(listen: str, port: int, advertise: str | None, dht_peers: Sequence[str] = ()) -> str:
+    """The gRPC endpoint the DHT record names: `advertise`, else the listen host; for a
+    wildcard listen, the host of the join string's first own peer (an announced or routable
+    address, so the record and the join string agree), else the host name's address."""
     if advertise:
         return advertise
     host = listen.rsplit(":", 1)[0].strip("[]")
     if host in ("", "0.0.0.0", "::"):
-        host = socket.gethostbyname(socket.gethostname())
+        host = host_of(dht_peers[0]) if dht_peers else ""
+        host = host or socket.gethostbyname(socket.gethostname())
     return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
 
 
@@ -124,9 +172,13 @@ class CoordinatorHandle:
     tls_fingerprint: str = ""  # sha256 of the served certificate; "" = plaintext
     dht: Any = None
     join: str | None = None
+    join_peers: tuple[str, ...] = ()  # the join string's DHT peers
     publisher: Any = None
     own_dht: bool = False
+    dashboard: Any = None  # the DashboardServer, with `--dashboard-listen`
+    datashards: DataShardStore | None = None  # the data shards served to workers without the dataset
     _tick_task: asyncio.Task[None] | None = None
+    _story_task: asyncio.Task[None] | None = None
     _lock_fd: int | None = None
     _stopped: bool = False
     fatal: asyncio.Event = field(default_factory=asyncio.Event)
@@ -145,9 +197,12 @@ class CoordinatorHandle:
             await self.server.stop(grace_s)
         finally:
             self.app.accepting = False
-            if self._tick_task is not None:
-                self._tick_task.cancel()
-                await asyncio.gather(self._tick_task, return_exceptions=True)
+            tasks = [t for t in (self._tick_task, self._story_task) if t is not None]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.dashboard is not None:
+                await self.dashboard.stop()
             try:
                 await self.app.writer.close()
             finally:
@@ -158,7 +213,7 @@ class CoordinatorHandle:
                     await asyncio.to_thread(self.dht.shutdown)
                 self.metrics.stop()
                 if self._lock_fd is not None:
-                    os.close(self._lock_fd)  # releases the flock
+                    _unlock_data_dir(self._lock_fd)
 
 
 async def start_coordinator(
@@ -168,6 +223,7 @@ async def start_coordinator(
     listen: str = "127.0.0.1:0",
     dht: Any = None,
     dht_listen: str = DEFAULT_DHT_LISTEN,
+    announce: Sequence[str] = (),
     initial_peers: Sequence[str] = (),
     advertise: str | None = None,
     metrics_listen: str | None = None,
@@ -179,13 +235,19 @@ async def start_coordinator(
     tls_key: str | Path | None = None,
     checkpoint_schema: Callable[[str], Schema] | None = None,
     max_workers: int | None = None,
+    dashboard_listen: str | None = None,
+    dashboard_public: bool = False,
+    health_log_s: float = DEFAULT_HEALTH_PERIOD_S,
 ) -> CoordinatorHandle:
     """Start a coordinator in this event loop.
 
     dht: None = no DHT (tests that only need gRPC), True = start a hivemind DHT node on
     `dht_listen` bootstrapped from `initial_peers` (owned: shut down by `stop`), or an
     existing `hivemind.DHT` (not owned). With a DHT, the signed coordinator record is
-    published and refreshed, and `handle.join` is the join string.
+    published and refreshed, and `handle.join` is the join string. An owned node's peer id
+    is the data dir's `dht.key` (created on the first start) and it announces `announce`
+    (public multiaddrs with explicit ports) if given, so with a fixed port the join string
+    is byte-identical across restarts (`bagel.protocol.dhtaddress`).
     cells: CellConfigs to use instead of the stored/computed ones (tests; first start only).
     tls: serve gRPC over TLS with `tls_cert`/`tls_key` (PEM files), or without them with
     the data dir's self-signed certificate (generated on the first start, then reused);
@@ -196,6 +258,9 @@ async def start_coordinator(
     the run spec builds it (`cell_state_schema`). Tests whose simulated workers train a
     stand-in state pass that state's schema.
     max_workers: refuse a Register (RESOURCE_EXHAUSTED) once this many workers are active.
+    dashboard_listen: serve the live dashboard there (`bagel.coordinator.dashboard`; loopback
+    only unless `dashboard_public`). health_log_s: the period of the one-line health summary
+    in the log (`bagel.coordinator.eventfeed`); 0 = none (the per-minute commit summary stays).
     """
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -207,6 +272,9 @@ async def start_coordinator(
     try:
         if (tls_cert is None) != (tls_key is None):
             raise TLSError("give both a TLS certificate and its key, or neither")
+        if spec.model.init_from:  # a checkpoint that does not fit is refused before anything starts
+            started = await asyncio.to_thread(initfrom.check, spec)
+            log.info("model.init_from %s starts cells %s", spec.init_path or spec.model.init_from, started)
         certificate: ServerCertificate | None = None
         if tls_cert is not None and tls_key is not None:
             certificate = load_server_certificate(Path(tls_cert), Path(tls_key))
@@ -215,17 +283,25 @@ async def start_coordinator(
         identity = Identity.load_or_create(data_dir / KEY_FILE)
         if dht is True:
             # before any gRPC server thread exists: hivemind forks its DHT process
-            from bagel.protocol.discovery import CoordinatorRecordValidator, start_dht
+            from bagel.protocol.discovery import CoordinatorRecordValidator, start_dht, start_relay_dht
+            from bagel.protocol.relay import RelayPlan, host_ip, install_p2pd_args, is_loopback
 
+            # the coordinator's DHT node is a circuit relay for volunteers behind NATs; one that
+            # listens on loopback only serves this host, where nobody needs a relay
+            install_p2pd_args()
+            listen_ip = host_ip(dht_listen)
             own_dht = dht = await asyncio.to_thread(
-                start_dht,
+                start_dht if listen_ip is not None and is_loopback(listen_ip) else start_relay_dht,
                 host_maddrs=[dht_listen],
                 initial_peers=list(initial_peers),
                 record_validators=[CoordinatorRecordValidator(spec.run.id, identity.public_key)],
+                **_stable_dht_kwargs(data_dir, announce),
+                **RelayPlan(serve=True).dht_kwargs(),
             )
         store = Store.open(data_dir)
         now = clock()
         store.bind_spec(spec.run.id, spec.spec_hash, spec.source, now)
+        store.put_kv(STARTED_KEY, now)  # `status --data-dir` shows the uptime since this start
         if cells is not None and store.get_kv(CELL_CONFIGS_KEY) is None:
             store.put_kv(CELL_CONFIGS_KEY, sizing.configs_to_json(cells))
         configs = await asyncio.to_thread(load_cell_configs, spec, store)
@@ -254,6 +330,8 @@ async def start_coordinator(
             keep=spec.checkpoint.keep,
             max_bytes=spec.checkpoint.max_bytes,
             schema=checkpoint_schema or functools.lru_cache(maxsize=None)(functools.partial(cell_state_schema, spec)),
+            # stored checkpoints carry their model config (not for the tests' stand-in tensors)
+            describe=functools.partial(cell_metadata, spec) if checkpoint_schema is None else None,
         )
         metrics = Metrics()
         metrics_port = None
@@ -264,10 +342,12 @@ async def start_coordinator(
         fatal = asyncio.Event()
         app = CoordinatorApp(spec, state, writer, checkpoints, metrics, clock=clock, on_fatal=lambda e: fatal.set())
 
+        app.started_ms = now  # the same start time GetStatus and the store's STARTED_KEY give
         app.status_keys.add(identity.public_key)  # `bagel-coordinator status --target --key DIR/coordinator.key`
         interceptor = ErrorInterceptor(metrics, limit_peer=app.admission.limit_peer)
         server = grpc.aio.server(interceptors=[interceptor], options=server_options())
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(app), server)
+        datashards = DataShardStore(data_dir / "datashards", spec)
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(app, datashards=datashards), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         reflection.enable_server_reflection(
@@ -287,7 +367,16 @@ async def start_coordinator(
         await server.start()
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
         await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        endpoint = _advertised(listen, port, advertise)
+        peers: tuple[str, ...] = ()
+        if dht is not None and dht is not False:
+            peers = join_peers(
+                str(dht.peer_id.to_base58()),
+                [str(m) for m in dht.get_visible_maddrs()],
+                announce=announce,
+                listen_port=port_of(dht_listen) if own_dht is not None else 0,
+                extra=[str(p) for p in initial_peers],
+            )
+        endpoint = _advertised(listen, port, advertise, peers[:1] if own_dht is not None else ())
         handle = CoordinatorHandle(
             spec=spec,
             data_dir=data_dir,
@@ -301,10 +390,18 @@ async def start_coordinator(
             metrics=metrics,
             metrics_port=metrics_port,
             tls_fingerprint="" if certificate is None else certificate.fingerprint,
+            join_peers=peers,
             _lock_fd=lock_fd,
             fatal=fatal,
+            datashards=datashards,
         )
         handle._tick_task = asyncio.create_task(app.tick_loop(tick_ms), name="bagel-coordinator-tick")
+        handle._story_task = asyncio.create_task(
+            log_loop(app.feed, app.tally.counts, clock, health_period_s=health_log_s or None),
+            name="bagel-coordinator-story",
+        )
+        if dashboard_listen:
+            handle.dashboard = start_dashboard(app, dashboard_listen, public=dashboard_public, clock=clock)
         if dht is not None and dht is not False:
             handle.dht, handle.own_dht = dht, own_dht is not None
             await _publish(handle)
@@ -319,12 +416,30 @@ async def start_coordinator(
                 store.close()
             if own_dht is not None:
                 await asyncio.to_thread(own_dht.shutdown)
-            os.close(lock_fd)
+            _unlock_data_dir(lock_fd)
         raise
 
 
+def _stable_dht_kwargs(data_dir: Path, announce: Sequence[str]) -> dict[str, Any]:
+    """hivemind.DHT arguments that keep the node's address across restarts: the data dir's
+    libp2p key, the routing id derived from it, the announced multiaddrs."""
+    key = data_dir / DHT_KEY_FILE
+    peer_id = load_or_create_identity(key)
+    # hivemind's check that no other peer uses the identity (with initial peers) starts a
+    # second p2p daemon on every start; the data dir's lock already keeps it to one daemon
+    kwargs: dict[str, Any] = {
+        "identity_path": str(key),
+        "check_if_identity_free": False,
+        "node_id": node_id_for(peer_id),
+    }
+    if announce:
+        kwargs["announce_maddrs"] = list(announce)
+    return kwargs
+
+
 async def _publish(handle: CoordinatorHandle) -> None:
-    """Publish the signed coordinator record (refreshed in the background); set the join string."""
+    """Publish the signed coordinator record (refreshed in the background); set the join string
+    (its peers, `handle.join_peers`, in a fixed order: `dhtaddress.join_peers`)."""
     from bagel.protocol.discovery import CoordinatorPublisher
     from bagel.protocol.joinstring import make_join_string
 
@@ -338,8 +453,7 @@ async def _publish(handle: CoordinatorHandle) -> None:
         tls_sha256=handle.tls_fingerprint,
     )
     await handle.publisher.start()
-    maddrs = [str(m) for m in handle.dht.get_visible_maddrs()]
-    handle.join = make_join_string(spec.run.id, handle.identity.public_key, maddrs, handle.tls_fingerprint)
+    handle.join = make_join_string(spec.run.id, handle.identity.public_key, handle.join_peers, handle.tls_fingerprint)
 
 
 # ---------------------------------------------------------------------------- process
@@ -395,17 +509,18 @@ async def _serve(
     *,
     grace_s: float,
     out: Callable[[str], None],
+    on_serving: Callable[[], None] = lambda: None,
     **kwargs: Any,
 ) -> int:
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    signals = StopSignals("bagel-coordinator", lambda _name: stop.set(), stop_bound_s(grace_s))
+    signals.install()
     handle: CoordinatorHandle | None = None
     full_gc: asyncio.Task[None] | None = None
     stop_gc_watch: Callable[[], None] | None = None
     try:
         handle = await start_coordinator(spec, data_dir, **kwargs)
+        on_serving()
         _tame_gc()
         stop_gc_watch = handle.metrics.watch_gc()
         full_gc = asyncio.create_task(_full_gc_every(FULL_GC_PERIOD_S), name="bagel-coordinator-full-gc")
@@ -414,8 +529,12 @@ async def _serve(
         if handle.metrics_port is not None:
             host = kwargs.get("metrics_listen", "").rpartition(":")[0] or "127.0.0.1"
             out(f"metrics: http://{host}:{handle.metrics_port}/metrics")
+        if handle.dashboard is not None:
+            out(f"dashboard: {handle.dashboard.url}")
         if handle.join is not None:
             out(f"join: {handle.join}")
+            if loopback_only(handle.join_peers):
+                log.warning(LOOPBACK_WARNING)
         waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(handle.fatal.wait())]
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         for w in waiters:
@@ -432,18 +551,24 @@ async def _serve(
             stop_gc_watch()
         if handle is not None:
             await handle.stop(grace_s)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        signals.remove()
 
 
 def serve(spec: RunSpec, data_dir: str | Path, *, grace_s: float = DEFAULT_GRACE_S, **kwargs: Any) -> int:
-    """Run the daemon until SIGTERM/SIGINT; returns the exit status (0 on a clean stop)."""
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status (0 on a clean stop).
+
+    `on_serving()` (a keyword argument) is called once the daemon serves: a caller that
+    removes a data dir it created when the start fails must not remove one that served."""
     import uvloop
 
     def out(line: str) -> None:
         print(line, flush=True)
 
-    return uvloop.run(_serve(spec, Path(data_dir), grace_s=grace_s, out=out, **kwargs))
+    already = set(descendants())  # the caller's own children (serve called in-process) are not ours
+    try:
+        return uvloop.run(_serve(spec, Path(data_dir), grace_s=grace_s, out=out, **kwargs))
+    finally:
+        end_descendants(spare=already)  # no child of the daemon outlives it
 
 
 __all__ = ["CoordinatorHandle", "DataDirLocked", "serve", "start_coordinator"]

@@ -16,11 +16,12 @@ import grpc
 
 from bagel.coordinator import sizing
 from bagel.coordinator import translate as wire
-from bagel.coordinator.admission import UploadIdle, client_address
+from bagel.coordinator.admission import ShardStreamExpired, UploadIdle, client_address
 from bagel.coordinator.app import CoordinatorApp
 from bagel.coordinator.checkpoints import CheckpointTooLarge
 from bagel.coordinator.core.errors import CoordinatorError
 from bagel.coordinator.core.events import CheckpointStored
+from bagel.coordinator.datashards import DataShardStore, DataUnavailable
 from bagel.coordinator.interceptor import UploadProtocolError
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 # grpc/grpc#43486). So a refused upload first reads and drops what the client is still
 # sending, bounded in bytes and time so that a hostile stream cannot hold the handler.
 _DRAIN_MAX_BYTES = 8 << 20
+# a data-shard stream's deadline: this slack plus its bytes at this rate (a worker resumes after)
+SHARD_STREAM_SLACK_S = 30.0
+SHARD_STREAM_MIN_RATE = 32 << 10
 _DRAIN_MAX_S = 2.0
 
 
@@ -55,9 +59,10 @@ async def _drain(chunks: AsyncIterator[pb.CheckpointUploadChunk]) -> None:
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Translates protobuf <-> core events; no decisions are made here."""
 
-    def __init__(self, app: CoordinatorApp) -> None:
+    def __init__(self, app: CoordinatorApp, datashards: DataShardStore | None = None) -> None:
         self.app = app
         self._checkpoint_bounds: dict[str, int] = {}
+        self.datashards = datashards  # None: this coordinator serves no data
 
     async def AdmissionChallenge(
         self, request: pb.AdmissionChallengeRequest, context: grpc.aio.ServicerContext
@@ -93,6 +98,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             if undo is not None:
                 await app.writer.run(app.writer.store.restore_token, *undo)
             raise
+        p = msg.profile
+        log.info(
+            "worker %s (%s) registered: %s, %s",
+            v.worker_id[:12],
+            p.name[:40] or "?",
+            pb.PeerReachability.Name(p.reachability).removeprefix("PEER_REACHABILITY_").lower(),
+            p.reachability_detail[:160] or "reachability not reported",
+        )
         return pb.RegisterResponse(
             worker_id=v.worker_id,
             lease_expires_unix_ms=out.lease_expires_ms or 0,
@@ -100,6 +113,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             spec_toml=app.spec.source,
             spec_hash=app.spec.spec_hash,
             instruction=wire.instruction_to_pb(out.instruction),
+            init_sha256=app.spec.init_sha256,
         )
 
     async def Heartbeat(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
@@ -111,6 +125,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def ReportRound(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.ReportRoundResponse:
         v = self.app.verify(request, "ReportRound")
+        self.app.observe_report(v.worker_id, v.message)
         out = await self.app.apply(wire.report_event(v.worker_id, v.message))
         return pb.ReportRoundResponse(
             verdict=wire.verdict_to_pb(out.verdict),  # type: ignore[arg-type]
@@ -235,3 +250,47 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             gen = app.checkpoints.iter_chunks(meta)
             while (chunk := await asyncio.to_thread(next, gen, None)) is not None:
                 yield pb.CheckpointDownloadChunk(data=chunk)
+
+    # ------------------------------------------------------------------ data shards
+
+    def _shards(self) -> DataShardStore:
+        if self.datashards is None:
+            raise DataUnavailable("this coordinator serves no data shards: every worker needs its own copy")
+        return self.datashards
+
+    async def GetDataManifest(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.DataManifest:
+        app = self.app
+        v = app.verify(request, "GetDataManifest")
+        app.state.instruction_for(v.worker_id, app.clock())  # registered workers only (else NOT_FOUND)
+        req: pb.DataManifestRequest = v.message
+        if req.partition_only:
+            return await self._shards().partition(req.cell_id)
+        return await self._shards().manifest(req.cell_id)
+
+    async def FetchDataShard(
+        self, request: pb.SignedRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DataShardChunk]:
+        app = self.app
+        v = app.verify(request, "FetchDataShard")
+        req: pb.FetchDataShardRequest = v.message
+        app.state.instruction_for(v.worker_id, app.clock())
+        store = self._shards()
+        ref = await store.lookup(req.sha256, req.offset)
+        # a deadline from the size: past it the slot is given back even while a client that
+        # stopped reading holds the stream, and the stream ends at its next chunk
+        limit_s = SHARD_STREAM_SLACK_S + (ref.nbytes - req.offset) / SHARD_STREAM_MIN_RATE
+        deadline = time.monotonic() + limit_s
+        admission = app.admission
+        slot = admission.take_shard_slot(v.worker_id)
+        timer = asyncio.get_running_loop().call_later(limit_s, admission.release_shard_slot, v.worker_id, slot)
+        try:
+            gen = store.read(ref, req.offset)
+            offset = req.offset
+            while (chunk := await asyncio.to_thread(next, gen, None)) is not None:
+                if time.monotonic() > deadline:
+                    raise ShardStreamExpired(f"shard stream past its {limit_s:.0f} s deadline: resume from {offset}")
+                yield pb.DataShardChunk(offset=offset, data=chunk, total_bytes=ref.nbytes)
+                offset += len(chunk)
+        finally:
+            timer.cancel()
+            admission.release_shard_slot(v.worker_id, slot)

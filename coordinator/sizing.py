@@ -116,7 +116,8 @@ CHECKPOINT_HEADER_SLACK_BYTES = 1 << 20
 
 def checkpoint_bytes_bound(spec: RunSpec, cell_id: str) -> int:
     """The most bytes an honest checkpoint of `cell_id` takes: float32 weights and outer
-    momentum (`worker/diloco.py`'s CellState) plus a header slack. An upload declaring more
-    is refused before any byte is accepted. Imports the models (slow): call it once per
-    cell, off the event loop."""
-    return 8 * _param_count(spec, cell_id) + CHECKPOINT_HEADER_SLACK_BYTES
+    momentum (`worker/diloco.py`'s CellState), and the average of the weights where the run
+    keeps one (`[ema]`), plus a header slack. An upload declaring more is refused before any
+    byte is accepted. Imports the models (slow): call it once per cell, off the event loop."""
+    copies = 3 if spec.ema.decay > 0 else 2
+    return 4 * copies * _param_count(spec, cell_id) + CHECKPOINT_HEADER_SLACK_BYTES

@@ -125,16 +125,19 @@ def cell_param_count(spec: RunSpec, cell_id: str) -> int:
 
 
 # A cell's committed state as stored and hashed: "w.<param>" weights and "m.<param>" outer
-# momentum (`worker/diloco.py`'s CellState.to_flat uses these), float32, one per parameter.
+# momentum (`worker/diloco.py`'s CellState.to_flat uses these), float32, one per parameter,
+# and with `[ema] decay` > 0 the average of the committed weights, "ema.<param>".
 WEIGHT_PREFIX = "w."
 MOMENTUM_PREFIX = "m."
+EMA_PREFIX = "ema."
 
 
 def cell_state_schema(spec: RunSpec, cell_id: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (safetensors dtype, shape)} of a cell's committed state, from the spec
     alone: the trainable parameters of its model, built on the meta device (no memory,
-    no init), each as a float32 weight and a float32 momentum of the same shape. What a
-    checkpoint of the cell must hold, exactly (the coordinator checks uploads against it)."""
+    no init), each as a float32 weight and a float32 momentum of the same shape, plus a
+    float32 average when the spec keeps one (`[ema]`). What a checkpoint of the cell must
+    hold, exactly (the coordinator checks uploads against it)."""
     with torch.device("meta"):
         model = build(cell_config(spec, cell_id))
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -142,15 +145,18 @@ def cell_state_schema(spec: RunSpec, cell_id: str) -> dict[str, tuple[str, tuple
         if p.requires_grad:
             out[WEIGHT_PREFIX + n] = ("F32", tuple(p.shape))
             out[MOMENTUM_PREFIX + n] = ("F32", tuple(p.shape))
+            if spec.ema.decay > 0:
+                out[EMA_PREFIX + n] = ("F32", tuple(p.shape))
     return out
 
 
 def cell_memory_bytes(spec: RunSpec, cell_id: str, micro_batch: int) -> int:
-    """Training memory of a cell: STATE_COPIES x params x 4 bytes + activations (closed form)."""
+    """Training memory of a cell: STATE_COPIES (+1 with `[ema]`) x params x 4 bytes + activations (closed form)."""
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
     cfg = cell_config(spec, cell_id)
-    return STATE_COPIES * BYTES_PER_FLOAT * _count(cfg) + activation_bytes(cfg, micro_batch)
+    copies = STATE_COPIES + (1 if spec.ema.decay > 0 else 0)  # the average of the committed weights
+    return copies * BYTES_PER_FLOAT * _count(cfg) + activation_bytes(cfg, micro_batch)
 
 
 @dataclass(frozen=True)
@@ -167,15 +173,25 @@ class CellTask:
     config: ModelConfig
 
     def build_model(self) -> nn.Module:
-        """Initial weights: a function of (run seed, cell id) only; bit-identical everywhere.
+        """Initial weights: a function of (run seed, cell id) only, or the spec's `model.init_from`
+        weights (verified against the digest in the spec hash); bit-identical everywhere.
 
         Seeds the global generator inside fork_rng, so the caller's RNG state is unchanged."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed("init", self.spec.run.seed, self.cell_id))
             model = build(self.config)
+        if self.spec.model.init_from:  # start from the run's pretrained weights where they fit
+            from bagel.models import initfrom
+
+            initfrom.apply(self.spec, self.cell_id, model)
         return model
 
     def _select(self, heldout: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        from bagel.models import datashards
+
+        fetched = datashards.installed(self.spec, self.cell_id)  # shards from the coordinator
+        if fetched is not None:
+            return (fetched.x_heldout, fetched.y_heldout) if heldout else (fetched.x_train, fetched.y_train)
         ds = load_dataset(self.spec)
         x, y = (ds.x_heldout, ds.y_heldout) if heldout else (ds.x_train, ds.y_train)
         labels = torch.from_numpy(ds.manifest.heldout_labels if heldout else ds.manifest.train_labels)

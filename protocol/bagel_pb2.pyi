@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PeerReachability(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PEER_REACHABILITY_UNKNOWN: _ClassVar[PeerReachability]
+    PEER_REACHABILITY_DIRECT: _ClassVar[PeerReachability]
+    PEER_REACHABILITY_RELAYED: _ClassVar[PeerReachability]
+    PEER_REACHABILITY_UNREACHABLE: _ClassVar[PeerReachability]
+
 class Order(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ORDER_UNSPECIFIED: _ClassVar[Order]
@@ -32,6 +39,10 @@ class Verdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERDICT_COMMITTED: _ClassVar[Verdict]
     VERDICT_RESYNC: _ClassVar[Verdict]
     VERDICT_ABORTED: _ClassVar[Verdict]
+PEER_REACHABILITY_UNKNOWN: PeerReachability
+PEER_REACHABILITY_DIRECT: PeerReachability
+PEER_REACHABILITY_RELAYED: PeerReachability
+PEER_REACHABILITY_UNREACHABLE: PeerReachability
 ORDER_UNSPECIFIED: Order
 ORDER_WAIT: Order
 ORDER_SYNC: Order
@@ -81,7 +92,7 @@ class PeerAddress(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerProfile(_message.Message):
-    __slots__ = ("name", "device_kind", "device_name", "vram_bytes", "num_devices", "link_bandwidth_bytes_per_s", "samples_per_s", "software_version")
+    __slots__ = ("name", "device_kind", "device_name", "vram_bytes", "num_devices", "link_bandwidth_bytes_per_s", "samples_per_s", "software_version", "reachability", "reachability_detail")
     class SamplesPerSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +108,8 @@ class WorkerProfile(_message.Message):
     LINK_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_DETAIL_FIELD_NUMBER: _ClassVar[int]
     name: str
     device_kind: str
     device_name: str
@@ -105,7 +118,9 @@ class WorkerProfile(_message.Message):
     link_bandwidth_bytes_per_s: float
     samples_per_s: _containers.ScalarMap[str, float]
     software_version: str
-    def __init__(self, name: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., vram_bytes: _Optional[int] = ..., num_devices: _Optional[int] = ..., link_bandwidth_bytes_per_s: _Optional[float] = ..., samples_per_s: _Optional[_Mapping[str, float]] = ..., software_version: _Optional[str] = ...) -> None: ...
+    reachability: PeerReachability
+    reachability_detail: str
+    def __init__(self, name: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., vram_bytes: _Optional[int] = ..., num_devices: _Optional[int] = ..., link_bandwidth_bytes_per_s: _Optional[float] = ..., samples_per_s: _Optional[_Mapping[str, float]] = ..., software_version: _Optional[str] = ..., reachability: _Optional[_Union[PeerReachability, str]] = ..., reachability_detail: _Optional[str] = ...) -> None: ...
 
 class LocalState(_message.Message):
     __slots__ = ("cell_id", "committed_round", "state_hash")
@@ -118,14 +133,16 @@ class LocalState(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "peer", "max_samples")
+    __slots__ = ("worker_id", "peer", "max_samples", "no_reduce")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NO_REDUCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     peer: PeerAddress
     max_samples: int
-    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., max_samples: _Optional[int] = ...) -> None: ...
+    no_reduce: bool
+    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., max_samples: _Optional[int] = ..., no_reduce: _Optional[bool] = ...) -> None: ...
 
 class RoundPlan(_message.Message):
     __slots__ = ("inner_steps", "micro_batch", "grad_accum", "deadline_unix_ms", "members")
@@ -142,17 +159,19 @@ class RoundPlan(_message.Message):
     def __init__(self, inner_steps: _Optional[int] = ..., micro_batch: _Optional[int] = ..., grad_accum: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
 
 class Donor(_message.Message):
-    __slots__ = ("worker_id", "peer", "checkpoint_round")
+    __slots__ = ("worker_id", "peer", "checkpoint_round", "expected_bytes_per_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     peer: PeerAddress
     checkpoint_round: int
-    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., checkpoint_round: _Optional[int] = ...) -> None: ...
+    expected_bytes_per_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., checkpoint_round: _Optional[int] = ..., expected_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class Instruction(_message.Message):
-    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt", "round_attempt")
+    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt", "round_attempt", "donors")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +184,7 @@ class Instruction(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     ROUND_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    DONORS_FIELD_NUMBER: _ClassVar[int]
     order: Order
     cell_id: str
     round: int
@@ -177,7 +197,8 @@ class Instruction(_message.Message):
     reason: str
     reduce_attempt: int
     round_attempt: int
-    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ...) -> None: ...
+    donors: _containers.RepeatedCompositeFieldContainer[Donor]
+    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ..., donors: _Optional[_Iterable[_Union[Donor, _Mapping]]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "profile", "peer", "local", "join_token", "pow_challenge", "pow_nonce")
@@ -198,20 +219,22 @@ class RegisterRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., profile: _Optional[_Union[WorkerProfile, _Mapping]] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., join_token: _Optional[bytes] = ..., pow_challenge: _Optional[bytes] = ..., pow_nonce: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "lease_expires_unix_ms", "heartbeat_interval_ms", "spec_toml", "spec_hash", "instruction")
+    __slots__ = ("worker_id", "lease_expires_unix_ms", "heartbeat_interval_ms", "spec_toml", "spec_hash", "instruction", "init_sha256")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     SPEC_TOML_FIELD_NUMBER: _ClassVar[int]
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    INIT_SHA256_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     lease_expires_unix_ms: int
     heartbeat_interval_ms: int
     spec_toml: str
     spec_hash: str
     instruction: Instruction
-    def __init__(self, worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., spec_toml: _Optional[str] = ..., spec_hash: _Optional[str] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
+    init_sha256: str
+    def __init__(self, worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., spec_toml: _Optional[str] = ..., spec_hash: _Optional[str] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ..., init_sha256: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("header", "phase", "cell_id", "round", "inner_step", "loss", "samples", "local", "reduce_attempt", "round_attempt")
@@ -246,7 +269,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class ReportRoundRequest(_message.Message):
-    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt", "audit", "heldout_loss", "heldout_loss_base")
+    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt", "audit", "heldout_loss", "heldout_loss_base", "data_ms", "forward_backward_ms", "optimizer_ms", "encode_ms", "exchange_ms", "outer_step_ms", "waiting_ms", "cuda_free_bytes", "cuda_peak_allocated_bytes", "rss_bytes")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +286,16 @@ class ReportRoundRequest(_message.Message):
     AUDIT_FIELD_NUMBER: _ClassVar[int]
     HELDOUT_LOSS_FIELD_NUMBER: _ClassVar[int]
     HELDOUT_LOSS_BASE_FIELD_NUMBER: _ClassVar[int]
+    DATA_MS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_MS_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_MS_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGE_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_MS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_PEAK_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     cell_id: str
     round: int
@@ -279,7 +312,17 @@ class ReportRoundRequest(_message.Message):
     audit: AuditPart
     heldout_loss: float
     heldout_loss_base: float
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., audit: _Optional[_Union[AuditPart, _Mapping]] = ..., heldout_loss: _Optional[float] = ..., heldout_loss_base: _Optional[float] = ...) -> None: ...
+    data_ms: int
+    forward_backward_ms: int
+    optimizer_ms: int
+    encode_ms: int
+    exchange_ms: int
+    outer_step_ms: int
+    waiting_ms: int
+    cuda_free_bytes: int
+    cuda_peak_allocated_bytes: int
+    rss_bytes: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., audit: _Optional[_Union[AuditPart, _Mapping]] = ..., heldout_loss: _Optional[float] = ..., heldout_loss_base: _Optional[float] = ..., data_ms: _Optional[int] = ..., forward_backward_ms: _Optional[int] = ..., optimizer_ms: _Optional[int] = ..., encode_ms: _Optional[int] = ..., exchange_ms: _Optional[int] = ..., outer_step_ms: _Optional[int] = ..., waiting_ms: _Optional[int] = ..., cuda_free_bytes: _Optional[int] = ..., cuda_peak_allocated_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
 
 class AuditPart(_message.Message):
     __slots__ = ("part", "first_block", "senders")
@@ -292,20 +335,26 @@ class AuditPart(_message.Message):
     def __init__(self, part: _Optional[int] = ..., first_block: _Optional[int] = ..., senders: _Optional[_Iterable[_Union[AuditSender, _Mapping]]] = ...) -> None: ...
 
 class AuditSender(_message.Message):
-    __slots__ = ("sender", "norm", "max_cosine", "nearest", "excluded", "sketch")
+    __slots__ = ("sender", "norm", "max_cosine", "nearest", "excluded", "sketch", "loss_gain", "loss_gain_random", "loss_measured")
     SENDER_FIELD_NUMBER: _ClassVar[int]
     NORM_FIELD_NUMBER: _ClassVar[int]
     MAX_COSINE_FIELD_NUMBER: _ClassVar[int]
     NEAREST_FIELD_NUMBER: _ClassVar[int]
     EXCLUDED_FIELD_NUMBER: _ClassVar[int]
     SKETCH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_GAIN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_GAIN_RANDOM_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MEASURED_FIELD_NUMBER: _ClassVar[int]
     sender: str
     norm: float
     max_cosine: float
     nearest: str
     excluded: str
     sketch: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sender: _Optional[str] = ..., norm: _Optional[float] = ..., max_cosine: _Optional[float] = ..., nearest: _Optional[str] = ..., excluded: _Optional[str] = ..., sketch: _Optional[_Iterable[int]] = ...) -> None: ...
+    loss_gain: float
+    loss_gain_random: float
+    loss_measured: bool
+    def __init__(self, sender: _Optional[str] = ..., norm: _Optional[float] = ..., max_cosine: _Optional[float] = ..., nearest: _Optional[str] = ..., excluded: _Optional[str] = ..., sketch: _Optional[_Iterable[int]] = ..., loss_gain: _Optional[float] = ..., loss_gain_random: _Optional[float] = ..., loss_measured: _Optional[bool] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
     __slots__ = ("verdict", "instruction")
@@ -346,7 +395,7 @@ class StatusAuthRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "name", "state", "cell_id", "phase", "lease_expires_unix_ms", "reputation", "samples_per_s", "vram_bytes", "rounds_contributed")
+    __slots__ = ("worker_id", "name", "state", "cell_id", "phase", "lease_expires_unix_ms", "reputation", "samples_per_s", "vram_bytes", "rounds_contributed", "last_heartbeat_unix_ms", "reachability", "reachability_detail")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +406,9 @@ class WorkerStatus(_message.Message):
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     VRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_DETAIL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     name: str
     state: str
@@ -367,10 +419,13 @@ class WorkerStatus(_message.Message):
     samples_per_s: float
     vram_bytes: int
     rounds_contributed: int
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., cell_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., lease_expires_unix_ms: _Optional[int] = ..., reputation: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., vram_bytes: _Optional[int] = ..., rounds_contributed: _Optional[int] = ...) -> None: ...
+    last_heartbeat_unix_ms: int
+    reachability: PeerReachability
+    reachability_detail: str
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., cell_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., lease_expires_unix_ms: _Optional[int] = ..., reputation: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., vram_bytes: _Optional[int] = ..., rounds_contributed: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., reachability: _Optional[_Union[PeerReachability, str]] = ..., reachability_detail: _Optional[str] = ...) -> None: ...
 
 class CellStatus(_message.Message):
-    __slots__ = ("cell_id", "kind", "round", "round_state", "committed_round", "committed_hash", "members", "target_share", "actual_share", "last_loss", "latest_checkpoint_round", "samples_committed")
+    __slots__ = ("cell_id", "kind", "round", "round_state", "committed_round", "committed_hash", "members", "target_share", "actual_share", "last_loss", "latest_checkpoint_round", "samples_committed", "sample_target", "samples_per_s", "last_commit_unix_ms")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +438,9 @@ class CellStatus(_message.Message):
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     LATEST_CHECKPOINT_ROUND_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_TARGET_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMMIT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
     kind: str
     round: int
@@ -395,10 +453,13 @@ class CellStatus(_message.Message):
     last_loss: float
     latest_checkpoint_round: int
     samples_committed: int
-    def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[str] = ..., round: _Optional[int] = ..., round_state: _Optional[str] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., target_share: _Optional[float] = ..., actual_share: _Optional[float] = ..., last_loss: _Optional[float] = ..., latest_checkpoint_round: _Optional[int] = ..., samples_committed: _Optional[int] = ...) -> None: ...
+    sample_target: int
+    samples_per_s: float
+    last_commit_unix_ms: int
+    def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[str] = ..., round: _Optional[int] = ..., round_state: _Optional[str] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., target_share: _Optional[float] = ..., actual_share: _Optional[float] = ..., last_loss: _Optional[float] = ..., latest_checkpoint_round: _Optional[int] = ..., samples_committed: _Optional[int] = ..., sample_target: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., last_commit_unix_ms: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("run_id", "spec_hash", "now_unix_ms", "workers", "cells", "detailed", "worker_counts")
+    __slots__ = ("run_id", "spec_hash", "now_unix_ms", "workers", "cells", "detailed", "worker_counts", "started_unix_ms")
     class WorkerCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +474,7 @@ class StatusResponse(_message.Message):
     CELLS_FIELD_NUMBER: _ClassVar[int]
     DETAILED_FIELD_NUMBER: _ClassVar[int]
     WORKER_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     spec_hash: str
     now_unix_ms: int
@@ -420,7 +482,8 @@ class StatusResponse(_message.Message):
     cells: _containers.RepeatedCompositeFieldContainer[CellStatus]
     detailed: bool
     worker_counts: _containers.ScalarMap[str, int]
-    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[str] = ..., now_unix_ms: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., cells: _Optional[_Iterable[_Union[CellStatus, _Mapping]]] = ..., detailed: _Optional[bool] = ..., worker_counts: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    started_unix_ms: int
+    def __init__(self, run_id: _Optional[str] = ..., spec_hash: _Optional[str] = ..., now_unix_ms: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., cells: _Optional[_Iterable[_Union[CellStatus, _Mapping]]] = ..., detailed: _Optional[bool] = ..., worker_counts: _Optional[_Mapping[str, int]] = ..., started_unix_ms: _Optional[int] = ...) -> None: ...
 
 class UploadCheckpointHeader(_message.Message):
     __slots__ = ("header", "cell_id", "round", "state_hash", "total_bytes", "sha256")
@@ -557,3 +620,61 @@ class AccuseResponse(_message.Message):
     convicted: str
     reason: str
     def __init__(self, convicted: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DataManifestRequest(_message.Message):
+    __slots__ = ("header", "cell_id", "partition_only")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTITION_ONLY_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    cell_id: str
+    partition_only: bool
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., partition_only: _Optional[bool] = ...) -> None: ...
+
+class DataShardRef(_message.Message):
+    __slots__ = ("sha256", "nbytes", "split", "cluster", "count")
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    sha256: str
+    nbytes: int
+    split: str
+    cluster: int
+    count: int
+    def __init__(self, sha256: _Optional[str] = ..., nbytes: _Optional[int] = ..., split: _Optional[str] = ..., cluster: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class DataManifest(_message.Message):
+    __slots__ = ("cell_id", "cluster_manifest_sha256", "shards", "train_count", "heldout_count")
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HELDOUT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    cell_id: str
+    cluster_manifest_sha256: str
+    shards: _containers.RepeatedCompositeFieldContainer[DataShardRef]
+    train_count: int
+    heldout_count: int
+    def __init__(self, cell_id: _Optional[str] = ..., cluster_manifest_sha256: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[DataShardRef, _Mapping]]] = ..., train_count: _Optional[int] = ..., heldout_count: _Optional[int] = ...) -> None: ...
+
+class FetchDataShardRequest(_message.Message):
+    __slots__ = ("header", "sha256", "offset")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    sha256: str
+    offset: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., sha256: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class DataShardChunk(_message.Message):
+    __slots__ = ("offset", "data", "total_bytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    total_bytes: int
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_bytes: _Optional[int] = ...) -> None: ...

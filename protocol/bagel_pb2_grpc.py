@@ -79,6 +79,16 @@ class CoordinatorStub:
                 request_serializer=bagel__pb2.SignedRequest.SerializeToString,
                 response_deserializer=bagel__pb2.AccuseResponse.FromString,
                 _registered_method=True)
+        self.GetDataManifest = channel.unary_unary(
+                '/bagel.v1.Coordinator/GetDataManifest',
+                request_serializer=bagel__pb2.SignedRequest.SerializeToString,
+                response_deserializer=bagel__pb2.DataManifest.FromString,
+                _registered_method=True)
+        self.FetchDataShard = channel.unary_stream(
+                '/bagel.v1.Coordinator/FetchDataShard',
+                request_serializer=bagel__pb2.SignedRequest.SerializeToString,
+                response_deserializer=bagel__pb2.DataShardChunk.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -148,6 +158,21 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetDataManifest(self, request, context):
+        """payload: DataManifestRequest. The content-addressed data shards one cell needs
+        (for a worker with no local copy of the run's dataset).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchDataShard(self, request, context):
+        """payload: FetchDataShardRequest. The shard's bytes from `offset` on, in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +220,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Accuse,
                     request_deserializer=bagel__pb2.SignedRequest.FromString,
                     response_serializer=bagel__pb2.AccuseResponse.SerializeToString,
+            ),
+            'GetDataManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetDataManifest,
+                    request_deserializer=bagel__pb2.SignedRequest.FromString,
+                    response_serializer=bagel__pb2.DataManifest.SerializeToString,
+            ),
+            'FetchDataShard': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchDataShard,
+                    request_deserializer=bagel__pb2.SignedRequest.FromString,
+                    response_serializer=bagel__pb2.DataShardChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +475,60 @@ class Coordinator:
             '/bagel.v1.Coordinator/Accuse',
             bagel__pb2.SignedRequest.SerializeToString,
             bagel__pb2.AccuseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetDataManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagel.v1.Coordinator/GetDataManifest',
+            bagel__pb2.SignedRequest.SerializeToString,
+            bagel__pb2.DataManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchDataShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/bagel.v1.Coordinator/FetchDataShard',
+            bagel__pb2.SignedRequest.SerializeToString,
+            bagel__pb2.DataShardChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,9 +20,9 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -183,7 +183,7 @@ class CoordinatorClient:
             )
         resp: pb.RegisterResponse = await self.call("Register", req, timeout_s=timeout_s)  # type: ignore[assignment]
         try:
-            actual = spec_source_hash(resp.spec_toml)
+            actual = spec_source_hash(resp.spec_toml, resp.init_sha256)
         except SpecError as e:
             raise SpecMismatch(f"the coordinator's spec_toml does not parse: {e}") from None
         if actual != resp.spec_hash:
@@ -237,8 +237,11 @@ class CoordinatorClient:
         audit: PartAudit | None = None,
         heldout_loss: float | None = None,
         heldout_loss_base: float | None = None,
+        round_metrics: Mapping[str, int] | None = None,
         timeout_s: float | None = None,
     ) -> pb.ReportRoundResponse:
+        """`round_metrics`: the report's phase times and memory fields (`data_ms`, ...,
+        `rss_bytes`), by field name."""
         req = pb.ReportRoundRequest(
             cell_id=cell_id,
             round=round,
@@ -259,6 +262,8 @@ class CoordinatorClient:
             req.heldout_loss = heldout_loss
         if heldout_loss_base is not None:
             req.heldout_loss_base = heldout_loss_base
+        for name, value in (round_metrics or {}).items():
+            setattr(req, name, int(value))
         return await self.call("ReportRound", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
     async def accuse(self, evidence: pb.EvidenceRequest, *, timeout_s: float | None = None) -> pb.AccuseResponse:
@@ -308,10 +313,12 @@ class CoordinatorClient:
         *,
         chunk_bytes: int = CHECKPOINT_CHUNK_BYTES,
         timeout_s: float | None = None,
+        pace: Callable[[int], Awaitable[None]] | None = None,
     ) -> pb.UploadCheckpointResponse:
         """Stream a safetensors file (bytes or a path) as a signed header then data chunks.
 
         A file is read twice (sha256 first, then streamed) so memory stays at one chunk.
+        `pace(n)` is awaited before each chunk of n bytes leaves (the worker's upload cap).
         """
         if not 0 < chunk_bytes <= MAX_MESSAGE_BYTES - 4096:
             raise ValueError(f"chunk_bytes must be in (0, {MAX_MESSAGE_BYTES - 4096}]")
@@ -331,6 +338,8 @@ class CoordinatorClient:
             yield pb.CheckpointUploadChunk(header=signed)
             if blob is not None:
                 for off in range(0, total, chunk_bytes):
+                    if pace is not None:
+                        await pace(min(chunk_bytes, total - off))
                     yield pb.CheckpointUploadChunk(data=blob[off : off + chunk_bytes])
             else:
                 assert path is not None
@@ -341,6 +350,8 @@ class CoordinatorClient:
                         if not piece:
                             raise CheckpointIntegrityError(f"{path} shrank while uploading")
                         sent += len(piece)
+                        if pace is not None:
+                            await pace(len(piece))
                         yield pb.CheckpointUploadChunk(data=piece)
 
         timeout = timeout_s or max(self.timeout_s, 60.0)
@@ -391,6 +402,22 @@ class CoordinatorClient:
         if hasher.hexdigest() != info.sha256:
             raise CheckpointIntegrityError("sha256 of the downloaded bytes does not match the checkpoint info")
         return info, bytes(buf)
+
+    async def get_data_manifest(
+        self, cell_id: str, *, partition_only: bool = False, timeout_s: float | None = None
+    ) -> pb.DataManifest:
+        """The data shards `cell_id` needs (for a worker without a local copy of the dataset);
+        with `partition_only`, only the sha256 of the coordinator's cluster manifest."""
+        req = pb.DataManifestRequest(cell_id=cell_id, partition_only=partition_only)
+        resp = await self.call("GetDataManifest", req, timeout_s=timeout_s)
+        assert isinstance(resp, pb.DataManifest)
+        return resp
+
+    def fetch_data_shard(self, sha256: str, offset: int = 0, *, timeout_s: float) -> Any:
+        """The stream of a data shard's bytes from `offset` on (`DataShardChunk`s, a grpc.aio
+        call: iterate it, `cancel()` it); the caller checks offsets, size and sha256."""
+        signed = self.sign("FetchDataShard", pb.FetchDataShardRequest(sha256=sha256, offset=offset))
+        return self._stub.FetchDataShard(signed, timeout=timeout_s)
 
 
 def _file_sha256(path: Path) -> tuple[int, str]:

@@ -10,6 +10,8 @@ does not know becomes UNSPECIFIED.
 
 from __future__ import annotations
 
+import math
+
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.messages import (
     Donor,
@@ -20,12 +22,16 @@ from bagel.protocol.messages import (
     PartAudit,
     PeerAddress,
     Profile,
+    Reachability,
     RoundPlan,
     SenderAudit,
     Verdict,
 )
+from bagel.protocol.runspec import MAX_SYNC_DONORS
 
 # ---------------------------------------------------------------- proto -> domain
+
+_REACHABILITIES = frozenset(int(r) for r in Reachability)
 
 
 def peer_from_pb(p: pb.PeerAddress) -> PeerAddress:
@@ -42,6 +48,8 @@ def profile_from_pb(p: pb.WorkerProfile) -> Profile:
         link_bandwidth_bytes_per_s=p.link_bandwidth_bytes_per_s,
         samples_per_s=dict(sorted(p.samples_per_s.items())),
         software_version=p.software_version,
+        reachability=Reachability(p.reachability) if p.reachability in _REACHABILITIES else Reachability.UNKNOWN,
+        reachability_detail=p.reachability_detail,
     )
 
 
@@ -50,7 +58,26 @@ def local_from_pb(p: pb.LocalState) -> LocalState:
 
 
 def member_from_pb(m: pb.Member) -> Member:
-    return Member(worker_id=m.worker_id, peer=peer_from_pb(m.peer), max_samples=m.max_samples)
+    return Member(worker_id=m.worker_id, peer=peer_from_pb(m.peer), max_samples=m.max_samples, no_reduce=m.no_reduce)
+
+
+def donor_from_pb(d: pb.Donor) -> Donor:
+    bw = d.expected_bytes_per_s
+    return Donor(
+        worker_id=d.worker_id,
+        peer=peer_from_pb(d.peer),
+        checkpoint_round=d.checkpoint_round,
+        expected_bytes_per_s=bw if math.isfinite(bw) and bw > 0 else 0.0,  # a bad figure reads as unknown
+    )
+
+
+def donor_to_pb(d: Donor) -> pb.Donor:
+    return pb.Donor(
+        worker_id=d.worker_id,
+        peer=peer_to_pb(d.peer),
+        checkpoint_round=d.checkpoint_round,
+        expected_bytes_per_s=d.expected_bytes_per_s,
+    )
 
 
 def instruction_from_pb(p: pb.Instruction) -> Instruction:
@@ -65,10 +92,7 @@ def instruction_from_pb(p: pb.Instruction) -> Instruction:
             deadline_unix_ms=q.deadline_unix_ms,
             members=tuple(member_from_pb(m) for m in q.members),
         )
-    donor = None
-    if p.HasField("donor"):
-        d = p.donor
-        donor = Donor(worker_id=d.worker_id, peer=peer_from_pb(d.peer), checkpoint_round=d.checkpoint_round)
+    donor = donor_from_pb(p.donor) if p.HasField("donor") else None
     return Instruction(
         order=order_from_pb(p.order),
         cell_id=p.cell_id,
@@ -78,6 +102,7 @@ def instruction_from_pb(p: pb.Instruction) -> Instruction:
         plan=plan,
         contributors=tuple(member_from_pb(m) for m in p.contributors),
         donor=donor,
+        donors=tuple(donor_from_pb(d) for d in p.donors[:MAX_SYNC_DONORS]),  # more are not read
         upload_checkpoint=p.upload_checkpoint,
         reason=p.reason,
         reduce_attempt=p.reduce_attempt,
@@ -89,7 +114,20 @@ def audit_from_pb(p: pb.AuditPart) -> PartAudit:
     return PartAudit(
         p.part,
         p.first_block,
-        tuple(SenderAudit(s.sender, s.norm, s.max_cosine, s.nearest, s.excluded, tuple(s.sketch)) for s in p.senders),
+        tuple(
+            SenderAudit(
+                s.sender,
+                s.norm,
+                s.max_cosine,
+                s.nearest,
+                s.excluded,
+                tuple(s.sketch),
+                loss_gain=s.loss_gain,
+                loss_gain_random=s.loss_gain_random,
+                loss_measured=s.loss_measured,
+            )
+            for s in p.senders
+        ),
     )
 
 
@@ -117,7 +155,7 @@ def local_to_pb(s: LocalState) -> pb.LocalState:
 
 
 def member_to_pb(m: Member) -> pb.Member:
-    return pb.Member(worker_id=m.worker_id, peer=peer_to_pb(m.peer), max_samples=m.max_samples)
+    return pb.Member(worker_id=m.worker_id, peer=peer_to_pb(m.peer), max_samples=m.max_samples, no_reduce=m.no_reduce)
 
 
 def instruction_to_pb(ins: Instruction | None) -> pb.Instruction:
@@ -148,10 +186,8 @@ def instruction_to_pb(ins: Instruction | None) -> pb.Instruction:
     if ins.contributors:
         out.contributors.extend(member_to_pb(m) for m in ins.contributors)
     if ins.donor is not None:
-        dn = ins.donor
-        out.donor.CopyFrom(
-            pb.Donor(worker_id=dn.worker_id, peer=peer_to_pb(dn.peer), checkpoint_round=dn.checkpoint_round)
-        )
+        out.donor.CopyFrom(donor_to_pb(ins.donor))
+    out.donors.extend(donor_to_pb(d) for d in ins.donors)
     return out
 
 
@@ -167,6 +203,9 @@ def audit_to_pb(a: PartAudit) -> pb.AuditPart:
                 nearest=s.nearest,
                 excluded=s.excluded,
                 sketch=list(s.sketch),
+                loss_gain=s.loss_gain,
+                loss_gain_random=s.loss_gain_random,
+                loss_measured=s.loss_measured,
             )
             for s in a.senders
         ],

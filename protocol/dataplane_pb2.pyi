@@ -142,19 +142,25 @@ class EvidenceReceipt(_message.Message):
     def __init__(self, tag: _Optional[_Union[ExchangeTag, _Mapping]] = ..., part: _Optional[int] = ..., reducer: _Optional[str] = ..., role: _Optional[_Union[EvidenceRole, str]] = ..., result_sha256: _Optional[bytes] = ..., inputs: _Optional[_Iterable[_Union[ContributionHeader, _Mapping]]] = ..., excluded: _Optional[_Iterable[_Union[Exclusion, _Mapping]]] = ..., reducer_rule: _Optional[str] = ..., codec: _Optional[str] = ..., total_numel: _Optional[int] = ..., layout_digest: _Optional[str] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("run_id", "cell_id", "committed_round", "state_hash")
+    __slots__ = ("run_id", "cell_id", "committed_round", "state_hash", "offset", "length", "pieces_only")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PIECES_ONLY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     cell_id: str
     committed_round: int
     state_hash: str
-    def __init__(self, run_id: _Optional[str] = ..., cell_id: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
+    offset: int
+    length: int
+    pieces_only: bool
+    def __init__(self, run_id: _Optional[str] = ..., cell_id: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., pieces_only: _Optional[bool] = ...) -> None: ...
 
 class StateInfo(_message.Message):
-    __slots__ = ("status", "reason", "cell_id", "committed_round", "state_hash", "total_nbytes", "sha256", "chunk_nbytes")
+    __slots__ = ("status", "reason", "cell_id", "committed_round", "state_hash", "total_nbytes", "sha256", "chunk_nbytes", "range_offset", "range_nbytes", "piece_nbytes", "piece_sha256")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +169,10 @@ class StateInfo(_message.Message):
     TOTAL_NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     CHUNK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    RANGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RANGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PIECE_SHA256_FIELD_NUMBER: _ClassVar[int]
     status: Status
     reason: str
     cell_id: str
@@ -171,4 +181,8 @@ class StateInfo(_message.Message):
     total_nbytes: int
     sha256: str
     chunk_nbytes: int
-    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., cell_id: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ..., total_nbytes: _Optional[int] = ..., sha256: _Optional[str] = ..., chunk_nbytes: _Optional[int] = ...) -> None: ...
+    range_offset: int
+    range_nbytes: int
+    piece_nbytes: int
+    piece_sha256: bytes
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., cell_id: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ..., total_nbytes: _Optional[int] = ..., sha256: _Optional[str] = ..., chunk_nbytes: _Optional[int] = ..., range_offset: _Optional[int] = ..., range_nbytes: _Optional[int] = ..., piece_nbytes: _Optional[int] = ..., piece_sha256: _Optional[bytes] = ...) -> None: ...

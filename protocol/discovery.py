@@ -42,8 +42,10 @@ import asyncio
 import functools
 import gc
 import logging
+import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +57,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from bagel.protocol.identity import Identity, verify_signature
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
+from bagel.protocol.shutdown import prepare_child
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +91,17 @@ class RecordError(DiscoveryError):
     """A DHT record is malformed, signed by another key, for another run, or expired."""
 
 
+class BootstrapUnreachable(DiscoveryError):
+    """The DHT node could reach none of its bootstrap peers (the coordinator is down or unreachable)."""
+
+
 class CoordinatorNotFound(DiscoveryError):
     """No valid coordinator record was found before the timeout (the message says what was seen)."""
+
+
+class RelayLimitError(DiscoveryError):
+    """A relay node's circuit relay answered a reservation with limits other than ours (the
+    daemon's default-limit relay service serves: `bagel.protocol.relay`, "two relay services")."""
 
 
 def coordinator_key(run_id: str) -> str:
@@ -234,18 +246,45 @@ class CoordinatorRecordValidator(RecordValidatorBase):
 # ---------------------------------------------------------------------------- DHT nodes
 
 
-def start_dht(*, timeout_s: float = DHT_START_TIMEOUT_S, **kwargs: Any) -> Any:
+@functools.cache
+def _child_safe_dht_class() -> type:
+    """`hivemind.DHT` whose forked child first runs `shutdown.prepare_child` (SIGTERM kills
+    it, SIGINT is ignored, it exits when its parent dies): see `bagel.protocol.shutdown`."""
+    import hivemind
+
+    class ChildSafeDHT(hivemind.DHT):
+        p2pd_env: dict[str, str] = {}  # noqa: RUF012  (replaced per instance, never mutated)
+
+        def run(self) -> None:
+            prepare_child()
+            # the child's environment is the one its p2p daemon inherits (`P2P.create` copies it)
+            os.environ.update(self.p2pd_env)
+            super().run()
+
+    return ChildSafeDHT
+
+
+def start_dht(
+    *, timeout_s: float = DHT_START_TIMEOUT_S, p2pd_env: Mapping[str, str] | None = None, **kwargs: Any
+) -> Any:
     """Start a `hivemind.DHT(**kwargs)` node and wait at most `timeout_s` for it.
+
+    The node is a child process with a p2p daemon of its own. When the process that
+    started it dies without stopping it (SIGKILL to the pid alone, an OOM kill), the child
+    notices within `shutdown.PARENT_POLL_S`, ends its p2p daemon and exits: left alive,
+    the pair would keep the DHT port and the peer id, so a restart on the same data dir and
+    port would be refused. The child also closes the descriptors `shutdown.close_in_children`
+    names (the data dir locks), which the fork would otherwise hand it.
 
     `hivemind.DHT(start=True)` waits for its child without a bound, so a child that never
     comes up (its p2p daemon failing to start, a fork that deadlocks on a lock some other
     thread held) would block the caller forever, and with it any executor joining the
     thread it ran in. Here the child is terminated and DiscoveryError raised instead.
+    `p2pd_env` is added to the environment of the child, and so of its p2p daemon, alone.
     Blocking: call it through `asyncio.to_thread` from a coroutine.
     """
-    import hivemind
-
-    dht = hivemind.DHT(start=False, **kwargs)
+    dht = _child_safe_dht_class()(start=False, **kwargs)
+    dht.p2pd_env = dict(p2pd_env or {})
     # The node is a forked child. Objects it inherits from us (gRPC channels and servers
     # among them) must never be collected there: their finalizers call into gRPC's core,
     # which does not survive a fork, and a child crashing in a collection was seen under
@@ -260,6 +299,9 @@ def start_dht(*, timeout_s: float = DHT_START_TIMEOUT_S, **kwargs: Any) -> Any:
         if dht.is_alive():
             dht.terminate()
             dht.join(5)
+        if isinstance(e, Exception) and "failed to connect to bootstrap peers" in str(e):
+            peers = ", ".join(kwargs.get("initial_peers") or []) or "none"
+            raise BootstrapUnreachable(f"none of the DHT bootstrap peers answered ({peers})") from e
         if isinstance(e, Exception) and not isinstance(e, DiscoveryError):
             raise DiscoveryError(f"the DHT node did not start within {timeout_s:g}s: {e!r}") from e
         raise
@@ -267,6 +309,66 @@ def start_dht(*, timeout_s: float = DHT_START_TIMEOUT_S, **kwargs: Any) -> Any:
         if not frozen_before:
             gc.unfreeze()
     return dht
+
+
+RELAY_START_ATTEMPTS = 3  # with RELAY_P2PD_ENV ours lost 1 of 60 starts measured on a loaded 2-core host
+
+
+def start_relay_dht(*, attempts: int = RELAY_START_ATTEMPTS, **kwargs: Any) -> Any:
+    """`start_dht` for a node that serves as a circuit relay (`RelayPlan(serve=True)`), with its
+    p2p daemon in `RELAY_P2PD_ENV`, checked: its relay must answer a reservation with our limits.
+
+    The p2p daemon runs two relay services, one with go-libp2p's default limits; which one
+    serves is decided at the daemon's start, by the Go scheduler (`bagel.protocol.relay`, "two
+    relay services"). With the defaults every relayed connection is reset after 128 KiB, so no
+    exchange between NAT'd workers could complete. A start that answers with other limits is
+    stopped and started again (same key and port), with a warning; after `attempts` such
+    starts RelayLimitError is raised, a startup error rather than a run that fails later. A
+    relay that cannot be asked (the probe itself fails) is kept as it is, with a warning.
+    Blocking, like `start_dht`."""
+    from bagel.protocol.relay import RELAY_P2PD_ENV, probe_relay_limit
+
+    for attempt in range(1, attempts + 1):
+        try:
+            dht = start_dht(p2pd_env=RELAY_P2PD_ENV, **kwargs)
+        except DiscoveryError:
+            if attempt == 1:
+                raise  # as start_dht would: this node does not start at all
+            time.sleep(1.0)  # the node just stopped may still hold its port
+            dht = start_dht(p2pd_env=RELAY_P2PD_ENV, **kwargs)
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        peer_id = dht.peer_id.to_base58()
+        # the listen address as seen from this host too (an announced address may not hairpin)
+        local = [re.sub(r"^/ip4/[^/]+/", "/ip4/127.0.0.1/", m) for m in maddrs if m.startswith("/ip4/")]
+        candidates = [m if "/p2p/" in m else f"{m}/p2p/{peer_id}" for m in dict.fromkeys(maddrs + local)]
+        try:
+            limit = asyncio.run(probe_relay_limit(peer_id, candidates))
+        except Exception as e:  # noqa: BLE001  (a relay we cannot ask may still serve; say so and keep it)
+            logger.warning("could not ask this node's circuit relay for its limits (%s); keeping it unchecked", e)
+            return dht
+        if limit.is_ours():
+            logger.info(
+                "circuit relay serving with its configured limits (%d bytes, %d s per relayed connection), start %d",
+                limit.data_bytes,
+                limit.duration_s,
+                attempt,
+            )
+            return dht
+        dht.shutdown()
+        if attempt == attempts:
+            raise RelayLimitError(
+                f"this node's circuit relay answered with limits of {limit.data_bytes} bytes and "
+                f"{limit.duration_s} s per relayed connection (status {limit.status}) in {attempts} starts, "
+                "not its configured ones; relayed exchanges would break after them"
+            )
+        logger.warning(
+            "circuit relay started with limits of %d bytes per relayed connection, not its configured ones: "
+            "starting it again (%d of %d)",
+            limit.data_bytes,
+            attempt + 1,
+            attempts,
+        )
+    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------------------- publishing

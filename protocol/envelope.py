@@ -65,6 +65,8 @@ PAYLOAD_TYPES: dict[str, type[Message]] = {
     "DownloadCheckpoint": pb.DownloadCheckpointRequest,
     "GetStatus": pb.StatusAuthRequest,  # optional: a signed GetStatus sees worker details
     "Accuse": pb.EvidenceRequest,
+    "GetDataManifest": pb.DataManifestRequest,
+    "FetchDataShard": pb.FetchDataShardRequest,
 }
 
 M = TypeVar("M", bound=Message)

@@ -29,10 +29,19 @@ class Order(enum.IntEnum):
 
     UNSPECIFIED = 0
     WAIT = 1  # nothing for you now: keep heartbeating
-    SYNC = 2  # fetch the cell's committed state from `donor` (or the checkpoint)
+    SYNC = 2  # fetch the cell's committed state from `donors` / `donor` (or the checkpoint)
     TRAIN = 3  # train `round` per `plan`, then heartbeat READY
     REDUCE = 4  # contributors are frozen: average with exactly `contributors`
     LEAVE = 5  # banned or the run is over: exit
+
+
+class Reachability(enum.IntEnum):
+    """How a worker's peers reach it (proto `PeerReachability`)."""
+
+    UNKNOWN = 0  # not reported (an older worker)
+    DIRECT = 1  # at its own, publicly routable address
+    RELAYED = 2  # behind a NAT, through a libp2p circuit relay
+    UNREACHABLE = 3  # behind a NAT and no relay: it can dial out, nobody can dial in
 
 
 class Verdict(enum.IntEnum):
@@ -63,6 +72,8 @@ class Profile:
     link_bandwidth_bytes_per_s: float = 0.0  # 0 = unknown (Policy.default_bandwidth is used)
     samples_per_s: Mapping[str, float] = field(default_factory=dict)  # by cell id
     software_version: str = ""
+    reachability: Reachability = Reachability.UNKNOWN
+    reachability_detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +92,7 @@ class Member:
     worker_id: str
     peer: PeerAddress
     max_samples: int  # cap on this member's averaging weight in the round
+    no_reduce: bool = False  # reduces no part (reached through a relay): an empty part in the split
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +113,7 @@ class Donor:
     worker_id: str = ""
     peer: PeerAddress = PeerAddress()
     checkpoint_round: int = -1  # latest checkpoint held for the cell (-1 = none)
+    expected_bytes_per_s: float = 0.0  # what this donor is expected to give the joiner (0 = unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +128,7 @@ class Instruction:
     plan: RoundPlan | None = None  # TRAIN and REDUCE
     contributors: tuple[Member, ...] = ()  # REDUCE, sorted by worker_id
     donor: Donor | None = None  # SYNC
+    donors: tuple[Donor, ...] = ()  # SYNC: every donor to fetch ranges from, best first (donors[0] is `donor`)
     upload_checkpoint: bool = False  # stream the committed state to UploadCheckpoint
     reason: str = ""
     reduce_attempt: int = 0  # REDUCE: bumps whenever a contributor set is (re-)frozen
@@ -131,6 +145,11 @@ class SenderAudit:
     nearest: str = ""  # that other sender
     excluded: str = ""  # non-empty: the reducer left it out, and why
     sketch: tuple[int, ...] = ()  # 64 sign bits per sketch block lying wholly inside the part
+    # the loss audit (worker/heldout.py `SliceLossAudit`): loss of the committed state minus the
+    # loss with this sender's slice applied, on its assigned samples and on a random batch
+    loss_gain: float = 0.0
+    loss_gain_random: float = 0.0
+    loss_measured: bool = False
 
 
 @dataclass(frozen=True, slots=True)

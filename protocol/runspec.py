@@ -14,6 +14,7 @@ default.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from bagel.protocol.typedtoml import TomlTableError, from_table, load_document, 
 ROUTER_CELL = "router"
 _CELL_RE = re.compile(r"^k(\d{1,4})\.r(\d{1,4})$")
 _RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+MAX_SYNC_DONORS = 16  # the most donors one sync may name (`[sync] max_donors`)
 
 
 class SpecError(TomlTableError):
@@ -54,6 +56,10 @@ class ModelSection:
     channels: int = 1
     num_classes: int = 10  # 0 = unconditional
     router_preset: str = "tiny"
+    # start every matching cell from these weights: a `bagel-coordinator export` folder
+    # (either format) or one .safetensors file; relative to the spec file's folder. The
+    # weights' sha256 (`weights_digest`) is part of the spec hash.
+    init_from: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ class DilocoSection:
     # how the reducer of each part of a group exchange screens and combines the contributions:
     # "centered_clip[:tau=T | rel=R][,iters=L]" (the default), "trimmed_mean[:trim=F]" or
     # "mean" (weighted by samples, not robust), each with the group screen's
-    # ",max_norm=F,min_norm=E" (grammar, defaults and breakdown points: reducerspec.py)
+    # ",max_norm=F,min_norm=E,min_cosine=C" (grammar, defaults and breakdown points: reducerspec.py)
     aggregation: str = toml_field(DEFAULT_RULE, check=_aggregation_rule)
 
 
@@ -108,6 +114,14 @@ class ScheduleSection:
     min_round_s: float = 5.0
     # fraction of a round's contributors that must report the same hash to commit.
     quorum: float = 0.5
+    # the fewest workers a round opens and freezes with (1: any holder trains alone). An open
+    # run sets it to keep a lone or small group, possibly hostile, from deciding a round: with
+    # at most f hostile workers, 2f + 1 keeps the honest ones a majority of every group.
+    min_contributors: int = 1
+    # after a commit, the next round opens once every contributor of the committed round has
+    # reported (so one that reports a moment after the quorum trains it too), or after this
+    # many seconds, whichever is first; 0 opens it at once with the holders so far.
+    next_round_grace_s: float = 30.0
     vram_headroom: float = 0.2
     # a worker moves only if it cuts the imbalance by more than this share of compute.
     stickiness: float = 0.1
@@ -186,6 +200,13 @@ class AuditSection:
     # reputation charged for a confirmed finding (zero, replay, copy, exclusion, a lie): with
     # the default ban at -5 and +0.25 per commit, the second one bans
     rep_finding: float = -3.0
+    # the loss audit (worker/heldout.py): a reducer applies each sender's slice of the update to
+    # the committed state and measures the loss on up to this many of the sender's assigned
+    # samples, and on as many random training samples (0 turns it off)
+    loss_samples: int = 32
+    # a sender whose slice raises the loss on its own samples by more than this fraction of
+    # the median gain of the part's other senders is flagged ("loss")
+    loss_rel: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -210,6 +231,70 @@ class GuardSection:
 
 
 @dataclass(frozen=True)
+class SloSection:
+    """The run's objectives, for the coordinator's error-budget metrics and `status`.
+
+    `round_success`: the fraction of round attempts that should commit (an attempt ends
+    committed or aborted); over the last `window_rounds` attempts of a cell the coordinator
+    exports the committed / attempted ratio and the burn rate, (1 - ratio) / (1 -
+    round_success): 1 spends the error budget exactly at the allowed pace, above 1 faster.
+    `cell_sample_target`: committed samples each cell should reach; `status` shows the ETA
+    to it at the recent commit rate (0 = no target).
+    """
+
+    round_success: float = 0.9
+    window_rounds: int = 100
+    cell_sample_target: int = 0
+
+
+@dataclass(frozen=True)
+class CostSection:
+    """Prices for the coordinator's cost metrics: per device-hour, by worker class.
+
+    `gpu_hour`: a table of class name = price of one GPU for one hour. A CUDA worker
+    belongs to the first class whose name appears, case-insensitively, in its device name
+    (e.g. `"H100" = 2.5` matches "NVIDIA H100 80GB HBM3"), else to class "other" at
+    `other_gpu_hour`; a CPU worker is class "cpu" at `cpu_hour`. The classes are the
+    metrics' `worker_class` label, so its values are bounded by this table.
+    """
+
+    currency: str = "USD"
+    gpu_hour: tuple[tuple[str, float], ...] = ()
+    other_gpu_hour: float = 0.0
+    cpu_hour: float = 0.0
+
+
+@dataclass(frozen=True)
+class EmaSection:
+    """An exponential moving average of the committed weights, for sampling and export.
+
+    `decay`: 0 turns it off (the committed state then holds weights and outer momentum
+    only). Above 0, every cell's committed state also holds `ema.<param>`, updated by every
+    member after each round's outer step, from the new committed weights, in float32 on the
+    CPU, in one fixed order of single IEEE operations, so the replicas stay bit-identical and
+    the average is part of the hashed, synced and checkpointed state. The decay applies per
+    committed round (not per inner step) and warms up as min(decay, (1 + r) / (10 + r)) at
+    round r, so a short run does not sample weights still near the initialisation. `sample`,
+    `export` and the demo use the average when the state holds one.
+    """
+
+    decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class SyncSection:
+    """How a joiner fetches a cell's committed state from its peers.
+
+    `max_donors`: the coordinator names up to this many live holders of the committed round
+    (ranked by expected bandwidth: each one's uplink divided among the syncs it already
+    serves), and the joiner fetches byte ranges of the state from all of them at once, in
+    shares proportional to those figures (`worker/statesync.py`). 1 is the single-donor sync.
+    """
+
+    max_donors: int = 4
+
+
+@dataclass(frozen=True)
 class RunSpec:
     run: RunSection
     model: ModelSection = field(default_factory=ModelSection)
@@ -221,14 +306,26 @@ class RunSpec:
     security: SecuritySection = field(default_factory=SecuritySection)
     audit: AuditSection = field(default_factory=AuditSection)
     guard: GuardSection = field(default_factory=GuardSection)
+    slo: SloSection = field(default_factory=SloSection)
+    cost: CostSection = field(default_factory=CostSection)
+    ema: EmaSection = field(default_factory=EmaSection)
+    sync: SyncSection = field(default_factory=SyncSection)
     # the exact source text; hashed, and handed to workers so they build the same run.
     source: str = field(default="", compare=False, repr=False)
+    # `model.init_from` resolved: the weights' path and their `weights_digest` (set by
+    # `load_spec`, or from what the coordinator says when the spec comes over the wire).
+    init_path: str = field(default="", compare=False, repr=False)
+    init_sha256: str = field(default="", compare=False, repr=False)
 
     @property
     def spec_hash(self) -> str:
-        """sha256 of the source and the resolved aggregation rule (see the module docstring)."""
+        """sha256 of the source, the resolved aggregation rule and, with `model.init_from`, the
+        initial weights' digest (see the module docstring)."""
         resolved = parse_reducer_spec(self.diloco.aggregation).text()
-        return hashlib.sha256(self.source.encode() + b"\n\x00diloco.aggregation=" + resolved.encode()).hexdigest()
+        text = self.source.encode() + b"\n\x00diloco.aggregation=" + resolved.encode()
+        if self.model.init_from:
+            text += b"\n\x00model.init_from.sha256=" + self.init_sha256.encode()
+        return hashlib.sha256(text).hexdigest()
 
     @property
     def expert_cells(self) -> tuple[str, ...]:
@@ -265,6 +362,10 @@ _SECTIONS: dict[str, type] = {
     "security": SecuritySection,
     "audit": AuditSection,
     "guard": GuardSection,
+    "slo": SloSection,
+    "cost": CostSection,
+    "ema": EmaSection,
+    "sync": SyncSection,
 }
 
 
@@ -303,11 +404,18 @@ def _validate(spec: RunSpec) -> None:
     )
     need(spec.schedule.lease_s > spec.schedule.heartbeat_s > 0, "schedule.lease_s must exceed schedule.heartbeat_s > 0")
     need(spec.schedule.deadline_slack >= 1.0, "schedule.deadline_slack: at least 1")
+    need(
+        1 <= spec.schedule.min_contributors <= spec.schedule.max_replicas,
+        "schedule.min_contributors: between 1 and max_replicas",
+    )
     need(0.0 < spec.schedule.quorum <= 1.0, "schedule.quorum: in (0, 1]")
+    need(0.0 <= spec.schedule.next_round_grace_s <= 3600.0, "schedule.next_round_grace_s: in [0, 3600]")
     need(1.0 <= spec.guard.max_loss_ratio <= 1e6, "guard.max_loss_ratio: in [1, 1e6]")
     need(0.0 <= spec.guard.abs_slack <= 1e6, "guard.abs_slack: in [0, 1e6]")
     need(1 <= spec.guard.eval_samples <= 4096, "guard.eval_samples: between 1 and 4096")
     need(0.0 <= spec.schedule.vram_headroom < 1.0, "schedule.vram_headroom: in [0, 1)")
+    need(0.0 <= spec.ema.decay < 1.0, "ema.decay: in [0, 1) (0 = off)")
+    need(1 <= spec.sync.max_donors <= MAX_SYNC_DONORS, f"sync.max_donors: between 1 and {MAX_SYNC_DONORS}")
     need(spec.checkpoint.every_rounds >= 1, "checkpoint.every_rounds: at least 1")
     need(spec.checkpoint.keep >= 1, "checkpoint.keep: at least 1")
     a = spec.audit
@@ -320,6 +428,8 @@ def _validate(spec: RunSpec) -> None:
     need(0 <= a.replay_bits < 32, "audit.replay_bits: in [0, 32)")
     need(1 <= a.replay_history <= 16, "audit.replay_history: between 1 and 16")
     need(a.rep_finding <= 0, "audit.rep_finding: zero or negative")
+    need(0 <= a.loss_samples <= 1024, "audit.loss_samples: between 0 and 1024")
+    need(0.0 < a.loss_rel <= 100.0, "audit.loss_rel: in (0, 100]")
     need(
         spec.security.mode == "open" or bool(spec.security.operator_public_key),
         "security.operator_public_key: required in permissioned mode",
@@ -337,6 +447,19 @@ def _validate(spec: RunSpec) -> None:
     for key in ("key_burst", "ip_burst", "register_burst", "status_burst", "max_uploads", "max_downloads"):
         need(getattr(sec, key) >= 1, f"security.{key}: at least 1")
     need(0 <= sec.status_cache_ms <= 60_000, "security.status_cache_ms: between 0 and 60000")
+    need(0.0 < spec.slo.round_success < 1.0, "slo.round_success: in (0, 1)")
+    need(1 <= spec.slo.window_rounds <= 10_000, "slo.window_rounds: between 1 and 10000")
+    need(spec.slo.cell_sample_target >= 0, "slo.cell_sample_target: zero (none) or more")
+    cost = spec.cost
+    need(bool(re.fullmatch(r"[A-Za-z]{1,8}", cost.currency)), "cost.currency: 1 to 8 letters")
+    need(len(cost.gpu_hour) <= 32, "cost.gpu_hour: at most 32 classes")
+    for name, price in cost.gpu_hour:
+        need(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9 ._-]{0,31}", name)), f"cost.gpu_hour.{name}: a short name")
+        need(name.lower() not in ("cpu", "other"), f"cost.gpu_hour.{name}: 'cpu' and 'other' are reserved")
+        need(0.0 <= price <= 1e6, f"cost.gpu_hour.{name}: a price in [0, 1e6]")
+    need(len({n.lower() for n, _ in cost.gpu_hour}) == len(cost.gpu_hour), "cost.gpu_hour: names differ only in case")
+    for key in ("other_gpu_hour", "cpu_hour"):
+        need(0.0 <= getattr(cost, key) <= 1e6, f"cost.{key}: a price in [0, 1e6]")
 
 
 def parse_spec(text: str) -> RunSpec:
@@ -350,10 +473,34 @@ def parse_spec(text: str) -> RunSpec:
     return spec
 
 
-def spec_source_hash(text: str) -> str:
-    """The hash of the run a spec source describes (`RunSpec.spec_hash`); SpecError if it does not parse."""
-    return parse_spec(text).spec_hash
+def spec_source_hash(text: str, init_sha256: str = "") -> str:
+    """The hash of the run a spec source describes (`RunSpec.spec_hash`), with the initial
+    weights' digest the coordinator announces; SpecError if it does not parse."""
+    return dataclasses.replace(parse_spec(text), init_sha256=init_sha256).spec_hash
+
+
+def weights_digest(path: str | Path) -> str:
+    """sha256 of a weights file, or of a folder's `*.safetensors` files (each file's relative
+    name and sha256, sorted): what `model.init_from` contributes to the spec hash."""
+    p = Path(path)
+    if p.is_file():
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+    files = sorted(f for f in p.rglob("*.safetensors") if f.is_file())
+    if not files:
+        raise SpecError(f"model.init_from: {p} is neither a .safetensors file nor a folder holding one")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(p).as_posix()}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
+    return h.hexdigest()
 
 
 def load_spec(path: str | Path) -> RunSpec:
-    return parse_spec(Path(path).read_text())
+    """Parse a spec file; a `model.init_from` is resolved against the file's folder and digested."""
+    spec = parse_spec(Path(path).read_text())
+    if spec.model.init_from:
+        init = Path(spec.model.init_from)
+        init = init if init.is_absolute() else Path(path).resolve().parent / init
+        if not init.exists():
+            raise SpecError(f"model.init_from: {init} does not exist")
+        spec = dataclasses.replace(spec, init_path=str(init), init_sha256=weights_digest(init))
+    return spec

@@ -43,6 +43,7 @@ MAX_DURATION_MS = 30 * 24 * 3600 * 1000  # 30 days
 MAX_BYTES_COUNTER = 1 << 50
 MAX_NAME_CHARS = 64
 MAX_DEVICE_NAME_CHARS = 128
+MAX_REACHABILITY_DETAIL_CHARS = 300
 MAX_VERSION_CHARS = 64
 MAX_REASON_CHARS = 512
 MAX_MADDRS = 16
@@ -176,6 +177,9 @@ def _profile(field: str, profile: pb.WorkerProfile, spec: RunSpec) -> None:
             raise ValidationError(name, "not a cell of this run")
         _float(name, profile.samples_per_s[cell_id], 0.0, MAX_SAMPLES_PER_S)
     _text(f"{field}.software_version", profile.software_version, MAX_VERSION_CHARS)
+    if profile.reachability not in pb.PeerReachability.values():
+        raise ValidationError(f"{field}.reachability", f"unknown value {profile.reachability}")
+    _text(f"{field}.reachability_detail", profile.reachability_detail, MAX_REACHABILITY_DETAIL_CHARS)
 
 
 # ---------------------------------------------------------------------------- messages
@@ -234,6 +238,32 @@ def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:
             _float(name, getattr(req, name), 0.0, MAX_LOSS)
     if req.HasField("audit"):
         _audit("audit", req.audit, spec)
+    _round_metrics(req)
+
+
+# The round metrics a report carries (`coordinator/metrics.py` exports them): each phase
+# within MAX_DURATION_MS, memory within MAX_VRAM_BYTES; the coordinator also clamps what it
+# bills to the round's span, so a liar inflates no cost beyond the time the round was open.
+REPORT_PHASE_FIELDS = (
+    "data_ms",
+    "forward_backward_ms",
+    "optimizer_ms",
+    "encode_ms",
+    "exchange_ms",
+    "outer_step_ms",
+    "waiting_ms",
+)
+REPORT_MEMORY_FIELDS = ("cuda_free_bytes", "cuda_peak_allocated_bytes", "rss_bytes")
+
+
+def _round_metrics(req: pb.ReportRoundRequest) -> None:
+    for name in REPORT_PHASE_FIELDS:
+        _int(name, getattr(req, name), 0, MAX_DURATION_MS)
+    for name in REPORT_MEMORY_FIELDS:
+        _int(name, getattr(req, name), 0, MAX_VRAM_BYTES)
+    total = sum(getattr(req, name) for name in REPORT_PHASE_FIELDS)
+    if total > MAX_DURATION_MS:
+        raise ValidationError("data_ms", f"the phases sum to {total} ms, over {MAX_DURATION_MS}")
 
 
 def _audit(field: str, a: pb.AuditPart, spec: RunSpec) -> None:
@@ -258,6 +288,8 @@ def _audit(field: str, a: pb.AuditPart, spec: RunSpec) -> None:
         _float(f"{f}.max_cosine", x.max_cosine, -1.0 - 1e-6, 1.0 + 1e-6)
         _text(f"{f}.nearest", x.nearest, MAX_NAME_CHARS)
         _text(f"{f}.excluded", x.excluded, MAX_REASON_CHARS)
+        _float(f"{f}.loss_gain", x.loss_gain, -MAX_LOSS, MAX_LOSS)
+        _float(f"{f}.loss_gain_random", x.loss_gain_random, -MAX_LOSS, MAX_LOSS)
         if a.first_block + len(x.sketch) > blocks:
             raise ValidationError(f"{f}.sketch", f"{len(x.sketch)} blocks from {a.first_block}, the run has {blocks}")
 
@@ -279,6 +311,16 @@ def validate_download_request(req: pb.DownloadCheckpointRequest, spec: RunSpec) 
     """round 0 = the latest checkpoint."""
     _cell("cell_id", req.cell_id, spec, required=True)
     _round("round", req.round, lo=0)
+
+
+def validate_data_manifest_request(req: pb.DataManifestRequest, spec: RunSpec) -> None:
+    _cell("cell_id", req.cell_id, spec, required=True)
+
+
+def validate_fetch_data_shard(req: pb.FetchDataShardRequest, spec: RunSpec) -> None:
+    """A shard by its sha256 name; the offset is checked against the shard's size by the store."""
+    _hash("sha256", req.sha256, required=True)
+    _int("offset", req.offset, 0, 1 << 40)
 
 
 def validate_evidence(req: pb.EvidenceRequest, spec: RunSpec) -> None:
@@ -304,6 +346,8 @@ VALIDATORS: dict[str, Callable[[Any, RunSpec], None]] = {
     "UploadCheckpoint": validate_upload_header,
     "DownloadCheckpoint": validate_download_request,
     "Accuse": validate_evidence,
+    "GetDataManifest": validate_data_manifest_request,
+    "FetchDataShard": validate_fetch_data_shard,
 }
 
 

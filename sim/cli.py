@@ -26,6 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from bagel.protocol.clierrors import OneLineParser, check_dir_arg, guarded, version_text
 from bagel.sim.discrete import policies as registry
 from bagel.sim.discrete.engine import EngineResult
 from bagel.sim.discrete.report import markdown, plot, run_meta, summarize, write_json
@@ -34,9 +35,8 @@ from bagel.sim.discrete.scenario import Scenario, SimScenarioError, load_sim_sce
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bagel-sim", description="Discrete-event simulation of Bagel's coordinator at scale."
-    )
+    p = OneLineParser(prog="bagel-sim", description="Discrete-event simulation of Bagel's coordinator at scale.")
+    p.add_argument("--version", action="version", version=version_text("bagel-sim"))
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="simulate a scenario under several policies and write a report")
     r.add_argument("scenario", type=Path, help="scenario TOML (see sim/scenarios/)")
@@ -130,6 +130,7 @@ def _cmd_run(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"bagel-sim: --policies: {e}", file=sys.stderr)
         return 2
+    check_dir_arg("--out", a.out)
     a.out.mkdir(parents=True, exist_ok=True)
     progress = not a.no_progress and sys.stderr.isatty()
     if a.profile:
@@ -172,8 +173,8 @@ def _cpu_s() -> float:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     if a.command == "run":
-        return _cmd_run(a)
-    return int(a.func(a))  # chaos
+        return guarded("bagel-sim: ", lambda: _cmd_run(a))
+    return guarded("bagel-sim chaos: ", lambda: int(a.func(a)))
 
 
 if __name__ == "__main__":  # pragma: no cover

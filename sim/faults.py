@@ -12,12 +12,18 @@ Which runner supports what:
 | `kill`             | yes       | yes   | SIGKILL `fraction` (or `count`) of live workers within `within_s` |
 | `leave`            | yes       | yes   | SIGTERM: graceful Leave of `fraction`/`count` live workers |
 | `stop`             | yes       | yes   | SIGSTOP for `duration_s`, then SIGCONT                     |
-| `partition`        | yes       | yes   | cut `fraction`/`count` workers off coordinator and peers for `duration_s` |
+| `partition`        | yes       | bed   | cut `fraction`/`count` workers off for `duration_s`; bed: cut `link` |
 | `coordinator-kill` | no        | yes   | SIGKILL the coordinator, restart it after `duration_s`     |
 | `latency`          | no        | yes   | add `latency_ms` in the fault proxy for `duration_s` (0 = rest of the run) |
-| `bandwidth`        | no        | yes   | cap the proxy at `bandwidth_bytes_per_s` for `duration_s`  |
+| `bandwidth`        | no        | yes   | cap the proxy (bed: tbf on `link`) at `bandwidth_bytes_per_s` |
+| `loss`             | no        | bed   | drop `loss_pct` % of the packets on `link` for `duration_s` |
 | `reset`            | no        | yes   | reset the proxy's open connections                         |
 | `hang`             | no        | yes   | the proxy stops forwarding for `duration_s`                |
+
+"bed" means `bagel-sim chaos` with `chaos.bed = true` (sim/chaos/bed.py): the run lives on
+the network test bed, and `link` names one of its links (`home1`, `home1-2`, `pub1`, `coord`);
+`direction` (`up`, `down`, or empty for both) picks the side a `bandwidth` or `loss` fault
+shapes.
 
 Byzantine worker behaviours (`--byzantine MODE` on a worker) are listed in
 `ByzantineMode`.
@@ -45,6 +51,7 @@ class FaultKind(str, Enum):
     BANDWIDTH = "bandwidth"
     RESET = "reset"
     HANG = "hang"
+    LOSS = "loss"
 
 
 class ByzantineMode(str, Enum):
@@ -76,14 +83,28 @@ class Fault:
     latency_ms: float = 0.0
     bandwidth_bytes_per_s: float = 0.0
     workers: tuple[int, ...] = ()  # chaos: explicit worker indices instead of fraction/count
+    link: str = ""  # chaos bed: the link a partition / bandwidth / loss fault acts on
+    loss_pct: float = 0.0  # loss: the share of packets dropped, in percent
+    direction: str = ""  # bandwidth / loss on the bed: "up", "down", or "" (both)
 
     @property
     def end_s(self) -> float:
         return self.at_s + max(self.within_s, self.duration_s)
 
 
-_NUMERIC = {"at_s", "at_h", "fraction", "within_s", "duration_s", "duration_h", "latency_ms", "bandwidth_bytes_per_s"}
-_KNOWN = _NUMERIC | {"kind", "count", "workers"}
+_NUMERIC = {
+    "at_s",
+    "at_h",
+    "fraction",
+    "within_s",
+    "duration_s",
+    "duration_h",
+    "latency_ms",
+    "bandwidth_bytes_per_s",
+    "loss_pct",
+}
+_KNOWN = _NUMERIC | {"kind", "count", "workers", "link", "direction"}
+DIRECTIONS = ("", "up", "down")
 
 
 def _num(where: str, key: str, v: Any) -> float:
@@ -92,6 +113,12 @@ def _num(where: str, key: str, v: Any) -> float:
     if v < 0:
         raise FaultError(f"{where}.{key}: must be >= 0")
     return float(v)
+
+
+def _text(where: str, key: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise FaultError(f"{where}.{key}: expected a string, got {type(v).__name__}")
+    return v
 
 
 def parse_fault(table: Mapping[str, Any], where: str = "faults[0]") -> Fault:
@@ -138,9 +165,25 @@ def parse_fault(table: Mapping[str, Any], where: str = "faults[0]") -> Fault:
         latency_ms=_num(where, "latency_ms", table.get("latency_ms", 0.0)),
         bandwidth_bytes_per_s=_num(where, "bandwidth_bytes_per_s", table.get("bandwidth_bytes_per_s", 0.0)),
         workers=tuple(workers),
+        link=_text(where, "link", table.get("link", "")),
+        loss_pct=_num(where, "loss_pct", table.get("loss_pct", 0.0)),
+        direction=_text(where, "direction", table.get("direction", "")),
     )
-    if kind in _POPULATION_KINDS and not (fault.fraction > 0 or fault.count > 0 or fault.workers):
+    if fault.direction not in DIRECTIONS:
+        raise FaultError(f"{where}.direction: {fault.direction!r} is not one of 'up', 'down' ('' or absent: both)")
+    if fault.loss_pct > 100:
+        raise FaultError(f"{where}.loss_pct: must be in [0, 100]")
+    if kind is FaultKind.LOSS and fault.loss_pct <= 0:
+        raise FaultError(f"{where}.loss_pct: required for a loss fault")
+    if kind is FaultKind.LOSS and not fault.link:
+        raise FaultError(f"{where}.link: a loss fault needs the bed link it acts on")
+    hits_workers = fault.fraction > 0 or fault.count > 0 or fault.workers
+    if kind in _POPULATION_KINDS and not hits_workers and not (kind is FaultKind.PARTITION and fault.link):
         raise FaultError(f"{where}: a {kind.value} fault needs fraction, count or workers")
+    if fault.link and hits_workers:
+        raise FaultError(
+            f"{where}: a fault on link {fault.link!r} hits whoever is behind it; drop workers/count/fraction"
+        )
     if kind in (FaultKind.STOP, FaultKind.PARTITION, FaultKind.HANG) and fault.duration_s <= 0:
         raise FaultError(f"{where}.duration_s: a {kind.value} fault needs a positive duration")
     if kind is FaultKind.LATENCY and fault.latency_ms <= 0:
@@ -158,6 +201,8 @@ def parse_faults(tables: Sequence[Mapping[str, Any]], *, for_sim: bool) -> tuple
         f = parse_fault(t, f"faults[{i}]")
         if for_sim and f.kind not in SIM_KINDS:
             raise FaultError(f"faults[{i}].kind: {f.kind.value!r} needs real processes; use `bagel-sim chaos`")
+        if for_sim and (f.link or f.direction):
+            raise FaultError(f"faults[{i}].link: link faults need the network test bed; use `bagel-sim chaos`")
         out.append(f)
     return tuple(sorted(out, key=lambda f: f.at_s))
 

@@ -5,6 +5,7 @@ Reads its stdout for the `listening:` and `join:` lines, and always kills it in 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,7 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+HERE = Path(__file__).parent
 
 
 def free_port() -> int:
@@ -92,3 +96,57 @@ class DaemonProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@dataclass
+class ForkLauncher:
+    """One forkrun.py process and the cases it forked."""
+
+    proc: subprocess.Popen[str]
+    pids: dict[str, int] = field(default_factory=dict)
+    codes: dict[str, int] = field(default_factory=dict)
+    cv: threading.Condition = field(default_factory=threading.Condition)
+
+    @classmethod
+    def start(cls, prog: str, cases: list[dict], hold_s: float = 0.0) -> ForkLauncher:
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "forkrun.py"), prog, str(hold_s), json.dumps(cases)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=HERE,
+        )
+        self = cls(proc)
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            kind, name, value = line.split()
+            with self.cv:
+                (self.pids if kind == "pid" else self.codes)[name] = int(value)
+                self.cv.notify_all()
+
+    def wait_code(self, name: str, timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while name not in self.codes and time.monotonic() < deadline:
+                self.cv.wait(0.2)
+            return self.codes.get(name)
+
+    def wait_pids(self, n: int, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.cv:
+            while len(self.pids) < n and time.monotonic() < deadline:
+                self.cv.wait(0.2)
+        assert len(self.pids) == n, self.pids
+
+    def close(self) -> None:
+        """SIGKILL every case's process group (whatever is left of it), then the launcher."""
+        for p in self.pids.values():
+            try:
+                os.killpg(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.proc.kill()
+        self.proc.wait(10)

@@ -7,7 +7,7 @@ decisions (`bagel.worker.reconciler.decide`), faking the heavy parts:
 - SYNC   -> "download" (a short sleep), adopt the committed (round, hash);
 - TRAIN  -> sleep planned samples / samples_per_s (or a fixed `train_s`), then heartbeat
   READY with its planned samples (round 0 is "built" at once);
-- REDUCE -> sleep `reduce_s`, then ReportRound with a hash derived deterministically from
+- REDUCE -> sleep `reduce_s` (and `report_delay_s`), then ReportRound with a hash derived deterministically from
   (cell, round, previous committed hash, contributors), so honest contributors agree
   (catch-up contributors too, with zero samples); a worker with `bad_hash=True` reports a
   different one; the verdict is read with `reconciler.decide_verdict`;
@@ -26,7 +26,7 @@ import asyncio
 import hashlib
 import logging
 import random
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,6 +46,7 @@ from bagel.worker.reconciler import (
     CancelSync,
     DropWork,
     Leave,
+    NotAMember,
     ReportMissing,
     ReReport,
     StartCatchUp,
@@ -146,10 +147,15 @@ class SimWorker:
         cells: Sequence[str] = (),
         train_s: float | None = None,
         reduce_s: float = 0.02,
+        report_delay_s: float = 0.0,
         heartbeat_s: float | None = None,
         bad_hash: bool = False,
         upload: bool = True,
         seed: int = 0,
+        device_name: str = "simulated",
+        device_kind: str = "cpu",
+        heldout: float | None = None,
+        state_fn: Callable[[str, int, str, Sequence[str]], dict[str, np.ndarray]] | None = None,
     ) -> None:
         self.identity = identity or Identity.generate()
         self.client = CoordinatorClient(target, self.identity, run_id, timeout_s=5.0)
@@ -158,9 +164,15 @@ class SimWorker:
         self.samples_per_s = samples_per_s
         self.cells = tuple(cells)
         self.train_s, self.reduce_s = train_s, reduce_s
+        self.report_delay_s = report_delay_s  # after the exchange (the real worker's outer step and held-out loss)
         self.heartbeat_s = heartbeat_s
         self.bad_hash = bad_hash
         self.upload = upload
+        self.device_name, self.device_kind = device_name, device_kind
+        self.heldout = heldout  # the held-out loss it reports for new and base state (None: unmeasured)
+        # what an honest round ends with (default `sim_state`); a test that needs real model
+        # weights in the checkpoints passes its own pure function of the same arguments
+        self.state_fn = state_fn or sim_state
         self.states: dict[tuple[str, int], dict[str, np.ndarray]] = {}  # (cell, round) -> tensors
         self._uploading: set[tuple[str, int]] = set()
         self._bg: set[asyncio.Task[None]] = set()
@@ -215,8 +227,8 @@ class SimWorker:
     def _profile(self) -> pb.WorkerProfile:
         return pb.WorkerProfile(
             name=self.name,
-            device_kind="cpu",
-            device_name="simulated",
+            device_kind=self.device_kind,
+            device_name=self.device_name,
             vram_bytes=self.vram_bytes,
             num_devices=1,
             link_bandwidth_bytes_per_s=100e6,
@@ -346,8 +358,14 @@ class SimWorker:
         if isinstance(a, Leave):
             self.stopped = True
         elif isinstance(a, Upload):
+            # an upload changes nothing the coordinator must hear sooner: no early heartbeat
+            # (waking here would answer every heartbeat that repeats the request with another
+            # at once, a loop that spends the worker's whole rate-limit bucket)
             if self.upload:
                 self._maybe_upload(a.cell_id, a.committed_round, a.committed_hash)
+            return
+        elif isinstance(a, NotAMember):
+            return  # nothing to do, nothing to tell sooner
         elif isinstance(a, AdoptPending):
             assert w is not None and w.pending_hash is not None
             self._commit(w)
@@ -387,7 +405,7 @@ class SimWorker:
         elif isinstance(a, ReportMissing):
             self.missing_reported.add((a.cell_id, a.round, a.round_attempt, a.reduce_attempt))
             self._spawn(self._report_missing(a))
-        self._wake.set()  # (NotAMember: nothing to do)
+        self._wake.set()
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -420,11 +438,13 @@ class SimWorker:
     async def _reduce(self, w: SimWork, ins: Instruction) -> None:
         await asyncio.sleep(self.reduce_s)
         contributors = [m.worker_id for m in ins.contributors]
-        tensors = sim_state(ins.cell_id, ins.round, ins.committed_hash, contributors)
+        tensors = self.state_fn(ins.cell_id, ins.round, ins.committed_hash, contributors)
         h = state_hash(tensors)
         self.states[(ins.cell_id, ins.round)] = tensors
         if self.bad_hash:
             h = hashlib.sha256(f"liar|{self.worker_id}|{ins.round}".encode()).hexdigest()
+        if self.report_delay_s > 0:  # still exchanging, as the real worker measures before it reports
+            await asyncio.sleep(self.report_delay_s)
         w.pending_hash, w.pending_attempt, w.report_epoch = h, ins.reduce_attempt, self.epoch
         await self._report(w)
 
@@ -443,6 +463,9 @@ class SimWorker:
                     ),
                     comm_ms=int(self.reduce_s * 1000),
                     reduce_attempt=w.reduce_attempt,
+                    round_metrics=self.round_metrics(w.samples),
+                    heldout_loss=self.heldout,
+                    heldout_loss_base=self.heldout,
                 )
                 self._answered()
                 break
@@ -466,6 +489,24 @@ class SimWorker:
                 self.work = None
         self._act(instruction_from_pb(resp.instruction))
         self._wake.set()
+
+    def round_metrics(self, samples: int) -> dict[str, int]:
+        """Plausible round metrics for a report: the simulated training time split into
+        data / forward-backward / optimizer, the simulated exchange, fixed memory figures."""
+        train_ms = int(1000 * (self.train_s if self.train_s is not None else samples / self.samples_per_s))
+        out = {
+            "data_ms": train_ms // 10,
+            "forward_backward_ms": train_ms * 7 // 10,
+            "optimizer_ms": train_ms // 5,
+            "encode_ms": 1,
+            "exchange_ms": int(self.reduce_s * 1000),
+            "outer_step_ms": 1,
+            "waiting_ms": 5,
+            "rss_bytes": 300 << 20,
+        }
+        if self.device_kind == "cuda":
+            out |= {"cuda_free_bytes": self.vram_bytes // 2, "cuda_peak_allocated_bytes": self.vram_bytes // 4}
+        return out
 
     async def _report_missing(self, a: ReportMissing) -> None:
         try:

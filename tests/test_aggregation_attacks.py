@@ -4,13 +4,16 @@ n = 16 honest updates (a common mean plus noise, `bagel.robust.attacks.honest_gr
 hostile ones: f = 4 for ALIE (z = 1.5) and IPM (eps = 0.1, 0.5, 1, 3), f = 7 for the crude
 attacks (sign flip x1000, random x1000, a finite 1e30 vector, a sign flip claiming 1e9
 samples). Each case runs through a real `worker.reducer.Reduction` (fp32 codec, contributors
-with a budget of 64 samples each: the clamp the reducer applies) and through
-`robust.aggregation.reduce_group`, which must agree with it bit for bit.
+with a budget of 64 samples each: the clamp the reducer applies), which must agree bit for
+bit with `robust.reduction.reduce_one_part` called on the same encoded inputs (the one
+reduction of a part that reducers, shadows and the coordinator's check all run).
 
 The bound: a robust rule's relative error ||agg - honest mean|| / ||honest mean|| stays within
-ROBUST_BOUND on every attack; the plain mean is shown to exceed it in the same test (IPM with
-eps = 3 and the 1e9 weight claim through the reducer; every crude attack when the rule runs
-without the screen and the clamp). bench/aggregation_attacks.py prints the whole table.
+ROBUST_BOUND on every attack; the plain mean is shown to exceed it in the same test (with
+only the norm screen, ``mean:min_cosine=-1``: IPM with eps = 3 and the 1e9 weight claim;
+every crude attack when the rule runs without the screen and the clamp). The screen's
+direction check (every rule's default) excludes every IPM part and every sign-flipped one.
+bench/aggregation_attacks.py prints the whole table.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import torch
 from bagel.compression import get_codec
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.reducerspec import DEFAULT_RULE
-from bagel.robust.aggregation import ZERO_REASON, TrimmedMean, get_reducer, reduce_group
+from bagel.robust.aggregation import DIRECTION_REASON, ZERO_REASON, TrimmedMean, get_reducer
 from bagel.robust.attacks import ATTACKS, alie, alie_own, craft, honest_group, ipm_own
-from bagel.robust.reduction import decode_part
+from bagel.robust.reduction import PartInput, PartResult, decode_part, reduce_one_part
 from bagel.worker.parts import Contributor, Layout
 from bagel.worker.reducer import Reduction
 
@@ -35,8 +38,11 @@ BUDGET = 64
 NOISE, SPREAD = 0.5, 1.25  # honest noise / signal per coordinate; norms within 1.25x each way
 ROBUST_BOUND = 0.6
 SEED = 7
-MEAN_FAILS = {"ipm:3", "weight-1e9"}  # where the screened, clamped mean still exceeds the bound
+PLAIN_MEAN = "mean:min_cosine=-1"  # the weighted mean behind the norm screen only
+MEAN_FAILS = {"ipm:3", "weight-1e9"}  # where the plain mean, screened and clamped, still exceeds the bound
 CRUDE = {"sign-flip-x1000", "random-x1000", "finite-1e30", "weight-1e9"}
+AGAINST = {"ipm:0.1", "ipm:0.5", "ipm:1", "ipm:3", "weight-1e9"}  # honest-sized parts pointing against the group
+FP32 = get_codec("fp32")  # lossless for finite float32: the reducer decodes what was sent
 
 
 def hostile_count(attack: str) -> int:
@@ -57,10 +63,25 @@ def rel_err(agg: torch.Tensor, ref: torch.Tensor) -> float:
     return float((agg.to(torch.float64) - ref).norm() / ref.norm())
 
 
+def names_of(parts: list[torch.Tensor]) -> list[str]:
+    return [f"w{i:02d}" for i in range(len(parts))]  # sorted-sender order is the index order
+
+
+def reduce_encoded(rule: str, parts: list[torch.Tensor], claimed: list[float]) -> tuple[torch.Tensor, PartResult]:
+    """`reduce_one_part` over the fp32-encoded parts, each sender's budget BUDGET: (result, PartResult)."""
+    inputs = [PartInput(n, w, BUDGET, FP32.encode(p)) for n, p, w in zip(names_of(parts), parts, claimed, strict=True)]
+    res = reduce_one_part(FP32, get_reducer(rule), DIM, inputs, None)
+    return decode_part(FP32, res.payload, DIM), res
+
+
+def index(sender: str) -> int:
+    return int(sender[1:])
+
+
 async def through_reduction(rule: str, parts: list[torch.Tensor], claimed: list[float]):
     """The reducer's side of one exchange over a single part: every contribution accepted
     (validate, clamp to the contributor's budget), then reduce_own (screen, aggregate, encode)."""
-    names = [f"w{i:02d}" for i in range(len(parts))]
+    names = names_of(parts)
     contributors = tuple(Contributor(n, f"peer-{n}", (), BUDGET) for n in names)
     loop = asyncio.get_running_loop()
     red = Reduction(
@@ -69,40 +90,49 @@ async def through_reduction(rule: str, parts: list[torch.Tensor], claimed: list[
         contributors,
         0,
         [(0, DIM)],
-        get_codec("fp32"),
+        FP32,
         get_reducer(rule),
         Layout(("x",), ((DIM,),)),
         loop.time() + 30.0,
         loop.time() + 20.0,
     )
-    codec = get_codec("fp32")  # lossless for finite float32: the reducer decodes what was sent
     for n, part, w in zip(names, parts, claimed, strict=True):
-        red.accept(n, w, codec.encode(part))
+        red.accept(n, w, FP32.encode(part))
     payload, header = await red.reduce_own()  # the encoded averaged part every member applies
-    return decode_part(codec, payload, DIM), header, names
+    return decode_part(FP32, payload, DIM), header, names
 
 
-@pytest.mark.parametrize("rule", [DEFAULT_RULE, "trimmed_mean:0.2", "mean"])
+RULES = [DEFAULT_RULE, "trimmed_mean:0.2", "mean", PLAIN_MEAN, "centered_clip:min_cosine=-1"]
+
+
+@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("attack", ATTACKS)
 async def test_attack_relative_error_through_the_reducer(rule: str, attack: str) -> None:
     parts, claimed, ref = case(attack)
     result, header, names = await through_reduction(rule, parts, claimed)
-    # the pure path is the same computation: same result, same exclusions
-    pure = reduce_group(get_reducer(rule), parts, claimed, [float(BUDGET)] * len(parts))
-    assert pure.result is not None and torch.equal(result, pure.result)
-    assert list(header.included) == [names[i] for i in pure.included]
-    assert [(e.sender, e.reason) for e in header.excluded] == [(names[i], r) for i, r in pure.excluded]
+    # the one reduction of a part, called directly on the same encoded inputs: same bytes, same exclusions
+    pure, res = reduce_encoded(rule, parts, claimed)
+    assert torch.equal(result, pure)
+    assert list(header.included) == list(res.included)
+    assert [(e.sender, e.reason) for e in header.excluded] == list(res.excluded)
+    excluded = {index(s): reason for s, reason in res.excluded}
     # no honest part is ever excluded; the crude ones far outside the group's norms all are
-    assert all(i >= N_HONEST for i, _ in pure.excluded)
+    assert all(i >= N_HONEST for i in excluded)
+    hostile = set(range(N_HONEST, len(parts)))
     if attack in CRUDE - {"weight-1e9"}:
-        assert {i for i, _ in pure.excluded} == set(range(N_HONEST, len(parts)))
+        assert set(excluded) == hostile
+    direction = get_reducer(rule).min_cosine > -1.0
+    if attack in AGAINST:  # honest norms: only the direction check sees them
+        assert set(excluded) == (hostile if direction else set())
+        assert all(r.startswith(DIRECTION_REASON) for r in excluded.values())
     # weight claims count at most the budget
-    assert max(pure.weights) <= BUDGET and header.total_weight == pytest.approx(sum(pure.weights))
+    weights = [min(claimed[index(s)], BUDGET) for s in res.included]
+    assert header.total_weight == pytest.approx(sum(weights)) == pytest.approx(res.total_weight)
     err = rel_err(result, ref)
-    print(f"\n{attack:<16} {rule:<18} relative error {err:.4g}")
+    print(f"\n{attack:<16} {rule:<28} relative error {err:.4g}")
     if get_reducer(rule).params().robust:
         assert err <= ROBUST_BOUND, f"{rule} under {attack}: relative error {err:.4g} > {ROBUST_BOUND}"
-    elif attack in MEAN_FAILS:
+    elif rule == PLAIN_MEAN and attack in MEAN_FAILS:
         assert err > ROBUST_BOUND, f"the plain mean under {attack} stayed within {ROBUST_BOUND}: {err:.4g}"
     if attack in CRUDE:  # the rule alone, with the claimed weights and no screen
         bare = rel_err(get_reducer(rule).aggregate(parts, claimed), ref)
@@ -154,6 +184,26 @@ def test_zero_and_huge_parts_are_excluded_with_countable_reasons() -> None:
     assert get_reducer("mean:max_norm=inf,min_norm=0").screen([*honest, zero, huge]).kept == tuple(range(8))
 
 
+def test_the_direction_check_excludes_updates_against_the_group() -> None:
+    """A sign-flipped honest update has an honest norm: only the direction check sees it."""
+    g = torch.Generator().manual_seed(3)
+    honest, _ = honest_group(6, 512, noise=0.5, spread=1.25, generator=g)
+    flipped, sideways = -honest[0], alie_own(honest[1])  # against the group; ALIE's shift keeps a positive cosine
+    s = get_reducer().screen([*honest, flipped, sideways])
+    reasons = dict(s.excluded)
+    assert s.kept == (*range(6), 7) and set(reasons) == {6}
+    assert reasons[6].startswith(DIRECTION_REASON) and "limit 0" in reasons[6]
+    # the check can be turned off or tightened
+    assert get_reducer("centered_clip:min_cosine=-1").screen([*honest, flipped]).kept == tuple(range(7))
+    assert get_reducer("mean:min_cosine=0.99").screen([*honest, flipped]).kept == ()
+    # in a pair the median is the midpoint, which would keep the larger of two opposed parts: no check
+    assert get_reducer().screen([honest[0], flipped * 2.0]).kept == (0, 1)
+    # from three on, a hostile third is out, and each sign of the same part counts once
+    assert get_reducer().screen([honest[0], honest[1], -honest[2] * 3.0]).kept == (0, 1)
+    # parts with no direction (the median is 0) are left alone
+    assert get_reducer("mean:min_norm=0").screen([honest[0], -honest[0], torch.zeros(512)]).kept == (0, 1, 2)
+
+
 def test_trimmed_mean_trims_at_least_one_per_side_from_three_parts() -> None:
     t = TrimmedMean(0.2)
     assert [t.trimmed(n) for n in (1, 2, 3, 4, 5, 9, 10, 20)] == [0, 0, 1, 1, 1, 1, 2, 4]
@@ -175,14 +225,14 @@ def test_centered_clip_error_is_bounded_by_its_radius(attack: str) -> None:
     computes it (median distance of the screened parts to their coordinate-wise median), with
     5% of ||honest mean|| for the clipping term."""
     parts, claimed, ref = case(attack)
-    res = reduce_group(get_reducer(), parts, claimed, [float(BUDGET)] * len(parts))
-    assert res.result is not None
-    kept = [parts[i].to(torch.float64) for i in res.included]
+    result, res = reduce_encoded(DEFAULT_RULE, parts, claimed)
+    included = [index(s) for s in res.included]
+    kept = [parts[i].to(torch.float64) for i in included]
     start = torch.stack(kept).median(dim=0).values
     tau = sorted(float((x - start).norm()) for x in kept)[(len(kept) - 1) // 2]
-    w = torch.tensor(res.weights, dtype=torch.float64)
-    delta = float(w[torch.tensor([i >= N_HONEST for i in res.included])].sum() / w.sum())
-    err = float((res.result.to(torch.float64) - ref).norm())
+    w = torch.tensor([min(claimed[i], BUDGET) for i in included], dtype=torch.float64)
+    delta = float(w[torch.tensor([i >= N_HONEST for i in included])].sum() / w.sum())
+    err = float((result.to(torch.float64) - ref).norm())
     assert delta < 0.5
     assert err <= delta / (1 - delta) * tau + 0.05 * float(ref.norm()), (err, delta, tau)
 

@@ -169,18 +169,24 @@ async def test_error_feedback_residual_and_byte_counts() -> None:
                     assert torch.equal(r.residual[k], expect[k])
                     assert torch.equal(efs[w].residual(k), expect[k])
         # Bytes: every member sends each other reducer its part, and returns its own averaged part
-        # to each other contributor; frames add 4 bytes each, headers a few hundred.
+        # to each other contributor; frames add 4 bytes each, headers a few hundred. A part stream
+        # that broke, or met a reducer not ready yet, is sent again, header and payload, and
+        # counted again: each resend may add one part and a header (seen on a loaded CI runner).
         n = layout.total
         sizes = [e - s for s, e in bounds]
+        resent = sum(r.resends for r in results.values())
+        per_resend = max(codec.encoded_nbytes(x) for x in sizes) + 512
+        print(f"\npart streams sent again: {resent}")
         for i, w in enumerate(sorted(results)):
             payload = sum(codec.encoded_nbytes(sizes[j]) for j in range(3) if j != i) + 2 * codec.encoded_nbytes(
                 sizes[i]
             )
-            assert payload <= results[w].bytes_sent <= payload + 4 * 512
-            assert payload <= results[w].bytes_received <= payload + 4 * 512
-        assert sum(r.bytes_sent for r in results.values()) == sum(r.bytes_received for r in results.values())
-        approx = 2 * 2 / 3 * codec.encoded_nbytes(n)
-        assert abs(results["w0"].bytes_sent - approx) < 0.2 * approx + 4 * 512
+            assert payload <= results[w].bytes_sent <= payload + 4 * 512 + results[w].resends * per_resend
+            assert payload <= results[w].bytes_received <= payload + 4 * 512 + resent * per_resend
+        if resent == 0:  # a resent payload the reducer discarded unread is sent but not received
+            assert sum(r.bytes_sent for r in results.values()) == sum(r.bytes_received for r in results.values())
+            approx = 2 * 2 / 3 * codec.encoded_nbytes(n)
+            assert abs(results["w0"].bytes_sent - approx) < 0.2 * approx + 4 * 512
 
 
 async def test_weights_are_clamped_to_max_samples_and_reducer_is_pluggable() -> None:
@@ -248,6 +254,7 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
                     worker_id=c.worker_id,
                     peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
                     max_samples=c.max_samples,
+                    no_reduce=False,
                 )
                 for c in cs
             ],
@@ -326,7 +333,8 @@ async def test_cancelled_exchange_cleans_up_and_the_next_one_runs() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not w0.plane._sessions  # internal: nothing left registered
+        assert not w0.plane._sessions  # internal: nothing left registered ...
+        assert not w0.plane._finished  # ... nor kept as ended, which would refuse the rerun below
         for rnd in (1, 2):  # the same exchange again (now with w1), then the next round
             assert_bit_identical(await exchange(ps, cs, deltas, {"w0": 1.0, "w1": 1.0}, "int8", round=rnd))
 
@@ -592,3 +600,45 @@ def test_layout_and_parts_are_deterministic() -> None:
     a = [Contributor("a", "p1", (), 5), Contributor("b", "p2", (), 5)]
     assert group_digest(a) != group_digest([a[0], Contributor("b", "p2", (), 6)])
     assert hashlib.sha256(b"").hexdigest()  # sanity: hashlib available for digests
+
+
+async def test_a_member_that_reduces_nothing_gets_an_empty_part_and_replicas_stay_identical() -> None:
+    """A relayed member (`no_reduce`, the coordinator's plan) reduces no part: the vector is split
+    among the others, it returns no averaged part, and every replica applies the same bytes as
+    the pure pipeline over that split. Control: the same exchange with equal parts costs the
+    relayed member an averaged part's upload to each other member."""
+    import dataclasses
+
+    async with peers(3, signed=True) as ps:  # verified: primary and shadow reducers
+        plain = [p.contributor() for p in ps]
+        relayed = [dataclasses.replace(c, no_reduce=c.worker_id == plain[1].worker_id) for c in plain]
+        weights = {c.worker_id: 1.0 for c in plain}
+        sent = {}
+        for rnd, cs in ((1, plain), (2, relayed)):
+            deltas = {p.worker_id: make_delta(7 * rnd + i) for i, p in enumerate(ps)}
+            for i, d in enumerate(deltas.values()):
+                d["z.big"] = torch.randn(300_000, generator=torch.Generator().manual_seed(rnd * 10 + i))
+            results = await exchange(ps, cs, deltas, weights, "int8", round=rnd)
+            assert_bit_identical(results)
+            sent[rnd] = results[plain[1].worker_id].bytes_sent
+        layout = Layout.of(deltas[plain[0].worker_id])
+        bounds = part_bounds(layout.total, 3, {1})
+        assert bounds[1][0] == bounds[1][1] and bounds[0][1] - bounds[0][0] >= layout.total // 2
+        codec = get_codec("int8")
+        contribs = {
+            w: prepare_contribution(deltas[w], codec, 3, (RUN_ID, CELL, 2, 1, 1, w), weight=1.0, skip=[1])
+            for w in sorted(deltas)
+        }
+        pieces = []
+        for j, (s, e) in enumerate(bounds):
+            if s == e:
+                continue
+            gen = part_generator(RUN_ID, CELL, 2, 1, 1, "result", j)
+            buf = reduce_part(codec, get_reducer("mean"), [c.decoded[j] for c in contribs.values()], [1.0] * 3, gen)
+            pieces.append(decode_part(codec, buf, e - s))
+        got = layout.flatten(results[plain[0].worker_id].averaged)
+        assert torch.equal(got, torch.cat(pieces))
+        # with shadows (S the vector's bytes): equal parts cost it 2 x S/3 to primaries, S/3 to the
+        # one shadow that is not itself and S/3 x 2 for its averaged part = 5S/3; reducing nothing,
+        # its two halves go to their primaries and the one shadow that is not itself = 3S/2
+        assert sent[2] < 0.95 * sent[1], sent

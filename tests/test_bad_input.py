@@ -29,7 +29,8 @@ from bagel.protocol.runspec import parse_spec
 
 from simworkers import cluster_spec_text, fake_peer_id, uniform_cells
 
-SIGNED = ("Register", "Heartbeat", "ReportRound", "Leave", "DownloadCheckpoint")
+SIGNED = ("Register", "Heartbeat", "ReportRound", "Leave", "DownloadCheckpoint", "GetDataManifest", "FetchDataShard")
+STREAMING = ("DownloadCheckpoint", "FetchDataShard")
 
 
 def good_payload(method: str) -> Any:
@@ -47,6 +48,10 @@ def good_payload(method: str) -> Any:
         return pb.LeaveRequest(reason="bye")
     if method == "DownloadCheckpoint":
         return pb.DownloadCheckpointRequest(cell_id="k0.r0", round=0)
+    if method == "GetDataManifest":
+        return pb.DataManifestRequest(cell_id="k0.r0")
+    if method == "FetchDataShard":
+        return pb.FetchDataShardRequest(sha256="a" * 64, offset=0)
     raise AssertionError(method)
 
 
@@ -62,6 +67,10 @@ def invalid_payload(method: str) -> Any:
         return pb.LeaveRequest(reason="x" * 5000)  # too long
     if method == "DownloadCheckpoint":
         return pb.DownloadCheckpointRequest(cell_id="", round=-1)  # missing cell
+    if method == "GetDataManifest":
+        return pb.DataManifestRequest(cell_id="k7.r0")  # not a cell
+    if method == "FetchDataShard":
+        return pb.FetchDataShardRequest(sha256="A" * 64, offset=-1)  # not lowercase hex, negative offset
     raise AssertionError(method)
 
 
@@ -78,13 +87,13 @@ class Caller:
         if isinstance(signed, bytes):  # raw bytes, not even a SignedRequest
             rpc = (
                 self.channel.unary_unary(f"/bagel.v1.Coordinator/{method}")
-                if method != "DownloadCheckpoint"
+                if method not in STREAMING
                 else self.channel.unary_stream(f"/bagel.v1.Coordinator/{method}")
             )
             call = rpc(signed, timeout=10)
         else:
             call = getattr(self.stub, method)(signed, timeout=10)
-        if method == "DownloadCheckpoint":
+        if method in STREAMING:
             async for _ in call:
                 pass
         else:

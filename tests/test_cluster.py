@@ -184,8 +184,8 @@ async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: 
             rounds = h.state.snapshot().rounds
             return rounds[0] if rounds and rounds[0].state in (RoundState.OPEN, RoundState.TRAINING) else None
 
-        # (a contributor whose report lands after the quorum joins the next round as a
-        # zero-weight catch-up contributor, so an open round has 3 or 4 members)
+        # (the next round waits for a contributor whose report lands after the quorum, so an
+        # open round has all 4 members unless one was cut at a freeze and caught up)
         await wait_for(
             lambda: training_round() is not None and len(training_round().members) >= 3,
             30,
@@ -220,6 +220,45 @@ async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: 
     assert victim.worker_id not in commit.contributors
     survivors = {m.worker_id for m in r.members} - {victim.worker_id}
     assert survivors <= set(commit.contributors) and len(commit.agreeing) >= 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_member_that_reports_after_the_quorum_trains_every_round(tmp_path: Path) -> None:
+    """One of four members always reports 0.4 s after the others (3 of 4 are the quorum): the
+    next round waits for it (`schedule.next_round_grace_s`), so it trains every round instead
+    of sitting every other one out."""
+    text = (
+        cluster_spec_text(min_replicas=1, heartbeat_s=0.2)
+        .replace("clusters = 2", "clusters = 1")
+        .replace("timestep_ranges = 2", "timestep_ranges = 1")
+        .replace("router = true", "router = false")
+    )
+    h = await start(tmp_path, text)
+    target = f"127.0.0.1:{h.port}"
+    workers = await start_workers(target, h.spec.run.id, 3, cells=h.spec.cell_ids)
+    late = SimWorker(target, h.spec.run.id, name="late", cells=h.spec.cell_ids, seed=9, report_delay_s=0.4)
+    late.start()
+    try:
+        await wait_for(lambda: h.state.snapshot().cells[0].committed_round >= 8, 45, "8 commits")
+    finally:
+        await stop_workers([*workers, late])
+        await h.stop()
+    recs = all_commits(h.data_dir)
+    rounds = {(r.cell_id, r.round, r.attempt): r for r in all_rounds(h.data_dir)}
+    trained = [
+        late.worker_id in c.contributors and late.worker_id not in rounds[(c.cell_id, c.round, c.attempt)].catch_up
+        for c in recs
+    ]
+    # from the first round it trained (its registration may come after round 1 or 2 opened)
+    first = trained.index(True)
+    after = recs[first:]
+    # rounds it reported after the quorum (not among the agreeing reports counted at the commit)
+    late_rounds = [k for k in range(first, len(recs) - 1) if late.worker_id not in recs[k].agreeing]
+    assert len(late_rounds) >= 3, [(c.round, c.agreeing) for c in after]
+    # after each of them it trained the next round, and it never sat one out since its first
+    assert all(trained[k + 1] for k in late_rounds)
+    assert all(trained[first:]) and len(after) >= 5, [(c.round, c.contributors, c.agreeing) for c in recs]
+    assert not late.stats.errors and all(v == pb.VERDICT_COMMITTED for _, _, v in late.stats.verdicts)
 
 
 @pytest.mark.timeout(90)

@@ -123,6 +123,17 @@ def test_other_slot_and_uninstall(restore_slot) -> None:
 PEERS = 3
 PART = 20_000  # values per averaged tensor; each tensor is one part, reduced by one peer
 DEADLINE_S = 150.0  # start, matchmaking and all-reduce of one group, on a busy 2-core machine
+# Matchmaking on a loaded 2-core machine (hivemind's guide: 3-5 s on a local network). A
+# leader's declaration in the DHT expires after MATCHMAKING_S, and with min_group_size =
+# target_group_size every peer must have found the leader and had its join accepted within
+# one such window, else the group disbands and everybody declares again. The first reply to
+# a join request must come within REQUEST_TIMEOUT_S, through two p2p daemons and two Python
+# processes each way, any of which may be waiting for a core. Neither slows a run that goes
+# well: the leader starts the all-reduce the moment its group is full. hivemind wants
+# request_timeout < min_matchmaking_time (its Matchmaking docstring: else it may deadlock).
+MATCHMAKING_S = 10.0
+REQUEST_TIMEOUT_S = 5.0
+ALLREDUCE_TIMEOUT_S = 60.0
 
 
 @pytest.fixture
@@ -168,18 +179,31 @@ def average_with_hivemind(dhts: list[hivemind.DHT], codec_name: str, seed: int =
                 prefix="bagel-codec-" + hashlib.sha256(codec_name.encode()).hexdigest()[:12],  # no '.'s
                 target_group_size=PEERS,
                 min_group_size=PEERS,
-                min_matchmaking_time=2.0,
-                request_timeout=1.0,
-                allreduce_timeout=60.0,
+                min_matchmaking_time=MATCHMAKING_S,
+                request_timeout=REQUEST_TIMEOUT_S,
+                allreduce_timeout=ALLREDUCE_TIMEOUT_S,
                 next_chunk_timeout=30.0,
                 compression=adapter,
                 part_size_bytes=2**30,  # one part per tensor: each tensor has one reducer
                 start=False,
             )
             averagers.append(averager)
-            averager.run_in_background(await_ready=True, timeout=max(1.0, deadline - time.monotonic()))
-        futures = [a.step(wait=False, timeout=60) for a in averagers]
-        groups = [f.result(timeout=max(1.0, deadline - time.monotonic())) for f in futures]
+            try:
+                averager.run_in_background(await_ready=True, timeout=max(1.0, deadline - time.monotonic()))
+            except TimeoutError:
+                pytest.fail(f"averager {len(averagers) - 1} did not start within {DEADLINE_S:g}s of the first")
+        # `timeout` bounds the search for a group, retries after a failed all-reduce
+        # included; what is left of the deadline after it is one all-reduce's
+        search_s = deadline - time.monotonic() - ALLREDUCE_TIMEOUT_S
+        assert search_s > 2 * MATCHMAKING_S, "starting the averagers took most of the deadline"
+        steps = [a.step(wait=False, timeout=search_s) for a in averagers]
+        groups = []
+        for i, step in enumerate(steps):
+            try:
+                groups.append(step.result(timeout=max(1.0, deadline - time.monotonic())))
+            except Exception as e:  # the stage says where it stopped: matchmaking or the all-reduce
+                stages = [s.stage.name for s in steps]
+                pytest.fail(f"averager {i}'s step failed ({type(e).__name__}: {e}); stages of all three: {stages}")
         assert all(g is not None and len(g) == PEERS for g in groups), "the three peers did not form one group"
         results = []
         for a in averagers:

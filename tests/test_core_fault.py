@@ -141,12 +141,17 @@ async def test_daemon_exits_non_zero_on_a_core_bug_and_restarts_from_sqlite(tmp_
         durable = _durable_commits(data)
         assert sum(durable.values()) == fail_at - 1, durable  # the faulted commit never reached disk
 
+        # The workers are stopped across the restart: left running, they would re-report the
+        # lost round and could commit it before the first status call reads what was restored.
+        await stop_workers(workers)
+        workers = []
         healthy = DaemonProcess(spec_path, data, *args)
         healthy.wait_line("listening:", timeout_s=120)
         st = await _status(target)
         served = {c.cell_id: c.committed_round for c in st.cells if c.committed_round}
         assert served == durable, (served, durable)
-        # and the run goes on from there: the workers re-attach and commit again
+        # and the run goes on from there: workers attach and commit again
+        workers = await start_workers(target, "faultrun", 6, cells=(), samples_per_s=16.0)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             st = await _status(target)

@@ -6,6 +6,10 @@ and teardown stops all of them even when an assertion fails. The run is one cell
 (one cluster, one timestep range, no router) of the tiny DiT with H = 5 inner steps, int8
 pseudo-gradients with error feedback, and 3 s leases, so a round takes a few seconds.
 
+The spec keeps an average of the committed weights (`[ema]`), so every comparison of
+replicas below also compares their `ema.*` tensors: across holders, after a late joiner's
+sync and across a coordinator restart.
+
 Facts are read from the workers' `--log-json` events (synced / committed / left, with
 hashes, contributor counts and bytes) and from `--keep-round-history` checkpoints, one
 safetensors file per committed round, which the tests load and compare tensor by tensor.
@@ -13,6 +17,8 @@ safetensors file per committed round, which the tests load and compare tensor by
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,6 +74,9 @@ quorum = 0.5
 [checkpoint]
 every_rounds = 2
 keep = 3
+
+[ema]
+decay = 0.9
 """
 CELL = "k0.r0"
 # A sleep-based slowdown (no extra CPU) for the tests where a worker must sync within one
@@ -85,24 +94,32 @@ class Swarm:
         self.spec_path = root / "spec.toml"
         self.spec_path.write_text(SPEC)
         self.port = free_port()
+        self.dht_port = free_port()  # fixed, as in production: the join string survives a restart
         self.coordinator: CoordinatorProc | None = None
         self.workers: dict[str, WorkerProc] = {}
         self.restarts: dict[str, int] = {}
 
-    def start_coordinator(self) -> CoordinatorProc:
+    def start_coordinator(self, *extra: str) -> CoordinatorProc:
         n = sum(1 for p in self.procs if p.name == "coordinator")
-        c = CoordinatorProc.make(self.spec_path, self.root / "coord", self.root / f"coord{n}.log", port=self.port)
+        c = CoordinatorProc.make(
+            self.spec_path,
+            self.root / "coord",
+            self.root / f"coord{n}.log",
+            port=self.port,
+            dht_port=self.dht_port,
+            extra=extra,
+        )
         self.procs.append(c)
         c.start_and_wait(timeout_s=90)
         self.coordinator = c
         return c
 
-    def start_worker(self, name: str, *extra: str, throttle: float = 1.0) -> WorkerProc:
+    def start_worker(self, name: str, *extra: str, throttle: float = 1.0, join: str = "") -> WorkerProc:
         assert self.coordinator is not None
         n = self.restarts.get(name, -1) + 1
         self.restarts[name] = n
         w = WorkerProc.make(
-            self.coordinator.join,
+            join or self.coordinator.join,
             self.root / name,
             self.root / f"{name}.{n}.log",
             name=name,
@@ -201,6 +218,7 @@ def assert_replicas_identical(s: Swarm, names: list[str], rnd: int) -> str:
     assert len(hashes) == 1, f"round {rnd}: workers report different hashes {hashes}"
     ref = s.history(names[0], rnd)
     assert state_hash(ref) == next(iter(hashes))
+    assert any(k.startswith("ema.") for k in ref), "the state keeps no average of the weights"
     for n in names[1:]:
         other = s.history(n, rnd)
         assert set(other) == set(ref)
@@ -221,11 +239,26 @@ def heldout_loss(state: dict[str, torch.Tensor] | None) -> float:
     return task.eval_loss(model, x, y, seed=0)
 
 
+def stop_report(p: Managed) -> str:
+    """What a worker's stop did: its phase when told to stop, each step's seconds (the
+    `stop-steps` event), a step that overran, and the watchdog's line, which names the step
+    it was in if the stop ran past its bound."""
+    lines = p.log_text().splitlines()
+    phases = [line for line in lines if '"event": "step"' in line]
+    keep = [
+        line
+        for line in lines
+        if any(k in line for k in ('"event": "stopping"', '"event": "stop-step', "graceful stop took more"))
+    ]
+    return "\n".join([*(["last progress: " + phases[-1]] if phases else []), *keep]) or "(no stop events)"
+
+
 def stop_all_workers(s: Swarm) -> None:
     for w in s.workers.values():
         if w.alive():
-            assert w.stop(timeout_s=40) == 0, f"{w.name} did not exit cleanly:\n{_tail(w)}"
-            assert w.events("left"), f"{w.name} exited without Leave"
+            rc = w.stop(timeout_s=40)
+            assert rc == 0, f"{w.name} did not exit cleanly (rc {rc}):\n{stop_report(w)}\n--- log tail\n{_tail(w)}"
+            assert w.events("left"), f"{w.name} exited without Leave:\n{stop_report(w)}"
 
 
 # ---------------------------------------------------------------------------- three workers, bit-identical
@@ -234,10 +267,11 @@ def stop_all_workers(s: Swarm) -> None:
 @pytest.mark.timeout(240)
 def test_three_workers_commit_bit_identical_rounds(swarm: Swarm):
     s = swarm
-    s.start_coordinator()
+    coord = s.start_coordinator("--metrics-listen", "127.0.0.1:0")
+    coord_metrics = coord.wait_for_line("metrics:", 30)
     names = ["a", "b", "c"]
     for n in names:
-        s.start_worker(n)
+        s.start_worker(n, *(("--metrics-listen", "127.0.0.1:0") if n == "a" else ()))
 
     # 3 consecutive rounds that all 3 replicas committed (a member that misses a freeze
     # still applies the round as a zero-weight catch-up contributor), one of them with
@@ -267,7 +301,59 @@ def test_three_workers_commit_bit_identical_rounds(swarm: Swarm):
     first = heldout_loss(s.history("a", rounds[0]))
     last = heldout_loss(s.history("a", rounds[-1]))
     assert initial > first > last, f"held-out loss did not go down: {initial:.4f} -> {first:.4f} -> {last:.4f}"
+    assert_real_round_metrics(s.workers["a"].events("metrics")[0]["url"], coord_metrics)
     stop_all_workers(s)
+    assert_time_accounted(s, names)
+
+
+def assert_time_accounted(s: Swarm, names: list[str]) -> None:
+    """The demo report's utilisation and goodput, from these real workers' events: every
+    second of a worker's wall time is in one bucket, each committed training and exchanged."""
+    from bagel.worker.demo import time_accounts, time_markdown
+
+    per, swarm = time_accounts({n: s.workers[n].events() for n in names})
+    for n in names:
+        t = per[n]
+        assert t["wall_s"] > 0 and sum(t["buckets_s"].values()) == pytest.approx(t["wall_s"], abs=0.05), t
+        assert t["buckets_s"]["committed"] > 0 and t["buckets_s"]["comm"] > 0, t
+        assert 0 < t["goodput"] <= t["utilisation"] <= 1, t
+    assert swarm["buckets_s"]["committed"] == pytest.approx(sum(per[n]["buckets_s"]["committed"] for n in names))
+    table = "\n".join(time_markdown(per, swarm))
+    assert all(f"| {n} | " in table for n in names) and "| **swarm** |" in table
+
+
+def assert_real_round_metrics(worker_url: str, coordinator_url: str) -> None:
+    """What real workers measured reaches both endpoints: every phase but `waiting` took
+    time (a round may start its exchange the moment it is ready), and bytes are counted."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        return {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for fam in text_string_to_metric_families(text)
+            for x in fam.samples
+        }
+
+    # `data` (indexing the in-memory digits) can be under half a millisecond a round, and the
+    # report carries whole milliseconds: it is exported, but may read 0 on an idle machine
+    w = scrape(worker_url)
+    assert w[("bagel_worker_step_seconds_total", (("phase", "data"),))] >= 0
+    for phase in ("forward_backward", "optimizer", "encode", "exchange", "outer_step"):
+        assert w[("bagel_worker_step_seconds_total", (("phase", phase),))] > 0, phase
+    assert w[("bagel_worker_bytes_total", (("direction", "sent"), ("kind", "exchange")))] > 0
+    assert w[("bagel_worker_memory_bytes", (("kind", "rss"),))] > 50 << 20
+    assert w[("bagel_worker_denoising_samples_per_second", ())] > 0
+    c = scrape(coordinator_url)
+    assert c[("bagel_step_seconds_total", (("cell", CELL), ("phase", "data"), ("worker_class", "cpu")))] >= 0
+    for phase in ("forward_backward", "optimizer", "exchange", "outer_step"):
+        got = c[("bagel_step_seconds_total", (("cell", CELL), ("phase", phase), ("worker_class", "cpu")))]
+        assert got > 0, phase
+    assert c[("bagel_denoising_samples_per_second", (("cell", CELL), ("worker_class", "cpu")))] > 0
+    assert c[("bagel_worker_memory_bytes", (("kind", "rss_max"), ("worker_class", "cpu")))] > 50 << 20
 
 
 # ---------------------------------------------------------------------------- a SIGKILLed worker
@@ -356,10 +442,29 @@ def test_late_joiner_syncs_from_a_peer_and_contributes_next_round(swarm: Swarm):
 # ---------------------------------------------------------------------------- a SIGKILLed coordinator
 
 
+def live_in_group(pgid: int) -> list[int]:
+    """Processes of process group `pgid` that still run (zombies, which hold no port or lock, excluded)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
 @pytest.mark.timeout(300)
 def test_coordinator_sigkill_mid_round_loses_no_committed_round(swarm: Swarm):
+    """SIGKILL to the coordinator's pid alone (`kill -9 PID`), then a restart on the same data
+    dir and flags: its DHT child and p2p daemon exit by themselves (so the port, the peer id
+    and the data dir's lock are free again), the join string is byte-identical, the running
+    workers re-attach and commit further rounds, nothing committed is lost, and a worker
+    started afterwards with the old join string joins and commits."""
     s = swarm
-    s.start_coordinator()
+    old_join = s.start_coordinator().join
     names = ["a", "b"]
     for n in names:
         s.start_worker(n, throttle=SLOW)
@@ -372,10 +477,19 @@ def test_coordinator_sigkill_mid_round_loses_no_committed_round(swarm: Swarm):
     s.wait("a round in progress", mid_round, timeout_s=60)
     before = s.committed_round()
     assert s.coordinator is not None
-    s.coordinator.kill()
+    killed = s.coordinator
+    os.kill(killed.pid, signal.SIGKILL)
+    assert killed.proc is not None and killed.proc.wait(timeout=10) == -signal.SIGKILL
     seen = {n: dict(s.commits(n)) for n in names}
-    time.sleep(2.0)  # workers keep training and retry with backoff meanwhile
-    s.start_coordinator()  # same data dir and port
+    deadline = time.monotonic() + 10  # its DHT child and p2pd exit with it
+    while live_in_group(killed.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not live_in_group(killed.pid), f"left running after the coordinator's SIGKILL: {live_in_group(killed.pid)}"
+    assert "the join string names only loopback addresses" in killed.log_text()  # the swarm lives on 127.0.0.1
+    killed.kill()  # nothing is left to kill; clears the group for the teardown
+    time.sleep(1.0)  # workers keep training and retry with backoff meanwhile
+    assert s.start_coordinator().join == old_join  # same data dir, port and flags: byte-identical
+    s.start_worker("c", throttle=SLOW, join=old_join)  # a newcomer with the string printed before the crash
     after = s.wait(
         "the restarted coordinator commits 2 more rounds",
         lambda: s.committed_round() >= before + 2 and s.committed_round(),
@@ -386,10 +500,26 @@ def test_coordinator_sigkill_mid_round_loses_no_committed_round(swarm: Swarm):
         commits = s.commits(n)
         for r, c in seen[n].items():  # nothing a worker saw committed was lost or changed
             assert commits[r]["hash"] == c["hash"]
-    # no round committed twice with different hashes, and the replicas agree after the restart
+    # the newcomer registered with the old string and commits the same states as the others
+    joined = s.wait("the newcomer commits a round", lambda: min(s.commits("c"), default=None), timeout_s=120)
+    # the running workers re-attached: both commit rounds after the restart, and no round
+    # was committed twice with different hashes
+    last = s.wait("a and b commit after the restart", lambda: [r for r in committed_by_all(s, names) if r > before], 60)
     for r in set(s.commits("a")) & set(s.commits("b")):
         assert s.commits("a")[r]["hash"] == s.commits("b")[r]["hash"], r
-    last = max(set(s.commits("a")) & set(s.commits("b")))
-    assert last > before
-    assert_replicas_identical(s, names, last)
+    assert_replicas_identical(s, names, last[-1])
+    s.wait(f"a, b and c report round {joined}", lambda: joined in committed_by_all(s, ["a", "b", "c"]), 60)
+    assert_replicas_identical(s, ["a", "b", "c"], joined)
     stop_all_workers(s)
+    # the restarted coordinator's newest checkpoint is what sample and export read: the
+    # average of the weights of a committed round, byte for byte what the workers hold
+    from bagel.coordinator.committed import load_committed
+
+    cw = load_committed(s.root / "coord").cells[CELL]
+    assert cw.ema and cw.round > before
+    # any worker that committed that round holds it (the one that uploaded it at least)
+    holders = [n for n in ("a", "b", "c") if cw.round in s.commits(n)]
+    assert holders, f"no worker reports the checkpoint's round {cw.round}"
+    held = s.history(holders[0], cw.round)
+    for n, t in cw.weights.items():
+        assert torch.equal(t, held["ema." + n]), n

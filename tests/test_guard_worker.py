@@ -80,7 +80,11 @@ E2E_SPEC = SPEC.replace("inner_steps = 8", "inner_steps = 5").replace(
 def _measured(spec: object, held: LocalCheckpoint, new: CellState) -> ReduceOutcome:
     """What `Orders._reduce` does after the exchange: measure the base and the new state."""
     out = ReduceOutcome(new, new.state_hash(), {}, 0, 0, 0.0)
-    orders = SimpleNamespace(host=SimpleNamespace(spec=spec), probe=None)
+
+    async def ensure_data(cell_id: str) -> None:  # the data is local here
+        pass
+
+    orders = SimpleNamespace(host=SimpleNamespace(spec=spec, ensure_data=ensure_data), probe=None)
     asyncio.run(Orders._measure(orders, out, held))  # type: ignore[arg-type]
     return out
 

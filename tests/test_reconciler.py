@@ -327,6 +327,24 @@ ROUND0 = {"cell_id": CELL, "round": 1, "committed_round": 0, "committed_hash": "
         # an order this worker does not know: nothing (but a reported round can still commit)
         (Instruction(Order.UNSPECIFIED, **BASE), STATES["training-same"], ()),
         (Instruction(Order.UNSPECIFIED, **BASE), STATES["pending-committed"], (ADOPT,)),
+        # our exchange of the round that just committed is still running: it finishes (its
+        # outcome is the committed state) instead of a download; not once it has failed or
+        # reported another outcome, nor for an older round
+        (
+            INSTRUCTIONS["sync"],
+            WorkerView(ME, OLD, Work(CELL, 3, 1, ready=True, catch_up=True, reduce_attempt=1, exchanging=True)),
+            (),
+        ),
+        (
+            INSTRUCTIONS["sync"],
+            WorkerView(ME, OLD, Work(CELL, 3, 1, ready=True, catch_up=True, reduce_attempt=1)),
+            (DropWork("resync"), SYNC),
+        ),
+        (
+            INSTRUCTIONS["sync"],
+            WorkerView(ME, OLD, Work(CELL, 2, 1, ready=True, reduce_attempt=1, exchanging=True)),
+            (DropWork("resync"), SYNC),
+        ),
         # a pending round of another cell is not settled by this cell's instruction
         (
             INSTRUCTIONS["wait"],

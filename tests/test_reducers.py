@@ -146,13 +146,15 @@ def test_get_reducer_names_and_errors() -> None:
         "centered_clip:rel=0.5,iters=4",
         "centered_clip:tau=2.0,iters=3",
         "mean:max_norm=inf,min_norm=0",
+        "mean:min_cosine=-1",
+        "trimmed_mean:0.2,min_cosine=0.1",
     ):
         assert get_reducer(get_reducer(r).spec()).spec() == get_reducer(r).spec()
     # the canonical string names every parameter, the screen's included
-    assert get_reducer().spec() == "centered_clip:rel=1.0,iters=10,max_norm=10.0,min_norm=0.01"
-    assert get_reducer("mean").spec() == "mean:max_norm=10.0,min_norm=0.01"
-    sc = get_reducer("trimmed_mean:0.3,max_norm=4,min_norm=0.1")
-    assert (sc.trim, sc.max_norm, sc.min_norm) == (0.3, 4.0, 0.1)
+    assert get_reducer().spec() == "centered_clip:rel=1.0,iters=10,max_norm=10.0,min_norm=0.01,min_cosine=0.0"
+    assert get_reducer("mean").spec() == "mean:max_norm=10.0,min_norm=0.01,min_cosine=0.0"
+    sc = get_reducer("trimmed_mean:0.3,max_norm=4,min_norm=0.1,min_cosine=-0.5")
+    assert (sc.trim, sc.max_norm, sc.min_norm, sc.min_cosine) == (0.3, 4.0, 0.1, -0.5)
     for bad, msg in [
         ("median", "unknown reducer"),
         ("mean:3", "cannot parse parameter"),
@@ -161,6 +163,8 @@ def test_get_reducer_names_and_errors() -> None:
         ("mean:max_norm=1", "above 1"),
         ("centered_clip:min_norm=1", r"\[0, 1\)"),
         ("centered_clip:min_norm=nan", "number"),
+        ("centered_clip:min_cosine=1", r"\[-1, 1\)"),
+        ("mean:min_cosine=-1.5", r"\[-1, 1\)"),
         ("trimmed_mean:x", "number"),
         ("centered_clip:tau=-1", "positive"),
         ("centered_clip:iters=0", "at least 1"),

@@ -14,11 +14,11 @@ import bagel.coordinator.core.rounds as core_rounds
 import bagel.coordinator.core.state as core_state
 from bagel.coordinator import app, daemon
 from bagel.coordinator.core import scheduler
+from bagel.protocol.goodput import BUCKET_DEFINITIONS, BUCKETS
 from bagel.sim.cli import main
 from bagel.sim.discrete import policies
 from bagel.sim.discrete.engine import Engine
-from bagel.sim.discrete.ledger import BUCKETS
-from bagel.sim.discrete.report import summarize
+from bagel.sim.discrete.report import PLOTS, summarize
 from bagel.sim.discrete.runner import run_policies
 from bagel.sim.discrete.scenario import load_sim_scenario
 
@@ -146,9 +146,14 @@ def test_each_scenario_runs_small_and_writes_the_report(name, tmp_path):
     for p in s["policies"].values():
         assert {"goodput", "utilization", "committed_rounds"} <= set(p)
         assert 0.0 <= p["goodput"] <= p["utilization"] <= 1.0 + 1e-9
-    for png in ("committed_rounds.png", "committed_compute.png", "wasted_work.png", "utilization.png"):
+    for png in ("committed_compute_per_cell.png", "committed_compute.png", "wasted_work.png", "utilization.png"):
         assert (out / png).stat().st_size > 1000
-    assert "| bagel |" in (out / "summary.md").read_text()
+    md = (out / "summary.md").read_text()
+    assert "| bagel |" in md
+    for png in PLOTS:  # summary.md links every plot and defines every bucket
+        assert f"]({png})" in md and (out / png).exists()
+    for bucket in BUCKETS:
+        assert f"| {bucket} | {BUCKET_DEFINITIONS[bucket]} |" in md
 
 
 def test_cli_rejects_bad_input(tmp_path, capsys):

@@ -101,6 +101,11 @@ def test_compute_scales_with_throughput():
     assert cm.cell_memory_bytes(w, "k0.r0") > 0.8 * GPU_CLASSES["rtx3060"].vram_bytes
     assert cm.cell_memory_bytes(w, "router") < 0.8 * GPU_CLASSES["rtx3060"].vram_bytes
     assert cm.download_s(1e9, 1e7, 1e6, 0.0) == pytest.approx(1000.0)
+    # k donors in bandwidth-proportional shares: their summed uplinks, or the joiner's downlink
+    assert cm.multi_donor_download_s(1e9, 1e8, [1e6, 3e6], 0.0) == pytest.approx(250.0)
+    assert cm.multi_donor_download_s(1e9, 1e7, [1e7, 3e7], 0.0) == pytest.approx(100.0)
+    assert cm.multi_donor_download_s(1e9, 1e7, [1e6], 0.0) == cm.download_s(1e9, 1e7, 1e6, 0.0)
+    assert cm.multi_donor_shares([1e6, 3e6]) == [0.25, 0.75]
 
 
 # ---------------------------------------------------------------- faults and scenarios

@@ -33,6 +33,15 @@ def test_example_parses() -> None:
         ('[run]\nid = "x"\n[diloco]\naggregation = "centered_clip:foo=1"\n', "diloco.aggregation: centered_clip: unk"),
         ('[run]\nid = "x"\n[diloco]\naggregation = "mean:2"\n', "diloco.aggregation: mean: cannot parse parameter"),
         ('[run]\nid = "x"\n[diloco]\naggregation = 1\n', "diloco.aggregation: expected a string"),
+        ('[run]\nid = "x"\n[slo]\nround_success = 1.0\n', "slo.round_success"),
+        ('[run]\nid = "x"\n[slo]\nwindow_rounds = 0\n', "slo.window_rounds"),
+        ('[run]\nid = "x"\n[slo]\ncell_sample_target = -1\n', "slo.cell_sample_target"),
+        ('[run]\nid = "x"\n[slo]\nobjective = 0.9\n', "slo.objective"),
+        ('[run]\nid = "x"\n[cost]\ngpu_hour = { H100 = -1.0 }\n', "cost.gpu_hour.H100"),
+        ('[run]\nid = "x"\n[cost]\ngpu_hour = { cpu = 1.0 }\n', "reserved"),
+        ('[run]\nid = "x"\n[cost]\ngpu_hour = { H100 = "cheap" }\n', "cost.gpu_hour.H100"),
+        ('[run]\nid = "x"\n[cost]\ngpu_hour = { a = 1.0, A = 2.0 }\n', "differ only in case"),
+        ('[run]\nid = "x"\n[cost]\ncurrency = "US dollars"\n', "cost.currency"),
     ],
 )
 def test_bad_specs_name_the_key(text: str, needle: str) -> None:

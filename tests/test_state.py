@@ -6,11 +6,14 @@ Every transition is checked against a fake store fed only by `Outcome.effects`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from bagel.coordinator.core.policy import DILOCO_WAIT_ALL, SYNC_DP
 from bagel.coordinator.core.records import CommitRecord, RoundRecord, RoundState, WorkerRecord, WorkerState
 from bagel.protocol.messages import LocalState, Order, Phase, Verdict
+from bagel.protocol.runspec import SyncSection
 
 from test_state_harness import Harness, h, make_spec
 
@@ -84,15 +87,21 @@ def test_full_round_lifecycle() -> None:
     cell = hz.cell()
     assert (cell.committed_round, cell.committed_hash) == (1, h(1))
     assert hz.local("a") == LocalState(CELL, 1, h(1))
-    # the next round opened at once with the holders of the new state
-    r2 = hz.round()
-    assert r2 is not None and r2.round == 2 and [m.worker_id for m in r2.members] == ["a", "b"]
-    assert out.instruction is not None and out.instruction.order is Order.TRAIN and out.instruction.round == 2
-    # c's report arrives late with the committed hash: harmless, and c holds the state
+    # the next round waits for c, a contributor that has not reported yet
+    assert hz.round() is None
+    assert out.instruction is not None and out.instruction.order is Order.WAIT
+    assert "last contributors report" in out.instruction.reason
+    assert hz.hb("a").instruction.order is Order.WAIT  # a heartbeat does not open it either
+    assert hz.round() is None
+    # c reports a moment after the quorum: it holds the new state and trains round 2
+    hz.advance(1_500)
     late = hz.report("c", h(1), round=1, reduce_attempt=1)
     assert late.verdict is Verdict.COMMITTED
     assert hz.local("c") == LocalState(CELL, 1, h(1))
-    assert hz.st.instruction_for("c").order is Order.WAIT  # joins round 3
+    r2 = hz.round()
+    assert r2 is not None and r2.round == 2 and [m.worker_id for m in r2.members] == ["a", "b", "c"]
+    assert late.instruction is not None and late.instruction.order is Order.TRAIN and late.instruction.round == 2
+    assert hz.st.instruction_for("a").order is Order.TRAIN
     assert hz.store.workers["a"].rounds_contributed == 1
 
 
@@ -115,7 +124,9 @@ def test_different_hash_is_told_to_resync_from_a_donor() -> None:
 
 
 def test_donors_are_spread() -> None:
-    hz = Harness()
+    # one donor per sync (`[sync] max_donors = 1`, what a worker reading only `donor` uses);
+    # the named donors of several syncs: tests/test_sync_donors.py
+    hz = Harness(replace(make_spec(), sync=SyncSection(max_donors=1)))
     start(hz, "a", "b", "c", "d")
     freeze_all(hz, "a", "b", "c", "d")
     for w in "abcd":
@@ -147,10 +158,12 @@ def test_deadline_freezes_ready_members_and_straggler_sits_out() -> None:
     hz.report("a", h(1))
     out = hz.report("b", h(1))  # 2 of 2 weighted contributors: catch-ups do not count
     assert out.verdict is Verdict.COMMITTED
-    assert hz.st.instruction_for("c").order is Order.SYNC  # until its own report arrives
+    ins = hz.st.instruction_for("c")  # until its own report arrives: finish the exchange
+    assert ins.order is Order.WAIT and "finish its exchange" in ins.reason
     assert hz.report("c", h(1), round=1, reduce_attempt=1, samples=0).verdict is Verdict.COMMITTED
-    assert hz.st.instruction_for("c").order is Order.WAIT
-    assert [m.worker_id for m in hz.round().members] == ["a", "b"]
+    # a catch-up contributor holds the result too: the next round waited for it
+    assert hz.st.instruction_for("c").order is Order.TRAIN
+    assert [m.worker_id for m in hz.round().members] == ["a", "b", "c"]
     assert hz.store.commits[-1].samples == sum(m.max_samples for m in r.members if m.worker_id != "c")
 
 
@@ -371,6 +384,7 @@ def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:
     ins = hz.st.instruction_for("z")
     assert ins.order is Order.SYNC and ins.committed_round == 2
     assert ins.donor is not None and ins.donor.worker_id == "" and ins.donor.checkpoint_round == 2
+    assert ins.donors == ()  # no donor list with the checkpoint
 
 
 def test_a_heartbeat_sent_before_the_verdict_does_not_unseat_the_holder() -> None:
@@ -580,3 +594,65 @@ def test_heartbeat_from_a_moved_or_idle_worker_is_harmless() -> None:
     assert out.effects == () and out.instruction.order is Order.TRAIN
     out = hz.hb("a", Phase.READY, round=2, samples=5)
     assert out.effects == () and "a" not in hz.st.cell_view(CELL)[1].ready  # type: ignore[union-attr]
+
+
+def test_relayed_members_reduce_no_part_unless_everyone_is_relayed() -> None:
+    """The freeze marks workers that reported RELAYED reachability `no_reduce` (an empty part in
+    the split), and binds the marks into the frozen set the evidence check uses; a group of
+    relayed workers only reduces with equal parts. Control: the direct members are unmarked."""
+    import dataclasses
+
+    from bagel.coordinator.core.events import Register
+    from bagel.coordinator.core.scheduler import reduce_nothing
+    from bagel.protocol.messages import PeerAddress, Reachability
+
+    from test_state_harness import profile
+
+    hz = Harness()
+    for w, reach in (("a", Reachability.DIRECT), ("b", Reachability.RELAYED), ("c", Reachability.UNKNOWN)):
+        prof = dataclasses.replace(profile(hz.spec), reachability=reach)
+        hz.apply(Register(w, prof, PeerAddress(f"peer-{w}", ("/ip4/127.0.0.1/tcp/1",)), LocalState()))
+    hz.hb("a")
+    r = freeze_all(hz)
+    ins = hz.st.instruction_for("a")
+    assert ins.order is Order.REDUCE
+    assert {m.worker_id: m.no_reduce for m in ins.contributors} == {"a": False, "b": True, "c": False}
+    frozen = hz.st.frozen_set(CELL, r.round, r.attempt, r.reduce_attempt)
+    assert frozen is not None and [len(m) for m in frozen] == [3, 4, 3] and frozen[1][3] is True
+    assert reduce_nothing(("a", "b"), {"b", "x"}) == {"b"}
+    assert reduce_nothing(("a", "b"), {"a", "b"}) == frozenset()
+    assert reduce_nothing(("a",), ()) == frozenset()
+
+
+def test_contributor_floor_opens_no_round_below_it_and_aborts_when_a_member_drop_breaks_it() -> None:
+    hz = Harness(spec=make_spec(min_contributors=3))
+    three(hz, "a", "b")
+    hz.hb("a")
+    assert hz.round() is None  # two holders of the committed state: below the floor, nobody trains alone
+    r = start(hz, "c")  # the third opens round 1 with all three
+    assert [m.worker_id for m in r.members] == ["a", "b", "c"]
+    from bagel.coordinator.core.events import Leave
+
+    hz.hb("a", Phase.TRAINING)
+    hz.apply(Leave("c"))  # two members left: below the floor
+    ended = hz.store.rounds[(CELL, 1, r.attempt)]
+    assert ended.state is RoundState.ABORTED and "min_contributors" in ended.reason
+    hz.hb("a")
+    hz.hb("b")
+    hz.tick()
+    assert hz.round() is None  # not re-run with the two
+    assert hz.st.instruction_for("a").order is Order.WAIT
+    hz.reg("d")  # a third holder again (round 0 needs no download): the round re-runs with three
+    hz.hb("d")
+    r2 = hz.round()
+    assert r2 is not None and r2.round == 1 and [m.worker_id for m in r2.members] == ["a", "b", "d"]
+    assert not hz.store.commits
+
+
+def test_contributor_floor_is_checked_by_the_spec() -> None:
+    from bagel.protocol.runspec import SpecError
+
+    with pytest.raises(SpecError, match="min_contributors"):
+        make_spec(min_contributors=9)  # above max_replicas = 8
+    with pytest.raises(SpecError, match="min_contributors"):
+        make_spec(min_contributors=0)

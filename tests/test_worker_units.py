@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import bagel.worker.profile as profile_module
 from bagel.protocol import bagel_pb2 as pb
 from bagel.worker import cli
 from bagel.worker.diloco import CellState
@@ -100,11 +101,14 @@ def test_plain_display_and_progress_line():
         steps=10,
         loss=0.5,
         samples_per_s=120.0,
-        bytes_sent=2_500_000,
-        bytes_received=0,
+        exchange_sent=2_500_000,
+        exchange_received=0,
+        checkpoint_sent=203_600_000,
     )
     line = d.progress_line()
-    assert "cell k0.r0 round 2" in line and "step 4/10" in line and "2.5 MB" in line
+    assert "cell k0.r0 round 2" in line and "step 4/10" in line
+    # exchange and checkpoint bytes apart: an upload does not count as exchange traffic
+    assert "exchange sent 2.5 MB recv 0 B" in line and "checkpoints up 203.6 MB down 0 B" in line
     assert human_bytes(999) == "999 B" and human_bytes(1_200_000_000) == "1.2 GB"
     with pytest.raises(ValueError):
         Display("fancy")
@@ -220,10 +224,12 @@ class _Tiny:
         return ((model(x) - y) ** 2).mean()
 
 
-def test_profile_measures_throughput_and_caps_memory(tmp_path: Path):
+def test_profile_measures_throughput_and_caps_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     cpu = torch.device("cpu")
+    assert memory_bytes(cpu) > 0  # the machine's real MemAvailable, which moves between two reads
+    monkeypatch.setattr(profile_module, "_mem_available", lambda: 8 << 30)  # so the caps are checked on a fixed one
     assert memory_bytes(cpu, 0.5) == 1 << 29
-    assert memory_bytes(cpu) > 0 and memory_bytes(cpu, 1e9) == memory_bytes(cpu)
+    assert memory_bytes(cpu) == 8 << 30 and memory_bytes(cpu, 1e9) == 8 << 30
     with pytest.raises(ValueError):
         memory_bytes(cpu, -1)
     assert benchmark_cell(_Tiny(), cpu, micro_batch=8, steps=2) > 0
@@ -245,3 +251,64 @@ def test_profile_measures_throughput_and_caps_memory(tmp_path: Path):
     path.write_text("not json")
     assert cached_profile(path, key, "x") is None
     assert os.path.exists(path)
+
+
+def test_waiting_backoff_grows_is_capped_and_jittered() -> None:
+    import random
+
+    from bagel.worker import waiting
+
+    rng = random.Random(0)
+    delays = [waiting.delay_s(a, rng) for a in range(1, 12)]
+    lo, hi = 1 - waiting.JITTER, 1 + waiting.JITTER
+    for a, d in enumerate(delays, 1):
+        base = min(waiting.MAX_DELAY_S, waiting.FIRST_DELAY_S * 2 ** (a - 1))
+        assert base * lo <= d <= base * hi
+    assert max(delays) <= waiting.MAX_DELAY_S * hi and len(set(delays)) == len(delays)
+
+
+async def test_waiting_retry_shows_each_failure_and_stops_on_request() -> None:
+    import asyncio
+    import io
+
+    from bagel.worker import waiting
+    from bagel.worker.display import Display
+
+    out = io.StringIO()
+    display = Display("plain", stream=out, err=out)
+    stop = asyncio.Event()
+    calls = []
+
+    async def step() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("no answer\nfrom the peer")
+        return "up"
+
+    waiting.FIRST_DELAY_S, saved = 0.01, waiting.FIRST_DELAY_S
+    try:
+        got = await waiting.retry(
+            step, what="down", hint="wait", retryable=(ConnectionError,), display=display, stop=stop
+        )
+        assert got == "up" and len(calls) == 3
+        lines = [ln for ln in out.getvalue().splitlines() if "waiting: down: from the peer; wait; retrying in" in ln]
+        assert len(lines) == 2 and "(attempt 2)" in lines[1]
+
+        async def never() -> str:
+            raise ConnectionError("still down")
+
+        stop_soon = asyncio.get_running_loop().call_later(0.05, stop.set)
+        assert (
+            await waiting.retry(never, what="d", hint="h", retryable=(ConnectionError,), display=display, stop=stop)
+            is None
+        )
+        stop_soon.cancel()
+
+        async def broken() -> str:
+            raise KeyError("not retryable")
+
+        stop.clear()
+        with pytest.raises(KeyError):
+            await waiting.retry(broken, what="d", hint="h", retryable=(ConnectionError,), display=display, stop=stop)
+    finally:
+        waiting.FIRST_DELAY_S = saved

@@ -11,7 +11,7 @@
    answer carries the worker's current `Instruction`, and `_reconcile` compares it with
    what the worker is doing and acts, so a lost message or a coordinator restart changes
    nothing:
-   - SYNC: fetch (cell, committed round) from the named donor over P2P (`statesync`), or
+   - SYNC: fetch (cell, committed round) from the named donors over P2P (`statesync`), or
      the coordinator's checkpoint, and verify the committed hash; round 0 is built locally;
    - TRAIN: H inner steps in a thread (`trainer`), so the event loop keeps heartbeating;
    - READY: heartbeat PHASE_READY with the samples (every ~250 ms while READY/REDUCING);
@@ -59,24 +59,53 @@ import grpc
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import SpecMismatch
 from bagel.protocol.convert import instruction_from_pb
-from bagel.protocol.discovery import CoordinatorRecordValidator, DiscoveryError, resolve_coordinator, start_dht
+from bagel.protocol.discovery import (
+    BootstrapUnreachable,
+    CoordinatorNotFound,
+    CoordinatorRecordValidator,
+    DiscoveryError,
+    resolve_coordinator,
+    start_dht,
+    start_relay_dht,
+)
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
-from bagel.protocol.messages import Instruction
+from bagel.protocol.messages import Instruction, Reachability
+from bagel.protocol.relay import install_p2pd_args
 from bagel.protocol.runspec import RunSpec, parse_spec
+from bagel.protocol.shutdown import StopSignals
 from bagel.protocol.tls import TLSError
-from bagel.worker import ddp, reconciler
+from bagel.protocol.validation import MAX_REACHABILITY_DETAIL_CHARS
+from bagel.worker import ddp, reachability, reconciler, waiting
 from bagel.worker.display import Display
 from bagel.worker.link import CoordinatorLink
 from bagel.worker.localstate import LocalStore, atomic_write
+from bagel.worker.metrics import WorkerMetrics
 from bagel.worker.orders import Orders
 from bagel.worker.profile import DEFAULT_UPLINK_MBPS, MeasuredProfile, cached_profile, measure
 from bagel.worker.roundwork import BAD_REDUCER_SCALE, LIAR_SAMPLES_PER_S, ddp_follower
+from bagel.worker.stopping import StopBudget, in_daemon_thread
 from bagel.worker.trainer import pick_device
 
 log = logging.getLogger(__name__)
 
 SOFTWARE_VERSION = "bagel-worker/0.1"
+# A stop on SIGTERM/SIGINT takes at most --leave-grace-s plus this much (the training thread's
+# current inner step, closing the data plane and the DHT child); past that the worker exits
+# anyway (`bagel.protocol.shutdown`).
+STOP_MARGIN_S = 15.0
+# Each step of the stop waits at most this long, and all of them together no longer than
+# what is left of the stop's one deadline (`bagel.worker.stopping.StopBudget`).
+CLOSE_STEP_S = 5.0
+LEAVE_RPC_S = 5.0  # the Leave call, the wait for the RPC lock included
+# a discovery failure this soon before a stop request is taken as the stop's doing (a signal
+# to the process group reaches the p2p daemon too), not as a fatal error
+STOP_FOLLOWS_S = 1.0
+
+
+def stop_bound_s(leave_grace_s: float) -> float:
+    """The documented bound of a graceful stop: `leave_grace_s` plus `STOP_MARGIN_S`."""
+    return leave_grace_s + STOP_MARGIN_S
 
 
 @dataclass
@@ -98,6 +127,11 @@ class AgentConfig:
     sync_timeout_s: float = 120.0
     keep_round_history: bool = False  # also keep a checkpoint per committed round (tests)
     join_token: bytes = b""  # a permissioned run's join token (`bagel-worker join --token`)
+    metrics_listen: str = ""  # HOST:PORT of this worker's Prometheus endpoint ("" = none)
+    fetch_data: str = "auto"  # datafetch.FETCH_MODES: fetch the cell's shards from the coordinator
+    cpu_threads: int | None = None  # `--cpu-threads`: torch's intra- and inter-op threads
+    max_upload_mbps: float | None = None  # `--max-upload-mbps`: the cap on everything this worker sends
+    relay: bool = False  # serve as a libp2p circuit relay for volunteers behind NATs (`--relay`)
 
 
 class Agent:
@@ -120,6 +154,7 @@ class Agent:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.dht: Any = None
+        self.reach: reachability.Reach | None = None  # how peers reach this worker (checked at start)
         self.p2p: Any = None
         self.dataplane: Any = None
         self.stateserver: Any = None
@@ -129,6 +164,21 @@ class Agent:
             self, self.link, cfg, self.display, self.ctx, self.device, self.join.run_id, self.worker_id
         )
         self.exit_reason = ""
+        self.metrics: WorkerMetrics | None = WorkerMetrics() if cfg.metrics_listen else None
+        self.metrics_port: int | None = None
+        self.orders.metrics = self.metrics
+        self._signals: StopSignals | None = None
+        # the graceful stop's one deadline: every step of it shares what is left
+        self.stopping = StopBudget(stop_bound_s(cfg.leave_grace_s))
+        self.datafetch: Any = None  # a datafetch.DataFetcher once the spec says this worker fetches
+        self._local_data_checked = False
+        # pause / resume (SIGUSR1 / SIGUSR2): what the volunteer asked for, and where we are
+        self._want_paused = False
+        self.paused = False
+        if cfg.max_upload_mbps is not None:
+            from bagel.worker import pacing
+
+            pacing.install(pacing.UploadPacer.from_mbps(cfg.max_upload_mbps))
 
     # ================================================================== lifecycle
 
@@ -136,6 +186,7 @@ class Agent:
         """Leave gracefully (SIGTERM / Ctrl-C / ORDER_LEAVE)."""
         if not self._stop.is_set():
             self.exit_reason = reason
+            self.stopping.start()
             self.display.event("stopping", message=reason)
             self._stop.set()
             self._wake.set()
@@ -148,20 +199,47 @@ class Agent:
 
         self.display.update(worker=self.worker_id, phase="starting")
         self.display.event("identity", worker_id=self.worker_id, device=str(self.device))
+        if handle_signals:  # the DHT child resets what it inherits (`bagel.protocol.shutdown`)
+            self._install_signal_handlers()
         try:
-            self.dht = await asyncio.to_thread(
-                start_dht,
-                initial_peers=list(self.join.initial_peers),
-                host_maddrs=list(self.cfg.dht_listen),
-                record_validators=[CoordinatorRecordValidator(self.join.run_id, self.join.coordinator_public_key)],
+            if self.metrics is not None:
+                host, _, port = self.cfg.metrics_listen.rpartition(":")
+                self.metrics_port = self.metrics.serve(host or "127.0.0.1", int(port))
+                self.display.event("metrics", url=f"http://{host or '127.0.0.1'}:{self.metrics_port}/metrics")
+            install_p2pd_args()
+            relay_plan, src = reachability.plan(self.cfg.relay, self.join.initial_peers)
+            # a relay for others restarts its node until the relay serves with our limits
+            starter = start_relay_dht if relay_plan.serve else start_dht
+            self.dht = await waiting.retry(
+                lambda: asyncio.to_thread(
+                    starter,
+                    initial_peers=list(self.join.initial_peers),
+                    host_maddrs=list(self.cfg.dht_listen),
+                    record_validators=[CoordinatorRecordValidator(self.join.run_id, self.join.coordinator_public_key)],
+                    **relay_plan.dht_kwargs(),
+                ),
+                what="the coordinator is unreachable",
+                hint="check that it runs and that its DHT port is reachable from here",
+                retryable=(BootstrapUnreachable,),
+                display=self.display,
+                stop=self._stop,
             )
-            if handle_signals:
-                self._install_signal_handlers()
+            if self.dht is None:
+                return 0
             record = await self._until_stopped(
-                resolve_coordinator(self.join, dht=self.dht, timeout_s=self.cfg.resolve_timeout_s)
+                waiting.retry(
+                    lambda: resolve_coordinator(self.join, dht=self.dht, timeout_s=self.cfg.resolve_timeout_s),
+                    what="no coordinator record in the DHT",
+                    hint="is the coordinator of this join string running?",
+                    retryable=(CoordinatorNotFound,),
+                    display=self.display,
+                    stop=self._stop,
+                )
             )
             if record is None:
                 return 0
+            if self.metrics is not None:
+                self.metrics.set_run(self.join.run_id, record.spec_hash)
             self.display.event(
                 "coordinator",
                 endpoint=record.endpoint,
@@ -169,12 +247,21 @@ class Agent:
                 tls=f"sha256 {record.tls_sha256[:16]}" if record.tls_sha256 else "off",
             )
             self.p2p = await self.dht.replicate_p2p()
+            self.reach = await reachability.probe(self.p2p, relay_plan, src)
+            self.display.event(
+                "reachability",
+                level="warning" if self.reach.kind == Reachability.UNREACHABLE else "info",
+                reachability=self.reach.kind.name.lower(),
+                message=self.reach.detail,
+                maddrs=list(self.reach.maddrs),
+            )
             self.dataplane = DataPlane(
                 self.p2p,
                 self.join.run_id,
                 identity=self.identity,
                 doctor=BAD_REDUCER_SCALE if self.cfg.byzantine == "bad-reducer" else 0.0,
             )
+            self.dataplane.dial_circuits = self.reach.kind != Reachability.DIRECT
             await self.dataplane.start()
             self.stateserver = StateServer(self.p2p, self.join.run_id)
             await self.stateserver.start()
@@ -190,32 +277,64 @@ class Agent:
                 return 0
             self.link.start_heartbeats()
             await self._control_loop()
-            await self._leave()
+            if not self.paused:  # a paused worker has left already
+                await self._leave()
             return 0
         except (SpecMismatch, TLSError, DiscoveryError) as e:  # another spec, not the pinned server, no record
+            if isinstance(e, DiscoveryError) and await self._stop_follows(STOP_FOLLOWS_S):
+                # a signal to the whole process group also ends our p2p daemon, and the DHT call
+                # that fails with it can reach us before the signal's handler has run: a stop
+                return 0
             self.display.event("fatal", level="error", message=str(e))
             return 3
         finally:
-            await self.link.stop_heartbeats()
+            self.stopping.start()  # a run that ends without a stop request (a fatal error) closes under the bound too
+            await self._stop_step("stopping heartbeats", self.link.stop_heartbeats())
             await self._close()
+            self.display.event("stop-steps", seconds=round(self.stopping.elapsed(), 3), steps=self.stopping.summary())
+            # what the watchdog names if the rest overruns: asyncio.run joins the loop's
+            # executor threads without a bound, then the children are ended
+            self.stopping.enter("the event loop's teardown and the exit")
+            if self._signals is not None:
+                # the watchdog stays armed through the loop's teardown (`stop_finished`)
+                self._signals.remove(disarm=False)
+
+    def stop_finished(self) -> None:
+        """The process is about to exit: the stop's watchdog is no longer needed. Called by
+        the command once the event loop is closed and the children are ended, so that a
+        teardown that blocks (a thread the loop joins) is still ended at the bound."""
+        if self._signals is not None:
+            self._signals.disarm()
 
     def _install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: leave gracefully within `stop_bound_s`; a second one exits at once.
+        SIGUSR1 pauses, SIGUSR2 resumes."""
+        self._signals = StopSignals(
+            "bagel-worker", self.request_stop, stop_bound_s(self.cfg.leave_grace_s), progress=self.stopping.progress
+        )
+        self._signals.install()
         loop = asyncio.get_running_loop()
-        main = asyncio.current_task()
-        seen = {"n": 0}
+        loop.add_signal_handler(signal.SIGUSR1, self.request_pause, True)
+        loop.add_signal_handler(signal.SIGUSR2, self.request_pause, False)
 
-        def on_signal(sig: signal.Signals) -> None:
-            seen["n"] += 1
-            if seen["n"] == 1:
-                self.request_stop(sig.name)
-            elif main is not None:
-                main.cancel()
+    def request_pause(self, paused: bool) -> None:
+        """Pause (leave the run, keep the committed state, stay up) or resume (join again)."""
+        if paused != self._want_paused:
+            self._want_paused = paused
+            self.display.event("pause-requested" if paused else "resume-requested")
+        self._wake.set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
+    async def _stop_follows(self, within_s: float) -> bool:
+        """Whether a stop is requested now or within `within_s`."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), within_s)
+        except TimeoutError:
+            return False
+        return True
 
-    async def _until_stopped(self, coro: Any) -> Any:
-        """Await `coro` unless a stop is requested first (then cancel it and return None)."""
+    async def _until_stopped(self, coro: Any, wait_cancelled: bool = True) -> Any:
+        """Await `coro` unless a stop is requested first (then cancel it and return None;
+        with `wait_cancelled`, once it has ended, else at once)."""
         task = asyncio.ensure_future(coro)
         stopper = asyncio.create_task(self._stop.wait())
         done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -223,66 +342,121 @@ class Agent:
         if task in done:
             return task.result()
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        if wait_cancelled:
+            await asyncio.gather(task, return_exceptions=True)
         return None
 
     async def _close(self) -> None:
+        """Close everything, each step bounded by `CLOSE_STEP_S` and all of them by what is
+        left of the stop's deadline; a step that overruns is logged and left behind."""
+        if self.metrics is not None:
+            self.metrics.stop()
         o = self.orders
         if o.work is not None:
             o.work.stop.set()
         # the training thread stops at its next inner step; it must be out of its
         # collectives before rank 0 tells the other ranks to exit
         if o.train_task is not None and not o.train_task.done():
-            await asyncio.wait({o.train_task}, timeout=120)
+            await self._stop_step("the training thread", asyncio.wait({o.train_task}), 120.0)
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await self._stop_step("the tasks", asyncio.wait(set(self._tasks)), CLOSE_STEP_S)
         if self.ctx.enabled:
-            await asyncio.to_thread(ddp.send_command, self.ctx, {"op": "exit"})
-        for closer in (self.stateserver, self.dataplane, self.link):
-            if closer is not None:
-                try:
-                    await closer.close()
-                except Exception as e:  # noqa: BLE001  (shutting down: report, keep closing the rest)
-                    log.debug("close failed: %s", e)
-        if self.p2p is not None:
-            try:
-                await self.p2p.shutdown()
-            except Exception as e:  # noqa: BLE001
-                log.debug("p2p replica shutdown: %s", e)
-        if self.dht is not None:
-            await asyncio.to_thread(self.dht.shutdown)
+            await self._stop_step(
+                "the other ranks", in_daemon_thread(lambda: ddp.send_command(self.ctx, {"op": "exit"}), "ddp-exit")
+            )
+        for name, closing in (
+            ("the state server", self.stateserver.close if self.stateserver is not None else None),
+            ("the data plane", self.dataplane.close if self.dataplane is not None else None),
+            ("the coordinator link", self.link.close if self.link is not None else None),
+            ("the p2p replica", self.p2p.shutdown if self.p2p is not None else None),
+            # a daemon thread: the loop's teardown would join an executor's thread without a bound
+            ("the DHT", self._shutdown_dht if self.dht is not None else None),
+        ):
+            if closing is not None:
+                await self._stop_step(name, closing())
         self.display.update(phase="stopped")
 
-    async def _leave(self) -> None:
-        """Finish a running exchange (bounded) or abandon training, then Leave."""
+    def _shutdown_dht(self) -> asyncio.Future[Any]:
+        return in_daemon_thread(self.dht.shutdown, "dht-shutdown")
+
+    async def _stop_step(self, name: str, aw: Any, cap_s: float = CLOSE_STEP_S) -> bool:
+        """One step of the stop under `self.stopping`; True if it finished in time."""
+        ok, _ = await self.stopping.run(name, aw, cap_s)
+        if not ok:
+            log.warning("stopping: %s did not finish in time; going on", name)
+            self.display.event("stop-step-overran", level="warning", step=name)
+        return ok
+
+    async def _pause(self) -> None:
+        """Leave the run cleanly as for a stop (finish a running exchange, bounded; abandon
+        training; Leave, uploading first if we are the last holder), but keep the process,
+        its DHT node and the committed state: `_resume` registers again with it."""
+        self.display.event("pausing", message="finishing the running exchange, then leaving the run")
+        await self._leave("paused by the volunteer")
+        self.instr = None
+        self.paused = True
+        self.display.update(phase="paused")
+        self.display.event("paused", message="out of the run, committed state kept; SIGUSR2 resumes")
+
+    async def _resume(self) -> None:
+        self.display.event("resuming", message="joining the run again")
+        self.paused = False
+        if await self.link.register():
+            self.link.start_heartbeats()
+            self.display.event("resumed")
+
+    async def _leave(self, reason: str = "") -> None:
+        """Finish a running exchange (bounded) or abandon training, then Leave.
+
+        Every wait here is bounded by the leave grace and, during a stop, by what is left of
+        the stop's deadline (`self.stopping`), so the stop keeps its documented bound."""
         w = self.orders.work
         loop = asyncio.get_running_loop()
         # one grace for all of it (torchrun, systemd and Kubernetes SIGKILL after theirs)
         deadline = loop.time() + self.cfg.leave_grace_s
         if w is not None and w.reduce_task is not None and not w.reduce_task.done():
             self.display.event("leaving", message="finishing the running exchange first")
-            try:
-                grace = min(self.cfg.reduce_timeout_s, self.cfg.leave_grace_s)
-                await asyncio.wait_for(asyncio.shield(w.reduce_task), grace)
-            except (TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001, S110  (whatever it ends with, we leave)
-                pass
+            grace = min(self.cfg.reduce_timeout_s, self.cfg.leave_grace_s)
+            # asyncio.wait: the exchange is not cancelled by the wait; drop_work cancels it below
+            await self._stop_step("the running exchange", asyncio.wait({w.reduce_task}), grace)
         self.orders.drop_work("leaving")
-        await self.link.stop_heartbeats()  # else a heartbeat after Leave would re-register us
+        # else a heartbeat after Leave would re-register us
+        await self._stop_step("stopping heartbeats", self.link.stop_heartbeats())
         client = self.link.client
         if client is not None:
-            reason = self.exit_reason or "leaving"
+            reason = reason or self.exit_reason or "leaving"
             try:
-                async with self.link.lock:
-                    resp = await client.leave(reason, offer_checkpoint=self.orders.held is not None, timeout_s=5.0)
-                if resp.upload_first:  # we are the last holder of a round with no checkpoint yet
-                    await self._upload_before_leaving(instruction_from_pb(resp.instruction), deadline - loop.time())
-                    async with self.link.lock:
-                        await client.leave(reason, timeout_s=5.0)
-                self.display.event("left", message=self.exit_reason)
+                ok, resp = await self._leave_call(client, reason, self.orders.held is not None)
+                if ok and resp is not None and resp.upload_first:
+                    # we are the last holder of a round with no checkpoint yet
+                    budget = min(deadline - loop.time(), self.stopping.left() - LEAVE_RPC_S)
+                    await self._upload_before_leaving(instruction_from_pb(resp.instruction), budget)
+                    ok, resp = await self._leave_call(client, reason, False)
+                if ok and resp is not None:
+                    self.display.event("left", message=reason)
+                else:
+                    self.display.event("leave-failed", level="warning", message="the Leave call did not finish in time")
             except grpc.aio.AioRpcError as e:
                 self.display.event("leave-failed", level="warning", message=e.details() or str(e.code()))
-        await self.orders.save_local()
+        await self._stop_step("saving the local state", self.orders.save_local())
+
+    async def _leave_call(self, client: Any, reason: str, offer_checkpoint: bool) -> tuple[bool, Any]:
+        """One Leave call, the wait for the RPC lock included, within `LEAVE_RPC_S` and the
+        stop's deadline. An RPC error is raised; (False, None) if it did not finish in time."""
+
+        async def call() -> Any:
+            async with self.link.lock:
+                return await client.leave(reason, offer_checkpoint=offer_checkpoint, timeout_s=LEAVE_RPC_S)
+
+        task = asyncio.ensure_future(call())
+        if not await self._stop_step("the Leave call", task, LEAVE_RPC_S + 0.5) or task.cancelled():
+            return False, None
+        error = task.exception()
+        if error is not None:
+            raise error
+        return True, task.result()
 
     async def _upload_before_leaving(self, i: Instruction, budget_s: float) -> None:
         """Upload the committed state the coordinator has no checkpoint of, within what is
@@ -314,7 +488,15 @@ class Agent:
             if self._stop.is_set():
                 break
             try:
-                await self._reconcile()
+                if self._want_paused != self.paused:
+                    await (self._pause() if self._want_paused else self._resume())
+                    self._wake.set()  # a signal may have come meanwhile
+                    continue
+                if self.paused:
+                    continue
+                # a stop does not wait for what the instruction started (a model being built,
+                # data being fetched): the stop's steps have their own bounds
+                await self._until_stopped(self._reconcile(), wait_cancelled=False)
             except Exception:
                 log.exception("reconciling the instruction failed")
                 self.display.event(
@@ -387,10 +569,11 @@ class Agent:
         data dir, so only the first contact with a run registers twice (first without
         throughput)."""
         if self.spec is None:
-            self.spec = parse_spec(resp.spec_toml)
+            # the initial weights' digest comes beside the text (the spec hash covers both)
+            self.spec = dataclasses.replace(parse_spec(resp.spec_toml), init_sha256=resp.init_sha256)
             self._cache_spec(resp.spec_toml, resp.spec_hash)
             self._prefetch_data(self.spec)
-            await self._send_spec_to_ranks(resp.spec_toml)
+            await self._send_spec_to_ranks(resp.spec_toml, resp.init_sha256)
             return False  # registered without throughput: measure, then register again
         self.display.event("registered", worker_id=resp.worker_id, cell=resp.instruction.cell_id or "-")
         self.on_instruction(resp.instruction)
@@ -417,12 +600,17 @@ class Agent:
         client = self.link.client
         assert client is not None
         data = await asyncio.to_thread(state.to_safetensors)
+        from bagel.worker import pacing
+
+        pacer = pacing.current()
         try:
-            resp = await client.upload_checkpoint(a.cell_id, a.committed_round, a.committed_hash, data)
+            resp = await client.upload_checkpoint(
+                a.cell_id, a.committed_round, a.committed_hash, data, pace=pacer.take if pacer is not None else None
+            )
         except grpc.aio.AioRpcError as e:
             self.display.event("checkpoint-upload-failed", level="warning", message=f"{e.code().name}: {e.details()}")
             return False
-        self.orders.counters.bytes_sent += len(data)
+        self.orders.moved_checkpoint(len(data), 0)
         self.display.event(
             "checkpoint-uploaded", cell=a.cell_id, round=a.committed_round, stored=resp.stored, nbytes=len(data)
         )
@@ -457,11 +645,14 @@ class Agent:
                 else p.samples_per_s
             ),
             software_version=SOFTWARE_VERSION,
+            reachability=f"PEER_REACHABILITY_{self.reach.kind.name}" if self.reach is not None else None,
+            reachability_detail=self.reach.detail[:MAX_REACHABILITY_DETAIL_CHARS] if self.reach is not None else "",
         )
 
     def _peer_pb(self) -> pb.PeerAddress:
+        maddrs = list(self.reach.maddrs) if self.reach is not None else []
         return pb.PeerAddress(
-            peer_id=self.p2p.peer_id.to_base58(), maddrs=[str(m) for m in self.dht.get_visible_maddrs()]
+            peer_id=self.p2p.peer_id.to_base58(), maddrs=maddrs or [str(m) for m in self.dht.get_visible_maddrs()]
         )
 
     async def _measure_profile(self) -> None:
@@ -483,7 +674,13 @@ class Agent:
         self.profile = cached_profile(cache, key, self.name)
         if self.profile is None:
             self.display.update(phase="profiling")
-            tasks = [(c, (lambda c=c: cell_task(spec, c))) for c in spec.cell_ids]
+            tasks: list[tuple[str, Any]]
+            if self.datafetch is not None:  # no data yet: time the step on zeros of the right shape
+                from bagel.worker.datafetch import SyntheticDataTask
+
+                tasks = [(c, (lambda c=c: SyntheticDataTask(cell_task(spec, c)))) for c in spec.cell_ids]
+            else:
+                tasks = [(c, (lambda c=c: cell_task(spec, c))) for c in spec.cell_ids]
             self.profile = await asyncio.to_thread(
                 measure,
                 self.name,
@@ -505,14 +702,65 @@ class Agent:
         )
 
     def _prefetch_data(self, spec: RunSpec) -> None:
-        """Load (and cluster) the run's dataset in the background: the first round needs it."""
+        """Load (and cluster) the run's dataset in the background: the first round needs it.
+        Without a local copy (`datafetch.needs_fetch`), the cell's shards are fetched from
+        the coordinator when a cell is first trained or measured instead."""
+        from bagel.worker.datafetch import DataFetcher, needs_fetch
+
+        if needs_fetch(spec, self.cfg.fetch_data):
+            if self.ctx.enabled:
+                self.display.event(
+                    "data-fetch-ddp",
+                    level="error",
+                    message=f"no local copy of the data at {spec.data.path!r}: a multi-GPU worker (torchrun) needs "
+                    "one on this machine (its other ranks cannot use fetched shards); run one process per GPU instead",
+                )
+            if self.datafetch is None:
+                root = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "datashards"
+                self.datafetch = DataFetcher(root, lambda: self.link.client, self.display, on_bytes=self._data_bytes)
+                self.display.event("data", message=f"no local copy of {spec.data.source} data: fetching shards")
+            return
         from bagel.models.data import load_dataset
 
         self.spawn(asyncio.to_thread(load_dataset, spec), "prefetch-data")
 
-    async def _send_spec_to_ranks(self, spec_toml: str) -> None:
+    def _data_bytes(self, n: int) -> None:
+        self.orders.counters.bytes_received += n
+
+    async def ensure_data(self, cell_id: str) -> None:
+        spec = self.spec
+        if spec is None:
+            return
+        if self.datafetch is None and not self._local_data_checked:
+            self._local_data_checked = True
+            if spec.data.source != "digits" and self.cfg.fetch_data == "auto":
+                await self._check_local_data(spec, cell_id)
+        if self.datafetch is not None:
+            await self.datafetch.ensure(spec, cell_id)
+
+    async def _check_local_data(self, spec: RunSpec, cell_id: str) -> None:
+        """A local folder / .npy copy must give the coordinator's partition; else fetch."""
+        from bagel.models.data import DataError, cluster_manifest
+        from bagel.worker.datafetch import DataFetcher
+
+        root = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "datashards"
+        fetcher = DataFetcher(root, lambda: self.link.client, self.display, on_bytes=self._data_bytes)
+        try:
+            local = (await asyncio.to_thread(cluster_manifest, spec)).sha256
+        except (DataError, OSError) as e:
+            why = f"the local copy at {spec.data.path!r} does not load ({e})"
+        else:
+            same = await fetcher.same_partition(cell_id, local)
+            if same is not False:
+                return
+            why = f"the local copy at {spec.data.path!r} is not the coordinator's data (another partition)"
+        self.display.event("data", level="warning", message=f"{why}: fetching shards instead")
+        self.datafetch = fetcher
+
+    async def _send_spec_to_ranks(self, spec_toml: str, init_sha256: str = "") -> None:
         if self.ctx.enabled:
-            await asyncio.to_thread(ddp.send_command, self.ctx, {"op": "spec", "spec_toml": spec_toml})
+            cmd = {"op": "spec", "spec_toml": spec_toml, "init_sha256": init_sha256}
+            await asyncio.to_thread(ddp.send_command, self.ctx, cmd)
 
     def _spec_cache_path(self, spec_hash: str) -> Path:
         return Path(self.cfg.data_dir) / "runs" / self.join.run_id / f"spec-{spec_hash[:16]}.toml"
@@ -525,7 +773,9 @@ class Agent:
             return None
         if hashlib.sha256(text.encode()).hexdigest() != spec_hash:
             return None
-        return parse_spec(text)
+        spec = parse_spec(text)
+        # the initial weights' digest is not in the text: such a spec comes from Register only
+        return None if spec.model.init_from else spec
 
     def _cache_spec(self, text: str, spec_hash: str) -> None:
         atomic_write(self._spec_cache_path(spec_hash), text.encode())

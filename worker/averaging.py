@@ -69,12 +69,12 @@ from typing import Any, Self
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
-from hivemind.utils.multiaddr import Multiaddr
 
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.identity import Identity
 from bagel.protocol.messages import PartAudit
+from bagel.protocol.relay import WireMultiaddr, dial_addrs, is_circuit
 from bagel.robust.aggregation import PartRejected, Reducer, get_reducer
 from bagel.robust.evidence import EvidenceError, open_receipt, shadow_of, shadow_offset, sign_contribution
 from bagel.worker.framing import (
@@ -160,6 +160,10 @@ class ExchangeResult:
     abstained: str = ""  # non-empty: our delta was not finite, we contributed nothing (the reason)
     comm_s: float = 0.0
     audit: PartAudit | None = None  # what we saw of the part we reduced (all_reduce's audit_blocks)
+    encode_s: float = 0.0  # of comm_s: our contribution split, compensated and encoded
+    # part streams we sent again after a broken stream or a reducer not ready yet: each one
+    # sent its header and payload again, and bytes_sent counts them
+    resends: int = 0
 
 
 # ---------------------------------------------------------------- the data plane
@@ -208,12 +212,31 @@ class DataPlane:
         self._latest: dict[str, tuple[int, int, int]] = {}  # cell -> newest (round, round_attempt, reduce_attempt)
         self._session_added = asyncio.Condition()
         self._pending = 0
+        # Whether to dial peers' circuit-relay addresses. A directly reachable worker leaves them
+        # out: a relayed peer dials it directly, and the daemon does not replace a relayed
+        # connection with a direct one once it has one (go-libp2p's Connect is a no-op then).
+        self.dial_circuits = True
         self._started = False
         self._closed = False
 
     @property
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58()
+
+    async def paths(self, peers: Mapping[str, str]) -> dict[str, str]:
+        """How the daemon is connected to each peer (worker id -> peer id) right now: "relay"
+        (a circuit through a relay), "direct", or "none"; for the logs, never for a decision."""
+        try:
+            conns = {p.peer_id.to_base58(): [str(a) for a in p.addrs] for p in await self.p2p._client.list_peers()}
+        except Exception:  # noqa: BLE001 - an answer for the logs only
+            return {}
+        out = {}
+        for worker_id, peer_id in peers.items():
+            addrs = conns.get(peer_id)
+            if peer_id == self.peer_id:
+                continue
+            out[worker_id] = "none" if not addrs else ("direct" if any(not is_circuit(a) for a in addrs) else "relay")
+        return out
 
     async def start(self) -> None:
         if not self._started:
@@ -259,6 +282,7 @@ class DataPlane:
         error_feedback: Any = None,
         reducer: str | Reducer | None = None,
         audit_blocks: int = 0,
+        loss_probe: Any = None,
     ) -> ExchangeResult:
         """Average `delta` over exactly `contributors`; every one of them gets the same bits.
 
@@ -271,6 +295,7 @@ class DataPlane:
         they name the exchange, so a re-run or re-frozen round never mixes with an old one.
         audit_blocks: the run's audit.sketch_blocks; when set, the result carries the audit
         of the part we reduced (`robust/audit.py`), for our report to the coordinator.
+        loss_probe: with audit_blocks, the loss audit of that part (`Reduction.loss_probe`).
         Raises ExchangeTimeout, ContributionRejected or ExchangeFailed (all ExchangeError)
         on failure, ValueError on bad arguments; never hangs past timeout_s.
         """
@@ -307,10 +332,19 @@ class DataPlane:
             group_digest=group_digest(members),
         )
         gen_key = (self.run_id, cell_id, round, round_attempt, reduce_attempt, worker_id)
+        encode_started = loop.time()
         own = await asyncio.to_thread(
-            prepare_contribution, delta, codec_obj, len(members), gen_key, weight=weight, error_feedback=error_feedback
+            prepare_contribution,
+            delta,
+            codec_obj,
+            len(members),
+            gen_key,
+            weight=weight,
+            error_feedback=error_feedback,
+            skip=[i for i, c in enumerate(members) if c.no_reduce],
         )
         layout, bounds, abstained, payloads = own.layout, own.bounds, own.abstained, own.payloads
+        encode_s = loop.time() - encode_started
 
         key = (cell_id, round, round_attempt, reduce_attempt)
         # Reducers give up on missing contributions a little before the caller's deadline, so
@@ -354,18 +388,20 @@ class DataPlane:
                 identity=ident,
             )
         sessions[index].audit_blocks = audit_blocks  # the audit of the part we reduce as its primary
+        sessions[index].loss_probe = loss_probe
         self._sessions[key] = sessions
         self._finished.pop(key, None)
         self._latest[cell_id] = max(self._latest.get(cell_id, key[1:]), key[1:])
         async with self._session_added:
             self._session_added.notify_all()
-        dial = asyncio.create_task(_dial_all(self.p2p, members, worker_id))
+        dial = asyncio.create_task(_dial_all(self.p2p, members, worker_id, circuits=self.dial_circuits))
         headers = [
             self._header(tag, worker_id, j, layout, bounds, codec_obj, abstained, weight, payloads[j]) for j in range(k)
         ]
         own_tasks: dict[int, asyncio.Task] = {}
         sends: dict[tuple[int, int], asyncio.Task] = {}  # (part, position of the reducer) -> its reply
-        client_bytes = [0, 0]
+        client_bytes = [0, 0, 0]  # sent, received, part streams retried
+        cancelled = False
         try:  # from here on, the finally unregisters the sessions even if the caller cancels us
             for p, session in sessions.items():
                 if abstained:
@@ -396,6 +432,11 @@ class DataPlane:
                 raise ExchangeTimeout(late | (missing - {worker_id}))
             own_done = {p: t.result() for p, t in own_tasks.items()}
             sent_done = {jp: t.result() for jp, t in sends.items()}
+        except asyncio.CancelledError:
+            # Abandoned, not ended: keep no finished record, so a rerun of this same exchange
+            # (the agent may be told it again) meets its new session, not this dead one.
+            cancelled = True
+            raise
         finally:
             for t in (*own_tasks.values(), *sends.values(), dial):
                 t.cancel()
@@ -404,7 +445,8 @@ class DataPlane:
             for session in sessions.values():
                 session.fail("the exchange ended at this reducer before its part was reduced")
             self._sessions.pop(key, None)
-            self._finished[key] = sessions
+            if not cancelled:
+                self._finished[key] = sessions
             while len(self._finished) > _FINISHED_KEPT:
                 self._finished.popitem(last=False)
 
@@ -465,6 +507,8 @@ class DataPlane:
             abstained=abstained,
             comm_s=loop.time() - started,
             audit=sessions[index].audit,
+            encode_s=encode_s,
+            resends=client_bytes[2],
         )
 
     def _header(
@@ -584,8 +628,15 @@ class DataPlane:
         while True:
             try:
                 return await self._try_exchange_part(c, header, payload, codec, counters, with_payload)
+            except P2PDaemonError as e:
+                # no connection to c any more (a relayed one reset, or closed as idle), and the
+                # daemon may know no address for it: the addresses the coordinator handed out
+                # were dialed once, at the exchange's start; dial them again before retrying
+                log.debug("part %d to %s: %s; dialing it again", header.part, c.worker_id, e)
+                await _dial(self.p2p, c, circuits=self.dial_circuits, timeout_s=REDIAL_TIMEOUT_S)
             except _RETRYABLE as e:
                 log.debug("part %d to %s: %s; retrying", header.part, c.worker_id, e)
+            counters[2] += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
@@ -703,29 +754,30 @@ class DataPlane:
         return s
 
 
-def _dial_addrs(c: Contributor) -> list[Multiaddr]:
-    """The contributor's multiaddrs without their trailing /p2p/<id> (the daemon wants bare ones)."""
-    out = []
-    for a in c.maddrs:
-        m = Multiaddr(a)
-        if "p2p" in [p.name for p in m.protocols()]:
-            m = m.decapsulate(Multiaddr(f"/p2p/{c.peer_id}"))
-        out.append(m)
-    return out
+def _dial_addrs(c: Contributor) -> list[WireMultiaddr]:
+    """The contributor's multiaddrs without their trailing /p2p/<id> (the daemon wants bare ones),
+    circuit-relay addresses included, in the binary form the Go daemon parses."""
+    return dial_addrs(c.peer_id, c.maddrs)
 
 
-async def _dial_all(p2p: P2P, members: Sequence[Contributor], me: str) -> None:
-    """Ask the daemon to dial every contributor's announced addresses (best effort).
+REDIAL_TIMEOUT_S = 5.0  # one re-dial of a contributor the exchange lost its connection to
 
-    Peers that met through the DHT usually reach each other already; dialing the addresses
-    the coordinator handed out makes a fresh peer reachable at once. `P2P` has no public
-    connect, so this uses its daemon client, as hivemind's own `P2P.is_identity_taken` does.
-    """
 
-    async def dial(c: Contributor) -> None:
-        try:
-            await p2p._client.connect(PeerID.from_base58(c.peer_id), _dial_addrs(c))
-        except Exception as e:  # noqa: BLE001 - the exchange's own retries report a peer that stays unreachable
-            log.debug("dialing %s failed: %s", c.worker_id, e)
+async def _dial(p2p: P2P, c: Contributor, *, circuits: bool = True, timeout_s: float | None = None) -> None:
+    """Ask the daemon to dial the contributor's announced addresses (best effort).
 
-    await asyncio.gather(*(dial(c) for c in members if c.worker_id != me and c.maddrs))
+    `P2P` has no public connect, so this uses its daemon client, as hivemind's own
+    `P2P.is_identity_taken` does."""
+    try:
+        addrs = [a for a in _dial_addrs(c) if circuits or not is_circuit(str(a))]
+        if addrs:
+            await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(c.peer_id), addrs), timeout_s)
+    except Exception as e:  # noqa: BLE001 - the exchange's own retries report a peer that stays unreachable
+        log.debug("dialing %s failed: %s", c.worker_id, e)
+
+
+async def _dial_all(p2p: P2P, members: Sequence[Contributor], me: str, *, circuits: bool = True) -> None:
+    """Dial every other contributor's announced addresses (best effort): peers that met
+    through the DHT usually reach each other already; dialing the addresses the coordinator
+    handed out makes a fresh peer reachable at once."""
+    await asyncio.gather(*(_dial(p2p, c, circuits=circuits) for c in members if c.worker_id != me and c.maddrs))

@@ -5,8 +5,16 @@ join string, profile, register, and train until stopped. Under
 `torchrun --nproc-per-node N -m bagel.worker join ...` rank 0 runs the agent and the other
 ranks follow it (DDP inside the worker, `bagel.worker.ddp`).
 
-SIGTERM or Ctrl-C leaves gracefully (finish or abandon the round, Leave, exit 0); a second
-one aborts at once. Exit codes: 0 done, 2 bad arguments, 3 the coordinator runs another spec.
+SIGTERM or Ctrl-C, to the process or its group, leaves gracefully (finish or abandon the
+round, Leave, exit 0) within `--leave-grace-s` + 15 s; a second one exits at once with
+128 + the signal's number (`bagel.protocol.shutdown`). A coordinator that is down or
+unreachable is waited for with backoff and a countdown (`bagel.worker.waiting`). One
+worker per `--data-dir` (`bagel.worker.datadirlock`). Every failure is one line on stderr
+(`bagel.protocol.clierrors`). Exit codes: 0 done, 1 a runtime failure (a damaged identity
+key, an internal error), 2 bad usage (flags, join string, a data dir another worker
+holds), 3 the coordinator runs another spec or is not the pinned server. SIGUSR1 pauses
+(leave the run as for a stop, but keep running with the committed state), SIGUSR2 resumes
+(join again); SIGQUIT prints every thread's stack.
 
 `--byzantine MODE` is hidden from `--help` on purpose (it exists for fault-injection runs,
 `bagel-sim chaos`): the worker then contributes a corrupted pseudo-gradient, one of
@@ -26,6 +34,8 @@ import signal
 import sys
 from pathlib import Path
 
+from bagel.protocol.clierrors import OneLineParser, UsageError, check_dir_arg, check_multiaddr, guarded, version_text
+from bagel.protocol.shutdown import descendants, end_descendants
 from bagel.worker.profile import DEFAULT_UPLINK_MBPS
 from bagel.worker.roundwork import BYZANTINE_MODES
 
@@ -35,7 +45,8 @@ def default_data_dir() -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bagel-worker", description="Contribute this machine to a Bagel training run.")
+    p = OneLineParser(prog="bagel-worker", description="Contribute this machine to a Bagel training run.")
+    p.add_argument("--version", action="version", version=version_text("bagel-worker"))
     sub = p.add_subparsers(dest="command", required=True)
     j = sub.add_parser("join", help="join a run and train until stopped (Ctrl-C leaves gracefully)")
     j.add_argument("join_string", metavar="JOIN_STRING", help="the run's join string (bagel1:...), from its operator")
@@ -71,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MULTIADDR",
         help="DHT/P2P listen multiaddr; repeatable (default: /ip4/0.0.0.0/tcp/0)",
     )
+    j.add_argument(
+        "--relay",
+        action="store_true",
+        help="serve as a libp2p circuit relay for volunteers behind NATs (needs a publicly reachable address; "
+        "list this worker's DHT address in the join string so they use it)",
+    )
     out = j.add_mutually_exclusive_group()
     out.add_argument("--quiet", action="store_true", help="print only warnings and errors")
     out.add_argument("--log-json", action="store_true", help="print one JSON object per event line (for scripts)")
@@ -90,7 +107,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="join token (bagel-token1:...) for a permissioned run, from its operator; "
         "also read from $BAGEL_JOIN_TOKEN",
     )
+    v = j.add_argument_group("volunteer limits")
+    v.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="use at most N CPU threads for training and evaluation (default: torch's choice, all cores)",
+    )
+    v.add_argument(
+        "--max-upload-mbps",
+        type=float,
+        default=None,
+        metavar="X",
+        help="cap what this worker sends (exchange, state serving, checkpoint uploads) at X Mbit/s (default: no cap)",
+    )
+    v.add_argument(
+        "--fetch-data",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="fetch the cell's data shards from the coordinator: auto (when the spec's data.path is not "
+        "readable here), always, never (default: auto)",
+    )
     # fault injection and test hooks: documented in the module docstring, hidden from --help
+    j.add_argument(
+        "--metrics-listen",
+        default="",
+        metavar="HOST:PORT",
+        help="serve this worker's Prometheus metrics over HTTP here (port 0 picks one; default: off)",
+    )
     j.add_argument("--byzantine", choices=BYZANTINE_MODES, default="", help=argparse.SUPPRESS)
     j.add_argument("--keep-round-history", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -110,6 +155,18 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         raise ValueError(f"--reduce-timeout-s must be positive, got {args.reduce_timeout_s}")
     if args.leave_grace_s < 0:
         raise ValueError(f"--leave-grace-s must be >= 0, got {args.leave_grace_s}")
+    if args.metrics_listen:
+        host, sep, port = args.metrics_listen.rpartition(":")
+        if not sep or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"--metrics-listen: expected HOST:PORT, got {args.metrics_listen!r}")
+    for maddr in args.dht_listen or ():
+        check_multiaddr("--dht-listen", maddr)
+    if args.data_dir is not None:
+        check_dir_arg("--data-dir", args.data_dir)
+    if args.cpu_threads is not None and not 1 <= args.cpu_threads <= 4096:
+        raise ValueError(f"--cpu-threads must be in [1, 4096], got {args.cpu_threads}")
+    if args.max_upload_mbps is not None and not (0.01 <= args.max_upload_mbps <= 1e6):
+        raise ValueError(f"--max-upload-mbps must be in [0.01, 1e6], got {args.max_upload_mbps}")
     token_text = args.token if args.token is not None else os.environ.get("BAGEL_JOIN_TOKEN", "")
     join_token = b""
     if token_text:
@@ -119,6 +176,9 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
             join_token = from_text(token_text)
         except ValueError as e:
             raise ValueError(f"--token: {e}") from None
+    uplink = args.uplink_mbps
+    if args.max_upload_mbps is not None:  # plan rounds with what we will really send
+        uplink = min(uplink, args.max_upload_mbps)
     return AgentConfig(
         join=args.join_string,
         data_dir=args.data_dir or default_data_dir(),
@@ -126,14 +186,31 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         max_vram_gb=args.max_vram_gb,
         name=args.name,
         throttle=args.throttle,
-        uplink_mbps=args.uplink_mbps,
+        uplink_mbps=uplink,
         byzantine=args.byzantine,
         dht_listen=tuple(args.dht_listen or ("/ip4/0.0.0.0/tcp/0",)),
         reduce_timeout_s=args.reduce_timeout_s,
         leave_grace_s=args.leave_grace_s,
         keep_round_history=args.keep_round_history,
         join_token=join_token,
+        metrics_listen=args.metrics_listen,
+        fetch_data=args.fetch_data,
+        cpu_threads=args.cpu_threads,
+        max_upload_mbps=args.max_upload_mbps,
+        relay=args.relay,
     )
+
+
+def set_cpu_threads(n: int) -> None:
+    """`--cpu-threads N`: torch's intra-op pool (every thread's, training and evaluation) and
+    its inter-op pool, before any parallel work has started."""
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # inter-op work already ran in this process (only when embedded)
+        pass
 
 
 async def _run_agent(agent) -> int:  # noqa: ANN001
@@ -148,27 +225,46 @@ async def _run_agent(agent) -> int:  # noqa: ANN001
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    return guarded("bagel-worker: ", lambda: _main(args))
+
+
+def _main(args: argparse.Namespace) -> int:
     # Back large CPU tensors (>= 2 MiB) with transparent huge pages; torch reads this at its
     # first large allocation. Decoding a 16M-value int8 part into a fresh tensor goes from
     # 1.9 to 3.1 GB/s here, the difference being 4 KiB page faults (bench/compression.py).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    if hasattr(signal, "SIGUSR1"):
+    if hasattr(signal, "SIGQUIT"):
         try:
-            faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>` prints every thread's stack
+            faulthandler.register(signal.SIGQUIT)  # `kill -QUIT <pid>` prints every thread's stack
         except (ValueError, OSError, AttributeError):  # stderr is not a real file (embedded, tests)
             pass
     logging.basicConfig(
         level=os.environ.get("BAGEL_LOG_LEVEL", "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from bagel.protocol.joinstring import JoinStringError
+    from bagel.protocol.joinstring import JoinStringError, parse_join_string
     from bagel.worker import ddp
     from bagel.worker.display import Display
 
     try:
         cfg = config_from_args(args)
-    except (ValueError, JoinStringError) as e:
+    except (ValueError, JoinStringError, UsageError) as e:
         print(f"bagel-worker: {e}", file=sys.stderr)
         return 2
+    try:  # before the data dir is touched: a refused join leaves it as it was
+        parse_join_string(cfg.join)
+    except JoinStringError as e:
+        print(
+            f"bagel-worker: JOIN_STRING: {e}; copy the whole bagel1:... line the coordinator printed", file=sys.stderr
+        )
+        return 2
+    if cfg.cpu_threads is not None:
+        set_cpu_threads(cfg.cpu_threads)
+    # pause / resume: ignored until the agent handles them (a signal during start-up must not
+    # kill the worker), and ignored for good by the children forked before that (the DHT
+    # process), so a SIGUSR1 to the whole process group pauses the worker and nothing else
+    for sig in ("SIGUSR1", "SIGUSR2"):
+        if hasattr(signal, sig):
+            signal.signal(getattr(signal, sig), signal.SIG_IGN)
     ctx = ddp.init_from_env(args.device)
     try:
         if not ctx.is_leader:
@@ -180,20 +276,39 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             ddp_follower(ctx, args.device, args.throttle)
             return 0
+        from bagel.protocol.identity import IdentityError
         from bagel.worker.agent import Agent, ensure_dirs
+        from bagel.worker.datadirlock import DataDirBusy, DataDirLock
 
         display = Display("json" if args.log_json else "quiet" if args.quiet else "auto")
         try:
             ensure_dirs(Path(cfg.data_dir))
+            lock = DataDirLock.acquire(Path(cfg.data_dir))
+        except OSError as e:
+            print(f"bagel-worker: --data-dir {cfg.data_dir}: {e}", file=sys.stderr)
+            return 2
+        except DataDirBusy as e:
+            print(f"bagel-worker: {e}", file=sys.stderr)
+            return 2
+        try:
             agent = Agent(cfg, display, ctx)
+        except IdentityError as e:
+            print(f"bagel-worker: {e}; move the damaged key away to start as a new worker", file=sys.stderr)
+            return 1
         except (ValueError, JoinStringError, OSError) as e:
             print(f"bagel-worker: {e}", file=sys.stderr)
             return 2
+        already = set(descendants())  # the caller's own children (main called in-process) are not ours
         display.start()
         try:
             return asyncio.run(_run_agent(agent))
         finally:
             display.stop()
+            end_descendants(spare=already)  # no child of the worker outlives it
+            lock.release()
+            # the stop's watchdog covered the loop's teardown (its executor's threads are
+            # joined without a bound) and the children; what is left is the exit itself
+            agent.stop_finished()
     finally:
         ctx.shutdown()
 

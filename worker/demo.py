@@ -16,7 +16,10 @@
      the initial weights and at the end, and per worker the bytes it sent next to what
      synchronous data-parallel fp32 training would have sent for the same work (a ring
      all-reduce of fp32 gradients every inner step: 2 (k-1)/k x 4 x params bytes per step
-     in a group of k).
+     in a group of k), and per worker its utilisation (training time / wall time) and
+     goodput (committed training time / wall time), with its wall time split into the
+     simulator's goodput buckets (`worker/goodput.py` reads them off the workers' events),
+     and the same for the whole swarm.
 Every process started here runs in its own process group and is stopped in a `finally`.
 """
 
@@ -266,7 +269,7 @@ def _report(
                 entry["samples_committed"] = int(c.samples_committed)
         if cell in states:
             rnd, state, source = states[cell]
-            state.load_into(model)
+            state.load_into(model, sampling=True)  # the average of the committed weights, where kept
             entry.update(heldout_loss_end=task.eval_loss(model, x, y, seed=0), state_round=rnd, state_source=source)
             models[cell] = model
         else:
@@ -274,8 +277,10 @@ def _report(
         entry["loss_fell"] = entry["heldout_loss_end"] < entry["heldout_loss_start"]
         cells[cell] = entry
     wrows: dict[str, Any] = {}
+    logs = {w.name: w.events() for w, _ in workers}
+    accounts, swarm = time_accounts(logs)
     for w, throttle in workers:
-        commits = w.events("committed")
+        commits = [e for e in logs[w.name] if e.get("event") == "committed"]
         sent = max((e.get("exchange_sent_total", 0) for e in commits), default=0)
         total = max((e.get("bytes_sent_total", 0) for e in commits), default=0)
         ddp = sum(_ddp_bytes(e, params.get(e["cell"], 0)) for e in commits)
@@ -289,6 +294,7 @@ def _report(
             "bytes_sent_total": total,
             "ddp_fp32_bytes_same_work": int(ddp),
             "reduction_vs_ddp": (ddp / sent) if sent else None,
+            "time": accounts[w.name],
         }
     png = out / "samples.png"
     if models:
@@ -305,12 +311,53 @@ def _report(
         "wall_s": round(wall_s, 1),
         "cells": cells,
         "workers": wrows,
+        "swarm_time": swarm,
         "samples_png": str(png) if models else None,
         "loss_fell_in_every_cell": all(c["loss_fell"] for c in cells.values()),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report))
     return report
+
+
+def time_accounts(logs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per worker and for the swarm: wall time in the goodput buckets, utilisation and goodput
+    (JSON-ready), from each worker's `--log-json` events; round fates are settled with what
+    every worker logged."""
+    from bagel.worker.goodput import SwarmFacts, account, total
+
+    facts = SwarmFacts.of(logs.values())
+    per = {name: account(events, facts) for name, events in logs.items()}
+    return {name: a.to_json() for name, a in per.items()}, total(per.values()).to_json()
+
+
+def time_markdown(workers: dict[str, dict[str, Any]], swarm: dict[str, Any]) -> list[str]:
+    """The report's utilisation and goodput section: one row per worker and the swarm's, then
+    the swarm's wall time by bucket as shares (the simulator's table)."""
+    from bagel.protocol.goodput import BUCKET_DEFINITIONS, BUCKETS
+
+    lines = [
+        "## Utilisation and goodput",
+        "",
+        "Utilisation: training time / wall time; goodput: committed training time / wall time "
+        "(the simulator's buckets, from each worker's events).",
+        "",
+        "| worker | wall s | training s | utilisation | goodput | " + " | ".join(BUCKETS) + " |",
+        "|---|" + "---:|" * (4 + len(BUCKETS)),
+    ]
+    rows = [(name, w) for name, w in workers.items()] + [("**swarm**", swarm)]
+    for name, t in rows:
+        wall = t["wall_s"] or 1.0
+        shares = " | ".join(f"{t['buckets_s'][b] / wall:.3f}" for b in BUCKETS)
+        lines.append(
+            f"| {name} | {t['wall_s']:.0f} | {t['training_s']:.0f} | {t['utilisation']:.3f} | "
+            f"{t['goodput']:.3f} | {shares} |"
+        )
+    lines += ["", "| bucket | share of the swarm's wall time | what it holds |", "|---|---:|---|"]
+    wall = swarm["wall_s"] or 1.0
+    for b in BUCKETS:
+        lines.append(f"| {b} | {swarm['buckets_s'][b] / wall:.3f} | {BUCKET_DEFINITIONS[b]} |")
+    return lines
 
 
 def _fmt_bytes(n: float) -> str:
@@ -351,6 +398,8 @@ def _markdown(r: dict[str, Any]) -> str:
             f"{w['samples']} | {_fmt_bytes(w['bytes_sent_exchange'])} | {_fmt_bytes(w['ddp_fp32_bytes_same_work'])} "
             f"| {red} |"
         )
+    if r.get("swarm_time"):
+        lines += ["", *time_markdown({n: w["time"] for n, w in r["workers"].items()}, r["swarm_time"])]
     lines += ["", f"Held-out loss fell in every cell: **{r['loss_fell_in_every_cell']}**."]
     if r.get("samples_png"):
         lines.append(f"Samples of the composed model (one row per class): `{r['samples_png']}`.")

@@ -2,7 +2,7 @@
 
 The agent reports two kinds of things here: *events* (registered, synced, round committed,
 coordinator unreachable, ...) and *progress* fields that change many times a second (inner
-step, loss, samples/s, bytes, time to the deadline). Modes:
+step, loss, samples/s, exchange and checkpoint bytes apart, time to the deadline). Modes:
 
 - `rich`  — a live panel (rich.live) with the progress fields, events printed above it;
   used when stdout is a terminal.
@@ -33,8 +33,10 @@ _FIELDS = (
     "steps",
     "loss",
     "samples_per_s",
-    "bytes_sent",
-    "bytes_received",
+    "exchange_sent",  # pseudo-gradient exchange bytes
+    "exchange_received",
+    "checkpoint_sent",  # state moved whole: checkpoint uploads, syncs from a donor or the coordinator
+    "checkpoint_received",
     "deadline_unix_ms",
     "committed",
 )
@@ -150,7 +152,11 @@ class Display:
             parts.append(f"loss {f['loss']:.4f}")
         if f.get("samples_per_s"):
             parts.append(f"{f['samples_per_s']:.0f} samples/s")
-        parts.append(f"sent {human_bytes(f.get('bytes_sent', 0))} recv {human_bytes(f.get('bytes_received', 0))}")
+        parts.append(
+            f"exchange sent {human_bytes(f.get('exchange_sent', 0))} recv {human_bytes(f.get('exchange_received', 0))}"
+        )
+        up, down = human_bytes(f.get("checkpoint_sent", 0)), human_bytes(f.get("checkpoint_received", 0))
+        parts.append(f"checkpoints up {up} down {down}")
         left = self.deadline_left_s()
         if left is not None:
             parts.append(f"deadline in {left:.0f}s")
@@ -185,7 +191,12 @@ class Display:
         t.add_row("loss", f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "-")
         t.add_row("samples/s", f"{f.get('samples_per_s', 0.0):.1f}")
         t.add_row(
-            "bytes sent / recv", f"{human_bytes(f.get('bytes_sent', 0))} / {human_bytes(f.get('bytes_received', 0))}"
+            "exchange sent / recv",
+            f"{human_bytes(f.get('exchange_sent', 0))} / {human_bytes(f.get('exchange_received', 0))}",
+        )
+        t.add_row(
+            "checkpoints up / down",
+            f"{human_bytes(f.get('checkpoint_sent', 0))} / {human_bytes(f.get('checkpoint_received', 0))}",
         )
         left = self.deadline_left_s()
         t.add_row("deadline", "-" if left is None else f"in {left:.0f} s")

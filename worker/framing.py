@@ -11,10 +11,13 @@ more than we agreed to take.
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
+
+from bagel.worker import pacing
 
 _LEN = struct.Struct(">I")
 LEN_NBYTES = _LEN.size
@@ -31,11 +34,40 @@ class FrameError(ValueError):
     """The peer sent a malformed or oversized frame, or closed the stream mid-frame."""
 
 
+def _shrink_buffers(writer: asyncio.StreamWriter) -> None:
+    """Under an upload cap, keep what waits below us small: bytes the pacer let go while
+    the peer was not reading pile up in the asyncio transport and the socket to the libp2p
+    daemon, and would leave as one burst at link speed once it reads again."""
+    try:
+        writer.transport.set_write_buffer_limits(high=0)  # drain() waits until it is empty
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, pacing.PACED_SOCKET_BUFFER)
+    except (AttributeError, OSError, ValueError):  # not a socket transport (tests); the cap still holds on average
+        pass
+
+
 async def write_frame(writer: asyncio.StreamWriter, data: bytes | memoryview) -> int:
-    """Write one frame; return the bytes put on the stream (length prefix included)."""
+    """Write one frame; return the bytes put on the stream (length prefix included).
+
+    Under an upload cap (`pacing.install`) the frame goes out in `pacing.PIECE_BYTES`
+    pieces, each after the pacer allowed it."""
     n = len(data)
     if n > MAX_FRAME_NBYTES:
         raise FrameError(f"frame of {n} bytes is over the {MAX_FRAME_NBYTES}-byte limit")
+    pacer = pacing.current()
+    if pacer is not None:
+        _shrink_buffers(writer)
+        await pacer.take(LEN_NBYTES + min(n, pacing.PIECE_BYTES))
+        writer.write(_LEN.pack(n) + bytes(memoryview(data)[: pacing.PIECE_BYTES]))
+        await writer.drain()
+        view = memoryview(data)
+        for start in range(pacing.PIECE_BYTES, n, pacing.PIECE_BYTES):
+            piece = view[start : start + pacing.PIECE_BYTES]
+            await pacer.take(len(piece))
+            writer.write(piece)
+            await writer.drain()
+        return LEN_NBYTES + n
     if n <= _SMALL_FRAME:  # one write: the length and a small body never travel apart
         writer.write(_LEN.pack(n) + bytes(data))
         await writer.drain()

@@ -1,9 +1,10 @@
 """The worker's local checkpoint: the last committed state of its cell, to resume after a crash.
 
 After every committed round (and after a sync) the worker writes the cell state it holds
-(weights `w.<param>` and outer momentum `m.<param>`: `diloco.CellState.to_flat()`, exactly
-the tensors `protocol.statehash` hashes) plus its error-feedback residuals (`e.<name>`,
-local to this worker and not part of the hash) to one safetensors file. The write is
+(weights `w.<param>`, outer momentum `m.<param>` and the average `ema.<param>` where the run
+keeps one: `diloco.CellState.to_flat()`, exactly the tensors `protocol.statehash` hashes)
+plus its error-feedback residuals (`e.<name>`, local to this worker and not part of the
+hash) to one safetensors file. The write is
 atomic: a temp file in the same directory, fsync, `os.replace`, fsync of the directory
 , so a SIGKILL at any instant leaves either the previous or the new
 checkpoint, never a torn one. On restart the worker re-hashes what it loaded and registers

@@ -7,7 +7,8 @@ to do about the current instruction; `Orders.perform` does it, and `Orders.view`
 commit, so an abandoned round (WAIT, a new attempt, ABORTED, RESYNC, SIGTERM) is a
 rollback for free.
 
-- SYNC: the named donor over P2P (`statesync.fetch_state`), else the coordinator's
+- SYNC: the named donors over P2P, byte ranges from all at once
+  (`statesync.fetch_state_from_donors`; one donor: a single stream), else the coordinator's
   checkpoint (`DownloadCheckpoint`); either must hash to the committed hash. Round 0 is
   the deterministic initial state, built locally.
 - TRAIN: `roundwork.train_round` in a thread; then the pseudo-gradient (corrupted on
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,10 +43,12 @@ from bagel.protocol.convert import verdict_from_pb
 from bagel.protocol.messages import Instruction, LocalState
 from bagel.protocol.runspec import RunSpec
 from bagel.worker import ddp, reconciler
+from bagel.worker.datafetch import DataFetchError
 from bagel.worker.display import Display
 from bagel.worker.heldout import HeldoutProbe
 from bagel.worker.link import CoordinatorLink
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore, atomic_write
+from bagel.worker.metrics import TRAINING_FIELDS, WorkerMetrics, round_metrics
 from bagel.worker.reconciler import (
     AdoptPending,
     BuildInitialState,
@@ -81,6 +85,8 @@ class Counters:
     bytes_received: int = 0
     exchange_sent: int = 0  # pseudo-gradient exchange only (what DDP's all-reduce replaces)
     exchange_received: int = 0
+    checkpoint_sent: int = 0  # whole states: checkpoint uploads
+    checkpoint_received: int = 0  # whole states: syncs from a donor or the coordinator's checkpoint
     rounds_committed: int = 0
     samples: int = 0
 
@@ -113,6 +119,10 @@ class OrdersHost(Protocol):
         ...
 
     def on_instruction(self, instr: pb.Instruction) -> None: ...
+
+    async def ensure_data(self, cell_id: str) -> None:
+        """Make the cell's data available (fetch its shards when this worker has no copy)."""
+        ...
 
 
 class Orders:
@@ -154,6 +164,19 @@ class Orders:
         self._last_delta: dict[str, torch.Tensor] | None = None  # --byzantine stale
         self._first_delta: dict[str, torch.Tensor] | None = None  # --byzantine freeload-replay
         self._save_lock = asyncio.Lock()
+        self.metrics: WorkerMetrics | None = None  # the worker's own endpoint (--metrics-listen)
+
+    def moved_checkpoint(self, sent: int, received: int) -> None:
+        """Count a whole state moved (an upload, a sync), apart from the exchange bytes."""
+        c = self.counters
+        c.bytes_sent += sent
+        c.bytes_received += received
+        c.checkpoint_sent += sent
+        c.checkpoint_received += received
+        self.display.update(checkpoint_sent=c.checkpoint_sent, checkpoint_received=c.checkpoint_received)
+        if self.metrics is not None:
+            self.metrics.moved("checkpoint", "sent", sent)
+            self.metrics.moved("checkpoint", "received", received)
 
     def attach(self, p2p: Any, dataplane: Any, stateserver: Any, store: LocalStore) -> None:
         self.p2p, self.dataplane, self.stateserver, self.store = p2p, dataplane, stateserver, store
@@ -197,10 +220,11 @@ class Orders:
             self.cancel_sync()
         elif isinstance(a, StartSync):
             target = (a.cell_id, a.committed_round, a.committed_hash)
-            self.sync = SyncJob(target, self.host.spawn(self._sync(*target, a.donor), "sync"))
+            donors = a.donors or ((a.donor,) if a.donor is not None else ())
+            self.sync = SyncJob(target, self.host.spawn(self._sync(*target, donors), "sync"))
             self.link.wake_heartbeat()
         elif isinstance(a, BuildInitialState):
-            await self._sync(a.cell_id, 0, "", None)  # instant: no download
+            await self._sync(a.cell_id, 0, "", ())  # instant: no download
             return reconciler.holds(self.held_local(), a.cell_id, 0, "")
         elif isinstance(a, StartTrain):
             return await self._start_train(i, a.member_index)
@@ -226,41 +250,56 @@ class Orders:
 
     def cancel_sync(self) -> None:
         if self.sync is not None:
+            if not self.sync.task.done():
+                cell, rnd, _want = self.sync.target
+                self.display.event("sync-cancelled", cell=cell, round=rnd)
             self.sync.task.cancel()
             self.sync = None
 
-    async def _sync(self, cell: str, rnd: int, want: str, donor: Any) -> None:
-        from bagel.worker.statesync import StateSyncError, fetch_state, verify_state_bytes
+    async def _sync(self, cell: str, rnd: int, want: str, donors: tuple[Any, ...]) -> None:
+        from bagel.worker.statesync import DonorRef, StateSyncError, fetch_state_from_donors, verify_state_bytes
 
         spec = self.host.spec
         assert spec is not None and self.link.client is not None
+        live = [d for d in donors if d.worker_id and d.peer.peer_id]
         self.display.update(phase="syncing", cell=cell, round=rnd)
+        # the start of the download, for the time accounting (`worker/goodput.py`)
+        self.display.event("sync", cell=cell, round=rnd, donor=",".join(d.worker_id for d in live))
         try:
             if rnd == 0 and not want:
                 from bagel.worker.diloco import CellState
 
                 rt = await self.runtime_for(cell)
-                state = CellState.from_model(rt.task.build_model())
+                state = CellState.from_model(rt.task.build_model(), ema=spec.ema.decay > 0)
                 source = "initial state (built locally)"
             else:
                 state, source = None, ""
-                if donor is not None and donor.worker_id and donor.peer.peer_id:
+                if live:
+                    refs = [
+                        DonorRef(d.peer.peer_id, tuple(d.peer.maddrs), d.expected_bytes_per_s, d.worker_id)
+                        for d in live
+                    ]
                     try:
-                        synced = await fetch_state(
+                        got = await fetch_state_from_donors(
                             self.p2p,
-                            donor.peer.peer_id,
+                            refs,
                             run_id=self.run_id,
                             cell_id=cell,
                             committed_round=rnd,
                             state_hash=want,
                             max_nbytes=spec.checkpoint.max_bytes,
-                            donor_maddrs=list(donor.peer.maddrs),
                             timeout_s=self.cfg.sync_timeout_s,
                         )
-                        state, source = synced.state, f"donor {donor.worker_id} ({synced.nbytes} bytes)"
-                        self.counters.bytes_received += synced.nbytes
+                        synced = got.synced
+                        used = "+".join(n for n, b in got.nbytes_by_donor.items() if b)
+                        state, source = synced.state, f"donor {used} ({synced.nbytes} bytes)"
+                        self.moved_checkpoint(0, synced.nbytes)
+                        for name, why in got.failed.items():
+                            liar = name in got.liars
+                            self.display.event("sync-donor-failed", level="warning", donor=name, message=why, lied=liar)
                     except StateSyncError as e:
-                        self.display.event("sync-donor-failed", level="warning", donor=donor.worker_id, message=str(e))
+                        names = ",".join(d.worker_id for d in live)
+                        self.display.event("sync-donor-failed", level="warning", donor=names, message=str(e))
                 if state is None:
                     resp = await self.link.rpc(lambda: self.link.client.download_checkpoint(cell, rnd))  # type: ignore[union-attr]
                     if resp is None:
@@ -268,7 +307,7 @@ class Orders:
                     _info, data = resp
                     state = await asyncio.to_thread(verify_state_bytes, data, want)
                     source = f"coordinator checkpoint ({len(data)} bytes)"
-                    self.counters.bytes_received += len(data)
+                    self.moved_checkpoint(0, len(data))
             assert state is not None
             h = state.state_hash()
             self.held = LocalCheckpoint(cell, rnd, state, h, {})
@@ -293,6 +332,7 @@ class Orders:
     async def runtime_for(self, cell: str) -> CellRuntime:
         if self.runtime is None or self.runtime.cell_id != cell:
             assert self.host.spec is not None
+            await self.host.ensure_data(cell)
             collective = self.ctx if self.ctx.enabled else None
             self.runtime = await asyncio.to_thread(
                 build_runtime, self.host.spec, cell, self.device, throttle=self.cfg.throttle, collective=collective
@@ -304,7 +344,12 @@ class Orders:
 
     async def _start_train(self, i: Instruction, member_index: int) -> bool:
         await self._trainer_idle()
-        rt = await self.runtime_for(i.cell_id)
+        try:
+            rt = await self.runtime_for(i.cell_id)
+        except DataFetchError:  # said on the display; the fetcher backs off before trying again
+            await self.host.sleep(1.0)
+            self.host.wake()
+            return False
         if not self.host.still_current(i):
             self.host.wake()  # things changed while the model was built: look again
             return False
@@ -365,6 +410,7 @@ class Orders:
             if self._first_delta is None:
                 self._first_delta = honest
         w.result, w.delta = res, delta
+        w.ready_at = time.monotonic()
         self.counters.samples += res.samples
         self.display.event(
             "ready",
@@ -387,6 +433,7 @@ class Orders:
             w.reduce_task.cancel()
         self.work = None
         log.info("dropped round %s/%d: %s", w.cell_id, w.round, why)
+        self.display.event("dropped", cell=w.cell_id, round=w.round, attempt=w.round_attempt, why=why)
         self.display.update(step=0)
 
     # ------------------------------------------------------------------ REDUCE
@@ -399,6 +446,11 @@ class Orders:
         w.reduce_attempt = a.reduce_attempt
         w.contributors = a.contributors
         w.pending = None
+        if not w.reduce_started_at:
+            w.reduce_started_at = time.monotonic()
+        self.display.event(
+            "exchange", cell=w.cell_id, round=w.round, reduce_attempt=a.reduce_attempt, catch_up=w.catch_up
+        )
         w.reduce_task = self.host.spawn(self._reduce(w, i), "reduce")
         self.link.wake_heartbeat()
 
@@ -417,7 +469,9 @@ class Orders:
             )
             if w.catch_up or not spec.diloco.error_feedback:
                 out.residuals = dict(held.residuals) if w.catch_up else {}
+            self.display.event("exchanged", cell=w.cell_id, round=w.round, comm_s=round(out.comm_s, 3))
             await self._measure(out, held)
+            out.paths = await self.dataplane.paths({m.worker_id: m.peer.peer_id for m in i.contributors})
         except ExchangeError as e:
             # accuse first: the failure reports may end the exchange at the coordinator, which
             # then still checks the evidence against the contributor set it remembers
@@ -438,7 +492,10 @@ class Orders:
         c.bytes_received += out.bytes_received
         c.exchange_sent += out.bytes_sent
         c.exchange_received += out.bytes_received
-        self.display.update(bytes_sent=c.bytes_sent, bytes_received=c.bytes_received)
+        self.display.update(exchange_sent=c.exchange_sent, exchange_received=c.exchange_received)
+        if self.metrics is not None:
+            self.metrics.moved("exchange", "sent", out.bytes_sent)
+            self.metrics.moved("exchange", "received", out.bytes_received)
         w.pending, w.pending_attempt, w.report_epoch = out, i.reduce_attempt, self.link.epoch
         await self._report(w)
 
@@ -451,6 +508,7 @@ class Orders:
         cell = held.cell_id
         try:
             if self.probe is None or self.probe.cell_id != cell:
+                await self.host.ensure_data(cell)
                 self.probe = await asyncio.to_thread(HeldoutProbe, spec, cell)
             probe = self.probe
             out.heldout_loss_base = await asyncio.to_thread(probe.loss, held.state, held.state_hash)
@@ -483,6 +541,18 @@ class Orders:
             "failed": failed,
             "reason": reason,
         }
+        fields = round_metrics(
+            w.result,
+            None if failed else out,
+            max(0.0, w.reduce_started_at - w.ready_at) if w.ready_at and w.reduce_started_at else 0.0,
+            self.device,
+        )
+        if w.metrics_reported:  # a re-frozen exchange: its training was reported with the first one
+            fields = {k: v for k, v in fields.items() if k not in TRAINING_FIELDS}
+        w.metrics_reported = True
+        kw["round_metrics"] = fields
+        if self.metrics is not None:
+            self.metrics.round(fields, 0 if "data_ms" not in fields else w.result.samples)
         if out is not None and not failed:
             kw.update(
                 state_hash=out.state_hash,
@@ -553,6 +623,8 @@ class Orders:
         self.work = None
         c = self.counters
         c.rounds_committed += 1
+        if self.metrics is not None:
+            self.metrics.rounds_committed.inc()
         self.stateserver.publish(w.cell_id, w.round, out.state)  # keeps the last few per cell
         self.display.update(committed=w.round, step=0)
         event = {
@@ -568,10 +640,15 @@ class Orders:
             "catch_up": w.catch_up,
             "bytes_sent": out.bytes_sent,
             "bytes_received": out.bytes_received,
+            "exchange_s": round(out.comm_s, 4),
+            "comm_s": round(out.comm_s, 3),
+            "paths": out.paths,
             "exchange_sent_total": c.exchange_sent,
             "exchange_received_total": c.exchange_received,
             "bytes_sent_total": c.bytes_sent,
             "bytes_received_total": c.bytes_received,
+            "checkpoint_sent_total": c.checkpoint_sent,
+            "checkpoint_received_total": c.checkpoint_received,
         }
         self.host.spawn(self.save_local(cp, "committed", event), "save")
 

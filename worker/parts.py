@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,11 +94,17 @@ class Contributor:
     peer_id: str  # base58 libp2p peer id
     maddrs: tuple[str, ...] = ()
     max_samples: int = 1
+    no_reduce: bool = False  # reduces no part (reached through a relay): its part is empty
 
 
 def group_digest(contributors: Sequence[Contributor]) -> str:
     """Binds an exchange to one frozen contributor set: every member must see the same one."""
-    return group_digest_of([(c.worker_id, c.peer_id, c.max_samples) for c in contributors])
+    return group_digest_of(
+        [
+            (c.worker_id, c.peer_id, c.max_samples, True) if c.no_reduce else (c.worker_id, c.peer_id, c.max_samples)
+            for c in contributors
+        ]
+    )
 
 
 def encode_parts(
@@ -155,6 +161,7 @@ def prepare_contribution(
     *,
     weight: float,
     error_feedback: Any = None,
+    skip: Collection[int] = (),
 ) -> Contribution:
     """Compensate with the error-feedback residual, flatten, split, encode and decode every part.
 
@@ -169,7 +176,7 @@ def prepare_contribution(
     flat = layout.flatten(compensated)
     finite = bool(torch.isfinite(flat).all())
     abstained = "" if finite and weight > 0 else ("non-finite delta" if not finite else "no samples")
-    bounds = part_bounds(layout.total, num_parts)
+    bounds = part_bounds(layout.total, num_parts, skip)  # `skip`: positions that reduce no part
     payloads, decoded = encode_parts(codec, flat, bounds, gen_key, abstained)
     return Contribution(layout, bounds, compensated, flat, payloads, decoded, abstained)
 

@@ -132,13 +132,15 @@ class CancelSync:
 
 @dataclass(frozen=True, slots=True)
 class StartSync:
-    """Fetch (cell, committed round) from the donor, else the coordinator's checkpoint, and
-    verify the committed hash; round 0 (hash "") is built locally instead."""
+    """Fetch (cell, committed round) from the donors (several at once, else the one donor),
+    else the coordinator's checkpoint, and verify the committed hash; round 0 (hash "") is
+    built locally instead."""
 
     cell_id: str
     committed_round: int
     committed_hash: str
     donor: Donor | None
+    donors: tuple[Donor, ...] = ()  # the coordinator's list, best first (empty: an older coordinator)
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +256,8 @@ def decide(i: Instruction, view: WorkerView) -> tuple[Action, ...]:
             p.actions.append(Upload(i.cell_id, i.committed_round, i.committed_hash))
     if o is Order.WAIT:
         p.cancel_sync()
-        p.drop_work("ordered to wait")
+        if not _finishing(i, p.work):
+            p.drop_work("ordered to wait")
     elif o is Order.SYNC:
         _on_sync(i, p)
     elif o is Order.TRAIN:
@@ -277,6 +280,20 @@ def _check_pending(i: Instruction, p: _Plan) -> None:
         p.drop_work(f"round {w.round} committed with another hash")
 
 
+def _finishing(i: Instruction, w: Work | None) -> bool:
+    """Is `w` the exchange of the round `i` shows just committed, still running? Its
+    contributors finish it at about the same time, and the quorum is reached by the first
+    reports; the coordinator holds the next round for the others' (WAIT), so such an exchange
+    is finished and reported (it adopts on the verdict), not dropped."""
+    return (
+        w is not None
+        and w.exchanging
+        and w.pending_hash is None
+        and w.cell_id == i.cell_id
+        and w.round == i.committed_round
+    )
+
+
 def _on_sync(i: Instruction, p: _Plan) -> None:
     target = LocalState(i.cell_id, i.committed_round, i.committed_hash)
     if holds(p.held, i.cell_id, i.committed_round, i.committed_hash):
@@ -285,9 +302,22 @@ def _on_sync(i: Instruction, p: _Plan) -> None:
         return
     if p.sync is not None and p.sync.target == target and p.sync.running:
         return
+    w = p.work
+    # our exchange of the round that just committed is still running (the others' reports
+    # made the quorum first): its outcome is the committed state, and a late report of it is
+    # taken, so let it finish; a slower member that dropped it to download the state instead
+    # was one round behind again, round after round
+    if (
+        p.sync is None
+        and w is not None
+        and w.exchanging
+        and w.pending_hash is None
+        and (w.cell_id, w.round) == (i.cell_id, i.committed_round)
+    ):
+        return
     p.cancel_sync()
     p.drop_work("resync")
-    p.actions.append(StartSync(i.cell_id, i.committed_round, i.committed_hash, i.donor))
+    p.actions.append(StartSync(i.cell_id, i.committed_round, i.committed_hash, i.donor, i.donors))
 
 
 def _on_train(i: Instruction, view: WorkerView, p: _Plan) -> None:

@@ -14,8 +14,11 @@ pseudo-gradient this worker contributes, and `follow_round` for ranks > 0 of a D
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -28,6 +31,8 @@ from bagel.protocol.runspec import parse_spec
 from bagel.robust import attacks
 from bagel.worker import ddp
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
+from bagel.worker.heldout import SliceLossAudit
+from bagel.worker.parts import Layout
 from bagel.worker.trainer import (
     CellRuntime,
     InnerPlan,
@@ -72,6 +77,9 @@ class ReduceOutcome:
     # the commit guard's measurements (worker/heldout.py), None until measured
     heldout_loss: float | None = None
     heldout_loss_base: float | None = None
+    encode_s: float = 0.0  # of comm_s: encoding our contribution
+    outer_step_s: float = 0.0  # the outer step and the state hash
+    paths: dict[str, str] = field(default_factory=dict)  # contributor -> how we were connected to it
 
 
 @dataclass
@@ -96,6 +104,10 @@ class RoundWork:
     report_epoch: int = 0
     contributors: int = 0  # weighted contributors of the exchange (catch-up ones excluded)
     catch_up: bool = False  # a zero-weight contribution: trained nothing, only applies the average
+    # monotonic seconds: training ended (READY), the first exchange started (the wait between)
+    ready_at: float = 0.0
+    reduce_started_at: float = 0.0
+    metrics_reported: bool = False  # the training phases went out with a report already
 
     @classmethod
     def from_instruction(cls, i: Any, member_index: int) -> RoundWork:
@@ -207,7 +219,7 @@ async def reduce_round(
     # a zero budget to 1 the same way (the group digest stays equal everywhere); at worst a
     # lying catch-up peer could weigh as 1 sample. Remove once the data plane accepts 0.
     contributors = [
-        Contributor(m.worker_id, m.peer.peer_id, tuple(m.peer.maddrs), max(1, int(m.max_samples)))
+        Contributor(m.worker_id, m.peer.peer_id, tuple(m.peer.maddrs), max(1, int(m.max_samples)), m.no_reduce)
         for m in i.contributors
     ]
     res = await dataplane.all_reduce(
@@ -224,22 +236,74 @@ async def reduce_round(
         error_feedback=ef,
         reducer=spec.diloco.aggregation,
         audit_blocks=spec.audit.sketch_blocks,
+        loss_probe=loss_probe(spec, committed, w, i, Layout.of(w.delta).names),
     )
-    cfg = OuterConfig.from_spec(spec.diloco)
+    cfg = OuterConfig.from_spec(spec.diloco, spec.ema)
 
     def step() -> tuple[CellState, str]:
         new = committed.clone()
-        outer_step(new, res.averaged, cfg)
+        outer_step(new, res.averaged, cfg, ema_step=max(1, w.round))
         return new, new.state_hash()
 
+    t_outer = time.perf_counter()
     new, h = await asyncio.to_thread(step)
+    outer_s = time.perf_counter() - t_outer
     residuals: dict[str, torch.Tensor] = {}
     if ef is not None:
         for n in w.delta:
             r = ef.residual(n)
             if r is not None:
                 residuals[n] = r
-    return ReduceOutcome(new, h, residuals, res.bytes_sent, res.bytes_received, res.comm_s, res.audit)
+    return ReduceOutcome(
+        new,
+        h,
+        residuals,
+        res.bytes_sent,
+        res.bytes_received,
+        res.comm_s,
+        res.audit,
+        encode_s=res.encode_s,
+        outer_step_s=outer_s,
+    )
+
+
+_LOSS_AUDITS: OrderedDict[tuple[str, str], SliceLossAudit] = OrderedDict()  # (spec hash, cell); bounded
+_LOSS_AUDITS_KEPT = 2
+_LOSS_AUDITS_LOCK = threading.Lock()  # probes run in worker threads
+
+
+def loss_audit_for(spec: Any, cell_id: str) -> SliceLossAudit:
+    """The cell's `SliceLossAudit` (its CPU model and training data), built once and kept for a few cells."""
+    key = (spec.spec_hash, cell_id)
+    with _LOSS_AUDITS_LOCK:
+        audit = _LOSS_AUDITS.get(key)
+        if audit is None:
+            audit = _LOSS_AUDITS[key] = SliceLossAudit(spec, cell_id)
+            while len(_LOSS_AUDITS) > _LOSS_AUDITS_KEPT:
+                _LOSS_AUDITS.popitem(last=False)
+        _LOSS_AUDITS.move_to_end(key)
+        return audit
+
+
+def loss_probe(
+    spec: Any, committed: CellState, w: RoundWork, i: Any, names: Sequence[str]
+) -> Callable[[int, Mapping[str, torch.Tensor]], dict[str, tuple[float, float]]] | None:
+    """The loss audit of the part this worker reduces in the exchange of instruction `i`
+    (`worker.heldout.SliceLossAudit`), or None when the run turns it off (`audit.loss_samples
+    = 0`) or the instruction has no plan. Each sender's assigned samples follow from the
+    round plan: its position among the plan's members (the data shard index) and its budget."""
+    plan = getattr(i, "plan", None)
+    if not spec.audit.loss_samples or plan is None or not plan.members:
+        return None
+    order = {m.worker_id: (k, int(m.max_samples)) for k, m in enumerate(plan.members)}
+    members = len(plan.members)
+
+    def probe(start: int, slices: Mapping[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+        audit = loss_audit_for(spec, w.cell_id)
+        assigned = {s: audit.assigned(w.round, order[s][0], members, order[s][1]) for s in slices if s in order}
+        return audit.gains(committed, names, start, slices, assigned, w.round)
+
+    return probe
 
 
 def corrupt(
@@ -302,7 +366,8 @@ def ddp_follower(ctx: ddp.DistContext, device_req: str, throttle: float) -> None
     state: dict[str, Any] = {"spec": None, "rt": None}
 
     def on_spec(cmd: dict[str, Any]) -> None:
-        state["spec"] = parse_spec(cmd["spec_toml"])
+        # the initial weights' digest travels beside the text, as in the Register answer
+        state["spec"] = dataclasses.replace(parse_spec(cmd["spec_toml"]), init_sha256=str(cmd.get("init_sha256", "")))
 
     def on_train(cmd: dict[str, Any]) -> None:
         rt = state["rt"]

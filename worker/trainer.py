@@ -98,6 +98,12 @@ class TrainResult:
     steps: int
     compute_s: float  # wall time of the inner loop, throttle sleeps included
     completed: bool  # False if stopped before `inner_steps`
+    # where compute_s went (the round metrics): batches gathered and moved, loss and
+    # backward, optimizer steps (with the multi-rank gradient all-reduce), throttle pauses
+    data_s: float = 0.0
+    forward_backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    throttle_s: float = 0.0
 
 
 def micro_batch_seed(key: RoundKey, step: int, j: int) -> int:
@@ -214,6 +220,8 @@ class InnerTrainer:
         samples = 0
         t_start = time.perf_counter()
         compute_s = 0.0
+        data_s = fb_s = opt_s = pause_s = 0.0
+        cuda = self.device.type == "cuda"
         completed = True
         for step in range(plan.inner_steps):
             t0 = time.perf_counter()
@@ -223,16 +231,21 @@ class InnerTrainer:
             for j, mb in enumerate(torch.tensor_split(step_idx, nmb)):
                 if j % world != rank or mb.numel() == 0:
                     continue
+                t_data = time.perf_counter()
                 gen = torch.Generator().manual_seed(micro_batch_seed(key, step, j))
                 x = self.x[mb.to(self.x.device)] if self._resident else self.x[mb]
                 y = self.y[mb.to(self.y.device)] if self._resident else self.y[mb]
                 x = x.to(self.device, non_blocking=True)
                 y = y.to(self.device, non_blocking=True)
+                t_fb = time.perf_counter()
+                data_s += t_fb - t_data
                 with self._autocast():
                     loss = self.task.loss(self.model, x, y, gen)
                 # weight by micro-batch size so the summed gradient is the mean over the step
                 (loss * (mb.numel() / batch)).backward()
-                local_loss += float(loss.detach()) * mb.numel() / batch
+                local_loss += float(loss.detach()) * mb.numel() / batch  # waits for the device
+                fb_s += time.perf_counter() - t_fb
+            t_opt = time.perf_counter()
             stopping = stop is not None and stop.is_set()
             if self.collective is not None and world > 1:
                 step_loss, stopping = self._reduce_grads(local_loss, stopping)
@@ -243,17 +256,20 @@ class InnerTrainer:
                 self.optimizer.zero_grad(set_to_none=False)
                 break
             self.optimizer.step()
-            if self.device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(self.device)
+            opt_s += time.perf_counter() - t_opt
             losses.append(step_loss)
             samples += step_idx.numel()
             elapsed = time.perf_counter() - t0
             if self.throttle > 1.0:
                 pause = (self.throttle - 1.0) * elapsed
+                t_pause = time.perf_counter()
                 if stop is not None:
                     stop.wait(pause)
                 else:
                     time.sleep(pause)
+                pause_s += time.perf_counter() - t_pause
             compute_s = time.perf_counter() - t_start
             if on_step is not None and rank == 0:
                 on_step(
@@ -267,7 +283,17 @@ class InnerTrainer:
                 )
         compute_s = time.perf_counter() - t_start
         mean = sum(losses) / len(losses) if losses else float("nan")
-        return TrainResult(samples=samples, mean_loss=mean, steps=len(losses), compute_s=compute_s, completed=completed)
+        return TrainResult(
+            samples=samples,
+            mean_loss=mean,
+            steps=len(losses),
+            compute_s=compute_s,
+            completed=completed,
+            data_s=data_s,
+            forward_backward_s=fb_s,
+            optimizer_s=opt_s,
+            throttle_s=pause_s,
+        )
 
     def _reduce_grads(self, local_loss: float, stopping: bool) -> tuple[float, bool]:
         """One sum all-reduce of [all grads..., loss, stop flag] across the worker's ranks."""

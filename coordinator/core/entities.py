@@ -49,7 +49,7 @@ class Worker:
         "round",
         "inner_step",
         "loss",
-        "donor",
+        "donors",
         "raw",
     )
 
@@ -71,7 +71,7 @@ class Worker:
         self.round = 0
         self.inner_step = 0
         self.loss = 0.0
-        self.donor = ""  # worker id of the donor this worker syncs from ("" = none chosen)
+        self.donors: tuple[str, ...] = ()  # worker ids of the donors this worker syncs from, best first
         self.raw = 0.0  # its weighted throughput as counted in the scheduler's Balance
 
     def record(self) -> WorkerRecord:
@@ -204,16 +204,22 @@ class Round:
             return RoundPlan(self.inner_steps, 0, 0, self.deadline_ms, self.members_wire)
         return RoundPlan(self.inner_steps, p.micro_batch, p.grad_accum, self.deadline_ms, self.members_wire)
 
-    def set_contributors(self, ids: tuple[str, ...], catch_up: tuple[str, ...], peers: dict[str, PeerAddress]) -> None:
+    def set_contributors(
+        self,
+        ids: tuple[str, ...],
+        catch_up: tuple[str, ...],
+        peers: dict[str, PeerAddress],
+        no_reduce: frozenset[str] = frozenset(),
+    ) -> None:
         """Freeze `ids` (sorted, catch-up included, which weigh 0 on the wire); `peers` has
-        the addresses of catch-up workers that are not members."""
+        the addresses of catch-up workers that are not members; `no_reduce` reduce no part."""
         self.contributors = ids
         self.frozen = dict.fromkeys(ids)
         self.catch_up = dict.fromkeys(catch_up)
         self.contributors_wire = tuple(
-            Member(i, self.plans[i].peer if i in self.plans else peers[i], 0)
+            Member(i, self.plans[i].peer if i in self.plans else peers[i], 0, i in no_reduce)
             if i in self.catch_up
-            else Member(i, self.plans[i].peer, self.budget(i))
+            else Member(i, self.plans[i].peer, self.budget(i), i in no_reduce)
             for i in ids
         )
 
@@ -299,6 +305,8 @@ class Cell:
         "round",
         "commits",
         "donor_load",
+        "awaiting",
+        "hold_until_ms",
     )
 
     def __init__(self, config: CellConfig) -> None:
@@ -323,6 +331,10 @@ class Cell:
         self.round: Round | None = None
         self.commits: deque[CommitRecord] = deque(maxlen=COMMIT_WINDOW)
         self.donor_load: dict[str, int] = {}
+        # volatile: contributors of the round just committed that have not reported yet, and
+        # until when the next round waits for them (`Rounds.hold_next_round`)
+        self.awaiting: dict[str, None] = {}
+        self.hold_until_ms = 0
 
     def holds_committed(self, local: LocalState) -> bool:
         """Does a worker with this LocalState hold the cell's committed state?

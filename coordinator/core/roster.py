@@ -17,9 +17,9 @@ charges or credits reputations and lets the roster repair the assignment
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
-import zlib
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,12 @@ from bagel.protocol.runspec import RunSpec
 
 if TYPE_CHECKING:  # the two-way link: Rounds imports Roster at run time
     from bagel.coordinator.core.rounds import Rounds
+
+
+def _pair_hash(a: str, b: str) -> int:
+    """A deterministic, well-mixed tie-break for the pair (a, b). Not CRC32: it is affine, so
+    every joiner would rank equal donors in the same order."""
+    return int.from_bytes(hashlib.blake2b(f"{a}|{b}".encode(), digest_size=8).digest(), "big")
 
 
 class Roster:
@@ -148,7 +154,7 @@ class Roster:
     def _unassign(self, w: Worker) -> None:
         c = self.cells[w.cell]
         self.balance.remove(c.id, w.raw)
-        for s in (c.workers, c.synced, c.idle):
+        for s in (c.workers, c.synced, c.idle, c.awaiting):
             s.pop(w.id, None)
         self._release_donor(w, c)
         w.cell, w.raw = "", 0.0
@@ -168,11 +174,14 @@ class Roster:
         self.changes.worker(w.id)
         if w.cell:
             c = self.cells[w.cell]
+            awaited = w.id in c.awaiting
             self._unassign(w)
             r = c.round
             if r is not None and fail_fast and (r.is_live_member(w.id) or r.is_contributor(w.id)):
                 self.rounds.drop_member(c, r, w.id, now, distrust=distrust)
             self.rounds.check_orphan(c, now)
+            if awaited and not c.awaiting and self.rounds.can_open(c, now):
+                self.rounds.open_round(c, now)  # it was the last one the next round waited for
         if distrust:
             # A lease lost without fail_fast_leases keeps the worker counted in its old
             # cell's round until that round's deadline; re-registered since, it may sit in
@@ -207,34 +216,52 @@ class Roster:
     # ---------------------------------------------------------------- donors
 
     def _release_donor(self, w: Worker, c: Cell) -> None:
-        if w.donor:
-            n = c.donor_load.get(w.donor, 0)
+        for d in w.donors:
+            n = c.donor_load.get(d, 0)
             if n > 1:
-                c.donor_load[w.donor] = n - 1
+                c.donor_load[d] = n - 1
             else:
-                c.donor_load.pop(w.donor, None)
-            w.donor = ""
+                c.donor_load.pop(d, None)
+        w.donors = ()
 
-    def donor(self, w: Worker, c: Cell) -> Donor:
-        """The least-loaded synced worker of the cell (ties spread by a hash of the pair);
-        sticky while it stays valid, so repeated heartbeats see the same donor."""
-        d = w.donor
-        if not (d and d in c.synced):
+    def donor_bandwidth(self, d: Worker) -> float:
+        """The uplink a donor is believed to have, in bytes/s: its profile's figure, else the
+        policy's default. (The one place a measured figure would replace the declared one.)"""
+        bw = d.profile.link_bandwidth_bytes_per_s
+        return bw if bw > 0 else self.policy.default_bandwidth_bytes_per_s
+
+    def donors(self, w: Worker, c: Cell) -> tuple[Donor, ...]:
+        """Up to `[sync] max_donors` synced workers of the cell for `w` to fetch from, best first.
+
+        A donor is ranked by what it is expected to give this joiner: its uplink divided
+        among the syncs it already serves plus this one (`donor_bandwidth / (1 + load)`), so
+        a fast donor is preferred until it is shared; ties are spread by a hash of the pair.
+        The choice is sticky while every chosen donor still holds the committed state, so
+        repeated heartbeats see the same list; each chosen donor counts one sync more for
+        later joiners until `w` is synced, leaves or is moved. Each donor's figure is its
+        uplink shared evenly among the syncs it serves now, this one included. With no synced
+        worker, one entry: the checkpoint (worker id "")."""
+        chosen = w.donors
+        if not (chosen and all(d in c.synced for d in chosen)):
             self._release_donor(w, c)
-            best, best_key = "", (0, 0)
+            ranked: list[tuple[float, int, str]] = []
             for cand in c.synced:
-                if cand == w.id:
-                    continue
-                key = (c.donor_load.get(cand, 0), zlib.crc32(f"{w.id}|{cand}".encode()))
-                if not best or key < best_key:
-                    best, best_key = cand, key
-            if best:
-                w.donor = best
-                c.donor_load[best] = c.donor_load.get(best, 0) + 1
-            d = best
-        if d:
-            return Donor(d, self.workers[d].peer, c.checkpoint_round)
-        return Donor("", PeerAddress(), c.checkpoint_round)
+                if cand != w.id:
+                    rate = self.donor_bandwidth(self.workers[cand]) / (1 + c.donor_load.get(cand, 0))
+                    ranked.append((-rate, _pair_hash(w.id, cand), cand))
+            self.changes.ops += len(ranked)
+            chosen = tuple(x[2] for x in heapq.nsmallest(self.spec.sync.max_donors, ranked))
+            w.donors = chosen
+            for d in chosen:
+                c.donor_load[d] = c.donor_load.get(d, 0) + 1
+        if not chosen:
+            return (Donor("", PeerAddress(), c.checkpoint_round),)
+        out = []
+        for d in chosen:
+            # its uplink shared evenly among the syncs it serves, this one included
+            rate = self.donor_bandwidth(self.workers[d]) / max(1, c.donor_load.get(d, 1))
+            out.append(Donor(d, self.workers[d].peer, c.checkpoint_round, rate))
+        return tuple(out)
 
     # ---------------------------------------------------------------- estimates
 

@@ -6,8 +6,11 @@ protocol). Every change of a round's state goes through `Rounds.change_state`, w
 refuses a transition the lifecycle does not have (a core bug, not a bad message). The
 rules, in one place:
 
-- freeze quorum: at the deadline, at least ceil(quorum x live members) (and >= 1) must be
-  ready, else the attempt aborts; with every live member ready it freezes at once;
+- contributor floor (`schedule.min_contributors`, default 1): a round opens only once that
+  many workers hold the committed state, and freezes only with that many ready, so no
+  smaller group (a lone first member, say) decides a round by itself;
+- freeze quorum: at the deadline, at least ceil(quorum x live members) (and >= the floor)
+  must be ready, else the attempt aborts; with every live member ready it freezes at once;
 - commit quorum: strictly more than quorum x |weighted contributors| equal hashes
   (catch-up contributors do not count: they trained nothing);
 - commit guard (`guard.CommitGuard`): a hash that reaches the quorum is still refused (the
@@ -17,7 +20,19 @@ rules, in one place:
   REDUCING at its reduce deadline aborts then;
 - an aborted attempt is re-run at once (same round number, attempt + 1) by whoever holds
   the committed state; `reduce_attempt` keeps counting across re-runs of a round number,
-  so a late report names exactly the contributor set it was reduced over.
+  so a late report names exactly the contributor set it was reduced over;
+- no stranded contributors (`hold_next_round`): after a commit the next round opens once
+  every contributor of the committed round has reported, or `schedule.next_round_grace_s`
+  after the commit, whichever comes first. Contributors finish one exchange at about the
+  same time, but the quorum is reached by the first reports: opening at once (as this core
+  used to) left the late reporters, which hold the new state a moment later, out of the
+  round, to sit it out idle or join its exchange with zero weight. Waiting costs the early
+  reporters only the spread of the reports (seconds; the grace bounds it when a contributor
+  dies after the exchange), against a whole round for each late one. Admitting the late
+  reporters into the round in flight instead was not chosen: the round's batch split,
+  members list (every member's data shard index) and deadline are planned at the open and
+  sent to every member, so a later member would either change the others' plans or train a
+  shorter, differently planned share.
 Timeouts are pure predicates on `now_ms` fired from the deadline heap by Tick (Psyche's
 `check_timeout(ts, duration)`).
 """
@@ -36,7 +51,8 @@ from bagel.coordinator.core.guard import CommitGuard, median
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
 from bagel.coordinator.core.roster import Roster
-from bagel.coordinator.core.scheduler import PlanMember, plan_round, throughput_for
+from bagel.coordinator.core.scheduler import PlanMember, plan_round, reduce_nothing, throughput_for
+from bagel.protocol.messages import Reachability
 from bagel.protocol.runspec import RunSpec
 
 # Frozen contributor sets remembered per cell, so evidence about an exchange that has been
@@ -45,7 +61,8 @@ FROZEN_KEPT = 8
 
 # (cell, round, round_attempt, reduce_attempt) -> ((worker id, peer id, budget), ...) sorted
 FrozenKey = tuple[str, int, int, int]
-FrozenSet = tuple[tuple[str, str, int], ...]
+# each member: (worker id, peer id, budget), with a fourth element True when it reduces no part
+FrozenSet = tuple[tuple[str, str, int] | tuple[str, str, int, bool], ...]
 
 _LEGAL = frozenset(
     {
@@ -60,7 +77,7 @@ _LEGAL = frozenset(
     }
 )
 
-TRAIN_DEADLINE, REDUCE_DEADLINE = "train", "reduce"
+TRAIN_DEADLINE, REDUCE_DEADLINE, HOLD_DEADLINE = "train", "reduce", "hold"
 
 
 class IllegalTransition(RuntimeError):
@@ -90,6 +107,8 @@ class Rounds:
         self.min_round_ms = int(spec.schedule.min_round_s * 1000)
         self.slack = policy.deadline_slack or spec.schedule.deadline_slack
         self.quorum = spec.schedule.quorum
+        self.min_contributors = spec.schedule.min_contributors
+        self.grace_ms = int(spec.schedule.next_round_grace_s * 1000)
         self.guard = CommitGuard(spec.guard)
         # (at, seq, cell, round, attempt, kind, reduce_attempt); stale entries are skipped
         self.deadlines: list[tuple[int, int, str, int, int, str, int]] = []
@@ -110,8 +129,13 @@ class Rounds:
         """Run every deadline due by `now` (Psyche's `check_timeout(ts, duration)`: timeouts
         are pure predicates on the time the shell passes in)."""
         while self.deadlines and self.deadlines[0][0] <= now:
-            _, _, cid, rnd, attempt, kind, ra = heapq.heappop(self.deadlines)
+            at, _, cid, rnd, attempt, kind, ra = heapq.heappop(self.deadlines)
             c = self.cells[cid]
+            if kind == HOLD_DEADLINE:
+                if c.awaiting and c.hold_until_ms == at and c.committed_round == rnd:
+                    c.awaiting.clear()  # the grace is over: open with the holders there are
+                    self._boundary(c, now)
+                continue
             r = c.round
             if r is None or (r.round, r.attempt) != (rnd, attempt):
                 continue  # that attempt ended: a stale entry
@@ -159,13 +183,55 @@ class Rounds:
         self.changes.round(r)
         self.changes.cell(c.id)
 
+    def can_open(self, c: Cell, now: int) -> bool:
+        """No round is open, enough workers hold the committed state (the floor), and the
+        next round is not held for the last round's late reporters (`holding`)."""
+        return c.round is None and len(c.synced) >= max(1, self.min_contributors) and not self.holding(c, now)
+
+    def holding(self, c: Cell, now: int) -> bool:
+        """Is c's next round still waiting for contributors of its last commit to report?"""
+        if not c.awaiting:
+            return False
+        if now >= c.hold_until_ms:
+            c.awaiting.clear()
+            return False
+        return True
+
+    def hold_next_round(self, c: Cell, r: Round, now: int) -> bool:
+        """Round r of c just committed: wait for its contributors that have not reported yet
+        (live, still in the cell) before the round boundary (rebalance, then the next round),
+        at most the grace (see the module docstring); True if it waits. Volatile: a restarted
+        core opens the next round at once."""
+        late = [x for x in r.contributors if x not in r.reports and x not in r.dropped and x in c.workers]
+        self.changes.ops += len(r.contributors)
+        c.awaiting = dict.fromkeys(late) if self.grace_ms > 0 else {}
+        if not c.awaiting:
+            return False
+        c.hold_until_ms = now + self.grace_ms
+        heapq.heappush(self.deadlines, (c.hold_until_ms, next(self._seq), c.id, r.round, r.attempt, HOLD_DEADLINE, 0))
+        return True
+
+    def release(self, c: Cell, wid: str, now: int) -> None:
+        """`wid` reported the round just committed: the last one awaited ends the wait, and
+        the round boundary comes (rebalance, then the next round opens with it as a member)."""
+        if wid not in c.awaiting:
+            return
+        del c.awaiting[wid]
+        if not c.awaiting:
+            self._boundary(c, now)
+
     def _freeze_ok(self, ready: int, live: int) -> bool:
-        return ready >= max(1, math.ceil(self.quorum * live - 1e-9))
+        return ready >= max(1, self.min_contributors, math.ceil(self.quorum * live - 1e-9))
+
+    def _below_floor(self, live: int) -> str:
+        return f"{live} members left, fewer than schedule.min_contributors = {self.min_contributors}"
 
     def check_freeze(self, c: Cell, r: Round, now: int) -> None:
         live = r.live_count()
         if live == 0:
             self.abort(c, r, now, "no members left")
+        elif live < self.min_contributors:
+            self.abort(c, r, now, self._below_floor(live))
         elif len(r.ready) == live:
             self._freeze(c, r, tuple(sorted(r.ready)), now)
 
@@ -184,9 +250,16 @@ class Rounds:
         catch = tuple(sorted(x for x in c.synced if x not in w_set)) if self.policy.catch_up else ()
         self.changes.ops += len(c.synced)
         peers = {x: self.roster.workers[x].peer for x in catch if x not in r.plans}
-        r.set_contributors(tuple(sorted(w_set.union(catch))), catch, peers)
+        ids = tuple(sorted(w_set.union(catch)))
+        relayed = {x for x in ids if self.roster.workers[x].profile.reachability == Reachability.RELAYED}
+        r.set_contributors(ids, catch, peers, no_reduce=reduce_nothing(ids, relayed))
         # as the workers' data plane sees the set: a zero budget (catch-up) counts as 1
-        frozen = tuple((m.worker_id, m.peer.peer_id, max(1, m.max_samples)) for m in r.contributors_wire)
+        frozen = tuple(
+            (m.worker_id, m.peer.peer_id, max(1, m.max_samples), m.no_reduce)
+            if m.no_reduce
+            else (m.worker_id, m.peer.peer_id, max(1, m.max_samples))
+            for m in r.contributors_wire
+        )
         kept = self.frozen_sets.setdefault(c.id, deque(maxlen=FROZEN_KEPT))
         kept.append(((c.id, r.round, r.attempt, r.reduce_attempt), frozen))
         self.change_state(c, r, RoundState.REDUCING, now)
@@ -220,6 +293,8 @@ class Rounds:
         frozen = False
         if not live:
             self.abort(c, r, now, "no members left")
+        elif len(live) < self.min_contributors:
+            self.abort(c, r, now, self._below_floor(len(live)))
         elif not late:
             self._freeze(c, r, tuple(sorted(r.ready)), now)
         elif not self.policy.wait_for_all and self._freeze_ok(len(r.ready), len(live)):
@@ -306,7 +381,8 @@ class Rounds:
         if len(r.contributors) > 1:
             for x in trained:
                 self.roster.reputation(self.roster.workers[x], self.policy.rep_commit, now, "")
-        self._boundary(c, now)
+        if not self.hold_next_round(c, r, now):
+            self._boundary(c, now)
         for x in disagreeing:
             self.roster.reputation(
                 self.roster.workers[x], self.policy.rep_bad_hash, now, "reported a hash the quorum rejected"
@@ -343,7 +419,7 @@ class Rounds:
     def _boundary(self, c: Cell, now: int) -> None:
         """A round of c ended: rebalance (its members are movable now), then open the next."""
         self.roster.rebalance(now)
-        if c.round is None and c.synced:
+        if self.can_open(c, now):
             self.open_round(c, now)
 
     def frozen_set(self, key: FrozenKey) -> FrozenSet | None:

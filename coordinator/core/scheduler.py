@@ -91,6 +91,18 @@ class Knobs:
         )
 
 
+def reduce_nothing(contributors: Sequence[str], relayed: Iterable[str]) -> frozenset[str]:
+    """The contributors that reduce no part of the exchange: those reached only through a
+    relay, as long as someone else reduces. A reducer sends its averaged part to every other
+    member, the largest upload of the exchange; over a relay it crosses two links and the
+    relay's own, so it goes to the directly reachable members instead. If every member is
+    relayed, all reduce (equal parts), since someone must. The split stays a function of the
+    frozen set (its digest binds the flags), so every replica still applies the same bytes."""
+    members = set(contributors)
+    skip = frozenset(x for x in relayed if x in members)
+    return skip if len(skip) < len(members) else frozenset()
+
+
 def fits(vram_bytes: int, memory_bytes: int, headroom: float) -> bool:
     """A cell fits a worker when its memory needs at most (1 - headroom) of the VRAM."""
     return memory_bytes <= vram_bytes * (1.0 - headroom)

@@ -10,8 +10,8 @@ The round protocol, per cell:
 
 - A worker registers and is placed by the scheduler. It is *synced* when its LocalState
   equals the cell's committed state (round 0 is the initial state everyone builds, so
-  at round 0 every assigned worker is synced); otherwise it is told ORDER_SYNC with a
-  donor (least-loaded synced member) or the checkpoint.
+  at round 0 every assigned worker is synced); otherwise it is told ORDER_SYNC with its
+  donors (up to `[sync] max_donors` synced members, by expected bandwidth) or the checkpoint.
 - When a cell has no open round and a synced worker heartbeats, round n = committed + 1
   opens (OPEN) with all synced workers as members and a plan from `scheduler.plan_round`.
   The first TRAINING (or READY) heartbeat makes it TRAINING.
@@ -28,7 +28,10 @@ The round protocol, per cell:
   or at the reduce deadline. A contributor lost while REDUCING, before anyone reported
   success, re-freezes the survivors (reduce_attempt + 1) if enough remain, else aborts.
 - After a commit the agreeing contributors hold the new state, everybody else resyncs;
-  the scheduler may move idle workers (round boundary), and the next round opens at once.
+  the scheduler may move idle workers (round boundary), and the next round opens once the
+  committed round's other contributors have reported (they hold the new state a moment
+  after the quorum, and train the next round too), or `schedule.next_round_grace_s` after
+  the commit (`Rounds.hold_next_round`).
 - Every checkpoint.every_rounds commits, one agreeing contributor is asked to upload.
 - Convicted (the shell has verified evidence that a worker lied as a reducer, or signed two
   different contributions to one part): the worker is banned with the proof as its reason,
@@ -236,6 +239,14 @@ class CoordinatorState:
         times = [h[0][0] for h in (self.roster.leases, self.rounds.deadlines) if h]
         return min(times) if times else None
 
+    def next_round_hold_ms(self, cell_id: str) -> int | None:
+        """Until when the cell's next round waits for its last commit's late reporters
+        (`Rounds.hold_next_round`), or None when it does not wait (O(1))."""
+        c = self._cells.get(cell_id)
+        if c is None or c.round is not None or not c.awaiting:
+            return None
+        return c.hold_until_ms
+
     def committed_hash_of(self, cell_id: str, round: int) -> str | None:
         """Hash of a recent committed round of a cell (None if unknown or no longer kept)."""
         c = self._cells.get(cell_id)
@@ -243,8 +254,8 @@ class CoordinatorState:
 
     def frozen_set(
         self, cell_id: str, round: int, round_attempt: int, reduce_attempt: int
-    ) -> tuple[tuple[str, str, int], ...] | None:
-        """The contributors frozen for that exchange as (worker id, peer id, budget), sorted, if
+    ) -> tuple[tuple[str, str, int] | tuple[str, str, int, bool], ...] | None:
+        """The contributors frozen for that exchange as (worker id, peer id, budget[, no_reduce]), sorted, if
         the core still remembers it (the last few of each cell); what evidence is checked against."""
         return self.rounds.frozen_set((cell_id, round, round_attempt, reduce_attempt))
 
@@ -433,6 +444,9 @@ class CoordinatorState:
             self.changes.worker(w.id)
             if c is not None:
                 self.roster.refresh_synced(w, c)
+        if c is not None and w.id in c.awaiting and (w.id in c.synced or phase in (Phase.IDLE, Phase.SYNCING)):
+            # a late contributor that adopted the commit without reporting it, or dropped its work
+            self.rounds.release(c, w.id, now)
         if c is not None:
             r = c.round
             if (
@@ -451,7 +465,7 @@ class CoordinatorState:
                     self.rounds.check_freeze(c, r, now)
             # A READY of an old attempt, or from a member that sat out, is a late no-op: the
             # instruction below tells the worker what the current attempt wants.
-            if c.round is None and c.synced:
+            if self.rounds.can_open(c, now):
                 self.rounds.open_round(c, now)
         return self._answer(w, now), None, w.lease_ms
 
@@ -595,6 +609,7 @@ class CoordinatorState:
                     return self._instruction(w), Verdict.RESYNC, w.lease_ms
             r.reports[w.id] = ReportEntry(ev.state_hash, ev.failed, ev.samples, ev.reduce_attempt, 0.0)
         if ev.failed or ev.state_hash != c.committed_hash:
+            self.rounds.release(c, w.id, now)  # it does not hold the new state: not waited for
             return self._instruction(w), Verdict.RESYNC, w.lease_ms
         m = c.commits[-1] if c.commits else None
         if ev.audit is not None and m is not None and m.round == ev.round and w.id in m.contributors:
@@ -611,7 +626,10 @@ class CoordinatorState:
             w.local = c.committed_local()
             self.changes.worker(w.id)
             self.roster.refresh_synced(w, c)
-        return self._instruction(w), Verdict.COMMITTED, w.lease_ms
+        # it holds the new state: the last of the round's contributors to report opens the
+        # next round, with itself as a member (`Rounds.hold_next_round`)
+        self.rounds.release(c, w.id, now)
+        return self._answer(w, now), Verdict.COMMITTED, w.lease_ms
 
     def _on_leave(self, now: int, ev: Leave) -> tuple[Instruction | None, None, None]:
         """Leave; or, when the worker offers and is the last live holder of a committed round
@@ -771,7 +789,21 @@ class CoordinatorState:
                     upload_checkpoint=upload,
                     reason="not ready at the freeze: sit this round out",
                 )
+        if r is None and w.id in c.awaiting and w.id not in c.synced:
+            return Instruction(
+                Order.WAIT,
+                c.id,
+                nxt,
+                c.committed_round,
+                c.committed_hash,
+                reason=f"round {c.committed_round} committed: finish its exchange and report; the next round waits",
+            )
         if w.id in c.synced:
+            why = (
+                "holds the committed state: the next round opens when the last contributors report"
+                if r is None and c.awaiting
+                else "holds the committed state: joins the next exchange or round"
+            )
             return Instruction(
                 Order.WAIT,
                 c.id,
@@ -779,15 +811,17 @@ class CoordinatorState:
                 c.committed_round,
                 c.committed_hash,
                 upload_checkpoint=upload,
-                reason="holds the committed state: joins the next exchange or round",
+                reason=why,
             )
+        donors = self.roster.donors(w, c)
         return Instruction(
             Order.SYNC,
             c.id,
             nxt,
             c.committed_round,
             c.committed_hash,
-            donor=self.roster.donor(w, c),
+            donor=donors[0],
+            donors=donors if donors[0].worker_id else (),
             reason="fetch the committed state",
         )
 

@@ -24,6 +24,11 @@ The report (sim/chaos_report.py) writes summary.json, summary.md and timeline.pn
 exit status is 1 when any check fails. Every process is stopped on exit, on error and on
 Ctrl-C (process groups, `finally`).
 
+A scenario with `chaos.bed = true` runs on the network test bed instead (root; see
+sim/chaos/bed.py): no proxy and no bootstrap node, the coordinator on the public segment,
+workers behind NATs or public, link faults on the bed's links; `--bed-tag` picks the
+bed's name, and a machine without root or namespaces refuses it in one line (exit 2).
+
 Faults by script, as torchft's EventInjector and hivemind's Fault enum do in tests, but
 against the real daemons.
 """
@@ -76,6 +81,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--seed", type=int, default=None, help="override the scenario's seed (victims of count/fraction faults)"
     )
+    p.add_argument(
+        "--bed-tag",
+        default=None,
+        metavar="TAG",
+        help="override a bed scenario's NetLab tag (namespaces bagelnl-TAG-*), so two runs never share a bed",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -98,8 +109,25 @@ def _prepare_out(out: Path, force: bool) -> str | None:
     return None
 
 
+def _bed_problem(sc: Any, tag: str | None) -> str | None:
+    """Why a bed scenario cannot run here (one line), or None."""
+    from bagel.sim.netlab.bed import missing_prerequisite
+    from bagel.sim.netlab.topology import TopologyError, check_tag
+
+    if len(sc.bed.placement) != sc.workers:
+        return f"--workers {sc.workers}: bed.placement places {len(sc.bed.placement)} workers"
+    if tag is not None:
+        try:
+            check_tag(tag)
+        except TopologyError as e:
+            return f"--bed-tag: {e}"
+    reason = missing_prerequisite()
+    return f"chaos.bed = true, but {reason}" if reason else None
+
+
 def run_chaos(args: argparse.Namespace) -> int:
-    """`bagel-sim chaos`: 0 every check holds, 1 one failed, 2 bad arguments, 130 interrupted."""
+    """`bagel-sim chaos`: 0 every check holds, 1 one failed, 2 bad arguments (or a bed scenario
+    on a machine that cannot build the bed), 130 interrupted."""
     import dataclasses
 
     try:
@@ -120,6 +148,16 @@ def run_chaos(args: argparse.Namespace) -> int:
         sc = dataclasses.replace(sc, workers=args.workers)
     if args.seed is not None:
         sc = dataclasses.replace(sc, seed=args.seed)
+    if sc.bed is not None:
+        problem = _bed_problem(sc, args.bed_tag)
+        if problem:
+            print(f"bagel-sim chaos: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        if args.bed_tag is not None:
+            sc = dataclasses.replace(sc, bed=sc.bed.with_tag(args.bed_tag))
+    elif args.bed_tag is not None:
+        print(f"bagel-sim chaos: --bed-tag: {args.scenario} does not run on the bed (chaos.bed)", file=sys.stderr)
+        return EXIT_USAGE
     problem = _prepare_out(args.out, args.force)
     if problem:
         print(f"bagel-sim chaos: {problem}", file=sys.stderr)

@@ -38,6 +38,8 @@ _FAULT_COLORS = {
     "bandwidth": "tab:cyan",
     "reset": "tab:brown",
     "hang": "tab:pink",
+    "partition": "tab:olive",
+    "loss": "tab:gray",
 }
 
 
@@ -189,6 +191,7 @@ def build_summary(run: ChaosRun, h: inv.History, results: dict[str, inv.Invarian
             "started_pids": len(h.started_pids),
             "bound_ports": list(h.bound_ports),
         },
+        "bed": None if run.bed is None else {**run.bed.as_dict(), "join_strings": run.join_strings},
         "proxy": None
         if run.proxy is None
         else {
@@ -371,10 +374,48 @@ def markdown(summary: dict[str, Any], results: dict[str, inv.InvariantResult]) -
             )
         for n in summary["notes"].get("replicas_bit_identical", []):
             lines.append(f"- hash disagreement (exempt, Byzantine): {n}")
+    if summary.get("bed"):
+        lines += _bed_markdown(summary["bed"])
     lines += ["", "## Commit-log reads", ""]
     lines += [f"- {r['label']} at {r['run_time_s']:.1f} s: {r['commits']} commits" for r in summary["commit_log_reads"]]
     lines += ["", "![timeline](timeline.png)", ""]
     return "\n".join(lines)
+
+
+def _bed_markdown(bed: dict[str, Any]) -> list[str]:
+    """The network test bed: where each worker ran, and each link fault as read back from the kernel."""
+
+    def state(x: dict[str, Any] | None) -> str:
+        if x is None:
+            return "-"
+        part = "cut" if x["partitioned"] else "open"
+        sides = []
+        for d in ("up", "down"):
+            rate, loss = x[d]["rate_mbit"], x[d]["loss_pct"]
+            sides.append(f"{d} {'-' if rate is None else f'{rate:g} Mbit/s'}, {loss:g} %")
+        return f"{part}; " + "; ".join(sides)
+
+    joins = bed.get("join_strings", [])
+    lines = [
+        "",
+        "## Network test bed",
+        "",
+        f"Tag `{bed['tag']}`, coordinator on {bed['coordinator']}; "
+        + ", ".join(f"{w} on {n}" for w, n in bed["placement"].items())
+        + f". Torn down: {'yes' if bed['torn_down'] else '**no**'}, namespaces left: {bed['namespaces_left']}. "
+        + f"Join string identical across {len(joins)} coordinator start(s): "
+        + f"{'yes' if len(set(joins)) <= 1 else '**no**'}.",
+        "",
+        "| # | kind | link | asked | read back when applied | read back when undone | undone by |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in bed["link_faults"]:
+        err = f" ERROR: {r['error']}" if r["error"] else ""
+        lines.append(
+            f"| {r['index']} | {r['kind']} | {r['link']} | {r['want']}{err} | {state(r['applied'])} | "
+            f"{state(r['undone'])} | {r['undone_by'] or '-'} |"
+        )
+    return lines
 
 
 __all__ = ["build_summary", "byzantine_effect", "findings", "loss_by_cell", "markdown", "plot_timeline"]

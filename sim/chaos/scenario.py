@@ -29,6 +29,28 @@ Faults are the shared `[[faults]]` tables of `sim/faults.py`. Layout:
     at_s = 10.0                 # duration_s > 0 restarts it (same data dir) after that long
     workers = [1]
 
+On the network test bed (`chaos.bed = true`, root only; sim/chaos/bed.py runs it):
+
+    [chaos]
+    bed = true
+    proxy = false               # the fault proxy cannot reach into the bed's namespaces
+    [bed]
+    tag = "chaos"               # NetLab tag: namespaces bagelnl-<tag>-* (`--bed-tag` overrides)
+    placement = ["home1", "home1", "home2", "public"]   # one per worker: behind a NAT or public
+
+    [[faults]]
+    kind = "partition"          # cut home1's uplink: its workers lose coordinator and peers
+    at_s = 5.0
+    duration_s = 8.0
+    link = "home1"
+    [[faults]]
+    kind = "loss"               # drop 5 % of the packets pub1 sends, for 8 s
+    at_s = 20.0
+    duration_s = 8.0
+    link = "pub1"
+    loss_pct = 5.0
+    direction = "up"
+
 Times (`at_s`) count from the first committed round, so faults hit a run that is training,
 whatever the start-up took on a loaded machine.
 
@@ -37,8 +59,11 @@ Chaos meaning of each kind (`sim/faults.py` has the vocabulary):
 `stop` SIGSTOP for `duration_s` then SIGCONT, `coordinator-kill` SIGKILL the coordinator
 and restart it on the same data dir after `duration_s`, and the proxy faults `latency`,
 `bandwidth` (for `duration_s`, 0 = the rest of the run), `reset`, `hang` (for `duration_s`).
-`partition` is refused: the coordinator proxy is shared by all workers, so one worker
-cannot be cut off alone (see the chaos report's requests).
+On loopback `partition` is refused: the coordinator proxy is shared by all workers, so one
+worker cannot be cut off alone. On the bed the coordinator runs in the public segment and
+each worker in its own namespace (`placement`), and `partition`, `bandwidth` (tbf) and `loss`
+act on the bed's `link` (a home's uplink, or one host's link) for `duration_s`; the proxy
+faults (`latency`, `reset`, `hang`) are refused there (this kernel may have no netem).
 """
 
 from __future__ import annotations
@@ -51,9 +76,53 @@ from typing import Any
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
 from bagel.protocol.typedtoml import TomlTableError, convert, from_table, load_document, toml_field
 from bagel.sim.faults import ByzantineMode, Fault, FaultError, FaultKind, parse_faults
+from bagel.sim.netlab.topology import MAX_HOMES, MAX_PER_HOME, MAX_PUBLIC, Topology, TopologyError, check_tag, plan
 
 PROXY_KINDS = frozenset({FaultKind.LATENCY, FaultKind.BANDWIDTH, FaultKind.RESET, FaultKind.HANG})
 WORKER_KINDS = frozenset({FaultKind.KILL, FaultKind.LEAVE, FaultKind.STOP})
+LINK_KINDS = frozenset({FaultKind.PARTITION, FaultKind.BANDWIDTH, FaultKind.LOSS})
+PUBLIC = "public"
+
+
+@dataclass(frozen=True)
+class BedPlan:
+    """Where a bed run puts its processes: the coordinator on `coord`, and worker i behind
+    the NAT of `placement[i]` (`home<h>`) or on the public segment (`public`), each on a host
+    of its own (`home<h>-<j>`, `pub<k>`, numbered in worker order)."""
+
+    tag: str
+    placement: tuple[str, ...]
+
+    @property
+    def homes(self) -> int:
+        return max((int(p.removeprefix("home")) for p in self.placement if p != PUBLIC), default=0)
+
+    @property
+    def per_home(self) -> int:
+        counts = [self.placement.count(p) for p in set(self.placement) if p != PUBLIC]
+        return max(counts, default=0)
+
+    @property
+    def public(self) -> int:
+        return self.placement.count(PUBLIC)
+
+    def topology(self) -> Topology:
+        return plan(self.tag, self.homes, self.per_home, self.public)
+
+    def node_of(self, worker: int) -> str:
+        where = self.placement[worker]
+        nth = self.placement[: worker + 1].count(where)
+        return f"pub{nth}" if where == PUBLIC else f"{where}-{nth}"
+
+    def with_tag(self, tag: str) -> BedPlan:
+        check_tag(tag)
+        return BedPlan(tag, self.placement)
+
+
+def default_placement(workers: int) -> tuple[str, ...]:
+    """Round-robin over home1, home2 and the public segment."""
+    cycle = ("home1", "home2", PUBLIC)
+    return tuple(cycle[i % len(cycle)] for i in range(workers))
 
 
 class ChaosScenarioError(TomlTableError):
@@ -78,6 +147,7 @@ class ChaosScenario:
     settle_commits: int = 2
     proxy: bool = True
     tick_ms: int = 100
+    bed: BedPlan | None = None  # chaos.bed = true: run on the network test bed
     source: str = field(default="", compare=False, repr=False)
 
     def throttle_of(self, index: int) -> float:
@@ -164,6 +234,34 @@ class ChaosSection:
     settle_commits: int = toml_field(2, check=_non_negative)
     proxy: bool = toml_field(True, parse=_flag)
     tick_ms: int = toml_field(100, check=_positive)
+    bed: bool = toml_field(False, parse=_flag)
+
+
+def _tag(where: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise ChaosScenarioError(f"{where}: a string")
+    try:
+        return check_tag(v)
+    except TopologyError as e:
+        raise ChaosScenarioError(f"{where}: {e}") from None
+
+
+def _placement(where: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not v:
+        raise ChaosScenarioError(f"{where}: a non-empty list, one of 'home1'..'home{MAX_HOMES}' or 'public' per worker")
+    for i, p in enumerate(v):
+        home = isinstance(p, str) and p.startswith("home") and p[4:].isdigit() and 1 <= int(p[4:]) <= MAX_HOMES
+        if not (home or p == PUBLIC):
+            raise ChaosScenarioError(f"{where}[{i}]: {p!r} is not one of 'home1'..'home{MAX_HOMES}' or 'public'")
+    return tuple(v)
+
+
+@dataclass(frozen=True)
+class BedSection:
+    """`[bed]` as written: the NetLab tag and where each worker sits."""
+
+    tag: str = toml_field("chaos", parse=_tag)
+    placement: tuple[str, ...] = toml_field((), parse=_placement)
 
 
 @dataclass(frozen=True)
@@ -177,7 +275,7 @@ class WorkersSection:
     extra_args: tuple[str, ...] = toml_field((), parse=_strings)
 
 
-_TOP_KEYS = {"chaos", "workers", "faults"}
+_TOP_KEYS = {"chaos", "workers", "faults", "bed"}
 
 
 def _byzantine(pairs: tuple[tuple[str, Any], ...], count: int) -> dict[int, str]:
@@ -197,7 +295,7 @@ def parse_chaos_scenario(text: str) -> ChaosScenario:
     data = load_document(
         text,
         allowed=_TOP_KEYS,
-        unknown=lambda key: f"unknown key {key} (expected [chaos], [workers], [[faults]])",
+        unknown=lambda key: f"unknown key {key} (expected [chaos], [workers], [bed], [[faults]])",
         error=ChaosScenarioError,
     )
     chaos = from_table(ChaosSection, data.get("chaos", {}), "chaos", error=ChaosScenarioError)
@@ -209,18 +307,24 @@ def parse_chaos_scenario(text: str) -> ChaosScenario:
     count = workers.count
     byzantine = _byzantine(workers.byzantine, count)
 
+    bed = _bed_plan(chaos, data, count)
     try:
         faults = parse_faults(data.get("faults", []), for_sim=False)
     except FaultError as e:
         raise ChaosScenarioError(str(e)) from None
+    links = {n.name for n in bed.topology().links()} if bed is not None else set()
     for i, f in enumerate(faults):
         where = f"faults[{i}] ({f.kind.value} at {f.at_s:g}s)"
-        if f.kind is FaultKind.PARTITION:
+        if bed is not None:
+            _check_bed_fault(where, f, links)
+        elif f.kind is FaultKind.PARTITION:
             raise ChaosScenarioError(
-                f"{where}: partition is not supported by bagel-sim chaos: all workers share the "
-                "coordinator proxy, so one worker cannot be cut off alone"
+                f"{where}: partition needs chaos.bed = true (the network test bed): on loopback all workers "
+                "share the coordinator proxy, so one worker cannot be cut off alone"
             )
-        if f.kind in PROXY_KINDS and not chaos.proxy:
+        elif f.link or f.direction or f.kind is FaultKind.LOSS:
+            raise ChaosScenarioError(f"{where}: link faults (link, direction, loss) need chaos.bed = true")
+        if f.kind in PROXY_KINDS and not chaos.proxy and bed is None:
             raise ChaosScenarioError(f"{where}: needs chaos.proxy = true")
         if f.kind in PROXY_KINDS and (f.workers or f.count or f.fraction):
             raise ChaosScenarioError(
@@ -245,6 +349,7 @@ def parse_chaos_scenario(text: str) -> ChaosScenario:
         settle_commits=chaos.settle_commits,
         proxy=chaos.proxy,
         tick_ms=chaos.tick_ms,
+        bed=bed,
         source=text,
     )
     if sc.max_duration_s < sc.last_fault_end_s:
@@ -252,6 +357,48 @@ def parse_chaos_scenario(text: str) -> ChaosScenario:
             f"chaos.max_duration_s: {sc.max_duration_s:g}s ends before the last fault ({sc.last_fault_end_s:g}s)"
         )
     return sc
+
+
+def _bed_plan(chaos: ChaosSection, data: Mapping[str, Any], count: int) -> BedPlan | None:
+    if not chaos.bed:
+        if "bed" in data:
+            raise ChaosScenarioError("[bed]: needs chaos.bed = true")
+        return None
+    if chaos.proxy:
+        raise ChaosScenarioError(
+            "chaos.proxy: must be false with chaos.bed = true (the fault proxy runs in the runner's "
+            "namespace, out of the bed's reach; link faults act on the bed instead)"
+        )
+    section = from_table(BedSection, data.get("bed", {}), "bed", error=ChaosScenarioError)
+    placement = section.placement or default_placement(count)
+    if len(placement) != count:
+        raise ChaosScenarioError(f"bed.placement: {len(placement)} entries for workers.count = {count}")
+    bed = BedPlan(section.tag, placement)
+    if bed.per_home > MAX_PER_HOME or bed.public > MAX_PUBLIC:
+        raise ChaosScenarioError(
+            f"bed.placement: at most {MAX_PER_HOME} workers behind one home and {MAX_PUBLIC} public ones"
+        )
+    return bed
+
+
+def _check_bed_fault(where: str, f: Fault, links: set[str]) -> None:
+    """A fault on the bed: link faults name a link of the planned bed, the proxy's are refused."""
+    if f.kind in PROXY_KINDS - LINK_KINDS:
+        raise ChaosScenarioError(
+            f"{where}: needs the fault proxy, which a bed run does not have; on the bed use partition, "
+            "bandwidth or loss on a link (latency needs sch_netem, which the bed cannot count on)"
+        )
+    if f.kind in LINK_KINDS:
+        if f.link not in links:
+            raise ChaosScenarioError(
+                f"{where}.link: {f.link!r} is not a link of this bed (links: {', '.join(sorted(links))})"
+            )
+        if f.kind is FaultKind.PARTITION and f.direction:
+            raise ChaosScenarioError(f"{where}.direction: a partition cuts both directions; drop direction")
+        if f.kind is FaultKind.BANDWIDTH and not 0.01 <= f.bandwidth_bytes_per_s * 8 / 1e6 <= 100_000:
+            raise ChaosScenarioError(f"{where}.bandwidth_bytes_per_s: the bed caps between 1250 and 1.25e10 B/s")
+    elif f.link or f.direction:
+        raise ChaosScenarioError(f"{where}: link and direction belong to partition, bandwidth and loss faults")
 
 
 def load_chaos_scenario(path: str | Path) -> ChaosScenario:
@@ -264,7 +411,12 @@ def load_chaos_scenario(path: str | Path) -> ChaosScenario:
 
 
 __all__ = [
+    "LINK_KINDS",
     "PROXY_KINDS",
+    "PUBLIC",
+    "BedPlan",
+    "BedSection",
+    "default_placement",
     "WORKER_KINDS",
     "ChaosScenario",
     "ChaosScenarioError",

@@ -76,10 +76,11 @@ def pids_in_groups(pgids: Iterable[int]) -> set[int]:
     return out
 
 
-def _listen_inodes() -> dict[int, int]:
-    """socket inode -> port of every TCP socket in LISTEN state (IPv4 and IPv6)."""
+def _listen_inodes(net_dir: str = "/proc/net") -> dict[int, int]:
+    """socket inode -> port of every TCP socket in LISTEN state (IPv4 and IPv6) of one network
+    namespace: /proc/net is this process's, /proc/<pid>/net that pid's."""
     out: dict[int, int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in (f"{net_dir}/tcp", f"{net_dir}/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
@@ -91,11 +92,30 @@ def _listen_inodes() -> dict[int, int]:
     return out
 
 
+def _netns_inodes(pids: Iterable[int]) -> dict[int, int]:
+    """The listening sockets of every network namespace one of `pids` lives in (a process on
+    the network test bed holds its sockets in its own namespace). Socket inodes are unique
+    machine-wide, so the tables merge without clashes."""
+    out: dict[int, int] = {}
+    seen: set[str] = set()
+    for pid in pids:
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if ns not in seen:
+            seen.add(ns)
+            out.update(_listen_inodes(f"/proc/{pid}/net"))
+    return out
+
+
 def listening_ports(pids: Iterable[int] | None = None) -> set[int]:
-    """TCP ports in LISTEN state: held by `pids`, or by anyone when `pids` is None."""
-    inodes = _listen_inodes()
+    """TCP ports in LISTEN state: held by `pids` (in whichever network namespace each one
+    lives), or by anyone in this process's namespace when `pids` is None."""
     if pids is None:
-        return set(inodes.values())
+        return set(_listen_inodes().values())
+    pids = list(pids)
+    inodes = _netns_inodes(pids)
     ports: set[int] = set()
     for pid in pids:
         try:
