@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bagel.coordinator.core.records import CommitRecord
+from bagel.sim.chaos import invariants as inv
 from bagel.sim.chaos.command import main as chaos_main
 from bagel.sim.chaos.driver import ChaosRun
 from bagel.sim.chaos.evidence import FiredFault, runner_checks
@@ -71,7 +72,10 @@ def test_parse_minimal_and_faults_sorted():
         (scenario(workers="count = 3\nthrottle = 0.5"), "throttle"),
         (scenario(workers='count = 3\n[workers.byzantine]\n3 = "sign-flip"'), "workers.byzantine.3"),
         (scenario(workers='count = 3\n[workers.byzantine]\n1 = "evil"'), "not one of"),
-        (scenario('[[faults]]\nkind = "partition"\nat_s = 1\nduration_s = 5\ncount = 1'), "partition is not supported"),
+        (
+            scenario('[[faults]]\nkind = "partition"\nat_s = 1\nduration_s = 5\ncount = 1'),
+            "partition needs chaos.bed = true",
+        ),
         (scenario('[[faults]]\nkind = "hang"\nat_s = 1\nduration_s = 5', chaos="proxy = false"), "needs chaos.proxy"),
         (scenario('[[faults]]\nkind = "reset"\nat_s = 1\nworkers = [0]'), "proxy faults apply"),
         (scenario('[[faults]]\nkind = "kill"\nat_s = 1\nworkers = [7]'), "indices must be < workers.count"),
@@ -286,7 +290,6 @@ def test_local_checkpoints_are_rehashed_and_a_corrupt_one_breaks_the_replica_inv
     sim/invariants.py. A flipped byte in one replica's file must fail `replicas_bit_identical`."""
     import torch
 
-    from bagel.sim.chaos import invariants as inv
     from bagel.sim.chaos.evidence import local_hashes
     from bagel.worker.diloco import CellState
     from bagel.worker.localstate import LocalCheckpoint, LocalStore
@@ -370,3 +373,24 @@ def test_tensor_digest_ignores_residuals_but_not_weights():
     assert hashed_tensor_digest(a) == hashed_tensor_digest(b)
     assert len({hashed_tensor_digest(x) for x in (a, c, d)}) == 3
     assert hashed_tensor_digest(b"\xff" * 16) is None and hashed_tensor_digest(b"") is None
+
+
+def test_the_run_stops_on_commit_times_not_on_late_acknowledgements() -> None:
+    # a round the coordinator committed at 39.5 s, just before the last fault ended at 39.7 s,
+    # and acknowledged by a worker at 39.8 s: it is not progress after the fault
+    cap = inv.FaultRecord(33.2, "bandwidth", 39.7)
+    early = inv.CommitEntry("k0.r0", 7, "h7", 39.5)
+    after, stalled = inv.settled_after([inv.CommitEntry("k0.r0", 6, "h6", 30.0), early], 39.7)
+    assert after == set() and stalled == {"k0.r0"}
+    log = inv.CommitLogRead(40.4, "end", (early,))
+    history = inv.History(
+        commit_logs=(log,), acknowledged=(inv.CommitEntry("k0.r0", 7, "h7", 39.8),), faults=(cap,), end_s=40.4
+    )
+    assert not inv.check_progress_resumes(history).ok  # what stopping on that ack produced
+
+    # one commit after the end settles the cell, and the invariant then holds
+    late = inv.CommitEntry("k0.r0", 8, "h8", 40.1)
+    after, stalled = inv.settled_after([early, late], 39.7)
+    assert after == {("k0.r0", 8)} and stalled == set()
+    history = inv.History(commit_logs=(inv.CommitLogRead(40.4, "end", (early, late)),), faults=(cap,), end_s=40.4)
+    assert inv.check_progress_resumes(history).ok

@@ -5,6 +5,11 @@
 `sim.procs.Supervisor`), the `FaultProxy` in front of the coordinator, and the fault
 schedule; what it sees goes to `sim/chaos_evidence.py`, the verdicts come from
 `sim/invariants.py`, and `sim/chaos_report.py` writes the report.
+
+With `chaos.bed = true` the run lives on the network test bed (`sim/chaos/bed.py`): no
+proxy and no bootstrap node; the coordinator serves on the public segment, workers join
+from their own namespaces with the join string it prints (stable across its restarts),
+and `partition` / `bandwidth` / `loss` act on the bed's links.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bagel.sim.chaos import invariants as inv
+from bagel.sim.chaos.bed import ChaosBed
 from bagel.sim.chaos.evidence import (
     FiredFault,
     Observations,
@@ -34,7 +40,7 @@ from bagel.sim.chaos.evidence import (
     runner_checks,
 )
 from bagel.sim.chaos.proxy import FaultProxy
-from bagel.sim.chaos.scenario import ChaosScenario
+from bagel.sim.chaos.scenario import LINK_KINDS, ChaosScenario
 from bagel.sim.chaos.supervisor import Proc, ProcessExited, Supervisor, free_port
 from bagel.sim.faults import Fault, FaultKind
 
@@ -92,12 +98,15 @@ class ChaosRun:
         self.coordinator_starts = 0
         self.coordinator_expected_exit = True
         self.coordinator_unexpected: list[str] = []
+        self.bed = ChaosBed(scenario.bed) if scenario.bed is not None else None
+        self.join_strings: list[str] = []  # every join string the coordinator printed, per start
         self.workers = [
             WorkerSlot(i, self.out / "workers" / f"w{i}", scenario.throttle_of(i), scenario.byzantine.get(i, ""))
             for i in range(scenario.workers)
         ]
         self.obs = Observations()
         self.commit_logs: list[inv.CommitLogRead] = []
+        self._settle_seen = 0  # acknowledgements seen at the last look at the commit log
         self.fired = [FiredFault(i, f) for i, f in enumerate(scenario.faults)]
         self.rng = random.Random(scenario.seed)
         self.t_zero: float | None = None
@@ -154,6 +163,19 @@ class ChaosRun:
         raise RuntimeError(f"the bootstrap DHT node did not announce itself within {STARTUP_LINE_TIMEOUT_S:.0f}s")
 
     def _coordinator_argv(self) -> list[str]:
+        if self.bed is not None:
+            ip, grpc_port, dht_port = self.bed.coordinator_addr()
+            # fixed ports inside the coordinator's namespace: a restart on the same data dir
+            # prints the same join string (its DHT key persists there)
+            return self.bed.argv(
+                "coord",
+                [
+                    self.python, "-m", "bagel.coordinator", "serve",
+                    "--run", str(self.spec_path), "--data-dir", str(self.coord_dir),
+                    "--listen", f"{ip}:{grpc_port}", "--dht-listen", f"/ip4/{ip}/tcp/{dht_port}",
+                    "--tick-ms", str(self.sc.tick_ms), "--grace-s", "2", "--log-level", "WARNING",
+                ],
+            )  # fmt: skip
         listen = f"127.0.0.1:{self.coord_port}"
         advertise = self.proxy.address if self.proxy is not None else listen
         return [
@@ -169,6 +191,8 @@ class ChaosRun:
             listen,
             "--advertise-endpoint",
             advertise,
+            "--dht-listen",  # a free port each start (the default is the gRPC port + 1)
+            "/ip4/127.0.0.1/tcp/0",
             "--initial-peers",
             self.bootstrap_maddr,
             "--tick-ms",
@@ -204,7 +228,14 @@ class ChaosRun:
             raise RuntimeError(f"{name} did not start: {e}; see {self.out / 'logs' / (name + '.err')}") from None
         from bagel.protocol.joinstring import parse_join_string
 
-        info = parse_join_string(line.split(" ", 1)[1])
+        printed = line.split(" ", 1)[1].strip()
+        self.join_strings.append(printed)
+        info = parse_join_string(printed)
+        if self.bed is not None and not self.join:
+            # on the bed the workers join with what the coordinator prints, as volunteers do
+            self.join, self.coordinator_key = printed, info.coordinator_public_key
+        elif self.bed is not None and printed != self.join:
+            self.say(f"{name} printed another join string than the first start: {printed}")
         if info.coordinator_public_key != self.coordinator_key:
             raise RuntimeError(f"{name} serves with another key than the one created for it in {self.coord_dir}")
         self.coordinator_expected_exit = False
@@ -233,15 +264,17 @@ class ChaosRun:
             slot.label,
             "--throttle",
             str(slot.throttle),
-            "--dht-listen",
-            "/ip4/127.0.0.1/tcp/0",
             "--keep-round-history",
             "--reduce-timeout-s",
             str(self.sc.reduce_timeout_s),
         ]
+        if self.bed is None:
+            argv += ["--dht-listen", "/ip4/127.0.0.1/tcp/0"]
         if slot.byzantine:
             argv += ["--byzantine", slot.byzantine]
         argv += list(self.sc.extra_worker_args)
+        if self.bed is not None:
+            argv = self.bed.argv(self.bed.worker_node(slot.index), argv)
         slot.data_dir.mkdir(parents=True, exist_ok=True)
         name = f"{slot.label}-{slot.starts}"
         slot.proc = await self.sup.spawn(
@@ -349,6 +382,9 @@ class ChaosRun:
         if kind is FaultKind.COORDINATOR_KILL:
             await self._coordinator_kill(ff, f)
             return
+        if self.bed is not None and kind in LINK_KINDS:
+            await self._link_fault(ff, f, self.bed)
+            return
         proxy = self.proxy
         assert proxy is not None  # the scenario parser refuses proxy faults without a proxy
         ff.targets = [f"proxy {proxy.address} -> 127.0.0.1:{self.coord_port}"]
@@ -423,6 +459,27 @@ class ChaosRun:
             self.say(f"SIGCONT {slot.label}")
             ff.ended_s = max(ff.ended_s or 0.0, self.now())
 
+    async def _link_fault(self, ff: FiredFault, f: Fault, bed: ChaosBed) -> None:
+        """A partition, cap or loss on a bed link for `duration_s` (0: until the end), read
+        back from the kernel when applied and when undone; a fault still active when the run
+        stops is undone at teardown."""
+        behind = [self.workers[i].label for i in bed.workers_behind(f.link)]
+        ff.targets = [f"link {f.link} ({', '.join(behind) or 'no worker'})"]
+        rec = await asyncio.to_thread(bed.apply, ff.index, f)
+        ff.detail = rec.want
+        self.say(f"bed: {rec.want}")
+        if f.duration_s <= 0:
+            ff.ended_s = ff.fired_s  # a lasting degradation: progress must resume under it
+            return
+        # until the scheduled end, not duration_s after the apply finished: on a loaded host the
+        # apply's tc and nft calls take a while, and a relative end would run into the next fault
+        assert self.t_zero is not None  # faults fire only once the schedule has started
+        await asyncio.sleep(max(0.0, self.t_zero + f.at_s + f.duration_s - self.now()))
+        await asyncio.to_thread(bed.undo, ff.index)
+        ff.ended_s = self.now()
+        ff.detail += "; undone, read back"
+        self.say(f"bed: {f.kind.value} on {f.link} undone")
+
     async def _coordinator_kill(self, ff: FiredFault, f: Fault) -> None:
         proc = self.coordinator
         if proc is None or not proc.alive():
@@ -447,6 +504,8 @@ class ChaosRun:
         self.spec_path.write_text(self.sc.run_spec_text)
         (self.out / RUN_MARKER).write_text(json.dumps({"scenario": self.sc.name, "started_unix_s": self.origin}))
         atexit.register(self.sup.kill_all_now)  # last resort if the loop dies abnormally
+        if self.bed is not None:
+            atexit.register(self.bed.teardown)  # registered after: atexit runs it first
         self._spawn(self._sample_loop())
         error = ""
         try:
@@ -470,9 +529,44 @@ class ChaosRun:
                     self.say("interrupted while stopping: SIGKILL every process group")
                     self.sup.kill_all_now()
             atexit.unregister(self.sup.kill_all_now)
+            if self.bed is not None:
+                self._teardown_bed()  # already done by the stop, unless that was cut short
+                atexit.unregister(self.bed.teardown)
         return self._result(error)
 
+    def _teardown_bed(self) -> None:
+        """Undo the link faults and delete the bed's namespaces (synchronous: it must finish
+        even while signals arrive; SIGKILLs whatever still runs in them)."""
+        assert self.bed is not None
+        if self.bed.torn_down:
+            return
+        try:
+            self.bed.teardown()
+        except Exception as e:  # noqa: BLE001 - reported; remove_bed retried below
+            self.say(f"bed teardown: {type(e).__name__}: {e}")
+            from bagel.sim.netlab.bed import remove_bed
+
+            remove_bed(self.bed.lab.topology.prefix)
+        left = self.bed.namespaces_left
+        self.say(f"bed {self.bed.plan.tag!r} torn down" + (f"; LEFT: {left}" if left else ""))
+
     async def _drive(self) -> None:
+        if self.bed is not None:
+            await self._drive_bed_start(self.bed)
+        else:
+            await self._drive_loopback_start()
+        await self._drive_schedule()
+
+    async def _drive_bed_start(self, bed: ChaosBed) -> None:
+        await asyncio.to_thread(bed.start)
+        placed = ", ".join(f"{w.label} {bed.worker_node(w.index)}" for w in self.workers)
+        self.say(f"bed {bed.plan.tag!r} up: coordinator on {bed.coordinator_addr()[0]}; {placed}")
+        await self.start_coordinator()
+        for slot in self.workers:
+            await self.start_worker(slot)
+        self.say(f"coordinator up; {len(self.workers)} workers started")
+
+    async def _drive_loopback_start(self) -> None:
         self.coord_port = free_port()
         if self.sc.proxy:
             self.proxy = await FaultProxy("127.0.0.1", self.coord_port).start()
@@ -488,6 +582,8 @@ class ChaosRun:
             await self.start_worker(slot)
         await self.start_coordinator()
         self.say(f"coordinator up; {len(self.workers)} workers started")
+
+    async def _drive_schedule(self) -> None:
         # t = 0 of the schedule: the first committed round
         deadline = time.monotonic() + self.sc.startup_timeout_s
         while self.obs.first_commit_s is None:
@@ -508,22 +604,18 @@ class ChaosRun:
             done = all(t.done() for t in pending)
             if done:
                 last_end = max([ff.ended_s or ff.fired_s or 0.0 for ff in self.fired], default=self.t_zero)
-                # rounds first acknowledged after the last fault (a late ack of an older round
-                # after a coordinator restart is not progress)
-                before = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s <= last_end}
-                after = {(c.cell_id, c.round) for c in self.obs.acknowledged if c.committed_s > last_end} - before
-                # every cell that trained should show it recovered; a cell that does not within
-                # the progress bound is reported (findings), and the run ends there
-                stalled = {c for c, _ in before} - {c for c, _ in after}
-                if len(after) >= self.sc.settle_commits and not stalled:
-                    self.stop_reason = f"{len(after)} rounds committed after the last fault ended, in every cell"
-                    break
-                if len(after) >= self.sc.settle_commits and now > last_end + self.sc.progress_bound_s:
-                    self.stop_reason = (
-                        f"{len(after)} rounds committed after the last fault ended; cells {sorted(stalled)} "
-                        f"did not commit within progress_bound_s"
-                    )
-                    break
+                settled = await self._settled(last_end)
+                if settled is not None:
+                    after, stalled = settled
+                    if len(after) >= self.sc.settle_commits and not stalled:
+                        self.stop_reason = f"{len(after)} rounds committed after the last fault ended, in every cell"
+                        break
+                    if len(after) >= self.sc.settle_commits and now > last_end + self.sc.progress_bound_s:
+                        self.stop_reason = (
+                            f"{len(after)} rounds committed after the last fault ended; cells {sorted(stalled)} "
+                            f"did not commit within progress_bound_s"
+                        )
+                        break
             if now >= cap:
                 self.stop_reason = f"max_duration_s = {self.sc.max_duration_s:g}s reached"
                 break
@@ -539,6 +631,26 @@ class ChaosRun:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         self.say(f"stopping: {self.stop_reason}")
+
+    async def _settled(self, last_end: float) -> tuple[set[tuple[str, int]], set[str]] | None:
+        """The rounds the coordinator committed after `last_end` and the cells that
+        committed before it but not since; None while no new acknowledgement asks for a look.
+
+        The stop is judged on the coordinator's commit log, the record the invariants read,
+        not on the workers' acknowledgements: a round committed just before a fault ended is
+        often acknowledged just after it, and stopping on that ack leaves the run without
+        the commit after the fault that `progress_resumes` looks for."""
+        from bagel.coordinator.store import StoreError
+
+        seen = len(self.obs.acknowledged)
+        if seen == self._settle_seen:
+            return None
+        try:
+            read, _ = await asyncio.to_thread(read_commit_log, self.coord_dir, "settle", self.now(), self.origin)
+        except StoreError:
+            return None  # the coordinator is restarting; look again at the next acknowledgement
+        self._settle_seen = seen
+        return inv.settled_after(read.commits, last_end)
 
     async def _sample_loop(self) -> None:
         while True:
@@ -569,6 +681,8 @@ class ChaosRun:
         await self.sup.shutdown(grace_s=5.0)
         if self.proxy is not None:
             await self.proxy.close()
+        if self.bed is not None:
+            self._teardown_bed()
         if (self.coord_dir / "coordinator.sqlite3").exists():
             with contextlib.suppress(Exception):
                 self.read_commit_log("final (stopped)")

@@ -234,6 +234,16 @@ def check_replicas_bit_identical(h: History) -> InvariantResult:
     return _result("replicas_bit_identical", out, notes)
 
 
+def settled_after(commits: Iterable[CommitEntry], last_end: float) -> tuple[set[tuple[str, int]], set[str]]:
+    """The (cell, round)s of the commit log committed after `last_end`, and the cells that
+    committed before it and not since: what the run waits on before it stops. It reads
+    commit times, as `progress_resumes` does, so a stop it allows that invariant accepts."""
+    commits = tuple(commits)
+    before = {c.cell_id for c in commits if c.committed_s <= last_end}
+    after = {(c.cell_id, c.round) for c in commits if c.committed_s > last_end}
+    return after, before - {cell for cell, _ in after}
+
+
 def check_progress_resumes(h: History) -> InvariantResult:
     out: list[str] = []
     final = max(h.commit_logs, key=lambda r: r.t_s).commits if h.commit_logs else ()
