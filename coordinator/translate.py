@@ -24,7 +24,8 @@ from bagel.protocol.convert import (  # the message types' own translations, sha
     profile_from_pb,
     verdict_to_pb,
 )
-from bagel.protocol.messages import Phase
+from bagel.protocol.messages import DonorRate, Phase
+from bagel.protocol.runspec import MAX_SYNC_DONORS
 
 # ---------------------------------------------------------------- proto -> domain
 
@@ -50,6 +51,7 @@ def heartbeat_event(worker_id: str, req: pb.HeartbeatRequest) -> Heartbeat:
         local=local_from_pb(req.local),
         reduce_attempt=req.reduce_attempt,
         round_attempt=req.round_attempt,
+        donor_rates=tuple(DonorRate(d.worker_id, d.nbytes, d.ms) for d in req.donor_rates[:MAX_SYNC_DONORS]),
     )
 
 

@@ -237,7 +237,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_expires_unix_ms: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., spec_toml: _Optional[str] = ..., spec_hash: _Optional[str] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ..., init_sha256: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("header", "phase", "cell_id", "round", "inner_step", "loss", "samples", "local", "reduce_attempt", "round_attempt")
+    __slots__ = ("header", "phase", "cell_id", "round", "inner_step", "loss", "samples", "local", "reduce_attempt", "round_attempt", "donor_rates")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class HeartbeatRequest(_message.Message):
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     ROUND_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    DONOR_RATES_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     phase: Phase
     cell_id: str
@@ -258,7 +259,18 @@ class HeartbeatRequest(_message.Message):
     local: LocalState
     reduce_attempt: int
     round_attempt: int
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ...) -> None: ...
+    donor_rates: _containers.RepeatedCompositeFieldContainer[DonorRate]
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ..., donor_rates: _Optional[_Iterable[_Union[DonorRate, _Mapping]]] = ...) -> None: ...
+
+class DonorRate(_message.Message):
+    __slots__ = ("worker_id", "nbytes", "ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    nbytes: int
+    ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_expires_unix_ms", "instruction")

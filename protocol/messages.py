@@ -117,6 +117,17 @@ class Donor:
 
 
 @dataclass(frozen=True, slots=True)
+class DonorRate:
+    """What a joiner measured of one donor of its last verified sync (proto `DonorRate`):
+    the verified bytes it adopted from that donor, and the time the donor's requests were
+    in flight. The coordinator's measure of the donor's uplink comes from these."""
+
+    worker_id: str
+    nbytes: int
+    ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class Instruction:
     """The level-triggered order for one worker (proto `Instruction`)."""
 

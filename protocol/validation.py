@@ -27,7 +27,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from bagel.protocol import bagel_pb2 as pb
-from bagel.protocol.runspec import RunSpec
+from bagel.protocol.runspec import MAX_SYNC_DONORS, RunSpec
 
 # Bounds on values no honest worker comes near; they keep arithmetic and storage sane.
 MAX_ROUND = 1 << 40
@@ -217,6 +217,12 @@ def validate_heartbeat(req: pb.HeartbeatRequest, spec: RunSpec) -> None:
     _local("local", req.local, spec)
     _int("reduce_attempt", req.reduce_attempt, 0, MAX_REDUCE_ATTEMPT)
     _int("round_attempt", req.round_attempt, 0, MAX_ROUND_ATTEMPT)
+    if len(req.donor_rates) > MAX_SYNC_DONORS:
+        raise ValidationError("donor_rates", f"{len(req.donor_rates)} entries, a sync names at most {MAX_SYNC_DONORS}")
+    for i, d in enumerate(req.donor_rates):
+        _text(f"donor_rates[{i}].worker_id", d.worker_id, MAX_NAME_CHARS, required=True)
+        _int(f"donor_rates[{i}].nbytes", d.nbytes, 0, MAX_BYTES_COUNTER)
+        _int(f"donor_rates[{i}].ms", d.ms, 0, MAX_DURATION_MS)
 
 
 def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:

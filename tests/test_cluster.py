@@ -256,7 +256,16 @@ async def test_a_member_that_reports_after_the_quorum_trains_every_round(tmp_pat
     late_rounds = [k for k in range(first, len(recs) - 1) if late.worker_id not in recs[k].agreeing]
     assert len(late_rounds) >= 3, [(c.round, c.agreeing) for c in after]
     # after each of them it trained the next round, and it never sat one out since its first
-    assert all(trained[k + 1] for k in late_rounds)
+    seen = [
+        (c.round, c.attempt, late.worker_id in c.contributors, late.worker_id in c.agreeing, trained[i])
+        for i, c in enumerate(recs)
+    ]
+    missed = [
+        (x.round, x.deadline_ms - x.opened_ms, x.frozen_ms - x.opened_ms, late.worker_id in x.ready, x.catch_up)
+        for x in (rounds[(c.cell_id, c.round, c.attempt)] for i, c in enumerate(recs) if not trained[i])
+    ]
+    # (round, attempt, contributed, agreed, trained); then the rounds it did not train
+    assert all(trained[k + 1] for k in late_rounds), (seen, missed)
     assert all(trained[first:]) and len(after) >= 5, [(c.round, c.contributors, c.agreeing) for c in recs]
     assert not late.stats.errors and all(v == pb.VERDICT_COMMITTED for _, _, v in late.stats.verdicts)
 

@@ -422,6 +422,13 @@ def test_late_joiner_syncs_from_a_peer_and_contributes_next_round(swarm: Swarm):
     j = last_sync["round"]
     assert j >= 5
     assert all(e["source"].startswith("donor ") for e in synced), synced  # from a peer, not the checkpoint
+    # what the joiner measured of its donors (it reports them with its heartbeats): bytes
+    # from the workers that held the state, and the time their requests ran
+    for e in synced:
+        rates = e["donor_rates"]
+        holders = {x["worker_id"] for n in ("a", "b") for x in s.events(n, "identity")}
+        assert rates and set(rates) <= holders, e
+        assert all(r["bytes"] > 0 and r["ms"] >= 0 for r in rates.values()), e
     assert s.commits("a")[j]["hash"].startswith(last_sync["hash"])  # verified against the committed hash
     # it takes part in the exchange of the round right after that state (as a zero-weight
     # catch-up contributor if it synced after that round started, else with its samples)

@@ -121,6 +121,8 @@ async def test_three_donors_give_the_bytes_of_one_and_each_serves_its_share() ->
             assert three.failed == {} and three.liars == ()
             shares = three.nbytes_by_donor
             assert sum(shares.values()) == one.nbytes and all(v > 0 for v in shares.values()), shares
+            # what the joiner reports of each donor: the time its requests were in flight
+            assert set(three.seconds_by_donor) == set(shares) and all(t > 0 for t in three.seconds_by_donor.values())
             # each donor sent ranges, not the file: less than half of it each
             assert all(s.bytes_served < one.nbytes / 2 for s in servers[1:]), [s.bytes_served for s in servers]
 
@@ -330,5 +332,6 @@ async def test_one_donor_and_old_donors_take_the_single_stream() -> None:
             await server.close()  # d0 gone: only the old donor is left
             got = await multi(joiner, [ref(d0), ref(d1)], want)
             assert got.synced.state.to_safetensors() == data and list(got.nbytes_by_donor) == ["w1"]
+            assert list(got.seconds_by_donor) == ["w1"] and got.seconds_by_donor["w1"] > 0
         finally:
             await server.close()

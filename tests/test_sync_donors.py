@@ -11,7 +11,7 @@ import pytest
 from bagel.coordinator.core.events import Leave
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.convert import instruction_from_pb, instruction_to_pb
-from bagel.protocol.messages import Donor, Instruction, Order, PeerAddress
+from bagel.protocol.messages import Donor, DonorRate, Instruction, LocalState, Order, PeerAddress, Phase
 from bagel.protocol.runspec import MAX_SYNC_DONORS, SpecError, SyncSection, parse_spec
 
 from test_state_harness import Harness, h, make_spec
@@ -116,3 +116,88 @@ def test_donors_on_the_wire() -> None:
         p.donors.add(worker_id=f"w{i}", expected_bytes_per_s=float("nan") if i % 2 else -1.0)
     got = instruction_from_pb(p).donors
     assert len(got) == MAX_SYNC_DONORS and {d.expected_bytes_per_s for d in got} == {0.0}
+
+
+def test_measured_rates_rank_donors_and_a_claim_never_buys_a_rank() -> None:
+    hz = cell_of_four(max_donors=2)
+    roster = hz.st.roster
+    hz.reg("x", bw=200 * MB)  # its own link is fast: its donors bound what it got
+    assert [d for d, _ in named(hz, "x")] == ["b", "d"]
+    ins = hz.st.instruction_for("x")
+    synced = LocalState(ins.cell_id, ins.committed_round, ins.committed_hash)
+    rates = (
+        DonorRate("b", 8_000_000, 2000),  # b declared 40 MB/s and gave 4 MB/s
+        DonorRate("d", 200_000_000, 2000),  # d claims 100 MB/s through x, above the 30 it declared
+        DonorRate("c", 80_000_000, 2000),  # c was not x's donor: not read
+        DonorRate("nobody", 80_000_000, 2000),
+    )
+    hz.hb("x", Phase.IDLE, local=synced, donor_rates=rates)
+    assert roster.workers["b"].uplink_measured == 4 * MB
+    assert roster.workers["d"].uplink_measured == 100 * MB
+    assert roster.workers["c"].uplink_measured == 0.0
+    assert roster.donor_bandwidth(roster.workers["b"]) == 4 * MB
+    assert roster.donor_bandwidth(roster.workers["d"]) == 30 * MB  # never above the declared figure
+    assert roster.workers["x"].donors == ()  # the report ended x's download
+    # a repeated report is not read again: its donors are released
+    hz.hb("x", Phase.IDLE, local=synced, donor_rates=(DonorRate("b", 80_000_000, 2000),))
+    assert roster.workers["b"].uplink_measured == 4 * MB
+    # the next joiner: b, the fastest by its claim, now ranks last
+    hz.reg("z", bw=0.0)  # declares nothing
+    assert [d for d, _ in named(hz, "z")] == ["x", "d"]  # x holds it now, at its 200 MB/s
+    hz.apply(Leave("x"))
+    hz.apply(Leave("d"))
+    assert [d for d, _ in named(hz, "z")] == ["c", "a"]  # b (4 MB/s measured) below a (10 declared)
+
+
+def test_short_transfers_are_not_measurements_and_the_ema_moves_part_way() -> None:
+    hz = cell_of_four(max_donors=1)
+    roster = hz.st.roster
+
+    def sync_from_b(joiner: str, rate: DonorRate, link: float = 100 * MB) -> None:
+        hz.reg(joiner, bw=link)
+        assert [d for d, _ in named(hz, joiner)] == ["b"]
+        ins = hz.st.instruction_for(joiner)
+        hz.hb(joiner, Phase.IDLE, local=LocalState(ins.cell_id, 1, ins.committed_hash), donor_rates=(rate,))
+        hz.apply(Leave(joiner))  # the next joiner finds b the fastest holder again
+
+    sync_from_b("x", DonorRate("b", 1 << 30, 100))  # 100 ms: latency, not bandwidth
+    sync_from_b("y", DonorRate("b", 1000, 5000))  # 1 kB: the same
+    sync_from_b("v", DonorRate("b", 36_000_000, 1000), link=40 * MB)  # its own 40 MB/s link bounded it
+    sync_from_b("s", DonorRate("b", 36_000_000, 1000), link=0.0)  # a link it did not declare: unknown
+    assert roster.workers["b"].uplink_measured == 0.0
+    sync_from_b("p", DonorRate("b", 35_000_000, 1000))  # 35 MB/s: still above d's 30
+    assert roster.workers["b"].uplink_measured == 35 * MB
+    sync_from_b("q", DonorRate("b", 45_000_000, 1000))  # 45 MB/s
+    a = roster.policy.throughput_ema
+    assert 0 < a < 1
+    assert roster.workers["b"].uplink_measured == pytest.approx((1 - a) * 35 * MB + a * 45 * MB)
+    assert roster.donor_bandwidth(roster.workers["b"]) == roster.workers["b"].uplink_measured  # below its 40
+
+
+def test_donor_rates_on_the_wire_are_bounded() -> None:
+    from bagel.protocol.validation import ValidationError, validate_heartbeat
+
+    spec = make_spec()
+    ok = pb.HeartbeatRequest(phase=pb.PHASE_IDLE)
+    ok.donor_rates.add(worker_id="b", nbytes=8_000_000, ms=2000)
+    validate_heartbeat(ok, spec)
+    from bagel.coordinator.translate import heartbeat_event
+
+    assert heartbeat_event("x", ok).donor_rates == (DonorRate("b", 8_000_000, 2000),)
+    bad: list[pb.HeartbeatRequest] = []
+    for kw in (
+        {"worker_id": "", "nbytes": 1, "ms": 1},
+        {"worker_id": "b", "nbytes": -1, "ms": 1},
+        {"worker_id": "b", "nbytes": 1, "ms": -5},
+        {"worker_id": "b" * 65, "nbytes": 1, "ms": 1},
+    ):
+        req = pb.HeartbeatRequest(phase=pb.PHASE_IDLE)
+        req.donor_rates.add(**kw)
+        bad.append(req)
+    many = pb.HeartbeatRequest(phase=pb.PHASE_IDLE)
+    for i in range(MAX_SYNC_DONORS + 1):
+        many.donor_rates.add(worker_id=f"d{i}", nbytes=1, ms=1)
+    bad.append(many)
+    for req in bad:
+        with pytest.raises(ValidationError, match="donor_rates"):
+            validate_heartbeat(req, spec)

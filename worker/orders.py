@@ -157,6 +157,9 @@ class Orders:
         self.probe: HeldoutProbe | None = None  # the commit guard's measurement, for one cell
         self.work: RoundWork | None = None
         self.sync: SyncJob | None = None
+        # what the last verified donor sync measured of each donor: (cell, round, [(donor
+        # worker id, bytes, ms)]), sent with the heartbeats while that state is held
+        self.donor_rates: tuple[str, int, tuple[tuple[str, int, int], ...]] | None = None
         self.train_task: asyncio.Task[None] | None = None
         self.counters = Counters()
         self.reset_optimizer = True
@@ -221,6 +224,7 @@ class Orders:
         elif isinstance(a, StartSync):
             target = (a.cell_id, a.committed_round, a.committed_hash)
             donors = a.donors or ((a.donor,) if a.donor is not None else ())
+            self.donor_rates = None
             self.sync = SyncJob(target, self.host.spawn(self._sync(*target, donors), "sync"))
             self.link.wake_heartbeat()
         elif isinstance(a, BuildInitialState):
@@ -292,6 +296,12 @@ class Orders:
                         )
                         synced = got.synced
                         used = "+".join(n for n, b in got.nbytes_by_donor.items() if b)
+                        rates = tuple(
+                            (n, b, int(got.seconds_by_donor.get(n, 0.0) * 1000))
+                            for n, b in got.nbytes_by_donor.items()
+                            if b and n
+                        )
+                        self.donor_rates = (cell, rnd, rates)
                         state, source = synced.state, f"donor {used} ({synced.nbytes} bytes)"
                         self.moved_checkpoint(0, synced.nbytes)
                         for name, why in got.failed.items():
@@ -315,7 +325,10 @@ class Orders:
             self.stateserver.withdraw()
             if rnd:
                 self.stateserver.publish(cell, rnd, state)
-            self.display.event("synced", cell=cell, round=rnd, hash=h[:12], source=source)
+            # what it measured of each donor (reported to the coordinator with its heartbeats)
+            dr = self.donor_rates
+            measured = {n: {"bytes": b, "ms": ms} for n, b, ms in dr[2]} if dr and dr[:2] == (cell, rnd) else {}
+            self.display.event("synced", cell=cell, round=rnd, hash=h[:12], source=source, donor_rates=measured)
             self.display.update(committed=rnd)
             await self.save_local()
         except asyncio.CancelledError:
@@ -713,4 +726,8 @@ class Orders:
             req.reduce_attempt = w.reduce_attempt
         elif self.held is not None:
             req.cell_id = self.held.cell_id
+        h, dr = self.held, self.donor_rates
+        if dr is not None and h is not None and (h.cell_id, h.committed_round) == dr[:2]:
+            for name, nbytes, ms in dr[2]:
+                req.donor_rates.add(worker_id=name, nbytes=nbytes, ms=ms)
         return req

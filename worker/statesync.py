@@ -45,9 +45,10 @@ import asyncio
 import hashlib
 import logging
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hivemind.p2p import P2P, PeerID
@@ -456,6 +457,9 @@ class MultiSynced:
     nbytes_by_donor: dict[str, int]  # verified piece bytes adopted from each donor (label)
     failed: dict[str, str]  # donors dropped on the way (label -> why)
     liars: tuple[str, ...]  # donors proven to have sent bytes that are not the committed state's
+    # seconds each donor had a request in flight (label); with nbytes_by_donor, what the
+    # joiner measured of its uplink (reported to the coordinator, which ranks donors by it)
+    seconds_by_donor: dict[str, float] = field(default_factory=dict)
 
 
 class _DonorFailed(Exception):
@@ -559,6 +563,7 @@ class _RangedFetch:
         self.failed: dict[str, str] = {}
         self.liars: list[str] = []
         self.nbytes_by_donor = {o.donor.label: 0 for o in offers}
+        self.seconds_by_donor = {o.donor.label: 0.0 for o in offers}
         self._changed = asyncio.Event()
         self.finished = asyncio.Event()
 
@@ -648,6 +653,7 @@ class _RangedFetch:
                 continue
             a, b = got
             self.inflight[i] = got
+            t0 = time.monotonic()
             try:
                 await self._fetch(i, a, b)
             except (_DonorFailed, *_DONOR_ERRORS, TimeoutError) as e:
@@ -659,6 +665,7 @@ class _RangedFetch:
                 self._give_back(i, a, b)  # the pieces it delivered are skipped when taken again
                 return
             finally:
+                self.seconds_by_donor[label] += time.monotonic() - t0
                 self.inflight.pop(i, None)
                 self._signal()
 
@@ -822,8 +829,9 @@ async def fetch_state_from_donors(
         )
 
     if len(refs) == 1:
+        t0 = time.monotonic()
         got = await single(refs[0])
-        return MultiSynced(got, {refs[0].label: got.nbytes}, {}, ())
+        return MultiSynced(got, {refs[0].label: got.nbytes}, {}, (), {refs[0].label: time.monotonic() - t0})
     req = dp.StateRequest(run_id=run_id, cell_id=cell_id, committed_round=committed_round, state_hash=state_hash)
     failed: dict[str, str] = {}
     liars: list[str] = []
@@ -843,8 +851,10 @@ async def fetch_state_from_donors(
                     raise ans  # a bug
             if not offers:
                 if legacy:
+                    t0 = time.monotonic()
                     got = await single(legacy[0])
-                    return MultiSynced(got, {legacy[0].label: got.nbytes}, failed, ())
+                    took = {legacy[0].label: time.monotonic() - t0}
+                    return MultiSynced(got, {legacy[0].label: got.nbytes}, failed, (), took)
                 why = "; ".join(f"{k}: {v}" for k, v in failed.items())
                 raise StateNotAvailable(f"no donor serves the state: {why}")
             groups: dict[tuple[int, str, bytes], list[_Offer]] = {}
@@ -877,7 +887,7 @@ async def fetch_state_from_donors(
                     if o.key != g[0].key:
                         failed.setdefault(o.donor.label, "announced another file than the donors whose file verified")
                 synced = SyncedState(cell_id, committed_round, state_hash, state, len(fetch.buf))
-                return MultiSynced(synced, fetch.nbytes_by_donor, failed, tuple(liars))
+                return MultiSynced(synced, fetch.nbytes_by_donor, failed, tuple(liars), fetch.seconds_by_donor)
             assert last is not None
             raise last
     except TimeoutError:

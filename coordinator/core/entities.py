@@ -50,6 +50,7 @@ class Worker:
         "inner_step",
         "loss",
         "donors",
+        "uplink_measured",
         "raw",
     )
 
@@ -72,6 +73,9 @@ class Worker:
         self.inner_step = 0
         self.loss = 0.0
         self.donors: tuple[str, ...] = ()  # worker ids of the donors this worker syncs from, best first
+        # its uplink as its joiners measured it, bytes/s (0 = not yet measured; see
+        # Roster.observe_donor_rates); soft state, measured again after a restart
+        self.uplink_measured = 0.0
         self.raw = 0.0  # its weighted throughput as counted in the scheduler's Balance
 
     def record(self) -> WorkerRecord:

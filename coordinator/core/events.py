@@ -10,7 +10,16 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from bagel.coordinator.core.records import Record
-from bagel.protocol.messages import Instruction, LocalState, PartAudit, PeerAddress, Phase, Profile, Verdict
+from bagel.protocol.messages import (
+    DonorRate,
+    Instruction,
+    LocalState,
+    PartAudit,
+    PeerAddress,
+    Phase,
+    Profile,
+    Verdict,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +44,9 @@ class Heartbeat:
     # which run of `round` this phase is about (Instruction.round_attempt); 0 = not given,
     # in which case a READY is taken to be about the current attempt.
     round_attempt: int = 0
+    # what the worker measured of the donors of its last verified sync (read while the
+    # coordinator still counts those donors as serving it)
+    donor_rates: tuple[DonorRate, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

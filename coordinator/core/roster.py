@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from bagel.coordinator.core.changes import Changes
@@ -29,8 +29,13 @@ from bagel.coordinator.core.errors import Banned, InvalidEvent, UnknownWorker
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import WorkerState
 from bagel.coordinator.core.scheduler import Balance, Knobs, WorkerView, throughput_for
-from bagel.protocol.messages import Donor, PeerAddress
+from bagel.protocol.messages import Donor, DonorRate, PeerAddress
 from bagel.protocol.runspec import RunSpec
+
+# a donor's transfer to one joiner measures its uplink only when it is long enough
+MIN_RATE_MS = 200
+MIN_RATE_NBYTES = 1 << 20
+DONOR_BOUND = 0.8  # a joiner that got less than this share of its own link was held back by its donors
 
 if TYPE_CHECKING:  # the two-way link: Rounds imports Roster at run time
     from bagel.coordinator.core.rounds import Rounds
@@ -225,10 +230,47 @@ class Roster:
         w.donors = ()
 
     def donor_bandwidth(self, d: Worker) -> float:
-        """The uplink a donor is believed to have, in bytes/s: its profile's figure, else the
-        policy's default. (The one place a measured figure would replace the declared one.)"""
-        bw = d.profile.link_bandwidth_bytes_per_s
-        return bw if bw > 0 else self.policy.default_bandwidth_bytes_per_s
+        """The uplink a donor is believed to have, in bytes/s. Once its joiners have measured
+        it, the measure, never above what the donor declared (a claim can lower a rank but
+        not buy one); before that, the declared figure, else the policy's default."""
+        declared = d.profile.link_bandwidth_bytes_per_s
+        measured = d.uplink_measured
+        if measured > 0:
+            return min(declared, measured) if declared > 0 else measured
+        return declared if declared > 0 else self.policy.default_bandwidth_bytes_per_s
+
+    def observe_donor_rates(self, w: Worker, c: Cell, rates: Iterable[DonorRate]) -> None:
+        """Fold what joiner `w` measured of its donors into their measured uplinks.
+
+        Only the donors the coordinator named for `w` (still counted as serving it) are
+        read, so a worker can speak only of its own download; the report also ends that
+        download (the donors are released), so it is read once per assignment.
+
+        A transfer measures the donors only when they, not the joiner, bounded it: the
+        joiner's total rate must stay below `DONOR_BOUND` of its own declared link (a
+        joiner of unknown link measures nothing). Otherwise a fast donor that served a slow
+        home joiner would be ranked by that joiner's link. A donor serving `load` syncs is
+        taken to share its uplink evenly among them, as the ranking in `donors` assumes, so
+        its uplink is the measured rate x load. Transfers shorter than `MIN_RATE_MS` or
+        `MIN_RATE_NBYTES` measure latency, not bandwidth, and are skipped. The estimate is an
+        EMA with the throughput's factor."""
+        if not w.donors:
+            return
+        mine = [r for r in rates if r.worker_id in w.donors and r.ms >= MIN_RATE_MS and r.nbytes >= MIN_RATE_NBYTES]
+        link = w.profile.link_bandwidth_bytes_per_s
+        total = sum(r.nbytes for r in mine) * 1000.0 / max([r.ms for r in mine], default=1)
+        if not mine or link <= 0 or total >= DONOR_BOUND * link:
+            self._release_donor(w, c)
+            return
+        a = self.policy.throughput_ema
+        for r in mine:
+            d = self.workers.get(r.worker_id)
+            if d is None:
+                continue
+            observed = r.nbytes * 1000.0 / r.ms * max(1, c.donor_load.get(d.id, 1))
+            prev = d.uplink_measured
+            d.uplink_measured = observed if prev <= 0 else (1 - a) * prev + a * observed
+        self._release_donor(w, c)
 
     def donors(self, w: Worker, c: Cell) -> tuple[Donor, ...]:
         """Up to `[sync] max_donors` synced workers of the cell for `w` to fetch from, best first.

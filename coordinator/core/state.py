@@ -439,6 +439,8 @@ class CoordinatorState:
         w.lease_ms = now + self.roster.lease_ms
         w.phase, w.round, w.inner_step, w.loss = phase, ev.round, ev.inner_step, ev.loss
         c = self._cells.get(w.cell) if w.cell else None
+        if c is not None and ev.donor_rates:
+            self.roster.observe_donor_rates(w, c, ev.donor_rates)  # before a sync releases the donors
         if ev.local != w.local and not self._stale_local(w, c, ev.local):
             w.local = ev.local
             self.changes.worker(w.id)

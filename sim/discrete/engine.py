@@ -409,7 +409,8 @@ class Engine(WorkerBehaviour):
         elif a == SYNC and w.sync_target is not None:
             ev = Heartbeat(w.wid, Phase.SYNCING, w.sync_target[0], local=w.local)
         else:
-            ev = Heartbeat(w.wid, Phase.IDLE, w.local.cell_id, local=w.local)
+            ev = Heartbeat(w.wid, Phase.IDLE, w.local.cell_id, local=w.local, donor_rates=w.sync_rates)
+            w.sync_rates = ()  # the real worker repeats them, but only the first is read
         return self._send(w, ev)
 
     # ------------------------------------------------------------ effects -> who must hear

@@ -25,7 +25,7 @@ import numpy as np
 
 from bagel.coordinator.core.errors import CoordinatorError
 from bagel.coordinator.core.events import CheckpointStored, LeaseExpired, Leave, ReportRound
-from bagel.protocol.messages import Instruction, LocalState, Order, Verdict
+from bagel.protocol.messages import DonorRate, Instruction, LocalState, Order, Verdict
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import population as popmod
 from bagel.sim.faults import Fault, FaultKind
@@ -151,6 +151,7 @@ class W:
         "since",
         "spot",
         "stopped",
+        "sync_rates",
         "sync_target",
         "uploaded",
         "waited",
@@ -163,6 +164,7 @@ class W:
         self.online = False
         self.gen = 0  # bumps per life (arrive/depart): invalidates poll/renew/depart events
         self.job = 0  # bumps per job: invalidates SYNC_DONE/TRAIN_DONE/REDUCE_DONE events
+        self.sync_rates: tuple[DonorRate, ...] = ()  # what its last download measured of its donors
         self.act = OFF
         self.since = 0
         self.key: tuple[str, int, int] | None = None  # (cell, round, round_attempt) trained / ready
@@ -458,9 +460,13 @@ class WorkerBehaviour:
             bws = [COORDINATOR_BW]
         nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
         w.recv += nbytes
+        dur = cm.multi_donor_download_s(nbytes, w.bw, bws, w.lat)
+        rates = []
         for x, share in zip(donors, cm.multi_donor_shares(bws), strict=False):
             x.sent += int(nbytes * share)
-        dur = cm.multi_donor_download_s(nbytes, w.bw, bws, w.lat)
+            # what the real joiner reports: each donor's bytes over the time its requests ran
+            rates.append(DonorRate(x.wid, int(nbytes * share), int(dur * 1000)))
+        w.sync_rates = tuple(rates)
         w.sync_target = target
         self._set_act(w, SYNC)
         self._job(w, SYNC_DONE, dur)
