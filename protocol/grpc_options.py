@@ -24,6 +24,12 @@ SERVER_KEEPALIVE_TIMEOUT_MS = 20_000
 CLIENT_KEEPALIVE_TIME_MS = 30_000
 CLIENT_KEEPALIVE_TIMEOUT_MS = 10_000
 PERMIT_WITHOUT_CALLS = 1
+# a client's channel retries a lost connection at most this far apart (gRPC's own backoff)
+MAX_RECONNECT_BACKOFF_MS = 5_000
+# how long after a restart a coordinator waits for its workers to re-attach, beyond a
+# lease: a worker whose channel backed off reconnects within MAX_RECONNECT_BACKOFF_MS, and
+# heartbeats within one heartbeat interval after that
+RESTART_REATTACH_MS = 2 * MAX_RECONNECT_BACKOFF_MS
 
 Options = list[tuple[str, int | str]]
 
@@ -53,6 +59,6 @@ def channel_options() -> Options:
         ("grpc.http2.max_pings_without_data", 0),  # 0 = no cap on pings between calls
         # Reconnect quickly after a coordinator restart (our retry helper backs off too).
         ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 5_000),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
         ("grpc.enable_retries", 0),  # retries are ours: each must be re-signed (fresh nonce)
     ]

@@ -264,8 +264,10 @@ async def test_a_member_that_reports_after_the_quorum_trains_every_round(tmp_pat
         (x.round, x.deadline_ms - x.opened_ms, x.frozen_ms - x.opened_ms, late.worker_id in x.ready, x.catch_up)
         for x in (rounds[(c.cell_id, c.round, c.attempt)] for i, c in enumerate(recs) if not trained[i])
     ]
-    # (round, attempt, contributed, agreed, trained); then the rounds it did not train
-    assert all(trained[k + 1] for k in late_rounds), (seen, missed)
+    # (round, attempt, contributed, agreed, trained); the rounds it did not train; how often
+    # each worker registered (more than once: its lease ran out and it came back)
+    regs = {w.name: w.stats.registrations for w in (*workers, late)}
+    assert all(trained[k + 1] for k in late_rounds), (missed, regs, seen)
     assert all(trained[first:]) and len(after) >= 5, [(c.round, c.contributors, c.agreeing) for c in recs]
     assert not late.stats.errors and all(v == pb.VERDICT_COMMITTED for _, _, v in late.stats.verdicts)
 

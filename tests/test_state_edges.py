@@ -30,9 +30,10 @@ from bagel.coordinator.core.events import (
 )
 from bagel.coordinator.core.policy import DILOCO_WAIT_ALL
 from bagel.coordinator.core.records import RoundState, WorkerState
-from bagel.protocol.messages import LocalState, Order, Phase, Profile, Verdict
+from bagel.protocol.grpc_options import RESTART_REATTACH_MS
+from bagel.protocol.messages import LocalState, Order, PeerAddress, Phase, Profile, Verdict
 
-from test_state_harness import GB, Harness, h, make_spec, restored
+from test_state_harness import GB, Harness, h, make_spec, profile, restored
 
 CELL = "k0.r0"
 
@@ -213,7 +214,8 @@ def test_restore_round_trip_and_continue() -> None:
     for w in snap.workers:
         if w.state is WorkerState.ACTIVE:
             assert st2.instruction_for(w.worker_id) == hz.st.instruction_for(w.worker_id)
-            assert st2.worker_phase(w.worker_id)[4] == hz.now + 10_000  # lease renewed
+            # lease renewed: a lease, plus the time a backed-off channel needs to reconnect
+            assert st2.worker_phase(w.worker_id)[4] == hz.now + RESTART_REATTACH_MS + 10_000
     assert st2.shares() == pytest.approx(hz.st.shares())
     # both continue identically: b's report commits round 3 on either
     outs = [s.apply(hz.now, ReportRound("b", CELL, 3, h(3), samples=100, compute_ms=1000)) for s in (hz.st, st2)]
@@ -226,7 +228,10 @@ def test_restore_reattaches_then_expires_silent_workers() -> None:
     hz = rich_state()
     st2 = restored(hz)
     attempt = hz.round(CELL).attempt
-    now = hz.now + 5_000
+    # a lease (10 s) after the restart nobody is lost yet: channels may still be backing off
+    st2.apply(hz.now + 10_500, Tick())
+    assert all(w.state is WorkerState.ACTIVE for w in st2.snapshot().workers if w.worker_id in ("a", "b", "d"))
+    now = hz.now + RESTART_REATTACH_MS + 5_000
     st2.apply(now, Heartbeat("a", Phase.REDUCING, CELL, 3, reduce_attempt=1, local=LocalState(CELL, 2, h(2))))
     st2.apply(now + 6_000, Tick())  # b, d and r said nothing since the restart
     snap = {w.worker_id: w.state for w in st2.snapshot().workers}
@@ -377,3 +382,40 @@ def test_ban_in_a_new_cell_refreezes_the_round_a_lost_lease_left_it_in() -> None
     assert hz.report("a", h(9)).verdict is Verdict.COMMITTED
     (m,) = [m for m in hz.store.commits if m.cell_id == old]
     assert m.contributors == ("a", "d") and m.agreeing == ("a",)
+
+
+def test_a_newcomer_after_a_restart_does_not_roll_back_rounds_its_holders_still_hold() -> None:
+    # a and b commit round 3; the checkpoint holds round 2 (every 2 rounds)
+    hz = Harness(spec=make_spec())
+    hz.reg("a")
+    hz.reg("b")
+    hz.hb("a")
+    for n in (1, 2, 3):
+        for m in hz.round(CELL).members:
+            hz.ready(m.worker_id)
+        ra = hz.st.instruction_for("a").reduce_attempt
+        for w in "ab":
+            hz.report(w, h(n), round=n, reduce_attempt=ra)
+    hz.apply(CheckpointStored(CELL, 2, h(2)))
+    assert (hz.cell().committed_round, hz.cell().checkpoint_round) == (3, 2)
+    lease_ms = 10_000
+    # the coordinator restarts; a and b's channels back off, and come back after more than a
+    # lease: a newcomer registers first, and needs the cell's state
+    st2 = restored(hz)
+    late = hz.now + lease_ms + RESTART_REATTACH_MS // 2
+    st2.apply(late, Tick())
+    st2.apply(late, Register("n", profile(hz.spec), PeerAddress("peer-n", ("/ip4/127.0.0.1/tcp/1",))))
+    cell = st2.cell_view(CELL)[0]
+    assert (cell.committed_round, cell.committed_hash) == (3, h(3))  # not rolled back to round 2
+    ins = st2.instruction_for("n")
+    assert ins.order is Order.SYNC and ins.committed_round == 3 and {d.worker_id for d in ins.donors} <= {"a", "b"}
+    st2.apply(late, Heartbeat("a", Phase.IDLE, CELL, local=LocalState(CELL, 3, h(3))))
+    assert st2.cell_view(CELL)[0].committed_round == 3
+
+    # the bound is still there: holders silent past the grace are lost, and then the
+    # newcomer's need rolls the cell back to its checkpoint (what a lost round costs)
+    st3 = restored(hz)
+    gone = hz.now + lease_ms + RESTART_REATTACH_MS + 1
+    st3.apply(gone, Tick())
+    st3.apply(gone, Register("n", profile(hz.spec), PeerAddress("peer-n", ("/ip4/127.0.0.1/tcp/1",))))
+    assert st3.cell_view(CELL)[0].committed_round == 2

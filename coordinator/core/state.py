@@ -112,6 +112,7 @@ from bagel.coordinator.core.records import (
 from bagel.coordinator.core.roster import Roster
 from bagel.coordinator.core.rounds import REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
 from bagel.coordinator.core.scheduler import Balance, Knobs
+from bagel.protocol.grpc_options import RESTART_REATTACH_MS
 from bagel.protocol.messages import Instruction, LocalState, Order, Phase, Verdict
 from bagel.protocol.runspec import RunSpec
 
@@ -324,11 +325,14 @@ class CoordinatorState:
 
         Cells take their committed state from `cell_records`; the most recent commits per
         cell are kept for checkpoint checks. Active workers keep their cell and get their
-        lease renewed to now + lease_s, so they can re-attach before they are declared lost.
-        The non-terminal round record of a cell (at most one) continues where it was; its
-        deadline fires no earlier than now + lease_s, so workers can re-attach first (a
-        ready member re-sends READY: readiness before the freeze is not stored). Terminal
-        round records are history and are ignored.
+        lease renewed to now + lease_s + `RESTART_REATTACH_MS`, so they can re-attach before
+        they are declared lost: a worker's channel may have backed off for up to
+        `MAX_RECONNECT_BACKOFF_MS` while the coordinator was down. (Were a holder declared
+        lost first, a newcomer needing the state would roll its cell back to the checkpoint
+        and lose committed rounds.) The non-terminal round record of a cell (at most one)
+        continues where it was; its deadline fires no earlier than that, so workers can
+        re-attach first (a ready member re-sends READY: readiness before the freeze is not
+        stored). Terminal round records are history and are ignored.
         """
         st = cls(spec, cells, policy=policy, rng=rng, now_ms=now_ms, max_workers=max_workers)
         for rec in cell_records:
@@ -340,7 +344,7 @@ class CoordinatorState:
             st.roster.workers[w.id] = w
             if w.state is not WorkerState.ACTIVE:
                 continue
-            st.roster.activate(w, now_ms)
+            st.roster.activate(w, now_ms + RESTART_REATTACH_MS)  # lease: that + lease_s
             cid, w.cell = w.cell, ""
             if cid:
                 st._cell_or_value_error(cid)
@@ -360,7 +364,7 @@ class CoordinatorState:
                     c.idle.pop(wid, None)
             # workers could not report while the coordinator was down: give them a lease's
             # time to re-attach (re-send READY, report) before a deadline fires
-            grace = now_ms + st.roster.lease_ms
+            grace = now_ms + RESTART_REATTACH_MS + st.roster.lease_ms
             if r.state is RoundState.REDUCING:
                 st.rounds.push_deadline(max(r.reduce_deadline_ms, grace), r, REDUCE_DEADLINE)
             else:
