@@ -186,6 +186,12 @@ class CoordinatorLink:
 
     # ------------------------------------------------------------------ registration
 
+    async def reregister(self, e: grpc.aio.AioRpcError) -> bool:
+        """The coordinator does not know this worker (its lease ran out, or it restarted
+        without it): say so, and register again with what the worker holds."""
+        self.display.event("re-register", level="warning", message=e.details() or "unknown worker")
+        return await self.register()
+
     async def register(self) -> bool:
         """Register (retrying while the coordinator is down); False if stopped meanwhile."""
         assert self.client is not None
@@ -242,8 +248,7 @@ class CoordinatorLink:
             except grpc.aio.AioRpcError as e:
                 resp = None
                 if e.code() == grpc.StatusCode.NOT_FOUND:
-                    self.display.event("re-register", level="warning", message=e.details() or "unknown worker")
-                    await self.register()
+                    await self.reregister(e)
                 elif e.code() == grpc.StatusCode.PERMISSION_DENIED:
                     # banned (final): e.g. convicted on another worker's evidence, so no
                     # instruction ever said LEAVE; retrying would only be refused again

@@ -582,7 +582,7 @@ class Orders:
                 resp = await self.link.rpc(lambda: self.link.client.report_round(**kw))  # type: ignore[union-attr]
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
-                    await self.link.register()
+                    await self.link.reregister(e)
                     return
                 self.display.event("report-refused", level="warning", message=f"{e.code().name}: {e.details()}")
                 return
