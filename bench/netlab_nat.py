@@ -29,44 +29,9 @@ from typing import Any
 
 from bagel.sim.netlab.bed import NetLab, missing_prerequisite
 from bagel.sim.netlab.logs import events, wait_line
+from bagel.sim.netlab.runs import tiny_run_spec
 
-SPEC = """
-[run]
-id = "netlab"
-seed = 0
-
-[model]
-arch = "dit"
-preset = "tiny"
-image_size = 8
-channels = 1
-num_classes = 10
-
-[data]
-source = "digits"
-clusters = 1
-holdout_fraction = 0.1
-
-[cells]
-timestep_ranges = 1
-router = false
-
-[diloco]
-inner_steps = 10
-inner_lr = 0.002
-group_batch = 32
-codec = "int8"
-error_feedback = true
-
-[schedule]
-min_replicas = 1
-max_replicas = 4
-lease_s = 3.0
-heartbeat_s = 0.5
-deadline_slack = 3.0
-min_round_s = 1.0
-quorum = 0.5
-"""
+SPEC = tiny_run_spec("netlab", max_replicas=4)
 
 PLACEMENTS = {
     "same home": ("home1-1", "home1-2"),

@@ -49,45 +49,10 @@ from bagel.models.experts import param_count
 from bagel.sim.discrete.costmodel import allreduce_bytes_per_member, allreduce_s, encoded_nbytes
 from bagel.sim.netlab.bed import NetLab, NetLabError, missing_prerequisite
 from bagel.sim.netlab.logs import events, wait_line
+from bagel.sim.netlab.runs import tiny_run_spec
 from bagel.sim.netlab.topology import TopologyError, check_tag
 
-SPEC = """
-[run]
-id = "netlab-rounds"
-seed = 0
-
-[model]
-arch = "dit"
-preset = "tiny"
-image_size = 8
-channels = 1
-num_classes = 10
-
-[data]
-source = "digits"
-clusters = 1
-holdout_fraction = 0.1
-
-[cells]
-timestep_ranges = 1
-router = false
-
-[diloco]
-inner_steps = 10
-inner_lr = 0.002
-group_batch = 32
-codec = "int8"
-error_feedback = true
-
-[schedule]
-min_replicas = 1
-max_replicas = 2
-lease_s = 3.0
-heartbeat_s = 0.5
-deadline_slack = 3.0
-min_round_s = 1.0
-quorum = 0.5
-"""
+SPEC = tiny_run_spec("netlab-rounds", max_replicas=2)
 CODEC = "int8"
 RATES_MBIT = (20.0, 100.0)
 DELAYS_MS = (0.0, 40.0, 150.0)
