@@ -95,6 +95,12 @@ class BootstrapUnreachable(DiscoveryError):
     """The DHT node could reach none of its bootstrap peers (the coordinator is down or unreachable)."""
 
 
+class DhtStartTimeout(DiscoveryError):
+    """The DHT node or its p2p daemon did not come up in time: a loaded or slow machine, not a
+    wrong setting, so a volunteer waits and tries again (a bad address or a taken port stays
+    a plain DiscoveryError)."""
+
+
 class CoordinatorNotFound(DiscoveryError):
     """No valid coordinator record was found before the timeout (the message says what was seen)."""
 
@@ -302,13 +308,26 @@ def start_dht(
         if isinstance(e, Exception) and "failed to connect to bootstrap peers" in str(e):
             peers = ", ".join(kwargs.get("initial_peers") or []) or "none"
             raise BootstrapUnreachable(f"none of the DHT bootstrap peers answered ({peers})") from e
+        if isinstance(e, TimeoutError) or _is_daemon_start_timeout(e):
+            raise DhtStartTimeout(f"the DHT node did not start within {timeout_s:g}s ({_last_line(e)})") from e
         if isinstance(e, Exception) and not isinstance(e, DiscoveryError):
-            raise DiscoveryError(f"the DHT node did not start within {timeout_s:g}s: {e!r}") from e
+            raise DiscoveryError(f"the DHT node did not start: {e!r}") from e
         raise
     finally:
         if not frozen_before:
             gc.unfreeze()
     return dht
+
+
+def _is_daemon_start_timeout(e: BaseException) -> bool:
+    """hivemind's P2P gives its daemon `startup_timeout` (15 s) and then raises P2PDaemonError
+    "Daemon failed to start in 15.0 seconds"; the DHT child passes that on as its start's error."""
+    return type(e).__name__ == "P2PDaemonError" and "failed to start in" in str(e)
+
+
+def _last_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[-1][:200] if lines else type(e).__name__
 
 
 RELAY_START_ATTEMPTS = 3  # with RELAY_P2PD_ENV ours lost 1 of 60 starts measured on a loaded 2-core host

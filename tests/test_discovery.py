@@ -19,8 +19,10 @@ from bagel.protocol.discovery import (
     CoordinatorPublisher,
     CoordinatorRecord,
     CoordinatorRecordValidator,
+    DhtStartTimeout,
     DiscoveryError,
     RecordError,
+    _is_daemon_start_timeout,
     coordinator_key,
     lookup_coordinator,
     lookup_direct,
@@ -489,6 +491,18 @@ async def test_publisher_refreshes_before_expiry():
 
 def test_dht_that_does_not_come_up_in_time_is_terminated_not_waited_for() -> None:
     # hivemind.DHT(start=True) would wait for its child without a bound; start_dht gives up,
-    # kills the child (the suite's leak check would fail otherwise) and says why
-    with pytest.raises(DiscoveryError, match="did not start within"):
+    # kills the child (the suite's leak check would fail otherwise) and says why; a slow start
+    # is its own error, which a volunteer waits out (a bad address is not)
+    with pytest.raises(DhtStartTimeout, match="did not start within"):
         start_dht(timeout_s=0.001, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+
+
+def test_only_a_slow_daemon_start_counts_as_a_start_timeout() -> None:
+    """hivemind's own words for a p2p daemon that missed its startup_timeout are a slow start;
+    its other start failures (a taken port, a bad address) are not, and stay fatal."""
+    from hivemind.p2p import P2PDaemonError
+
+    assert _is_daemon_start_timeout(P2PDaemonError("Daemon failed to start in 15.0 seconds"))
+    assert not _is_daemon_start_timeout(P2PDaemonError("Daemon failed to start: address already in use"))
+    assert not _is_daemon_start_timeout(ValueError("failed to start in 15.0 seconds"))
+    assert issubclass(DhtStartTimeout, DiscoveryError)

@@ -185,7 +185,8 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         # every case of the matrix with it (each try starts a p2p daemon: slow on a loaded machine)
         with contextlib.suppress(AssertionError):
             wait_for(lambda: waiting_out.read_text().count("retrying in") >= 2, 240, "the second retry")
-        os.kill(workers.pids["waiting"], signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have ended on its own: its test says how
+            os.kill(workers.pids["waiting"], signal.SIGTERM)
         seen["waiting"] = {
             "code": workers.wait_code("waiting", worker_bound_s(15.0) + 30),
             "out": waiting_out.read_text(),
@@ -221,8 +222,8 @@ def test_a_worker_waits_for_a_coordinator_that_is_down(matrix) -> None:
     that says what is wrong, a countdown to the next, growing delays; SIGTERM still stops it."""
     got = matrix["waiting"]
     tries = [ln for ln in got["out"].splitlines() if "the coordinator is unreachable" in ln]
-    assert len(tries) >= 2, got["out"]
+    assert len(tries) >= 2, got["out"][-3000:] + got["stderr"][-2000:]
     assert "none of the DHT bootstrap peers answered" in tries[0] and "retrying in" in tries[0]
     assert "(attempt 1)" in tries[0] and "(attempt 2)" in tries[1]
-    assert got["code"] == 0, got["stderr"][-2000:]
+    assert got["code"] == 0, got["stderr"][-2000:] + got["out"][-2000:]
     assert "Traceback" not in got["stderr"] + got["out"]

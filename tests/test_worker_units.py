@@ -288,7 +288,12 @@ async def test_waiting_retry_shows_each_failure_and_stops_on_request() -> None:
     waiting.FIRST_DELAY_S, saved = 0.01, waiting.FIRST_DELAY_S
     try:
         got = await waiting.retry(
-            step, what="down", hint="wait", retryable=(ConnectionError,), display=display, stop=stop
+            step,
+            what=lambda e: "down" if isinstance(e, ConnectionError) else "?",
+            hint="wait",
+            retryable=(ConnectionError,),
+            display=display,
+            stop=stop,
         )
         assert got == "up" and len(calls) == 3
         lines = [ln for ln in out.getvalue().splitlines() if "waiting: down: from the peer; wait; retrying in" in ln]

@@ -63,6 +63,7 @@ from bagel.protocol.discovery import (
     BootstrapUnreachable,
     CoordinatorNotFound,
     CoordinatorRecordValidator,
+    DhtStartTimeout,
     DiscoveryError,
     resolve_coordinator,
     start_dht,
@@ -101,6 +102,8 @@ LEAVE_RPC_S = 5.0  # the Leave call, the wait for the RPC lock included
 # a discovery failure this soon before a stop request is taken as the stop's doing (a signal
 # to the process group reaches the p2p daemon too), not as a fatal error
 STOP_FOLLOWS_S = 1.0
+_UNREACHABLE = "the coordinator is unreachable"
+_UNREACHABLE_HINT = "check that it runs and that its DHT port is reachable from here"
 
 
 def stop_bound_s(leave_grace_s: float) -> float:
@@ -218,9 +221,9 @@ class Agent:
                     record_validators=[CoordinatorRecordValidator(self.join.run_id, self.join.coordinator_public_key)],
                     **relay_plan.dht_kwargs(),
                 ),
-                what="the coordinator is unreachable",
-                hint="check that it runs and that its DHT port is reachable from here",
-                retryable=(BootstrapUnreachable,),
+                what=lambda e: "the DHT node is slow to start" if isinstance(e, DhtStartTimeout) else _UNREACHABLE,
+                hint=lambda e: "is this machine overloaded?" if isinstance(e, DhtStartTimeout) else _UNREACHABLE_HINT,
+                retryable=(BootstrapUnreachable, DhtStartTimeout),
                 display=self.display,
                 stop=self._stop,
             )

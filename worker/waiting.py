@@ -36,8 +36,8 @@ def delay_s(attempt: int, rng: random.Random) -> float:
 async def retry(
     step: Callable[[], Awaitable[T]],
     *,
-    what: str,
-    hint: str,
+    what: str | Callable[[BaseException], str],
+    hint: str | Callable[[BaseException], str],
     retryable: tuple[type[BaseException], ...],
     display: Display,
     stop: asyncio.Event,
@@ -45,7 +45,8 @@ async def retry(
 ) -> T | None:
     """Run `step` until it succeeds (its result) or `stop` is set (None). A `retryable`
     failure is shown as one warning (`what`, the reason, `hint`, the next try) and waited
-    out with a countdown; any other exception propagates."""
+    out with a countdown; any other exception propagates. `what` and `hint` may be functions
+    of the failure, when one step can fail retryably in more than one way."""
     rng = rng or random.Random()
     attempt = 0
     while not stop.is_set():
@@ -57,11 +58,15 @@ async def retry(
             display.event(
                 "waiting",
                 level="warning",
-                message=f"{what}: {_reason(e)}; {hint}; retrying in {wait:.0f}s (attempt {attempt})",
+                message=f"{_say(what, e)}: {_reason(e)}; {_say(hint, e)}; retrying in {wait:.0f}s (attempt {attempt})",
             )
             if await _countdown(wait, display, stop):
                 return None
     return None
+
+
+def _say(text: str | Callable[[BaseException], str], e: BaseException) -> str:
+    return text if isinstance(text, str) else text(e)
 
 
 def _reason(e: BaseException) -> str:
