@@ -400,9 +400,8 @@ def _serve_failure(e: BaseException, data_dir: Path) -> BaseException:
 
 def status_from_store(data_dir: Path, rounds: int = 10) -> dict[str, Any]:
     """The status document from the store (read-only); the schema of `statusdoc.document`."""
-    from bagel.coordinator.daemon import STARTED_KEY
     from bagel.coordinator.statusdoc import cell_commit_stats, document
-    from bagel.coordinator.store import Store, to_json
+    from bagel.coordinator.store import STARTED_KEY, Store, to_json
     from bagel.protocol import bagel_pb2 as pb
     from bagel.protocol.runspec import SpecError, parse_cell, parse_spec
 

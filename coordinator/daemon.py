@@ -58,7 +58,7 @@ from bagel.coordinator.eventfeed import DEFAULT_HEALTH_PERIOD_S, log_loop
 from bagel.coordinator.interceptor import SERVICE_NAME, ErrorInterceptor
 from bagel.coordinator.metrics import Metrics
 from bagel.coordinator.servicer import CoordinatorServicer
-from bagel.coordinator.store import Store, StoreError
+from bagel.coordinator.store import STARTED_KEY, Store, StoreError
 from bagel.coordinator.writer import AsyncWriter
 from bagel.models import initfrom
 from bagel.models.experts import cell_state_schema
@@ -86,7 +86,6 @@ log = logging.getLogger(__name__)
 KEY_FILE = "coordinator.key"
 LOCK_FILE = "coordinator.lock"
 CELL_CONFIGS_KEY = "cell_configs"
-STARTED_KEY = "daemon_started_unix_ms"  # kv: when the daemon last started (status --data-dir: uptime)
 DEFAULT_TICK_MS = 250
 DEFAULT_GRACE_S = 5.0
 DEFAULT_DHT_LISTEN = "/ip4/127.0.0.1/tcp/0"

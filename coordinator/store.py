@@ -52,6 +52,7 @@ from bagel.protocol.jointoken import TokenBound, TokenRevoked, TokenUnknown, Tok
 
 SCHEMA_VERSION = 2  # 2: commits keyed by (cell_id, epoch, round)
 DB_NAME = "coordinator.sqlite3"
+STARTED_KEY = "daemon_started_unix_ms"  # kv: when the daemon last started (status --data-dir: uptime)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (
