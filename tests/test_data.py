@@ -229,3 +229,17 @@ def test_npy_source_refuses_pickles_and_bad_labels(tmp_path):
     np.save(tmp_path / "x.labels.npy", np.zeros(9, dtype=np.int64))
     with pytest.raises(data.DataError, match="labels must be"):
         data.load_dataset(_folder_spec(tmp_path / "x.npy", "npy"))
+
+
+def test_bundled_digits_are_exactly_what_sklearn_loads(monkeypatch) -> None:
+    """The CSV read without importing scikit-learn gives its load_digits bit for bit, and
+    where the file is not found, scikit-learn's own loader is used."""
+    from sklearn.datasets import load_digits
+
+    want = load_digits()
+    images, target = data._bundled_digits()
+    assert images.dtype == want.images.dtype and np.array_equal(images, want.images)
+    assert target.dtype == want.target.dtype and np.array_equal(target, want.target)
+    monkeypatch.setattr(data, "DIGITS_FILE", ("datasets", "data", "no-such-file.csv.gz"))
+    images, target = data._bundled_digits()
+    assert np.array_equal(images, want.images) and np.array_equal(target, want.target)
