@@ -18,6 +18,7 @@ from bagel.sim.chaos.supervisor import pid_alive
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ctrl_c_stops_everything_and_reports(tmp_path: Path) -> None:
     out = tmp_path / "chaos"

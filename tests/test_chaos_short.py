@@ -29,6 +29,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)  # the run itself takes ~1-2 min; generous for a loaded 2-core machine
 def test_chaos_short_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "chaos"

@@ -104,6 +104,7 @@ def test_unusable_tls_certificate_is_one_error_line(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
     spec_path = write_spec(tmp_path)
