@@ -4,7 +4,7 @@ Each `SimWorker` has its own Ed25519 identity, registers, heartbeats on its own 
 follows the level-triggered instructions of the round protocol with the real worker's own
 decisions (`bagel.worker.reconciler.decide`), faking the heavy parts:
 
-- SYNC   -> "download" (a short sleep), adopt the committed (round, hash);
+- SYNC   -> "download" (sleep `sync_s`, by default `reduce_s`), adopt the committed (round, hash);
 - TRAIN  -> sleep planned samples / samples_per_s (or a fixed `train_s`), then heartbeat
   READY with its planned samples (round 0 is "built" at once);
 - REDUCE -> sleep `reduce_s` (and `report_delay_s`), then ReportRound with a hash derived deterministically from
@@ -147,6 +147,7 @@ class SimWorker:
         cells: Sequence[str] = (),
         train_s: float | None = None,
         reduce_s: float = 0.02,
+        sync_s: float | None = None,
         report_delay_s: float = 0.0,
         heartbeat_s: float | None = None,
         bad_hash: bool = False,
@@ -164,6 +165,7 @@ class SimWorker:
         self.samples_per_s = samples_per_s
         self.cells = tuple(cells)
         self.train_s, self.reduce_s = train_s, reduce_s
+        self.sync_s = reduce_s if sync_s is None else sync_s
         self.report_delay_s = report_delay_s  # after the exchange (the real worker's outer step and held-out loss)
         self.heartbeat_s = heartbeat_s
         self.bad_hash = bad_hash
@@ -420,7 +422,7 @@ class SimWorker:
             self.work = None
 
     async def _sync(self, target: LocalState) -> None:
-        await asyncio.sleep(self.reduce_s)
+        await asyncio.sleep(self.sync_s)
         self.local = target
         self.sync = None
         self._reconcile()

@@ -235,8 +235,15 @@ async def test_a_member_that_reports_after_the_quorum_trains_every_round(tmp_pat
     )
     h = await start(tmp_path, text)
     target = f"127.0.0.1:{h.port}"
-    workers = await start_workers(target, h.spec.run.id, 3, cells=h.spec.cell_ids)
-    late = SimWorker(target, h.spec.run.id, name="late", cells=h.spec.cell_ids, seed=9, report_delay_s=0.4)
+    # A member learns of the freeze from its next heartbeat's answer, and a simulated exchange
+    # does not wait for its contributors (a real one waits for every contribution): with the
+    # default 20 ms exchange, the other three could commit before the late one had heard of
+    # the freeze at all, under load (seen: it then dropped its round and synced, which is
+    # another case). So each exchange lasts well over a heartbeat interval (0.2 s); a download
+    # stays short, as in a real run, where it takes far less than a round.
+    times = {"reduce_s": 0.6, "sync_s": 0.02}
+    workers = await start_workers(target, h.spec.run.id, 3, cells=h.spec.cell_ids, **times)
+    late = SimWorker(target, h.spec.run.id, name="late", cells=h.spec.cell_ids, seed=9, report_delay_s=0.4, **times)
     late.start()
     try:
         await wait_for(lambda: h.state.snapshot().cells[0].committed_round >= 8, 45, "8 commits")
