@@ -11,11 +11,9 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 TORCH_INDEX_ARG := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 # Two pytest workers (pytest-xdist): most of the suite waits on real processes and timers, so two
-# workers on two cores roughly halve its wall time. `--dist loadgroup` hands out one test at a
-# time, the slow ones first (tests/conftest.py), and keeps a module marked with an xdist_group
-# on one worker. The slowest tests are listed after every run, so a slow newcomer is seen at
-# once. `make test PYTEST_ARGS=-n0` runs it in one process.
-PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=15
+# workers on two cores roughly halve its wall time. The slowest tests are listed after every run,
+# so a slow newcomer is seen at once. `make test PYTEST_ARGS=-n0` runs it in one process.
+PYTEST_ARGS ?= -n 2 --durations=15
 
 # The pure cores: no I/O, no clock, no sockets, no asyncio, no logging. `make lint` checks them
 # with mypy --strict, and tests/test_layering.py checks that this list is its own.

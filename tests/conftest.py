@@ -92,16 +92,6 @@ def no_leaked_processes():
         pytest.fail(f"test leaked child processes: {sorted(leaked)}")
 
 
-def pytest_collection_modifyitems(config, items):
-    """The multi-process tests (`slow`) first, the rest in their usual order.
-
-    The suite runs on two pytest-xdist workers that take tests one at a time (`--dist
-    loadgroup`): started first, the long tests overlap each other and the short ones fill
-    in at the end, instead of one long test running alone after everything else is done.
-    """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 def pytest_sessionfinish(session, exitstatus):
     # torch_shm_manager is left alone: it exits by itself once this process is gone.
     _kill(_children(os.getpid()))

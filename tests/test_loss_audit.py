@@ -38,9 +38,6 @@ from bagel.worker.reducer import Reduction
 from bagel.worker.roundwork import RoundWork, corrupt, loss_probe, train_round
 from bagel.worker.trainer import InnerPlan, build_runtime
 
-# one pytest-xdist worker runs the whole module: its module-scoped fixture is costly
-pytestmark = pytest.mark.xdist_group("loss_audit")
-
 CELL = "k0.r0"
 TOTAL, BLOCKS = 4096, 32
 SCENARIO = Path(__file__).resolve().parent.parent / "sim" / "scenarios" / "chaos-robust-8.toml"

@@ -30,9 +30,6 @@ BED = [ipaddress.ip_network(n) for n in ("198.51.100.0/24", "203.0.113.0/24", "1
 PROBE = [sys.executable, "-m", "bagel.sim.netlab.probe"]
 REASON = missing_prerequisite()
 needs_bed = pytest.mark.skipif(REASON is not None, reason=f"no network test bed here: {REASON}")
-# one pytest-xdist worker runs the whole module: its `lab` fixture builds the bed of one tag
-# for each test, and two of them built at once would collide on the namespaces' names
-pytestmark = pytest.mark.xdist_group("netlab")
 
 
 # ---------------------------------------------------------------------------- the plan (no root)

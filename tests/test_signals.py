@@ -33,9 +33,6 @@ from bagel.worker.agent import stop_bound_s as worker_bound_s
 from daemonproc import ForkLauncher, free_port
 from simworkers import cluster_spec_text, fake_peer_id
 
-# one pytest-xdist worker runs the whole module: its module-scoped fixture is costly
-pytestmark = pytest.mark.xdist_group("signals")
-
 GRACE_S = 2.0
 # the worker cases stop while 15 other processes stop beside them (and, in the suite, a second
 # pytest worker runs): a 2 s leave grace put the bound (grace + 15 s) within reach of a loaded

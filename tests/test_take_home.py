@@ -36,9 +36,6 @@ from bagel.protocol.runspec import load_spec, parse_spec, weights_digest
 
 from simworkers import cluster_spec_text, start_workers, stop_workers, uniform_cells
 
-# one pytest-xdist worker runs the whole module: its module-scoped fixture is costly
-pytestmark = pytest.mark.xdist_group("take_home")
-
 # long leases: a simulated worker trains inside the event loop, which holds up its heartbeats
 SPEC = cluster_spec_text(
     "takehome", min_replicas=1, every_rounds=1, min_round_s=0.3, lease_s=15.0, heartbeat_s=0.5
