@@ -309,7 +309,8 @@ def start_dht(
             peers = ", ".join(kwargs.get("initial_peers") or []) or "none"
             raise BootstrapUnreachable(f"none of the DHT bootstrap peers answered ({peers})") from e
         if isinstance(e, TimeoutError) or _is_daemon_start_timeout(e):
-            raise DhtStartTimeout(f"the DHT node did not start within {timeout_s:g}s ({_last_line(e)})") from e
+            waited = f"no answer in {timeout_s:g}s" if isinstance(e, TimeoutError) else _last_line(e)
+            raise DhtStartTimeout(f"the DHT node did not start in time ({waited})") from e
         if isinstance(e, Exception) and not isinstance(e, DiscoveryError):
             raise DiscoveryError(f"the DHT node did not start: {e!r}") from e
         raise
