@@ -97,6 +97,12 @@ class DilocoSection:
     max_micro_batch: int = 64
     codec: str = "int8"
     error_feedback: bool = True
+    # what a member's GPU does while its exchange runs: "off" waits for the outcome;
+    # "delayed" trains the next round's inner steps ahead from its own trained weights and,
+    # once the round commits, moves them onto the committed weights (a one-step-delayed
+    # outer update: those steps' gradients are taken one outer step late). The committed
+    # states are the same bytes on every member either way.
+    overlap: Literal["off", "delayed"] = "off"
     # how the reducer of each part of a group exchange screens and combines the contributions:
     # "centered_clip[:tau=T | rel=R][,iters=L]" (the default), "trimmed_mean[:trim=F]" or
     # "mean" (weighted by samples, not robust), each with the group screen's

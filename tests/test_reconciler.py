@@ -429,3 +429,50 @@ PHASES = {
 def test_the_heartbeat_phase_of_every_local_state(state: str) -> None:
     assert set(PHASES) == set(STATES)
     assert phase(STATES[state]) is PHASES[state]
+
+
+# ---------------------------------------------------------------- steps trained ahead (overlap)
+
+AHEAD = dict(cell_id=CELL, base_round=3, member_index=1, members=2, micro_batch=8, grad_accum=2, steps=3)
+
+
+def _train_with(ahead: object) -> StartTrain:
+    from bagel.worker.reconciler import Ahead
+
+    view = WorkerView(ME, held=HOLD, ahead=Ahead(**ahead) if ahead is not None else None)  # type: ignore[arg-type]
+    acts = decide(INSTRUCTIONS["train"], view)
+    assert len(acts) == 1 and isinstance(acts[0], StartTrain)
+    return acts[0]
+
+
+def test_steps_trained_ahead_count_toward_the_round_whose_plan_they_guessed() -> None:
+    assert _train_with(AHEAD) == StartTrain(1, 3)
+    # more steps ahead than the plan has: the plan's inner steps
+    assert _train_with({**AHEAD, "steps": 9}).ahead_steps == 5
+    assert _train_with(None).ahead_steps == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"base_round": 2},  # overlapped an older exchange: its outcome is not this round's base
+        {"cell_id": "k1"},  # another cell's steps
+        {"member_index": 0},  # another data shard
+        {"members": 3},  # the shards were cut for another group size
+        {"micro_batch": 4},  # another batch shape
+        {"grad_accum": 1},
+    ],
+)
+def test_steps_trained_ahead_for_another_plan_are_discarded(change: dict[str, object]) -> None:
+    assert _train_with({**AHEAD, **change}).ahead_steps == 0
+
+
+def test_steps_trained_ahead_need_the_committed_base_held() -> None:
+    from bagel.worker.reconciler import Ahead, steps_ahead
+
+    ahead = Ahead(**AHEAD)  # type: ignore[arg-type]
+    i = INSTRUCTIONS["train"]
+    assert steps_ahead(ahead, i, 1, HOLD) == 3
+    assert steps_ahead(ahead, i, 1, LocalState(CELL, 3, "h3-other")) == 0  # another outcome
+    assert steps_ahead(ahead, i, 1, None) == 0
+    assert steps_ahead(ahead, replace(i, round=5), 1, HOLD) == 0  # not the round right after

@@ -60,6 +60,24 @@ class Sync:
 
 
 @dataclass(frozen=True, slots=True)
+class Ahead:
+    """Inner steps trained ahead (`[diloco] overlap = "delayed"`): while the exchange of
+    `base_round` ran, the worker went on training, from its own trained weights, the round
+    after it on the guess that its plan repeats the last one (same data shard, same batch
+    shape). Those steps count toward round `base_round + 1` only if the coordinator's plan
+    for it is that guess and its base is the outcome of that very exchange; the shell then
+    moves them onto the committed base (the delayed outer update)."""
+
+    cell_id: str
+    base_round: int
+    member_index: int
+    members: int
+    micro_batch: int
+    grad_accum: int
+    steps: int  # inner steps trained ahead so far
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerView:
     """Everything `decide` looks at: the worker's committed state, its work, its sync, and
     what it already did about earlier instructions (so it does not do it twice)."""
@@ -70,6 +88,7 @@ class WorkerView:
     sync: Sync | None = None
     uploaded: frozenset[tuple[str, int]] = field(default_factory=frozenset)  # (cell, round) uploaded / uploading
     missing_reported: frozenset[tuple[str, int, int, int]] = field(default_factory=frozenset)
+    ahead: Ahead | None = None
 
 
 def holds(held: LocalState | None, cell_id: str, committed_round: int, committed_hash: str) -> bool:
@@ -153,9 +172,11 @@ class BuildInitialState:
 
 @dataclass(frozen=True, slots=True)
 class StartTrain:
-    """Train the instruction's round per its plan, as data shard `member_index`."""
+    """Train the instruction's round per its plan, as data shard `member_index`; the first
+    `ahead_steps` inner steps are the ones trained ahead (`Ahead`), and 0 discards any."""
 
     member_index: int
+    ahead_steps: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +364,31 @@ def _on_train(i: Instruction, view: WorkerView, p: _Plan) -> None:
         p.actions.append(NotAMember())
         return
     p.drop_work("a new round")
-    p.actions.append(StartTrain(ids.index(view.worker_id)))
+    index = ids.index(view.worker_id)
+    p.actions.append(StartTrain(index, steps_ahead(view.ahead, i, index, p.held)))
+
+
+def steps_ahead(ahead: Ahead | None, i: Instruction, member_index: int, held: LocalState | None) -> int:
+    """How many of the inner steps trained ahead count toward the round `i` says to train:
+    all of them (at most the plan's inner steps) when `i` is the round right after the
+    exchange they overlapped, its base is that exchange's outcome and we hold it, and the
+    plan gives us the data shard and batch shape the steps were trained with; else none.
+    Data is drawn per (round, member index, members), so matching steps are exactly the
+    steps the plan would have had us train, only from weights one outer step old."""
+    if ahead is None or i.plan is None or held is None:
+        return 0
+    plan = i.plan
+    same = (
+        ahead.cell_id == i.cell_id
+        and i.round == ahead.base_round + 1
+        and i.committed_round == ahead.base_round
+        and holds(held, i.cell_id, i.committed_round, i.committed_hash)
+        and ahead.member_index == member_index
+        and ahead.members == len(plan.members)
+        and ahead.micro_batch == plan.micro_batch
+        and ahead.grad_accum == plan.grad_accum
+    )
+    return min(ahead.steps, plan.inner_steps) if same else 0
 
 
 def _on_reduce(i: Instruction, view: WorkerView, p: _Plan) -> None:
@@ -404,6 +449,7 @@ def decide_verdict(verdict: Verdict | None, *, reported_outcome: bool, current: 
 __all__ = [
     "Action",
     "AdoptPending",
+    "Ahead",
     "BuildInitialState",
     "CancelSync",
     "DropWork",
@@ -422,4 +468,5 @@ __all__ = [
     "decide",
     "decide_verdict",
     "holds",
+    "steps_ahead",
 ]
