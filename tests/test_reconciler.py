@@ -447,8 +447,9 @@ def _train_with(ahead: object) -> StartTrain:
 
 def test_steps_trained_ahead_count_toward_the_round_whose_plan_they_guessed() -> None:
     assert _train_with(AHEAD) == StartTrain(1, 3)
-    # more steps ahead than the plan has: the plan's inner steps
-    assert _train_with({**AHEAD, "steps": 9}).ahead_steps == 5
+    assert _train_with({**AHEAD, "steps": 5}).ahead_steps == 5  # the whole round
+    # the batch shape moved with the throughput estimates: the same shard, so they count
+    assert _train_with({**AHEAD, "micro_batch": 4, "grad_accum": 1}).ahead_steps == 3
     assert _train_with(None).ahead_steps == 0
 
 
@@ -459,8 +460,7 @@ def test_steps_trained_ahead_count_toward_the_round_whose_plan_they_guessed() ->
         {"cell_id": "k1"},  # another cell's steps
         {"member_index": 0},  # another data shard
         {"members": 3},  # the shards were cut for another group size
-        {"micro_batch": 4},  # another batch shape
-        {"grad_accum": 1},
+        {"steps": 6},  # more steps than the plan has: they cannot be undone
     ],
 )
 def test_steps_trained_ahead_for_another_plan_are_discarded(change: dict[str, object]) -> None:

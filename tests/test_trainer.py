@@ -187,3 +187,77 @@ def test_pick_device():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA"):
             pick_device("cuda:0")
+
+
+# ---------------------------------------------------------------- a round trained in two runs (overlap)
+
+
+def test_a_round_stopped_and_resumed_at_its_step_is_bit_identical_to_one_run():
+    """Steps trained ahead then the rest (the overlap's two runs): same weights, same data."""
+    plan = InnerPlan(inner_steps=6, micro_batch=8, grad_accum=2)
+    one, _ = _run(plan, KEY)
+    task = LinearTask()
+    model = task.build_model()
+    tr = InnerTrainer(task, model, torch.device("cpu"), lr=0.05)
+    idx = round_indices(shard, KEY, tr.num_train, plan)
+    stop = threading.Event()
+    first = tr.run(KEY, plan, idx, stop=stop, on_step=lambda p: stop.set() if p.step == 4 else None)
+    assert first.steps == 4 and not first.completed
+    rest = tr.run(KEY, plan, idx, start_step=4)
+    assert rest.steps == 2 and rest.completed and first.samples + rest.samples == plan.samples
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, one[k]), k
+
+
+def test_resumed_with_another_batch_shape_the_round_takes_the_next_samples():
+    """The rest of a round in a new batch shape goes on from the sample after the steps
+    trained ahead: every sample of the member's sequence once, in order."""
+
+    class Recording(LinearTask):
+        seen: list[torch.Tensor] = []
+
+        def loss(self, model, x, y, generator):
+            self.seen.append(x)
+            return super().loss(model, x, y, generator)
+
+    task = Recording()
+    tr = InnerTrainer(task, task.build_model(), torch.device("cpu"), lr=0.05)
+    ahead, now = InnerPlan(5, 8, 1), InnerPlan(5, 6, 1)
+    idx = torch.as_tensor(shard("run", "k0.r0", 1, 0, 2, tr.num_train, 3 * 8 + 2 * 6))
+    idx_ahead = round_indices(shard, KEY, tr.num_train, ahead)  # the guessed plan's indices
+    assert torch.equal(idx_ahead[: idx.numel()], idx)  # one prefix-stable sequence per member
+    stop = threading.Event()
+    a = tr.run(KEY, ahead, idx_ahead, stop=stop, on_step=lambda p: stop.set() if p.step == 3 else None)
+    b = tr.run(KEY, now, idx, start_step=3, sample_offset=a.samples)
+    assert (a.samples, b.samples, b.steps) == (24, 12, 2)
+    # the stop is seen after the 4th step's forward and backward, which are thrown away
+    assert len(task.seen) == 3 + 1 + 2
+    used = torch.cat(task.seen[:3] + task.seen[4:])
+    assert torch.equal(used, task.x[idx])
+    with pytest.raises(ValueError, match="sample indices"):
+        tr.run(KEY, now, idx[:20], start_step=3, sample_offset=a.samples)
+    with pytest.raises(ValueError, match="start_step"):
+        tr.run(KEY, now, idx, start_step=6)
+
+
+def test_moving_steps_ahead_onto_the_committed_outcome_keeps_them_on_top_of_it():
+    """p <- committed + (p - start): the local progress of the round before is replaced by
+    its committed outcome, and the steps trained ahead since are kept."""
+    from bagel.worker.diloco import CellState
+    from bagel.worker.roundwork import joined, move_onto, trainable
+
+    model = nn.Linear(3, 2)
+    start = {n: p.detach().clone() for n, p in trainable(model).items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)  # the steps trained ahead
+    committed = {n: torch.full_like(t, 2.0) for n, t in start.items()}
+    move_onto(model, start, CellState(committed))
+    for n, p in trainable(model).items():
+        torch.testing.assert_close(p.detach(), committed[n] + 0.25)
+    from bagel.worker.trainer import TrainResult
+
+    r = joined(TrainResult(24, 2.0, 3, 1.5, False), TrainResult(12, 1.0, 2, 0.5, True))
+    assert (r.samples, r.steps, r.completed, r.compute_s) == (36, 5, True, 2.0)
+    assert r.mean_loss == pytest.approx((2.0 * 3 + 1.0 * 2) / 5)
+    assert joined(TrainResult(8, 3.0, 1, 0.1, False), TrainResult(0, float("nan"), 0, 0.0, True)).mean_loss == 3.0

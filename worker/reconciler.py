@@ -65,8 +65,10 @@ class Ahead:
     `base_round` ran, the worker went on training, from its own trained weights, the round
     after it on the guess that its plan repeats the last one (same data shard, same batch
     shape). Those steps count toward round `base_round + 1` only if the coordinator's plan
-    for it is that guess and its base is the outcome of that very exchange; the shell then
-    moves them onto the committed base (the delayed outer update)."""
+    gives it the same data shard and its base is the outcome of that very exchange; the
+    shell then moves them onto the committed base (the delayed outer update). The batch
+    shape may have moved with the coordinator's throughput estimates: the round's other
+    steps take the new one, and its reported samples stay within the new budget."""
 
     cell_id: str
     base_round: int
@@ -370,11 +372,12 @@ def _on_train(i: Instruction, view: WorkerView, p: _Plan) -> None:
 
 def steps_ahead(ahead: Ahead | None, i: Instruction, member_index: int, held: LocalState | None) -> int:
     """How many of the inner steps trained ahead count toward the round `i` says to train:
-    all of them (at most the plan's inner steps) when `i` is the round right after the
-    exchange they overlapped, its base is that exchange's outcome and we hold it, and the
-    plan gives us the data shard and batch shape the steps were trained with; else none.
-    Data is drawn per (round, member index, members), so matching steps are exactly the
-    steps the plan would have had us train, only from weights one outer step old."""
+    all of them when `i` is the round right after the exchange they overlapped, its base is
+    that exchange's outcome and we hold it, the plan gives us the data shard the steps were
+    trained on (member index and group size), and it has at least that many steps; else
+    none. Data is drawn per (round, member index, members) as one sequence per member, so
+    matching steps took the samples the plan would have had us take first, only from
+    weights one outer step old."""
     if ahead is None or i.plan is None or held is None:
         return 0
     plan = i.plan
@@ -385,10 +388,9 @@ def steps_ahead(ahead: Ahead | None, i: Instruction, member_index: int, held: Lo
         and holds(held, i.cell_id, i.committed_round, i.committed_hash)
         and ahead.member_index == member_index
         and ahead.members == len(plan.members)
-        and ahead.micro_batch == plan.micro_batch
-        and ahead.grad_accum == plan.grad_accum
+        and ahead.steps <= plan.inner_steps
     )
-    return min(ahead.steps, plan.inner_steps) if same else 0
+    return ahead.steps if same else 0
 
 
 def _on_reduce(i: Instruction, view: WorkerView, p: _Plan) -> None:

@@ -150,6 +150,67 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
+@dataclass
+class AheadRun:
+    """Inner steps of round `guess.round`, trained ahead while the exchange of the round
+    before it runs (`[diloco] overlap = "delayed"`), from the worker's own trained weights,
+    as the plan `guess` (the last plan, one round on). `start` is what the steps started
+    from, so that once the round commits they can be moved onto its outcome."""
+
+    guess: RoundWork
+    base_round: int  # the round whose exchange the steps overlap
+    started_at: float  # monotonic
+    task: asyncio.Task | None = None
+    start: dict[str, torch.Tensor] | None = None  # the trained weights, float32 on CPU
+    result: TrainResult | None = None
+    ended_at: float = 0.0  # monotonic: training ahead stopped or ran out of steps
+
+    @property
+    def steps(self) -> int:
+        return self.result.steps if self.result is not None else self.guess.inner_step
+
+
+def train_ahead(run_id: str, rt: CellRuntime, a: AheadRun, on_step: Callable[[StepProgress], None] | None) -> None:
+    """Blocking: train `a.guess`'s steps from the model as it stands (the round just
+    trained), until `a.guess.stop` is set or the plan's steps are done."""
+    a.start = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in trainable(rt.model).items()}
+    key = a.guess.key(run_id)
+    idx = round_indices(shard, key, rt.trainer.num_train, a.guess.plan)
+    a.result = rt.trainer.run(key, a.guess.plan, idx, on_step=on_step, stop=a.guess.stop)
+
+
+def move_onto(model: torch.nn.Module, start: Mapping[str, torch.Tensor], committed: CellState) -> None:
+    """The delayed outer update: each parameter p becomes committed + (p - start), i.e. the
+    round's own local progress is replaced by the committed outcome of its exchange, and the
+    steps trained ahead since are kept on top of it."""
+    with torch.no_grad():
+        for name, p in trainable(model).items():
+            shift = committed.weights[name].to(torch.float32) - start[name]
+            p.add_(shift.to(device=p.device, dtype=p.dtype))
+
+
+def joined(first: TrainResult, rest: TrainResult) -> TrainResult:
+    """One round trained in two runs: the steps trained ahead, then the rest."""
+    steps = first.steps + rest.steps
+    if rest.steps == 0:
+        mean = first.mean_loss
+    elif first.steps == 0:
+        mean = rest.mean_loss
+    else:
+        mean = (first.mean_loss * first.steps + rest.mean_loss * rest.steps) / steps
+    return TrainResult(
+        samples=first.samples + rest.samples,
+        mean_loss=mean,
+        steps=steps,
+        compute_s=first.compute_s + rest.compute_s,
+        completed=rest.completed,
+        data_s=first.data_s + rest.data_s,
+        forward_backward_s=first.forward_backward_s + rest.forward_backward_s,
+        optimizer_s=first.optimizer_s + rest.optimizer_s,
+        throttle_s=first.throttle_s + rest.throttle_s,
+    )
+
+
 def train_round(
     run_id: str,
     rt: CellRuntime,
@@ -158,12 +219,39 @@ def train_round(
     ctx: ddp.DistContext,
     reset_optimizer: bool,
     on_step: Callable[[StepProgress], None] | None,
+    ahead: AheadRun | None = None,
 ) -> tuple[TrainResult, dict[str, torch.Tensor]]:
-    """Blocking: H inner steps from the committed weights; returns the result and delta."""
+    """Blocking: H inner steps from the committed weights; returns the result and delta.
+    With `ahead` (its steps are this round's first ones, trained from the weights before
+    `committed`'s outer step), those steps are moved onto `committed` and the round goes on
+    from the step after them."""
+    key = w.key(run_id)
+    if ahead is not None and ahead.result is not None and ahead.start is not None and ahead.result.steps > 0:
+        # a member's indices for a round are one prefix-stable sequence (models/data.shard):
+        # with the same key the steps trained ahead took its first samples, and the rest of
+        # the round goes on from the next one, in this plan's batch shape
+        if ahead.guess.key(run_id) != key or ahead.result.steps > w.plan.inner_steps or ctx.enabled:
+            raise ValueError("steps trained ahead for another round or data shard")
+        move_onto(rt.model, ahead.start, committed)
+        first = ahead.result
+        count = first.samples + (w.plan.inner_steps - first.steps) * w.plan.batch
+        idx = torch.as_tensor(
+            shard(key.run_id, key.cell_id, key.round, key.member, key.members, rt.trainer.num_train, count),
+            dtype=torch.long,
+        )
+        rest = rt.trainer.run(
+            key, w.plan, idx, on_step=on_step, stop=w.stop, start_step=first.steps, sample_offset=first.samples
+        )
+        res = joined(first, rest)
+        if res.samples > w.plan.samples:
+            # steps ahead in a larger batch than this plan's: what is claimed, and so the
+            # round's weight, stays within the plan's budget (more would be a lie to the core)
+            res = dataclasses.replace(res, samples=w.plan.samples)
+        delta = pseudo_gradient(committed.weights, trainable(rt.model)) if res.completed else {}
+        return res, delta
     if reset_optimizer:
         rt.trainer.reset_optimizer()
     committed.load_into(rt.model)
-    key = w.key(run_id)
     if ctx.enabled:
         ddp.send_command(
             ctx,

@@ -203,17 +203,26 @@ class InnerTrainer:
         *,
         on_step: Callable[[StepProgress], None] | None = None,
         stop: threading.Event | None = None,
+        start_step: int = 0,
+        sample_offset: int | None = None,
     ) -> TrainResult:
-        """Train `plan.inner_steps` steps on `indices` (plan.samples of them, in order).
+        """Train steps `start_step` .. `plan.inner_steps - 1` on `indices`, in order: step s
+        takes the next `plan.batch` of them from `sample_offset` (default: start_step x
+        batch, where a run from step 0 would be), so a round can be trained in two runs,
+        even with two batch shapes.
 
         Stops early (completed=False) when `stop` is set; in a multi-rank worker the stop
         flag rides on the per-step gradient all-reduce, so all ranks stop at the same step.
         """
-        if indices.numel() < plan.samples:
-            raise ValueError(f"need {plan.samples} sample indices, got {indices.numel()}")
+        if not 0 <= start_step <= plan.inner_steps:
+            raise ValueError(f"start_step {start_step} outside 0..{plan.inner_steps}")
+        batch = plan.batch
+        first = start_step * batch if sample_offset is None else sample_offset
+        need = first + (plan.inner_steps - start_step) * batch
+        if indices.numel() < need:
+            raise ValueError(f"need {need} sample indices, got {indices.numel()}")
         world = self.collective.world_size if self.collective else 1
         rank = self.collective.rank if self.collective else 0
-        batch = plan.batch
         nmb = micro_batches(batch, plan.grad_accum, world)
         self.model.train()
         losses: list[float] = []
@@ -223,9 +232,10 @@ class InnerTrainer:
         data_s = fb_s = opt_s = pause_s = 0.0
         cuda = self.device.type == "cuda"
         completed = True
-        for step in range(plan.inner_steps):
+        for step in range(start_step, plan.inner_steps):
             t0 = time.perf_counter()
-            step_idx = indices[step * batch : (step + 1) * batch]
+            at = first + (step - start_step) * batch
+            step_idx = indices[at : at + batch]
             self.optimizer.zero_grad(set_to_none=False)
             local_loss = 0.0
             for j, mb in enumerate(torch.tensor_split(step_idx, nmb)):
