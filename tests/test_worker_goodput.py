@@ -154,3 +154,39 @@ def test_the_demo_report_carries_the_section() -> None:
     }  # fmt: skip
     text = _markdown(report)
     assert "## Utilisation and goodput" in text and "| w1 | 60 | 29 | 0.483 | 0.167 |" in text
+
+
+def test_time_trained_ahead_is_training_that_shares_the_fate_of_the_round_it_carried_into() -> None:
+    life = [
+        ev(0, "train", cell="c", round=4, attempt=1),  # 0-10 training, committed
+        ev(10, "ready", cell="c", round=4),  # 10-11 barrier
+        ev(11, "exchange", cell="c", round=4, reduce_attempt=1),
+        ev(11, "ahead", cell="c", round=5, base_round=4),  # 11-17 training ahead, not comm
+        ev(15, "exchanged", cell="c", round=4),
+        ev(16, "verdict", cell="c", round=4, round_attempt=1, verdict="committed"),
+        ev(16.5, "committed", cell="c", round=4, samples=64),
+        ev(17, "ahead-done", cell="c", round=5, steps=6),  # 17-18 idle: out of steps
+        ev(18, "train", cell="c", round=5, attempt=1, ahead_steps=6),  # 18-20 the rest of round 5
+        ev(20, "ready", cell="c", round=5),  # 20-21 barrier
+        ev(21, "exchange", cell="c", round=5, reduce_attempt=1),
+        ev(21, "ahead", cell="c", round=6, base_round=5),  # 21-24 ahead, then dropped: aborted
+        ev(24, "ahead-dropped", cell="c", round=6, steps=3, why="resync"),  # 24-25 comm
+        ev(25, "exchanged", cell="c", round=5),  # 25-26 barrier
+        ev(26, "verdict", cell="c", round=5, round_attempt=1, verdict="committed"),
+        ev(26, "committed", cell="c", round=5, samples=64),  # 26-27 idle
+        ev(27, "train", cell="c", round=6, attempt=1),  # 27-28 unresolved
+        ev(28, "identity"),
+    ]
+    a = account(life)
+    b = a.buckets
+    assert b["committed"] == pytest.approx(10 + 6 + 2)
+    assert b["aborted"] == pytest.approx(3)
+    assert b["comm"] == pytest.approx(1)  # only the exchange time no step overlapped
+    assert b["barrier"] == pytest.approx(1 + 1 + 1)
+    assert b["idle"] == pytest.approx(1 + 1)
+    assert b["unresolved"] == pytest.approx(1)
+    assert a.wall_s == pytest.approx(sum(b.values()))
+    # the same steps, discarded by the round's plan: aborted, not committed
+    wrong = [dict(e, ahead_steps=0) if e["event"] == "train" and e["round"] == 5 else e for e in life]
+    assert account(wrong).buckets["committed"] == pytest.approx(10 + 2)
+    assert account(wrong).buckets["aborted"] == pytest.approx(3 + 6)

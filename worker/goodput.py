@@ -28,6 +28,12 @@ move the worker between states, and each interval goes to its state's bucket:
   verdict until the commit shows: `barrier` (the guard's held-out measurement and the
   wait for the verdict).
 - `sync` until `synced`, `sync-failed` or `sync-cancelled`: `resync`.
+- Training ahead (`[diloco] overlap = "delayed"`): from `ahead` until `ahead-done` the GPU
+  trains the next round while the worker otherwise waits (the exchange, the verdict, the
+  next round's opening), so that time is training, held apart. The `train` event of the
+  round it guessed says how many steps it carried (`ahead_steps`): if any, the held time
+  joins that round's training and shares its fate; an `ahead-dropped` event (the guess
+  was wrong, or its base was never held) makes it `aborted`.
 - Everything else is `idle`: start-up (identity, profiling, registration), building a
   cell's model and fetching its data, waiting for the next round or an instruction,
   saving the local checkpoint, leaving.
@@ -132,6 +138,7 @@ def account(events: Sequence[Mapping[str, Any]], facts: SwarmFacts | None = None
     pending: dict[RoundKey, float] = {}  # training seconds held until the round's fate is known
     dropped: set[RoundKey] = set()  # pending keys dropped for a reason settled at the end
     state, work = "idle", None  # work: the round key being trained or exchanged
+    ahead_on, ahead_s = False, 0.0  # training ahead now; its seconds, held for the round it guessed
     start = last = float(timed[0]["ts"])
 
     def settle(key: RoundKey | None, bucket: str) -> None:
@@ -144,6 +151,8 @@ def account(events: Sequence[Mapping[str, Any]], facts: SwarmFacts | None = None
         dt = now - last
         if state == "train" and work is not None:
             pending[work] = pending.get(work, 0.0) + dt
+        elif ahead_on:
+            ahead_s += dt
         else:
             buckets[_STATE_BUCKET.get(state, "idle")] += dt
         last = now
@@ -153,6 +162,18 @@ def account(events: Sequence[Mapping[str, Any]], facts: SwarmFacts | None = None
             state = "train" if work is not None else "idle"
             if work is not None:
                 pending.setdefault(work, 0.0)
+                if ahead_s and int(e.get("ahead_steps", 0) or 0) > 0:
+                    pending[work] += ahead_s
+                else:
+                    buckets["aborted"] += ahead_s
+            ahead_on, ahead_s = False, 0.0
+        elif kind == "ahead":
+            ahead_on, ahead_s = True, 0.0
+        elif kind == "ahead-done":
+            ahead_on = False
+        elif kind == "ahead-dropped":
+            buckets["aborted"] += ahead_s
+            ahead_on, ahead_s = False, 0.0
         elif kind == "ready":
             state = "barrier"
         elif kind == "catch-up":
@@ -194,6 +215,7 @@ def account(events: Sequence[Mapping[str, Any]], facts: SwarmFacts | None = None
             state = "resync"
         elif kind in ("synced", "sync-failed", "sync-cancelled"):
             state = "idle" if state == "resync" else state
+    buckets["unresolved"] += ahead_s  # trained ahead for a round that never came
     for key in list(pending):
         settle(key, facts.fate_of_dropped(key) if key in dropped else "unresolved")
     return WorkerAccount(last - start, buckets)

@@ -12,7 +12,12 @@ rollback for free.
   checkpoint (`DownloadCheckpoint`); either must hash to the committed hash. Round 0 is
   the deterministic initial state, built locally.
 - TRAIN: `roundwork.train_round` in a thread; then the pseudo-gradient (corrupted on
-  purpose with `--byzantine`), and PHASE_READY.
+  purpose with `--byzantine`), and PHASE_READY. With `[diloco] overlap = "delayed"` the
+  GPU does not wait for the exchange: once a weighted exchange starts, the next round's
+  inner steps are trained ahead (`roundwork.train_ahead`), on the guess that its plan
+  repeats this one; when that round's TRAIN comes and the reconciler says the guess held
+  (`reconciler.steps_ahead`), they are moved onto the committed outcome and the round goes
+  on from there, else they are discarded.
 - REDUCE: `roundwork.reduce_round` over exactly the frozen contributors, then ReportRound.
   A failed exchange is reported `failed=True` and the delta kept: a re-freeze (higher
   reduce_attempt) redoes only the exchange, with the committed error-feedback residuals.
@@ -28,7 +33,9 @@ rollback for free.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -66,12 +73,14 @@ from bagel.worker.reconciler import (
     WorkerView,
 )
 from bagel.worker.roundwork import (
+    AheadRun,
     ReduceOutcome,
     RoundWork,
     claimed,
     corrupt,
     fresh_feedback,
     reduce_round,
+    train_ahead,
     train_round,
 )
 from bagel.worker.trainer import CellRuntime, build_runtime
@@ -161,6 +170,7 @@ class Orders:
         # worker id, bytes, ms)]), sent with the heartbeats while that state is held
         self.donor_rates: tuple[str, int, tuple[tuple[str, int, int], ...]] | None = None
         self.train_task: asyncio.Task[None] | None = None
+        self.ahead: AheadRun | None = None  # the next round's steps, trained during an exchange
         self.counters = Counters()
         self.reset_optimizer = True
         self.missing_reported: set[tuple[str, int, int, int]] = set()
@@ -209,7 +219,16 @@ class Orders:
         sync = None
         if self.sync is not None:
             sync = Sync(LocalState(*self.sync.target), running=not self.sync.task.done())
-        return WorkerView(self.worker_id, self.held_local(), work, sync, uploaded, frozenset(self.missing_reported))
+        ahead = None
+        a = self.ahead
+        if a is not None:
+            g = a.guess
+            ahead = reconciler.Ahead(
+                g.cell_id, a.base_round, g.member_index, g.members, g.plan.micro_batch, g.plan.grad_accum, a.steps
+            )
+        return WorkerView(
+            self.worker_id, self.held_local(), work, sync, uploaded, frozenset(self.missing_reported), ahead
+        )
 
     async def perform(self, i: Instruction, a: reconciler.Action) -> bool:
         """Carry out one action `decide` returned for `i` (Leave and Upload are the agent's);
@@ -225,13 +244,14 @@ class Orders:
             target = (a.cell_id, a.committed_round, a.committed_hash)
             donors = a.donors or ((a.donor,) if a.donor is not None else ())
             self.donor_rates = None
+            self.drop_ahead("resync")
             self.sync = SyncJob(target, self.host.spawn(self._sync(*target, donors), "sync"))
             self.link.wake_heartbeat()
         elif isinstance(a, BuildInitialState):
             await self._sync(a.cell_id, 0, "", ())  # instant: no download
             return reconciler.holds(self.held_local(), a.cell_id, 0, "")
         elif isinstance(a, StartTrain):
-            return await self._start_train(i, a.member_index)
+            return await self._start_train(i, a.member_index, a.ahead_steps)
         elif isinstance(a, NotAMember):
             self.display.event("not-a-member", level="warning", cell=i.cell_id, round=i.round)
         elif isinstance(a, StartCatchUp):
@@ -355,8 +375,18 @@ class Orders:
 
     # ------------------------------------------------------------------ TRAIN
 
-    async def _start_train(self, i: Instruction, member_index: int) -> bool:
+    async def _start_train(self, i: Instruction, member_index: int, ahead_steps: int = 0) -> bool:
+        ahead = self.ahead
+        if ahead is not None:
+            ahead.guess.stop.set()  # stops at its next inner step; its steps so far are kept
         await self._trainer_idle()
+        if ahead is not None and ahead is self.ahead:
+            self.ahead = None
+            if not ahead_steps or ahead.result is None or not ahead.result.steps:
+                self._ahead_dropped(ahead, "the round's plan is not the one trained ahead")
+                ahead = None
+        else:
+            ahead = None
         try:
             rt = await self.runtime_for(i.cell_id)
         except DataFetchError:  # said on the display; the fetcher backs off before trying again
@@ -370,6 +400,13 @@ class Orders:
         reset = self.reset_optimizer
         self.reset_optimizer = False
         w = RoundWork.from_instruction(i, member_index)
+        if ahead is not None and (
+            ahead.guess.key(self.run_id) != w.key(self.run_id)
+            or ahead.result is None
+            or ahead.result.steps > w.plan.inner_steps
+        ):
+            self._ahead_dropped(ahead, "the round's plan is not the one trained ahead")
+            ahead = None
         self.work = w
         self.display.update(
             cell=i.cell_id, round=i.round, step=0, steps=i.plan.inner_steps, deadline_unix_ms=i.plan.deadline_unix_ms
@@ -382,8 +419,9 @@ class Orders:
             micro_batch=i.plan.micro_batch,
             grad_accum=i.plan.grad_accum,
             members=len(i.plan.members),
+            ahead_steps=ahead.result.steps if ahead is not None and ahead.result is not None else 0,
         )
-        w.task = self.train_task = self.host.spawn(self._train(w, rt, reset), "train")
+        w.task = self.train_task = self.host.spawn(self._train(w, rt, reset, ahead), "train")
         self.link.wake_heartbeat()
         return True
 
@@ -395,9 +433,11 @@ class Orders:
         if t is not None and not t.done():
             await asyncio.wait({t})
 
-    async def _train(self, w: RoundWork, rt: CellRuntime, reset_optimizer: bool) -> None:
+    async def _train(self, w: RoundWork, rt: CellRuntime, reset_optimizer: bool, ahead: AheadRun | None = None) -> None:
         assert self.held is not None and self.host.spec is not None
         held = self.held
+        if ahead is not None:
+            w.inner_step = ahead.steps
 
         def on_step(p: Any) -> None:
             w.inner_step, w.last_loss = p.step, p.loss
@@ -405,7 +445,7 @@ class Orders:
 
         try:
             res, delta = await asyncio.to_thread(
-                train_round, self.run_id, rt, held.state, w, self.ctx, reset_optimizer, on_step
+                train_round, self.run_id, rt, held.state, w, self.ctx, reset_optimizer, on_step, ahead
             )
         except Exception as e:
             log.exception("training failed")
@@ -445,6 +485,9 @@ class Orders:
         if w.reduce_task is not None and not w.reduce_task.done():
             w.reduce_task.cancel()
         self.work = None
+        a = self.ahead
+        if a is not None and (a.guess.cell_id, a.base_round) == (w.cell_id, w.round):
+            self.drop_ahead(why)  # its base, that exchange's outcome, will not be held
         log.info("dropped round %s/%d: %s", w.cell_id, w.round, why)
         self.display.event("dropped", cell=w.cell_id, round=w.round, attempt=w.round_attempt, why=why)
         self.display.update(step=0)
@@ -465,7 +508,79 @@ class Orders:
             "exchange", cell=w.cell_id, round=w.round, reduce_attempt=a.reduce_attempt, catch_up=w.catch_up
         )
         w.reduce_task = self.host.spawn(self._reduce(w, i), "reduce")
+        self._maybe_train_ahead(w)
         self.link.wake_heartbeat()
+
+    # ------------------------------------------------------------------ training ahead (overlap)
+
+    def _maybe_train_ahead(self, w: RoundWork) -> None:
+        """Start training the next round ahead while `w`'s exchange runs, if the run spec
+        says so. Not for a catch-up (nothing was trained, and it holds no trained model),
+        nor for a multi-rank worker (its ranks follow rank 0's rounds in lock step)."""
+        spec = self.host.spec
+        rt = self.runtime
+        if (
+            spec is None
+            or spec.diloco.overlap != "delayed"
+            or w.catch_up
+            or self.ctx.enabled
+            or w.result is None
+            or rt is None
+            or rt.cell_id != w.cell_id
+            or self.ahead is not None
+        ):
+            return
+        t = self.train_task
+        if t is not None and not t.done():
+            return  # the round's own training thread has not returned yet
+        guess = dataclasses.replace(
+            w,
+            round=w.round + 1,
+            round_attempt=1,
+            deadline_unix_ms=0,
+            stop=threading.Event(),
+            task=None,
+            inner_step=0,
+            result=None,
+            delta=None,
+            reduce_attempt=0,
+            reduce_task=None,
+            pending=None,
+        )
+        a = AheadRun(guess, w.round, time.monotonic())
+        self.ahead = a
+        self.display.event("ahead", cell=w.cell_id, round=guess.round, base_round=w.round)
+        a.task = self.train_task = self.host.spawn(self._train_ahead(a, rt), "train-ahead")
+
+    async def _train_ahead(self, a: AheadRun, rt: CellRuntime) -> None:
+        def on_step(p: Any) -> None:
+            a.guess.inner_step, a.guess.last_loss = p.step, p.loss
+
+        try:
+            await asyncio.to_thread(train_ahead, self.run_id, rt, a, on_step)
+        except Exception as e:  # noqa: BLE001  (a failed step ahead costs only the steps)
+            log.warning("training ahead failed: %s: %s", type(e).__name__, e)
+            a.ended_at = time.monotonic()
+            if self.ahead is a:
+                self.ahead = None
+                self._ahead_dropped(a, f"failed: {type(e).__name__}")
+            return
+        a.ended_at = time.monotonic()
+        if self.ahead is a:  # stopped for the round it trained, or out of steps: its time ends here
+            self.display.event("ahead-done", cell=a.guess.cell_id, round=a.guess.round, steps=a.steps)
+
+    def drop_ahead(self, why: str) -> None:
+        """Discard the steps trained ahead (their base will not be held); the training thread
+        stops at its next inner step, and the next round reloads the committed weights."""
+        a = self.ahead
+        if a is None:
+            return
+        a.guess.stop.set()
+        self.ahead = None
+        self._ahead_dropped(a, why)
+
+    def _ahead_dropped(self, a: AheadRun, why: str) -> None:
+        self.display.event("ahead-dropped", cell=a.guess.cell_id, round=a.guess.round, steps=a.steps, why=why)
 
     async def _reduce(self, w: RoundWork, i: Instruction) -> None:
         from bagel.worker.averaging import ExchangeError
