@@ -350,3 +350,44 @@ def test_a_report_audit_is_validated_field_by_field() -> None:
         with pytest.raises(ValidationError) as e:
             validate("ReportRound", req(a), spec)
         assert e.value.field == field, (field, e.value)
+
+
+def _credit_after_an_overlapped_exchange(overlap: str) -> tuple[int, int, int]:
+    """A lone member trains round 1, exchanges for 200 ms, and says READY in round 2 100 ms
+    after its TRAIN (its first steps were trained during the exchange): what round 2
+    credits it, its budget, and what 100 ms alone would allow."""
+    from dataclasses import replace
+
+    from bagel.protocol.messages import Phase
+
+    spec = make_spec()
+    spec = replace(spec, diloco=replace(spec.diloco, overlap=overlap))
+    hz = Harness(spec)
+    hz.reg("solo", speed=100.0)
+    hz.hb("solo")
+    hz.advance(2_000)
+    hz.ready("solo")
+    assert hz.st.instruction_for("solo").order is Order.REDUCE
+    hz.advance(200)  # the exchange, while the GPU trains round 2 ahead
+    assert hz.report("solo", h(1)).verdict.name == "COMMITTED"
+    hz.hb("solo", Phase.IDLE)
+    out = hz.hb("solo", Phase.IDLE)
+    assert out.instruction is not None and out.instruction.order is Order.TRAIN and out.instruction.round == 2
+    p = out.instruction.plan
+    budget = p.micro_batch * p.grad_accum * p.inner_steps
+    hz.advance(50)  # + 50 ms in Harness.ready
+    hz.ready("solo", samples=budget)
+    ins = hz.st.instruction_for("solo")
+    assert ins.order is Order.REDUCE
+    credited = {m.worker_id: m.max_samples for m in ins.contributors}["solo"]
+    return credited, budget, int(hz.spec.audit.max_samples_per_s * 0.1)
+
+
+def test_with_overlap_the_credit_span_starts_at_the_freeze_of_the_round_before() -> None:
+    """With overlap the steps of round n + 1 begin at round n's freeze, so an honest member
+    that is READY moments after the TRAIN is credited for the time since that freeze (here
+    its whole budget), and without overlap by the 100 ms span alone, as before."""
+    credited, budget, by_100ms = _credit_after_an_overlapped_exchange("delayed")
+    assert credited == budget > by_100ms
+    credited, budget, by_100ms = _credit_after_an_overlapped_exchange("off")
+    assert credited == by_100ms < budget

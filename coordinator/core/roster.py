@@ -327,7 +327,17 @@ class Roster:
         med = others[n // 2] if n % 2 else 0.5 * (others[n // 2 - 1] + others[n // 2])
         return min(a.max_samples_per_s, a.max_speedup * med)
 
-    def credit(self, w: Worker, c: Cell, r: Round, claimed: int, now: int, *, observe: bool = True) -> int:
+    def credit(
+        self,
+        w: Worker,
+        c: Cell,
+        r: Round,
+        claimed: int,
+        now: int,
+        *,
+        observe: bool = True,
+        ahead_since_ms: int | None = None,
+    ) -> int:
         """The samples a ready member is credited for this round, from what the coordinator
         observed: its claim, at most its plan's budget, and at most what the absolute
         throughput bound allows in the wall time between the TRAIN the core answered it
@@ -335,10 +345,15 @@ class Roster:
         credited almost nothing, whatever it claims. Also feeds the throughput estimate,
         when that span is long enough to say something (at least one heartbeat interval:
         a READY may wait that long): samples credited over the span, clamped to
-        `rate_bound`; the `compute_ms` a worker reports is never used for it."""
+        `rate_bound`; the `compute_ms` a worker reports is never used for it.
+        `ahead_since_ms`: with overlap, when the member's exchange of the round before was
+        frozen, since which it may have trained this round's first steps; its span starts
+        there."""
         p = r.plans.get(w.id)
         cap = p.max_samples if p is not None else 0
         start = max(r.opened_ms, r.train_ms.get(w.id, r.opened_ms))
+        if ahead_since_ms is not None:
+            start = min(start, ahead_since_ms)
         span_ms = max(0, r.ready_ms.get(w.id, now) - start)
         by_time = int(self.spec.audit.max_samples_per_s * span_ms / 1000.0)
         got = max(0, min(claimed, cap, by_time))

@@ -244,9 +244,20 @@ class Rounds:
             r.first_reduce_attempt = r.reduce_attempt
         w_set = set(weighted)
         first = r.reduce_attempt == r.first_reduce_attempt  # a re-freeze learns nothing new
+        # with overlap, a member of the round before trained this round's first steps while
+        # that round's exchange ran, from its freeze on: its span starts there, or an honest
+        # member that says READY soon after this round opens is credited almost nothing
+        prev = self.last_committed.get(c.id) if self.spec.diloco.overlap == "delayed" else None
+        if prev is not None and prev.round != r.round - 1:
+            prev = None
         for x in weighted:  # what each ready member is credited, and so weighs on the wire
             if x in r.ready and x in r.plans:
-                r.ready[x] = self.roster.credit(self.roster.workers[x], c, r, r.ready[x], now, observe=first)
+                since = None
+                if prev is not None and prev.frozen_ms and prev.is_contributor(x) and x not in prev.catch_up:
+                    since = prev.frozen_ms
+                r.ready[x] = self.roster.credit(
+                    self.roster.workers[x], c, r, r.ready[x], now, observe=first, ahead_since_ms=since
+                )
         catch = tuple(sorted(x for x in c.synced if x not in w_set)) if self.policy.catch_up else ()
         self.changes.ops += len(c.synced)
         peers = {x: self.roster.workers[x].peer for x in catch if x not in r.plans}
