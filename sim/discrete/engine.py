@@ -52,6 +52,12 @@ The heartbeat approximation (what makes 10,000 workers x 24 h affordable):
 - All contributors of an exchange finish it at the same instant (the all-gather ends
   for everyone together), so their reports arrive in one burst, in the order they
   joined.
+
+Overlap: with `[diloco] overlap = "delayed"` in the run spec (and a policy that leaves it
+on: the baselines turn it off), a worker trains the next round ahead while its weighted
+exchange runs and until that round opens, as the real worker does (workers.py). Every
+interval of a worker's time still goes to exactly one bucket: `_set_act` splits an
+interval spent training ahead from the activity's own bucket.
 """
 
 from __future__ import annotations
@@ -139,6 +145,7 @@ class EngineResult:
     ever_online: np.ndarray  # bool per worker
     steps_per_round: int
     throughput_spread: float  # p95 / p5 of achieved FLOP/s of the population
+    overlap: str = "off"  # the run spec's [diloco] overlap as the workers ran it
 
 
 class Engine(WorkerBehaviour):
@@ -185,6 +192,8 @@ class Engine(WorkerBehaviour):
             # moment the daemon's lease would have run out (see actors._lost_contact)
             overrides.setdefault("schedule", {})["lease_s"] = DECLARED_CORE_LEASE_S
         self.spec: RunSpec = scenario.run_spec(overrides)
+        # workers train the next round ahead during the exchange (lock-stepped ones cannot)
+        self.overlap = self.spec.diloco.overlap == "delayed" and not self.policy.lockstep
         self.av = scenario.population.availability
         self.cells = self.spec.cell_ids
         self.flops_per_sample = {c: cm.cell_flops_per_sample(self.work, c) for c in self.cells}
@@ -323,6 +332,7 @@ class Engine(WorkerBehaviour):
         self.now = end
         for w in ws:
             if w.online:
+                self._drop_ahead(w, "run ended", "unresolved")
                 self._set_act(w, OFF)
         self.ledger.close()
         if progress is not None:
@@ -400,8 +410,9 @@ class Engine(WorkerBehaviour):
             ev = Heartbeat(w.wid, Phase.READY, key[0], key[1], samples=w.samples, local=w.local, round_attempt=key[2])
         elif a in (TRAIN, STALL) and key is not None:
             # progress so far, as the real worker reports it (the core estimates a late
-            # member's speed from it)
-            done = w.h if a == STALL else min(w.h, int(w.h * (self.now - w.since) / (w.dur_s * 1000.0 + 1e-9)))
+            # member's speed from it), counting the steps trained ahead it started with
+            h, h0 = w.h, w.h0
+            done = h if a == STALL else min(h, h0 + int((h - h0) * (self.now - w.since) / (w.dur_s * 1000.0 + 1e-9)))
             ev = Heartbeat(w.wid, Phase.TRAINING, key[0], key[1], inner_step=done, local=w.local, round_attempt=key[2])
         elif a in (REDUCE, WAITV) and w.rkey is not None:
             r = w.rkey
@@ -504,6 +515,8 @@ class Engine(WorkerBehaviour):
     # ------------------------------------------------------------ activity accounting
 
     def _set_act(self, w: W, act: int) -> None:
+        """Book the worker's time since its last change to the activity it had, then switch
+        to `act` (the same one: just book so far)."""
         now = self.now
         dt = (now - w.since) / 1000.0
         old = w.act
@@ -515,7 +528,20 @@ class Engine(WorkerBehaviour):
                     self.ledger.train(w.key, w.i, useful)
                 self.ledger.add("barrier", fl - useful)  # lock-step: waiting for the slowest
             else:
-                self.ledger.add(ACT_BUCKET[old], fl)
+                room = w.ahead_room
+                if room > 0.0 and not w.stopped:
+                    # training ahead (only ever in REDUCE, WAITV or IDLE): the first `room`
+                    # seconds are training, held on the worker; the rest is the activity's
+                    if dt < room:
+                        w.ahead_room = room - dt
+                        w.ahead_fl += fl
+                    else:
+                        w.ahead_room = 0.0
+                        ahead = room * w.flops
+                        w.ahead_fl += ahead
+                        self.ledger.add(ACT_BUCKET[old], fl - ahead)
+                else:
+                    self.ledger.add(ACT_BUCKET[old], fl)
             self.ledger.offered += fl
         if old == TRAIN and act != TRAIN:
             self.train_flops -= w.flops
@@ -529,7 +555,13 @@ class Engine(WorkerBehaviour):
     def _sample(self) -> None:
         self.samples_t.append(self.now / 3600_000.0)
         self.samples_rounds.append(list(self.rounds_now))
-        self.samples_util.append(self.train_flops / self.online_flops if self.online_flops > 0 else 0.0)
+        training = self.train_flops
+        if self.overlap:  # and those training ahead right now (no event marks the cap)
+            now = self.now
+            for w in self.ws:
+                if w.ahead_room > 0.0 and not w.stopped and now - w.since < w.ahead_room * 1000.0:
+                    training += w.flops
+        self.samples_util.append(training / self.online_flops if self.online_flops > 0 else 0.0)
         self.samples_online.append(self.online_count)
 
     def _result(self) -> EngineResult:
@@ -554,6 +586,7 @@ class Engine(WorkerBehaviour):
             ever_online=np.array([w.ever for w in self.ws]),
             steps_per_round=int(self.policy.core.inner_steps or self.spec.diloco.inner_steps),
             throughput_spread=spread,
+            overlap="delayed" if self.overlap else "off",
         )
 
 

@@ -20,6 +20,14 @@ add up to the offered compute (a test checks the identity):
 
 Training time is held per (cell, round, attempt) until the round's fate is known. Goodput
 is `committed / offered`; utilisation is all training (wasted or not) over offered.
+
+Training ahead (`[diloco] overlap = "delayed"`, see workers.py) is training too: while a
+worker exchanges, awaits its verdict or waits for the next round, its GPU trains the next
+round's steps, and that time is held on the worker instead of going to comm, barrier or
+idle. Steps the next round takes join its pending training here (and settle with it); the
+rest is `aborted` (`preempted` if the worker left or was cut off, `unresolved` at the
+end). `ahead_*` tally it: FLOPs trained ahead and carried, rounds that trained ahead and
+that carried steps, and why the others' steps were thrown away.
 """
 
 from __future__ import annotations
@@ -48,6 +56,12 @@ class Ledger:
     abort_reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     faults: list[tuple[float, str, int]] = field(default_factory=list)  # (t_s, kind, workers hit)
     core_errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ahead_trained: float = 0.0  # FLOPs trained ahead, settled (carried or thrown away)
+    ahead_carried: float = 0.0  # of which carried into the next round's training
+    ahead_rounds: int = 0  # weighted exchanges a worker trained ahead during
+    ahead_kept: int = 0  # of which the next round took some steps
+    # why the others' steps were thrown away: reason -> [exchanges, FLOPs]
+    ahead_dropped: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, bucket: str, flops: float) -> None:
         if flops > 0:

@@ -7,13 +7,15 @@ cannot know about:
 
 - `bagel`: the daemon's policy object itself (`coordinator.policy.BAGEL`), unchanged:
   throughput-proportional batches, deadlines that freeze whoever is ready, leases that
-  fail fast. Workers behave as the real worker does.
+  fail fast. Workers behave as the real worker does, including the run spec's
+  `[diloco] overlap` (training the next round ahead during the exchange).
 - `diloco_wait_all`: `coordinator.policy.DILOCO_WAIT_ALL`, unchanged: equal batches, a round
   freezes only when every live member is ready, a dead member is noticed only at the
   round's timeout (DiLoCo, Douillard et al. 2023, as usually deployed with a plain
-  all-reduce barrier).
+  all-reduce barrier, whose GPUs wait for the exchange: `overlap` is forced "off").
 - `sync_dp`: `coordinator.policy.SYNC_DP` (equal batches, wait for all, no fail-fast) with
-  `inner_steps` = K and the run's codec forced to fp32. Synchronous data parallel exchanges
+  `inner_steps` = K, the run's codec forced to fp32 and no overlap (every step waits for
+  its all-reduce). Synchronous data parallel exchanges
   fp32 gradients every step; simulating every step as its own core round would take
   10^5 core rounds per cell per day, so one core round stands for K lock-step steps:
   the workers are *lock-stepped* (every step waits for the slowest member, so all members
@@ -93,6 +95,7 @@ DILOCO_WAIT_ALL = register(
     SimPolicy(
         "diloco_wait_all",
         core_policy.DILOCO_WAIT_ALL,
+        spec_overrides={"diloco": {"overlap": "off"}},
         description="DiLoCo, equal batches, every round waits for all members",
     )
 )
@@ -100,7 +103,7 @@ SYNC_DP = register(
     SimPolicy(
         "sync_dp",
         core_policy.SYNC_DP,
-        spec_overrides={"diloco": {"codec": "fp32"}},
+        spec_overrides={"diloco": {"codec": "fp32", "overlap": "off"}},
         lockstep=True,
         comm_every_step=True,
         description="synchronous data parallel: fp32 all-reduce every step, everyone waits for the slowest",

@@ -96,6 +96,19 @@ def policy_summary(r: EngineResult, target_samples: float) -> dict[str, Any]:
         "core_errors": dict(sorted(L.core_errors.items())),
         "abort_reasons": dict(sorted(L.abort_reasons.items(), key=lambda kv: -kv[1])),
         "faults": [{"at_s": t, "kind": k, "workers": n} for t, k, n in L.faults],
+        "overlap": r.overlap,
+        # training ahead during the exchange (overlap = "delayed"): FLOPs as fractions of
+        # offered (already in the buckets above), rounds, and why steps were thrown away
+        "ahead": {
+            "trained": L.ahead_trained / off if off > 0 else 0.0,
+            "carried": L.ahead_carried / off if off > 0 else 0.0,
+            "rounds": int(L.ahead_rounds),
+            "carried_rounds": int(L.ahead_kept),
+            "dropped": {
+                why: {"exchanges": int(n), "flops": fl / off if off > 0 else 0.0}
+                for why, (n, fl) in sorted(L.ahead_dropped.items(), key=lambda kv: -kv[1][1])
+            },
+        },
     }
 
 
@@ -148,7 +161,9 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
         f"seed {meta['seed']}"
         + (f", {summary['wall_s']:.1f} s wall" if "wall_s" in summary else "")
         + f"; achieved-throughput spread (p95/p5) {meta['throughput_spread_p95_p5']:.1f}x; "
-        f"leases: {meta['lease_mode']}.",
+        f"leases: {meta['lease_mode']}; overlap of the exchange with compute: "
+        + ", ".join(f"{name} {p['overlap']}" for name, p in pols.items())
+        + ".",
         "",
         "| policy | goodput | utilisation | committed rounds | aborted | rounds/cell (min–max) | cells at target "
         "| time to target (median) | fairness (Jain) | bytes sent / worker |",
@@ -169,6 +184,15 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     for name, p in pols.items():
         vals = [p["goodput"]] + [p["wasted"][k] for k in WASTE] + [p["unresolved"]]
         lines.append(f"| {name} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    ahead = [(name, p["ahead"]) for name, p in pols.items() if p["overlap"] != "off"]
+    if ahead:
+        lines += ["", 'Trained ahead during the exchange (`[diloco] overlap = "delayed"`; in the buckets above):', ""]
+        for name, a in ahead:
+            why = ", ".join(f"{k} {v['flops']:.3f} ({v['exchanges']})" for k, v in a["dropped"].items()) or "none"
+            lines.append(
+                f"- {name}: {a['trained']:.3f} of offered trained ahead, {a['carried']:.3f} carried into the next "
+                f"round ({a['carried_rounds']} of {a['rounds']} exchanges); thrown away (of offered, exchanges): {why}"
+            )
     lines += [
         "",
         "goodput = training FLOPs in committed rounds by agreeing contributors / offered FLOPs "

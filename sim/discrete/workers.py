@@ -14,6 +14,27 @@ flight. The simulator's `local` is what the worker's heartbeats report: after an
 it already names the outcome (the candidate), so while that report awaits its verdict
 the view holds the state before the outer step (`prev_local`) with the candidate as the
 pending outcome, as the real worker holds them.
+
+Overlap (`[diloco] overlap = "delayed"` in the run spec, and a policy that does not turn
+it off): when a worker starts the weighted exchange of a round n it trained, its GPU goes
+on training round n + 1 on the guess that its plan repeats round n's (same member index,
+members and batch shape), at its own rate, while it exchanges (REDUCE), while
+its report awaits the verdict (WAITV) and while it waits idle for round n + 1 after the
+commit (IDLE), up to the guessed round's full training time (round n's `own_s`). The
+exchange itself takes as long as without overlap (the GPU and the link work apart).
+`_view` hands `decide` those steps (`reconciler.Ahead`), which matches them against the
+next TRAIN (`reconciler.steps_ahead`: the same data shard, whatever the batch shape);
+`StartTrain.ahead_steps` of them are carried into that round, which then trains only the
+rest, in its own batch shape (what it claims stays within its plan's budget, as the real
+worker's `roundwork.train_round` does). The steps are thrown away whenever the worker
+drops that work (a DropWork of that round, an ABORTED or RESYNC verdict on it), syncs,
+departs, or the next TRAIN does not match (as in the real worker, a catch-up exchange
+does not stop them: they are thrown away at the next TRAIN or sync). Accounting (the engine's
+`_set_act`): time trained ahead is training, not the activity's bucket; its FLOPs are held
+on the worker (`W.ahead_fl`) and, when carried, join round n + 1's pending training (the
+carried steps' share; the rest, a step begun but not finished, is "aborted"); thrown away,
+they are "aborted", or "preempted" when the worker departs or is cut off or stopped, and
+"unresolved" at the end of the run. Time past the cap is the activity's own bucket.
 """
 
 from __future__ import annotations
@@ -32,6 +53,7 @@ from bagel.sim.faults import Fault, FaultKind
 from bagel.worker import reconciler
 from bagel.worker.reconciler import (
     AdoptPending,
+    Ahead,
     BuildInitialState,
     CancelSync,
     DropWork,
@@ -51,7 +73,7 @@ from bagel.worker.reconciler import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from bagel.coordinator.core.events import Event, Outcome
-    from bagel.protocol.messages import Profile
+    from bagel.protocol.messages import Profile, RoundPlan
     from bagel.sim.discrete.ledger import Ledger
     from bagel.sim.discrete.policies import SimPolicy
     from bagel.sim.discrete.population import AvailabilitySpec
@@ -89,6 +111,21 @@ def honest_hash(key: tuple) -> str:
     return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
+def _mismatch(w: W, ins: Instruction, member_index: int) -> str:
+    """Why `reconciler.steps_ahead` carried none of `w`'s steps trained ahead into the
+    round `ins` says to train (for the report's tally; the decision is the reconciler's)."""
+    k, plan, guess = w.ahead_key, ins.plan, w.plan
+    if k is None or plan is None or guess is None:
+        return "no plan"
+    if (ins.cell_id, ins.round, ins.committed_round) != (k[0], k[1] + 1, k[1]):
+        return "not the next round"
+    if len(plan.members) != len(guess.members):
+        return "members changed"
+    if member_index != w.midx:
+        return "member index changed"
+    return "no step finished"
+
+
 _NOTHING: frozenset[tuple[str, int]] = frozenset()
 _NONE_MISSING: frozenset[tuple[str, int, int, int]] = frozenset()
 
@@ -110,6 +147,10 @@ class W:
 
     __slots__ = (
         "act",
+        "ahead_cap",
+        "ahead_fl",
+        "ahead_key",
+        "ahead_room",
         "banned",
         "bw",
         "byz",
@@ -121,6 +162,7 @@ class W:
         "flops",
         "gen",
         "h",
+        "h0",
         "hb_phase",
         "i",
         "job",
@@ -131,10 +173,12 @@ class W:
         "lease_until",
         "local",
         "lock",
+        "midx",
         "missing",
         "online",
         "own_s",
         "pending",
+        "plan",
         "poll",
         "prev_local",
         "profile",
@@ -194,6 +238,18 @@ class W:
         self.epoch = 0  # bumps whenever the worker (re)gains contact: invalidates LEASE events
         self.waited: tuple[str, int] | None = None  # (cell, committed round) of the WAIT it last got
         self.h = 0  # inner steps of the round it trains
+        self.h0 = 0  # of which trained ahead (overlap = "delayed"), carried in at its start
+        self.plan: RoundPlan | None = None  # the plan of the round it trains (or trained last)
+        self.midx = 0  # its member index (data shard) in that plan
+        # training ahead (overlap = "delayed", `WorkerBehaviour._start_reduce`): the round
+        # whose weighted exchange it overlaps (None: not training ahead), the guessed next
+        # round's full training time (the cap), the seconds of it still to train, and the
+        # FLOPs trained ahead so far, held until they are carried into the next round or
+        # thrown away
+        self.ahead_key: tuple[str, int, int] | None = None
+        self.ahead_cap = 0.0
+        self.ahead_room = 0.0
+        self.ahead_fl = 0.0
         self.pending: str | None = None  # hash it reported for rkey, awaiting the commit
         self.rattempt = 0  # round_attempt of a catch-up contribution (no training key)
         self.missing: set[tuple[str, int, int, int]] | None = None  # lost contributions it reported
@@ -236,6 +292,7 @@ class WorkerBehaviour:
         work: cm.WorkloadSpec
         policy: SimPolicy
         ledger: Ledger
+        overlap: bool
         rng: np.random.Generator
         frng: np.random.Generator
         ws: list[W]
@@ -290,6 +347,7 @@ class WorkerBehaviour:
 
     def _depart(self, w: W, *, graceful: bool, comes_back: bool = True) -> None:
         self._abandon(w, "preempted", dead=True)
+        self._drop_ahead(w, "departed", "preempted")
         self._set_act(w, OFF)
         if graceful and not w.cut and not w.stopped:
             try:
@@ -374,7 +432,79 @@ class WorkerBehaviour:
             )
         uploaded = frozenset((w.uploaded[:2],)) if w.uploaded is not None else _NOTHING
         missing = frozenset(w.missing) if w.missing else _NONE_MISSING
-        return WorkerView(w.wid, held, work, sync, uploaded, missing)
+        ahead = None
+        k = w.ahead_key
+        if k is not None and w.plan is not None:
+            plan = w.plan
+            ahead = Ahead(
+                k[0], k[1], w.midx, len(plan.members), plan.micro_batch, plan.grad_accum, self._steps_ahead(w)
+            )
+        return WorkerView(w.wid, held, work, sync, uploaded, missing, ahead)
+
+    # ------------------------------------------------------------ training ahead
+
+    def _steps_ahead(self, w: W) -> int:
+        """Inner steps trained ahead so far: the fraction of the guessed round's training
+        time done (booked, plus the interval since the last booking), floored."""
+        cap = w.ahead_cap
+        room = w.ahead_room
+        if room > 0.0 and not w.stopped:
+            room = max(0.0, room - (self.now - w.since) / 1000.0)
+        h = w.h
+        return min(h, int((cap - room) / cap * h)) if cap > 0 else 0
+
+    def _carry_ahead(self, w: W, ins: Instruction, a: StartTrain) -> int:
+        """The TRAIN `ins` takes `a.ahead_steps` of the steps trained ahead: their FLOPs join
+        that round's training; what was trained beyond them (a step begun) is wasted.
+        Returns the steps carried (0 if nothing is held any more)."""
+        steps = a.ahead_steps
+        if w.ahead_key is None:
+            return 0
+        if steps <= 0:
+            self._drop_ahead(w, _mismatch(w, ins, a.member_index))
+            return 0
+        self._set_act(w, w.act)  # book the interval so far, its ahead training included
+        led = self.ledger
+        held = w.ahead_fl
+        carried = min(held, w.flops * w.ahead_cap * steps / w.h)
+        led.train((ins.cell_id, ins.round, ins.round_attempt), w.i, carried)
+        led.add("aborted", held - carried)
+        led.ahead_trained += held
+        led.ahead_carried += carried
+        led.ahead_kept += 1
+        w.ahead_key = None
+        w.ahead_room = 0.0
+        w.ahead_fl = 0.0
+        return steps
+
+    @staticmethod
+    def _drops_ahead_base(w: W) -> bool:
+        """Is the work `w` is about to drop the round its steps trained ahead build on? Then
+        that round's outcome will not be held, and the steps go with it."""
+        k = w.ahead_key
+        if k is None:
+            return False
+        a = w.act
+        r = w.key if a in (TRAIN, STALL, READY) else w.rkey if a in (REDUCE, WAITV) else None
+        return r is not None and r[0] == k[0] and r[1] == k[1]
+
+    def _drop_ahead(self, w: W, why: str, bucket: str = "") -> None:
+        """Throw away the steps trained ahead (module docstring): their FLOPs go to `bucket`,
+        by default "preempted" if the worker is cut off or stopped, else "aborted"."""
+        if w.ahead_key is None:
+            return
+        self._set_act(w, w.act)  # book the interval so far, its ahead training included
+        led = self.ledger
+        led.add(bucket or ("preempted" if w.cut or w.stopped else "aborted"), w.ahead_fl)
+        led.ahead_trained += w.ahead_fl
+        tally = led.ahead_dropped.get(why)
+        if tally is None:
+            tally = led.ahead_dropped[why] = [0, 0.0]
+        tally[0] += 1
+        tally[1] += w.ahead_fl
+        w.ahead_key = None
+        w.ahead_room = 0.0
+        w.ahead_fl = 0.0
 
     def _react(self, w: W, ins: Instruction | None) -> None:
         """Follow `ins` as the real worker decides to, each action as a virtual-time effect."""
@@ -386,9 +516,9 @@ class WorkerBehaviour:
         upload: Upload | None = None
         for a in reconciler.decide(ins, self._view(w)):
             t = type(a)
-            if t is StartTrain:
+            if isinstance(a, StartTrain):
                 self._abandon(w, "")
-                self._start_train(w, ins)
+                self._start_train(w, ins, a)
             elif t is StartReduce:
                 if w.key is None:  # a re-frozen catch-up contribution: a fresh job record
                     self._abandon(w, "")
@@ -397,9 +527,16 @@ class WorkerBehaviour:
                 self._catch_up(w, ins)
             elif t is StartSync:
                 self._abandon(w, "")
+                self._drop_ahead(w, "synced")
                 self._start_sync(w, ins, (ins.cell_id, ins.committed_round, ins.committed_hash))
-            elif t is DropWork or t is CancelSync or t is AdoptPending:
-                # the round's job ends (an adopted outcome is already the worker's `local`)
+            elif t is DropWork:
+                base = self._drops_ahead_base(w)
+                self._abandon(w, "")
+                if base:
+                    self._drop_ahead(w, "work dropped")
+            elif t is CancelSync or t is AdoptPending:
+                # the round's job ends (an adopted outcome is already the worker's `local`;
+                # training ahead goes on: it is the committed round's successor)
                 self._abandon(w, "")
             elif t is BuildInitialState:
                 w.local = LocalState(ins.cell_id, 0, "")
@@ -484,14 +621,27 @@ class WorkerBehaviour:
         if out is not None:
             self._react(w, out.instruction)
 
-    def _start_train(self, w: W, ins: Instruction) -> None:
+    def _start_train(self, w: W, ins: Instruction, a: StartTrain) -> None:
         plan = ins.plan
         assert plan is not None  # decide() starts training only as a member of the plan
         cell = ins.cell_id
         key = (cell, ins.round, ins.round_attempt)
-        samples = plan.inner_steps * plan.micro_batch * plan.grad_accum
-        own = samples / self.rate(w, cell)
+        batch = plan.micro_batch * plan.grad_accum
+        samples = plan.inner_steps * batch
+        rate = self.rate(w, cell)
+        own = samples / rate
         dur = own
+        # the steps trained ahead that decide() matched to this plan's data shard (module
+        # docstring), in the batch shape they were trained with; the rest of the round is
+        # trained now, in this plan's, and what it claims stays within this plan's budget
+        h0 = 0
+        if w.ahead_key is not None:
+            prev = w.plan
+            h0 = self._carry_ahead(w, ins, a)
+            if h0 and prev is not None:
+                rest = (plan.inner_steps - h0) * batch
+                dur = rest / rate
+                samples = min(samples, h0 * prev.micro_batch * prev.grad_accum + rest)
         if self.policy.lockstep:
             lk = self.locksteps.get(key)
             if lk is None:
@@ -506,6 +656,9 @@ class WorkerBehaviour:
         w.local = LocalState(cell, ins.committed_round, ins.committed_hash)
         w.key = key
         w.h = plan.inner_steps
+        w.h0 = h0
+        w.plan = plan
+        w.midx = a.member_index
         w.samples = samples
         w.own_s = own
         w.dur_s = dur
@@ -561,6 +714,13 @@ class WorkerBehaviour:
         if w.act == TRAIN:  # cannot happen for a contributor, but never lose its training time
             self._set_act(w, READY)
         self._set_act(w, REDUCE)
+        if self.overlap and w.ahead_key is None and w.key is not None and w.samples > 0:
+            # a weighted exchange of a round it trained: its GPU trains the next round ahead
+            # from now on (a re-freeze of the same round keeps what is running)
+            w.ahead_key = w.key
+            w.ahead_cap = w.ahead_room = w.own_s
+            w.ahead_fl = 0.0
+            self.ledger.ahead_rounds += 1
         ex.joined[w] = None
         if ex.done_at < 0 and len(ex.joined) == len(ex.members):
             ex.done_at = self.now + ex.dur_ms
@@ -621,8 +781,11 @@ class WorkerBehaviour:
                 w.report = None  # refused (stale): the next instruction tells it what to do
             return  # lost: resent at the next heartbeat that gets through
         w.report = None
-        for _ in reconciler.decide_verdict(out.verdict, reported_outcome=not ev.failed, current=True):
+        for a in reconciler.decide_verdict(out.verdict, reported_outcome=not ev.failed, current=True):
+            base = type(a) is DropWork and self._drops_ahead_base(w)
             self._abandon(w, "")  # adopted (already the worker's `local`) or dropped: the job ends
+            if base:
+                self._drop_ahead(w, "work dropped")
         if out.verdict is Verdict.ABORTED and not ev.failed:
             w.local = w.prev_local  # roll back the outer step to the committed state
         self._react(w, out.instruction)
@@ -698,6 +861,8 @@ class WorkerBehaviour:
             elif f.kind is FaultKind.STOP:
                 if not (w.cut or w.stopped):
                     self._lost_contact(w)
+                if w.ahead_room > 0.0:
+                    self._set_act(w, w.act)  # training ahead pauses with the process
                 w.stopped = True
                 self._break_groups(w)
                 if w.job_kind >= 0:  # its running job resumes after SIGCONT
@@ -720,6 +885,8 @@ class WorkerBehaviour:
             self._poll_later(w)
 
     def _on_cont(self, w: W, token: int) -> None:
+        if w.ahead_room > 0.0:
+            self._set_act(w, w.act)  # the stopped interval trained nothing ahead
         w.stopped = False
         if w.online and not w.cut:
             w.epoch += 1
