@@ -261,3 +261,25 @@ def test_moving_steps_ahead_onto_the_committed_outcome_keeps_them_on_top_of_it()
     assert (r.samples, r.steps, r.completed, r.compute_s) == (36, 5, True, 2.0)
     assert r.mean_loss == pytest.approx((2.0 * 3 + 1.0 * 2) / 5)
     assert joined(TrainResult(8, 3.0, 1, 0.1, False), TrainResult(0, float("nan"), 0, 0.0, True)).mean_loss == 3.0
+
+
+def test_training_ahead_starts_from_the_eager_estimate_and_leaves_the_committed_state_alone():
+    """The start is the committed state after an outer step with the member's own delta (the
+    committed momentum included); the committed state itself is not touched."""
+    from bagel.worker.diloco import CellState, OuterConfig, outer_step
+    from bagel.worker.roundwork import eager_start
+
+    g = torch.Generator().manual_seed(3)
+    w = {"a": torch.randn(4, 3, generator=g), "b": torch.randn(5, generator=g)}
+    m = {k: torch.randn(v.shape, generator=g) for k, v in w.items()}
+    delta = {k: torch.randn(v.shape, generator=g) for k, v in w.items()}
+    committed = CellState(w, m, ema={k: v.clone() for k, v in w.items()})
+    before = committed.state_hash()
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=True, ema_decay=0.5)
+    start = eager_start(committed, delta, cfg)
+    assert committed.state_hash() == before
+    ref = CellState(w, m)
+    outer_step(ref, delta, OuterConfig(lr=0.7, momentum=0.9, nesterov=True))
+    for k in w:
+        assert torch.equal(start[k], ref.weights[k]), k
+        assert not torch.equal(start[k], w[k])

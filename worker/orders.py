@@ -51,6 +51,7 @@ from bagel.protocol.messages import Instruction, LocalState
 from bagel.protocol.runspec import RunSpec
 from bagel.worker import ddp, reconciler
 from bagel.worker.datafetch import DataFetchError
+from bagel.worker.diloco import CellState, OuterConfig
 from bagel.worker.display import Display
 from bagel.worker.heldout import HeldoutProbe
 from bagel.worker.link import CoordinatorLink
@@ -78,6 +79,7 @@ from bagel.worker.roundwork import (
     RoundWork,
     claimed,
     corrupt,
+    eager_start,
     fresh_feedback,
     reduce_round,
     train_ahead,
@@ -86,6 +88,14 @@ from bagel.worker.roundwork import (
 from bagel.worker.trainer import CellRuntime, build_runtime
 
 log = logging.getLogger(__name__)
+
+
+def _ahead_of(a: AheadRun) -> reconciler.Ahead:
+    """What the reconciler sees of steps trained ahead."""
+    g = a.guess
+    return reconciler.Ahead(
+        g.cell_id, a.base_round, g.member_index, g.members, g.plan.micro_batch, g.plan.grad_accum, a.steps
+    )
 
 
 @dataclass
@@ -219,13 +229,7 @@ class Orders:
         sync = None
         if self.sync is not None:
             sync = Sync(LocalState(*self.sync.target), running=not self.sync.task.done())
-        ahead = None
-        a = self.ahead
-        if a is not None:
-            g = a.guess
-            ahead = reconciler.Ahead(
-                g.cell_id, a.base_round, g.member_index, g.members, g.plan.micro_batch, g.plan.grad_accum, a.steps
-            )
+        ahead = _ahead_of(self.ahead) if self.ahead is not None else None
         return WorkerView(
             self.worker_id, self.held_local(), work, sync, uploaded, frozenset(self.missing_reported), ahead
         )
@@ -376,17 +380,14 @@ class Orders:
     # ------------------------------------------------------------------ TRAIN
 
     async def _start_train(self, i: Instruction, member_index: int, ahead_steps: int = 0) -> bool:
-        ahead = self.ahead
-        if ahead is not None:
-            ahead.guess.stop.set()  # stops at its next inner step; its steps so far are kept
+        """Start training `i`'s round. Steps trained ahead are stopped first (their thread
+        shares the model); whether they count is decided on what they finally are, by the
+        reconciler's own rule (`reconciler.steps_ahead`: `ahead_steps` is what it said
+        while they still ran), and only once the round really starts, so an instruction
+        that changed meanwhile leaves them for the next decision."""
+        if self.ahead is not None:
+            self.ahead.guess.stop.set()  # stops at its next inner step; its steps so far are kept
         await self._trainer_idle()
-        if ahead is not None and ahead is self.ahead:
-            self.ahead = None
-            if not ahead_steps or ahead.result is None or not ahead.result.steps:
-                self._ahead_dropped(ahead, "the round's plan is not the one trained ahead")
-                ahead = None
-        else:
-            ahead = None
         try:
             rt = await self.runtime_for(i.cell_id)
         except DataFetchError:  # said on the display; the fetcher backs off before trying again
@@ -400,13 +401,15 @@ class Orders:
         reset = self.reset_optimizer
         self.reset_optimizer = False
         w = RoundWork.from_instruction(i, member_index)
-        if ahead is not None and (
-            ahead.guess.key(self.run_id) != w.key(self.run_id)
-            or ahead.result is None
-            or ahead.result.steps > w.plan.inner_steps
-        ):
-            self._ahead_dropped(ahead, "the round's plan is not the one trained ahead")
-            ahead = None
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            carried = ahead.result is not None and reconciler.steps_ahead(
+                _ahead_of(ahead), i, member_index, self.held_local()
+            )
+            if not carried or ahead.guess.key(self.run_id) != w.key(self.run_id):
+                why = "the round's plan is not the one trained ahead" if ahead.steps else "no step was trained ahead"
+                self._ahead_dropped(ahead, why)
+                ahead = None
         self.work = w
         self.display.update(
             cell=i.cell_id, round=i.round, step=0, steps=i.plan.inner_steps, deadline_unix_ms=i.plan.deadline_unix_ms
@@ -550,14 +553,23 @@ class Orders:
         a = AheadRun(guess, w.round, time.monotonic())
         self.ahead = a
         self.display.event("ahead", cell=w.cell_id, round=guess.round, base_round=w.round)
-        a.task = self.train_task = self.host.spawn(self._train_ahead(a, rt), "train-ahead")
+        assert self.held is not None and w.delta is not None
+        # from the eager estimate of the coming outer step, with our own honest pseudo-gradient
+        own = self._last_delta if self.cfg.byzantine and self._last_delta is not None else w.delta
+        cfg = OuterConfig.from_spec(spec.diloco, spec.ema)
+        a.task = self.train_task = self.host.spawn(self._train_ahead(a, rt, self.held.state, own, cfg), "train-ahead")
 
-    async def _train_ahead(self, a: AheadRun, rt: CellRuntime) -> None:
+    async def _train_ahead(
+        self, a: AheadRun, rt: CellRuntime, base: CellState, own: dict[str, torch.Tensor], cfg: OuterConfig
+    ) -> None:
         def on_step(p: Any) -> None:
             a.guess.inner_step, a.guess.last_loss = p.step, p.loss
 
+        def job() -> None:
+            train_ahead(self.run_id, rt, a, on_step, eager_start(base, own, cfg))
+
         try:
-            await asyncio.to_thread(train_ahead, self.run_id, rt, a, on_step)
+            await asyncio.to_thread(job)
         except Exception as e:  # noqa: BLE001  (a failed step ahead costs only the steps)
             log.warning("training ahead failed: %s: %s", type(e).__name__, e)
             a.ended_at = time.monotonic()

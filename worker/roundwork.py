@@ -170,9 +170,30 @@ class AheadRun:
         return self.result.steps if self.result is not None else self.guess.inner_step
 
 
-def train_ahead(run_id: str, rt: CellRuntime, a: AheadRun, on_step: Callable[[StepProgress], None] | None) -> None:
-    """Blocking: train `a.guess`'s steps from the model as it stands (the round just
-    trained), until `a.guess.stop` is set or the plan's steps are done."""
+def eager_start(committed: CellState, delta: Mapping[str, torch.Tensor], cfg: OuterConfig) -> dict[str, torch.Tensor]:
+    """Where training ahead starts: the committed state after an outer step with this
+    member's own pseudo-gradient standing in for the average still being exchanged, with the
+    committed outer momentum (so it overshoots where the real step will). The idea is the
+    "eager" update of Kale et al. 2025 (Eager Updates for Overlapped Communication and
+    Computation in DiLoCo). Starting from the member's own trained weights instead leaves
+    out the outer step's momentum, and the steps ahead then fail to correct its overshoot:
+    `bench/diloco_vs_ddp.py` measures both. Weights only, float32 on CPU."""
+    est = CellState(committed.weights, committed.momentum)  # copies; no average kept
+    outer_step(est, delta, dataclasses.replace(cfg, ema_decay=0.0))
+    return est.weights
+
+
+def train_ahead(
+    run_id: str,
+    rt: CellRuntime,
+    a: AheadRun,
+    on_step: Callable[[StepProgress], None] | None,
+    start: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Blocking: train `a.guess`'s steps from `start` (`eager_start`; None: the model as it
+    stands, the round just trained), until `a.guess.stop` is set or the plan's steps are done."""
+    if start is not None:
+        CellState(start).load_into(rt.model)
     a.start = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in trainable(rt.model).items()}
     key = a.guess.key(run_id)
     idx = round_indices(shard, key, rt.trainer.num_train, a.guess.plan)
