@@ -14,6 +14,15 @@ shard indices, from `bagel.models.data.shard`, at the same step in every variant
                  Nesterov SGD (the spec's 0.7 / 0.9), fp32 pseudo-gradients;
 (c) diloco_int8  the same with blockwise int8 (no error feedback);
 (d) diloco_int4  the same with blockwise int4 and error feedback.
+(e) diloco_int4_overlap{50,100}  (d) with `[diloco] overlap = "delayed"`: while round n's
+                 exchange runs, each member trains the first A steps of round n + 1 from
+                 its own trained weights (`InnerTrainer.run`, the worker's own stop point),
+                 and once round n's outer step is applied moves them onto it
+                 (`roundwork.move_onto`) and trains the other H - A from there
+                 (`start_step=A`). A = H/2 (an exchange half as long as the compute) and
+                 A = H (an exchange as long as the compute or longer: the whole round is
+                 one outer step late, the most staleness the mode has). Same samples,
+                 same bytes as (d): the cost of the staleness is the loss gap to (d).
 
 The DiLoCo variants use the worker's real pieces: `InnerTrainer` (AdamW kept across rounds,
 as the worker does), `pseudo_gradient`, `CellState`, `outer_step`, `ErrorFeedback`, and the
@@ -49,6 +58,7 @@ import argparse
 import asyncio
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,8 +73,8 @@ from bagel.models.experts import CellTask, cell_task
 from bagel.protocol.runspec import RunSpec, parse_spec
 from bagel.worker.averaging import Contributor, DataPlane
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
-from bagel.worker.roundwork import trainable
-from bagel.worker.trainer import InnerPlan, InnerTrainer, RoundKey, round_indices
+from bagel.worker.roundwork import eager_start, joined, move_onto, trainable
+from bagel.worker.trainer import InnerPlan, InnerTrainer, RoundKey, TrainResult, round_indices
 
 CELL = "k0.r0"
 CPU = torch.device("cpu")
@@ -223,8 +233,22 @@ async def stop_peers(peers: list[Peer]) -> None:
 class DilocoRun:
     """One DiLoCo training run: W members with their own model, AdamW, state copy and feedback."""
 
-    def __init__(self, spec: RunSpec, task: CellTask, budget: Budget, inner_lr: float, codec: str, ef: bool):
+    def __init__(
+        self,
+        spec: RunSpec,
+        task: CellTask,
+        budget: Budget,
+        inner_lr: float,
+        codec: str,
+        ef: bool,
+        ahead: int = 0,
+        naive: bool = False,
+    ):
         self.spec, self.task, self.budget, self.codec = spec, task, budget, codec
+        self.ahead = ahead  # steps of the next round trained during each exchange (overlap)
+        self.naive = naive  # train ahead from the member's own weights, not the eager estimate
+        self.starts: list[dict[str, torch.Tensor] | None] = [None] * budget.workers
+        self.ahead_results: list[TrainResult | None] = [None] * budget.workers
         init = task.build_model()
         self.states = [CellState.from_model(init) for _ in range(budget.workers)]
         self.trainers = [
@@ -241,17 +265,51 @@ class DilocoRun:
         self.curve: list[float] = []  # held-out loss (seed 0 only) after every outer step
 
     def train_member(self, rnd: int, m: int) -> tuple[dict[str, torch.Tensor], int, float]:
-        """Blocking: H inner steps from member m's committed weights; its pseudo-gradient."""
+        """Blocking: H inner steps from member m's committed weights; its pseudo-gradient.
+        With overlap, the first `ahead` of them were trained during the last exchange
+        (`train_ahead`): they are moved onto the committed weights and the round goes on."""
         tr = self.trainers[m]
-        self.states[m].load_into(tr.model)  # AdamW moments persist across rounds, as in the worker
         idx = member_indices(self.spec, rnd, m, self.budget, tr.num_train)
         key = RoundKey(self.spec.run.id, CELL, rnd, m, self.budget.workers)
-        res = tr.run(key, InnerPlan(self.budget.H, self.budget.batch, 1), idx)
+        plan = InnerPlan(self.budget.H, self.budget.batch, 1)
+        start, first = self.starts[m], self.ahead_results[m]
+        if start is not None and first is not None:
+            move_onto(tr.model, start, self.states[m])
+            self.starts[m] = self.ahead_results[m] = None
+            res = joined(first, tr.run(key, plan, idx, start_step=self.ahead))
+        else:
+            self.states[m].load_into(tr.model)  # AdamW moments persist across rounds, as in the worker
+            res = tr.run(key, plan, idx)
         return pseudo_gradient(self.states[m].weights, trainable(tr.model)), res.samples, res.mean_loss
+
+    def train_ahead(self, rnd: int, m: int, delta: dict[str, torch.Tensor]) -> None:
+        """Blocking: member m's first `ahead` steps of round `rnd`, while the exchange of round
+        rnd - 1 is in flight, stopped where the worker would be: from the eager estimate of
+        the coming outer step (`roundwork.eager_start`, the worker's way), or with `naive`
+        from the member's own trained weights."""
+        tr = self.trainers[m]
+        if not self.naive:
+            CellState(eager_start(self.states[m], delta, self.outer)).load_into(tr.model)
+        self.starts[m] = {n: p.detach().clone() for n, p in trainable(tr.model).items()}
+        idx = member_indices(self.spec, rnd, m, self.budget, tr.num_train)
+        key = RoundKey(self.spec.run.id, CELL, rnd, m, self.budget.workers)
+        stop = threading.Event()
+        res = tr.run(
+            key,
+            InnerPlan(self.budget.H, self.budget.batch, 1),
+            idx,
+            stop=stop,
+            on_step=lambda p: stop.set() if p.step >= self.ahead else None,
+        )
+        assert res.steps == self.ahead, (res.steps, self.ahead)
+        self.ahead_results[m] = res
 
     async def round(self, peers: list[Peer], rnd: int, exchange_round: int) -> float:
         """Train every member (one after the other: 2 cores), then exchange and step the outer optimizer."""
         work = [await asyncio.to_thread(self.train_member, rnd, m) for m in range(self.budget.workers)]
+        if self.ahead and rnd < self.budget.rounds:  # the GPU does not wait for the exchange
+            for m in range(self.budget.workers):
+                await asyncio.to_thread(self.train_ahead, rnd + 1, m, work[m][0])
         contributors = [p.contributor(self.budget.H * self.budget.batch) for p in peers]
         t0 = time.perf_counter()
         results = await asyncio.gather(
@@ -307,7 +365,13 @@ class DilocoRun:
 
 
 async def run_diloco_all(
-    spec: RunSpec, task: CellTask, budget: Budget, lrs: list[float], eval_seeds: int
+    spec: RunSpec,
+    task: CellTask,
+    budget: Budget,
+    lrs: list[float],
+    eval_seeds: int,
+    overlaps: tuple[int, ...] = (),
+    naive_overlaps: tuple[int, ...] = (),
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """The inner-lr sweep with fp32, then int8 and int4+EF at fp32's best inner lr, on one set of peers."""
     peers: list[Peer] = []
@@ -324,10 +388,23 @@ async def run_diloco_all(
         best = min(sweep, key=lambda s: s["heldout_loss"])
         out["diloco_fp32"] = {"codec": "fp32", "error_feedback": False, "inner_lr": best["lr"], **best}
         out["diloco_fp32"].pop("lr")
-        for name, codec, ef in (("diloco_int8", "int8", False), ("diloco_int4", "int4", True)):
-            r = await DilocoRun(spec, task, budget, best["lr"], codec, ef=ef).train(peers, next_round, eval_seeds)
+        for name, codec, ef, ahead, naive in (
+            ("diloco_int8", "int8", False, 0, False),
+            ("diloco_int4", "int4", True, 0, False),
+            *((f"diloco_int4_overlap{pct}", "int4", True, budget.H * pct // 100, False) for pct in overlaps),
+            *((f"diloco_int4_naive{pct}", "int4", True, budget.H * pct // 100, True) for pct in naive_overlaps),
+        ):
+            run = DilocoRun(spec, task, budget, best["lr"], codec, ef=ef, ahead=ahead, naive=naive)
+            r = await run.train(peers, next_round, eval_seeds)
             next_round += budget.rounds
-            out[name] = {"codec": codec, "error_feedback": ef, "inner_lr": best["lr"], **r}
+            out[name] = {
+                "codec": codec,
+                "error_feedback": ef,
+                "inner_lr": best["lr"],
+                "ahead_steps": ahead,
+                "ahead_from": "own weights" if naive else "eager estimate",
+                **r,
+            }
             log.info("%s: held-out %.4f (%.0f s)", name, r["heldout_loss"], r["wall_s"])
     finally:
         await stop_peers(peers)
@@ -354,6 +431,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-seeds", type=int, default=8, help="noise seeds the held-out loss is averaged over")
     p.add_argument("--seed", type=int, default=0, help="run seed (initial weights, split)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (the machine is shared)")
+    p.add_argument(
+        "--overlaps",
+        default="50,100",
+        help="overlap variants of int4+EF: percent of H trained ahead during each exchange (empty: none)",
+    )
+    p.add_argument(
+        "--naive-overlaps",
+        default="100",
+        help="the same, trained ahead from each member's own weights instead of the eager estimate (empty: none)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds at batch 8")
     args = p.parse_args(argv)
     if args.quick:
@@ -363,6 +450,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.lr_list = [float(x) for x in args.lrs.split(",") if x.strip()]
     except ValueError:
         p.error(f"--lrs: expected comma-separated numbers, got {args.lrs!r}")
+    for flag in ("overlaps", "naive_overlaps"):
+        text = getattr(args, flag)
+        try:
+            got = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            p.error(f"--{flag.replace('_', '-')}: expected comma-separated percentages, got {text!r}")
+        if any(not 0 < x <= 100 for x in got):
+            p.error(f"--{flag.replace('_', '-')}: each percentage must be in 1..100, got {text!r}")
+        setattr(args, flag.removesuffix("s") + "_list", got)
     if not args.lr_list or any(lr <= 0 for lr in args.lr_list):
         p.error(f"--lrs: expected positive learning rates, got {args.lrs!r}")
     if args.workers < 2 or args.H < 1 or args.batch < 1 or args.eval_seeds < 1:
@@ -415,6 +511,13 @@ def print_report(result: dict[str, Any]) -> None:
         f"  int4+EF held-out loss {t['loss_rel']:+.1%} vs ddp (target <= +{LOSS_TARGET:.0%}): "
         f"{'MET' if t['loss_met'] else 'MISSED'}"
     )
+    for name, o in t.get("overlap", {}).items():
+        print(
+            f"  {name} ({o['ahead_steps']} of H steps one outer step late, from the {o['ahead_from']}): "
+            f"held-out {o['loss_rel_vs_ddp']:+.1%} "
+            f"vs ddp ({'MET' if o['loss_met'] else 'MISSED'}), {o['loss_rel_vs_int4']:+.1%} vs int4+EF without "
+            f"overlap; {o['bytes_ratio']:.1f}x fewer bytes than ddp ({'MET' if o['bytes_met'] else 'MISSED'})"
+        )
     print(
         "  replicas bit-identical every round: "
         + ", ".join(f"{v['name']}={v['replicas_identical']}" for v in result["variants"][1:])
@@ -469,13 +572,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ddp_sweep.append({"lr": lr, **r})
         log.info("ddp lr %g: held-out %.4f (%.0f s)", lr, r["heldout_loss"], r["wall_s"])
     best_ddp = min(ddp_sweep, key=lambda s: s["heldout_loss"])
-    fp32_sweep, diloco = asyncio.run(run_diloco_all(spec, task, budget, args.lr_list, args.eval_seeds))
+    fp32_sweep, diloco = asyncio.run(
+        run_diloco_all(spec, task, budget, args.lr_list, args.eval_seeds, args.overlap_list, args.naive_overlap_list)
+    )
 
     variants = [{"name": "ddp", **best_ddp}]
-    variants += [{"name": n, **diloco[n]} for n in ("diloco_fp32", "diloco_int8", "diloco_int4")]
+    variants += [{"name": n, **diloco[n]} for n in diloco if n != "diloco_fp32"]
+    variants.insert(1, {"name": "diloco_fp32", **diloco["diloco_fp32"]})
     ddp, int4 = variants[0], variants[3]
     ratio = ddp["bytes_per_worker"] / int4["bytes_per_worker"]
     loss_rel = int4["heldout_loss"] / ddp["heldout_loss"] - 1
+    overlap = {
+        v["name"]: {
+            "ahead_steps": v["ahead_steps"],
+            "ahead_from": v["ahead_from"],
+            "loss_rel_vs_ddp": v["heldout_loss"] / ddp["heldout_loss"] - 1,
+            "loss_rel_vs_int4": v["heldout_loss"] / int4["heldout_loss"] - 1,
+            "bytes_ratio": ddp["bytes_per_worker"] / v["bytes_per_worker"],
+            "loss_met": v["heldout_loss"] / ddp["heldout_loss"] - 1 <= LOSS_TARGET,
+            "bytes_met": ddp["bytes_per_worker"] / v["bytes_per_worker"] >= BYTES_TARGET,
+        }
+        for v in variants
+        if v.get("ahead_steps")
+    }
     result = {
         "setup": setup,
         "lr_sweep": {
@@ -491,6 +610,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "loss_rel": loss_rel,
             "loss_target": LOSS_TARGET,
             "loss_met": loss_rel <= LOSS_TARGET,
+            "overlap": overlap,
         },
         "wall_s": time.perf_counter() - t_start,
     }

@@ -83,13 +83,22 @@ def model(rate_mbit: float, delay_ms: float) -> dict[str, float]:
 
 
 def measure(
-    path: str, rate_mbit: float, seconds: float, root: Path, tag: str = "nr", delay_ms: float = 0.0
+    path: str,
+    rate_mbit: float,
+    seconds: float,
+    root: Path,
+    tag: str = "nr",
+    delay_ms: float = 0.0,
+    *,
+    spec_text: str = SPEC,
+    worker_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One run on a fresh bed: coordinator, the path's two workers, links shaped to `rate_mbit`
-    and, where the kernel has netem, `delay_ms` of round trip per shaped link (half each way)."""
+    and, where the kernel has netem, `delay_ms` of round trip per shaped link (half each way).
+    `spec_text` and `worker_args` (extra `bagel-worker join` flags) vary the run."""
     root.mkdir(parents=True, exist_ok=True)
     spec = root / "spec.toml"
-    spec.write_text(SPEC)
+    spec.write_text(spec_text)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     py = sys.executable
     nodes = PATHS[path]
@@ -113,7 +122,7 @@ def measure(
             start(
                 node,
                 [py, "-m", "bagel.worker", "join", join, "--data-dir", str(root / node), "--log-json",
-                 "--name", node, "--reduce-timeout-s", "30"],
+                 "--name", node, "--reduce-timeout-s", "30", *worker_args],
                 root / f"{node}.log",
             )  # fmt: skip
         # the clock starts once both have registered (their start, DHT and profile take tens of seconds)
@@ -133,12 +142,15 @@ def measure(
         gaps = [b - a for a, b in zip(ts, ts[1:], strict=False)]
         reach = (events(root / f"{n}.log", "reachability") or [{}])[-1]
         ready = [float(e["compute_s"]) for e in events(root / f"{n}.log", "ready") if float(e["ts"]) >= started]
+        trains = [e for e in events(root / f"{n}.log", "train") if float(e["ts"]) >= started]
         per[n] = {
             "rounds": len(ev),
             "round_s": statistics.median(gaps) if gaps else None,
             "exchange_s": statistics.median(float(e.get("comm_s", 0.0)) for e in ev) if ev else None,
             "bytes_sent": statistics.median(int(e.get("bytes_sent", 0)) for e in ev) if ev else None,
             "compute_s": statistics.median(ready) if ready else None,
+            "rounds_with_steps_ahead": sum(1 for e in trains if int(e.get("ahead_steps", 0) or 0) > 0),
+            "rounds_trained": len(trains),
             "reachability": reach.get("reachability", "?"),
             "paths": sorted({how for e in ev for how in e.get("paths", {}).values()}),
         }
