@@ -34,7 +34,10 @@ to its own state copy, and the bench checks that the 4 state hashes agree every 
 
 Learning rates: DDP's lr and DiLoCo's inner lr are each swept over `--lrs` (constant lr, as
 the worker trains) with the fp32 codec for DiLoCo; int8 and int4 reuse fp32's best inner lr
-(they get no sweep of their own, so the selection cannot favour them). The sweep selects on
+(they get no sweep of their own, so the selection cannot favour them). A delayed outer
+update acts like extra outer momentum, so int4+EF and its overlap variants are each run at
+every outer lr:momentum pair of `--outer` and reported at their best; int4+EF without
+overlap gets the same sweep, so the gap between them is the cost of staleness alone. The sweep selects on
 the same held-out loss it reports (there is no separate validation split); both variants
 are selected the same way.
 
@@ -60,7 +63,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -372,6 +375,7 @@ async def run_diloco_all(
     eval_seeds: int,
     overlaps: tuple[int, ...] = (),
     naive_overlaps: tuple[int, ...] = (),
+    outer_grid: tuple[tuple[float, float], ...] = (),
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """The inner-lr sweep with fp32, then int8 and int4+EF at fp32's best inner lr, on one set of peers."""
     peers: list[Peer] = []
@@ -388,24 +392,37 @@ async def run_diloco_all(
         best = min(sweep, key=lambda s: s["heldout_loss"])
         out["diloco_fp32"] = {"codec": "fp32", "error_feedback": False, "inner_lr": best["lr"], **best}
         out["diloco_fp32"].pop("lr")
-        for name, codec, ef, ahead, naive in (
-            ("diloco_int8", "int8", False, 0, False),
-            ("diloco_int4", "int4", True, 0, False),
-            *((f"diloco_int4_overlap{pct}", "int4", True, budget.H * pct // 100, False) for pct in overlaps),
-            *((f"diloco_int4_naive{pct}", "int4", True, budget.H * pct // 100, True) for pct in naive_overlaps),
+        default_outer = ((spec.diloco.outer_lr, spec.diloco.outer_momentum),)
+        for name, codec, ef, ahead, naive, grid in (
+            ("diloco_int8", "int8", False, 0, False, default_outer),
+            ("diloco_int4", "int4", True, 0, False, outer_grid or default_outer),
+            *(
+                (f"diloco_int4_overlap{pct}", "int4", True, budget.H * pct // 100, False, outer_grid or default_outer)
+                for pct in overlaps
+            ),
+            *(
+                (f"diloco_int4_naive{pct}", "int4", True, budget.H * pct // 100, True, default_outer)
+                for pct in naive_overlaps
+            ),
         ):
-            run = DilocoRun(spec, task, budget, best["lr"], codec, ef=ef, ahead=ahead, naive=naive)
-            r = await run.train(peers, next_round, eval_seeds)
-            next_round += budget.rounds
+            tried: list[dict[str, Any]] = []
+            for olr, mom in grid:
+                ospec = replace(spec, diloco=replace(spec.diloco, outer_lr=olr, outer_momentum=mom))
+                run = DilocoRun(ospec, task, budget, best["lr"], codec, ef=ef, ahead=ahead, naive=naive)
+                r = await run.train(peers, next_round, eval_seeds)
+                next_round += budget.rounds
+                tried.append({"outer_lr": olr, "outer_momentum": mom, **r})
+                log.info("%s outer %g/%g: held-out %.4f (%.0f s)", name, olr, mom, r["heldout_loss"], r["wall_s"])
+            pick = min(tried, key=lambda t: t["heldout_loss"])
             out[name] = {
                 "codec": codec,
                 "error_feedback": ef,
                 "inner_lr": best["lr"],
                 "ahead_steps": ahead,
                 "ahead_from": "own weights" if naive else "eager estimate",
-                **r,
+                **pick,
+                "outer_sweep": [{k: t[k] for k in ("outer_lr", "outer_momentum", "heldout_loss")} for t in tried],
             }
-            log.info("%s: held-out %.4f (%.0f s)", name, r["heldout_loss"], r["wall_s"])
     finally:
         await stop_peers(peers)
     return sweep, out
@@ -441,6 +458,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="100",
         help="the same, trained ahead from each member's own weights instead of the eager estimate (empty: none)",
     )
+    p.add_argument(
+        "--outer",
+        default="0.7:0.9,0.7:0.8,0.5:0.9,0.5:0.8",
+        help="outer lr:momentum pairs swept for int4+EF with and without overlap, each variant at its best "
+        "(a delayed update acts as extra momentum; empty: the spec's 0.7:0.9 only)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds at batch 8")
     args = p.parse_args(argv)
     if args.quick:
@@ -459,6 +482,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if any(not 0 < x <= 100 for x in got):
             p.error(f"--{flag.replace('_', '-')}: each percentage must be in 1..100, got {text!r}")
         setattr(args, flag.removesuffix("s") + "_list", got)
+    try:
+        args.outer_grid = tuple(
+            (float(a), float(b)) for a, b in (x.split(":") for x in args.outer.split(",") if x.strip())
+        )
+    except ValueError:
+        p.error(f"--outer: expected comma-separated lr:momentum pairs, got {args.outer!r}")
+    if any(not (lr > 0 and 0 <= m < 1) for lr, m in args.outer_grid):
+        p.error(f"--outer: each lr must be positive and each momentum in [0, 1), got {args.outer!r}")
     if not args.lr_list or any(lr <= 0 for lr in args.lr_list):
         p.error(f"--lrs: expected positive learning rates, got {args.lrs!r}")
     if args.workers < 2 or args.H < 1 or args.batch < 1 or args.eval_seeds < 1:
@@ -489,19 +520,26 @@ def print_report(result: dict[str, Any]) -> None:
     for d, f in zip(result["lr_sweep"]["ddp"], result["lr_sweep"]["diloco_fp32"], strict=True):
         print(f"  {d['lr']:>8.1e}  {d['heldout_loss']:>8.4f}  {f['heldout_loss']:>12.4f}")
     ddp = result["variants"][0]
-    header = ("variant", "lr", "held-out", "vs ddp", "bytes/worker", "ddp/this", "wall s")
-    print("\n  {:<12} {:>8} {:>9} {:>7} {:>13} {:>9} {:>7}".format(*header))
+    header = ("variant", "lr", "outer", "held-out", "vs ddp", "bytes/worker", "ddp/this", "wall s")
+    print("\n  {:<22} {:>8} {:>8} {:>9} {:>7} {:>13} {:>9} {:>7}".format(*header))
     for v in result["variants"]:
         lr = v.get("lr", v.get("inner_lr"))
         rel = v["heldout_loss"] / ddp["heldout_loss"] - 1
         ratio = ddp["bytes_per_worker"] / v["bytes_per_worker"]
+        outer = f"{v['outer_lr']:g}/{v['outer_momentum']:g}" if "outer_lr" in v else "-"
         print(
-            f"  {v['name']:<12} {lr:>8.1e} {v['heldout_loss']:>9.4f} {rel:>+7.1%} "
+            f"  {v['name']:<22} {lr:>8.1e} {outer:>8} {v['heldout_loss']:>9.4f} {rel:>+7.1%} "
             f"{fmt_bytes(v['bytes_per_worker']):>13} {ratio:>8.1f}x {v['wall_s']:>7.0f}"
         )
+    swept = [v for v in result["variants"] if len(v.get("outer_sweep", ())) > 1]
+    if swept:
+        print("\n  outer lr/momentum sweep (held-out loss), each variant reported at its best:")
+        for v in swept:
+            cells = (f"{t['outer_lr']:g}/{t['outer_momentum']:g} {t['heldout_loss']:.4f}" for t in v["outer_sweep"])
+            print(f"  {v['name']:<22} " + "  ".join(cells))
     print("\n  held-out loss (seed 0) after each round of H steps:")
     for v in result["variants"]:
-        print(f"  {v['name']:<12} " + " ".join(f"{x:.3f}" for x in v["heldout_curve"]))
+        print(f"  {v['name']:<22} " + " ".join(f"{x:.3f}" for x in v["heldout_curve"]))
     t = result["targets"]
     print(
         f"\n  int4+EF vs ddp: {t['bytes_ratio']:.1f}x fewer bytes (target >= {BYTES_TARGET:.0f}x): "
@@ -573,7 +611,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log.info("ddp lr %g: held-out %.4f (%.0f s)", lr, r["heldout_loss"], r["wall_s"])
     best_ddp = min(ddp_sweep, key=lambda s: s["heldout_loss"])
     fp32_sweep, diloco = asyncio.run(
-        run_diloco_all(spec, task, budget, args.lr_list, args.eval_seeds, args.overlap_list, args.naive_overlap_list)
+        run_diloco_all(
+            spec,
+            task,
+            budget,
+            args.lr_list,
+            args.eval_seeds,
+            args.overlap_list,
+            args.naive_overlap_list,
+            args.outer_grid,
+        )
     )
 
     variants = [{"name": "ddp", **best_ddp}]
