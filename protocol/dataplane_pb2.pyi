@@ -186,3 +186,53 @@ class StateInfo(_message.Message):
     piece_nbytes: int
     piece_sha256: bytes
     def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., cell_id: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ..., total_nbytes: _Optional[int] = ..., sha256: _Optional[str] = ..., chunk_nbytes: _Optional[int] = ..., range_offset: _Optional[int] = ..., range_nbytes: _Optional[int] = ..., piece_nbytes: _Optional[int] = ..., piece_sha256: _Optional[bytes] = ...) -> None: ...
+
+class UpdatesRequest(_message.Message):
+    __slots__ = ("run_id", "cell_id", "held_round", "held_hash", "committed_round", "state_hash")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_ROUND_FIELD_NUMBER: _ClassVar[int]
+    HELD_HASH_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    cell_id: str
+    held_round: int
+    held_hash: str
+    committed_round: int
+    state_hash: str
+    def __init__(self, run_id: _Optional[str] = ..., cell_id: _Optional[str] = ..., held_round: _Optional[int] = ..., held_hash: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
+
+class RoundUpdate(_message.Message):
+    __slots__ = ("round", "codec", "part_numel", "part_nbytes", "part_sha256")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    PART_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    PART_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PART_SHA256_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    codec: str
+    part_numel: _containers.RepeatedScalarFieldContainer[int]
+    part_nbytes: _containers.RepeatedScalarFieldContainer[int]
+    part_sha256: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, round: _Optional[int] = ..., codec: _Optional[str] = ..., part_numel: _Optional[_Iterable[int]] = ..., part_nbytes: _Optional[_Iterable[int]] = ..., part_sha256: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class UpdatesInfo(_message.Message):
+    __slots__ = ("status", "reason", "cell_id", "held_round", "committed_round", "state_hash", "chunk_nbytes", "rounds")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CELL_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_HASH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    reason: str
+    cell_id: str
+    held_round: int
+    committed_round: int
+    state_hash: str
+    chunk_nbytes: int
+    rounds: _containers.RepeatedCompositeFieldContainer[RoundUpdate]
+    def __init__(self, status: _Optional[_Union[Status, str]] = ..., reason: _Optional[str] = ..., cell_id: _Optional[str] = ..., held_round: _Optional[int] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ..., chunk_nbytes: _Optional[int] = ..., rounds: _Optional[_Iterable[_Union[RoundUpdate, _Mapping]]] = ...) -> None: ...

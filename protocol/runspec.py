@@ -28,6 +28,7 @@ ROUTER_CELL = "router"
 _CELL_RE = re.compile(r"^k(\d{1,4})\.r(\d{1,4})$")
 _RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 MAX_SYNC_DONORS = 16  # the most donors one sync may name (`[sync] max_donors`)
+MAX_CATCH_UP_ROUNDS = 8  # the most committed updates one catch-up may apply (`[sync] catch_up_rounds`)
 
 
 class SpecError(TomlTableError):
@@ -295,9 +296,18 @@ class SyncSection:
     (ranked by expected bandwidth: each one's uplink divided among the syncs it already
     serves), and the joiner fetches byte ranges of the state from all of them at once, in
     shares proportional to those figures (`worker/statesync.py`). 1 is the single-donor sync.
+
+    `catch_up_rounds`: a worker keeps the committed updates of its cell's last this many
+    rounds (the encoded averaged parts every member applied, about 1/12 of the state with
+    int8, 1/24 with int4) and serves them to peers; a joiner that holds the same cell's
+    committed state of round j, told to sync to round R with 1 <= R - j <= this, first
+    fetches the updates of rounds j+1..R from its donors and applies them itself (the result
+    must have the committed hash, as a download's must), and downloads the whole state only
+    if that fails (`worker/catchup.py`). 0 to 8; 0 turns it off.
     """
 
     max_donors: int = 4
+    catch_up_rounds: int = 2
 
 
 @dataclass(frozen=True)
@@ -422,6 +432,10 @@ def _validate(spec: RunSpec) -> None:
     need(0.0 <= spec.schedule.vram_headroom < 1.0, "schedule.vram_headroom: in [0, 1)")
     need(0.0 <= spec.ema.decay < 1.0, "ema.decay: in [0, 1) (0 = off)")
     need(1 <= spec.sync.max_donors <= MAX_SYNC_DONORS, f"sync.max_donors: between 1 and {MAX_SYNC_DONORS}")
+    need(
+        0 <= spec.sync.catch_up_rounds <= MAX_CATCH_UP_ROUNDS,
+        f"sync.catch_up_rounds: between 0 and {MAX_CATCH_UP_ROUNDS} (0 = off)",
+    )
     need(spec.checkpoint.every_rounds >= 1, "checkpoint.every_rounds: at least 1")
     need(spec.checkpoint.keep >= 1, "checkpoint.keep: at least 1")
     a = spec.audit
