@@ -37,6 +37,15 @@ The donor keeps its last few committed states per cell, so a joiner one round be
 still be served. A joiner can also be a moment ahead: the coordinator names a donor as soon
 as a round commits, but the donor adopts that round only when it hears the verdict, so a
 request for a round newer than any the donor holds waits briefly for it (`ROUND_WAIT_S`).
+
+Catching up by updates (`[sync] catch_up_rounds`, `worker/catchup.py`): the donor also keeps
+the committed updates of its cell's last few rounds (the encoded averaged parts every member
+applied; a member's own, or those it caught up by) and serves them on
+`/bagel/dataplane/v1/updates` (UpdatesRequest, UpdatesInfo, then the parts' bytes). A joiner
+that holds the same cell's state of round j, told to sync to round R a few rounds on, asks its
+donors for the updates of rounds j+1..R in order (`catch_up_from_donors`), applies them to its
+own state and keeps the result only if it has the committed hash; a donor that does not hold
+every one of them refuses, and a joiner that none serves downloads the whole state instead.
 """
 
 from __future__ import annotations
@@ -47,22 +56,37 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.relay import dial_addrs
-from bagel.protocol.runspec import MAX_SYNC_DONORS
-from bagel.worker.diloco import CellState, StateFormatError
+from bagel.protocol.runspec import MAX_CATCH_UP_ROUNDS, MAX_SYNC_DONORS, SyncSection
+from bagel.worker.catchup import (
+    CatchUpError,
+    CommittedUpdate,
+    catch_up,
+    chain_for,
+    check_info,
+    header_fits,
+    read_updates,
+    request_refusal,
+    updates_info,
+    write_updates,
+)
+from bagel.worker.diloco import CellState, OuterConfig, StateFormatError
 from bagel.worker.framing import FrameError, read_frame, read_message, write_frame, write_message
+from bagel.worker.parts import Codec, Layout
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 STATE_PROTOCOL = "/bagel/dataplane/v1/state"
+UPDATES_PROTOCOL = "/bagel/dataplane/v1/updates"
 DEFAULT_CHUNK_NBYTES = 1 << 20
 MAX_CHUNK_NBYTES = 16 << 20
 ROUND_WAIT_S = 3.0
@@ -79,6 +103,12 @@ MIN_PIECE_NBYTES = 64 << 10
 MAX_PIECES = 1024  # so a StateInfo's piece digests (32 bytes each) fit the 64 KiB header limit
 DEFAULT_REQUEST_NBYTES = 8 << 20  # a multi-donor fetch asks for at most this much per request
 STALL_S = 15.0  # a donor that sends nothing for this long is dropped from a multi-donor fetch
+# Catching up by updates: a donor that does not answer, or sends nothing for this long, is
+# given up for the next one (above ROUND_WAIT_S, which a donor may wait before it answers)...
+CATCH_UP_STALL_S = 8.0
+# ...and all of them together get this long, after which the joiner downloads the state.
+CATCH_UP_TIMEOUT_S = 60.0
+DEFAULT_KEEP_UPDATES = SyncSection().catch_up_rounds  # the run spec's default
 
 
 def piece_nbytes_for(total_nbytes: int) -> int:
@@ -150,6 +180,7 @@ class _Entry:
 
 
 _NO_STATES: Mapping[int, _Entry] = {}  # what a cell with no state held reads as
+_NO_UPDATES: Mapping[int, CommittedUpdate] = {}  # ... and one with no update held
 
 
 def verify_state_bytes(data: bytes, expected_hash: str) -> CellState:
@@ -171,6 +202,10 @@ class StateServer:
     `publish` to deliver it (`ROUND_WAIT_S` says why); 0 refuses it at once. `publish` and
     `withdraw` must be called on the event loop's thread (the agent calls them from its
     coroutines): they change what the waiting requests look up, and wake them, unlocked.
+
+    Committed updates (`publish(..., updates=)`) are kept per cell for the last
+    `keep_updates` rounds, and in bytes at most the size of the newest state's file (so
+    they never cost more memory than one more copy of the state); the oldest go first.
     """
 
     def __init__(
@@ -192,45 +227,83 @@ class StateServer:
         self.chunk_nbytes, self.keep, self.round_wait_s = chunk_nbytes, keep, round_wait_s
         self.max_waiting = max_waiting
         self._states: dict[str, OrderedDict[int, _Entry]] = {}
+        self._updates: dict[str, OrderedDict[int, CommittedUpdate]] = {}  # by round, oldest first
         # piece digests of a held state, computed (off the loop) on its first pieces_only request
         self._digests: dict[tuple[str, int, str], asyncio.Future[bytes]] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever _states changes
         self._slots = asyncio.Semaphore(max_concurrent)
         self._started = False
         self.bytes_served = 0
+        self.update_bytes_served = 0  # of those, the bytes of committed updates
         self.waiting = 0  # requests now waiting for a round to be published
 
     async def start(self) -> None:
         if not self._started:
             await self.p2p.add_binary_stream_handler(STATE_PROTOCOL, self._on_stream)
+            await self.p2p.add_binary_stream_handler(UPDATES_PROTOCOL, self._on_updates_stream)
             self._started = True
 
     async def close(self) -> None:
         if self._started:
             self._started = False
             self._wake_waiters()  # they are refused: nothing will be published for them now
-            try:
-                await self.p2p.remove_binary_stream_handler(STATE_PROTOCOL)
-            except Exception as e:  # the daemon may be gone already at shutdown
-                log.debug("removing the state handler failed: %s", e)
+            for protocol in (STATE_PROTOCOL, UPDATES_PROTOCOL):
+                try:
+                    await self.p2p.remove_binary_stream_handler(protocol)
+                except Exception as e:  # the daemon may be gone already at shutdown
+                    log.debug("removing the %s handler failed: %s", protocol, e)
 
-    def publish(self, cell_id: str, committed_round: int, state: CellState) -> str:
-        """Offer `state` as the committed state of (cell, round); returns its state hash."""
+    def publish(
+        self,
+        cell_id: str,
+        committed_round: int,
+        state: CellState,
+        *,
+        updates: Sequence[CommittedUpdate] = (),
+        keep_updates: int = DEFAULT_KEEP_UPDATES,
+    ) -> str:
+        """Offer `state` as the committed state of (cell, round); returns its state hash.
+
+        updates: committed updates of this cell to serve too (the one that gave this state,
+        and any before it that the caller applied), of rounds up to this one; the cell's
+        last `keep_updates` (0 to MAX_CATCH_UP_ROUNDS; 0 keeps none) are kept."""
         data = state.to_safetensors()
         entry = _Entry(committed_round, state.state_hash(), data, hashlib.sha256(data).hexdigest())
         per_cell = self._states.setdefault(cell_id, OrderedDict())
         per_cell[committed_round] = entry
         while len(per_cell) > self.keep:
             per_cell.popitem(last=False)
+        self._keep_updates(cell_id, committed_round, updates, keep_updates, len(data))
         self._wake_waiters()
         return entry.state_hash
 
+    def _keep_updates(
+        self, cell_id: str, committed_round: int, updates: Sequence[CommittedUpdate], keep: int, max_nbytes: int
+    ) -> None:
+        keep = max(0, min(keep, MAX_CATCH_UP_ROUNDS))
+        held = dict(self._updates.get(cell_id, _NO_UPDATES))
+        held.update({u.round: u for u in updates if 0 < u.round <= committed_round})
+        rounds = sorted(held)[-keep:] if keep else []
+        while rounds and sum(held[r].nbytes for r in rounds) > max_nbytes:
+            rounds.pop(0)
+        if rounds:
+            self._updates[cell_id] = OrderedDict((r, held[r]) for r in rounds)
+        else:
+            self._updates.pop(cell_id, None)
+
+    def held_updates(self, cell_id: str) -> tuple[int, ...]:
+        """The rounds of `cell_id` whose committed update is held, oldest first."""
+        return tuple(self._updates.get(cell_id, _NO_UPDATES))
+
     def withdraw(self, cell_id: str | None = None) -> None:
-        """Stop serving a cell (or every cell), e.g. after leaving it or before a resync."""
+        """Stop serving a cell (or every cell), e.g. after leaving it or before a resync;
+        its committed updates go too."""
         if cell_id is None:
             self._states.clear()
+            self._updates.clear()
         else:
             self._states.pop(cell_id, None)
+            self._updates.pop(cell_id, None)
         self._wake_waiters()  # a withdrawn cell's waiting requests are refused now
 
     def _wake_waiters(self) -> None:
@@ -257,10 +330,17 @@ class StateServer:
 
     async def _lookup(self, cell_id: str, committed_round: int) -> _Entry | None:
         """The held state of (cell, round), after waiting up to `round_wait_s` if `_awaited`; else None."""
+        return await self._held(
+            cell_id, committed_round, lambda: self._states.get(cell_id, _NO_STATES).get(committed_round)
+        )
+
+    async def _held(self, cell_id: str, committed_round: int, get: Callable[[], _T | None]) -> _T | None:
+        """`get()` (what is held of (cell, round): its state, or its update), after waiting
+        up to `round_wait_s` for it to be published if `_awaited`; else None."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         waited = False
-        while (entry := self._states.get(cell_id, _NO_STATES).get(committed_round)) is None:
+        while (entry := get()) is None:
             remaining = start + self.round_wait_s - loop.time()
             if remaining <= 0 or not self._awaited(cell_id, committed_round):
                 if waited:
@@ -358,6 +438,53 @@ class StateServer:
                     self.bytes_served += n  # not `+= await`: concurrent streams would lose counts
         except (FrameError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("state stream from %s ended: %s", info.peer_id, e)
+        finally:
+            writer.close()
+
+    async def _on_updates_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve the committed updates of rounds held_round + 1 .. committed_round, all of
+        them or none (`catchup.chain_for` says precisely why not)."""
+        try:
+            req, _ = await asyncio.wait_for(read_message(reader, dp.UpdatesRequest), 10.0)
+            status = dp.STATUS_NOT_AVAILABLE
+            chain: list[CommittedUpdate] = []
+            if req.run_id != self.run_id:
+                reason = f"wrong run {req.run_id!r}"
+            elif reason := request_refusal(req):
+                status = dp.STATUS_REJECTED
+            else:
+                cell, last = req.cell_id, req.committed_round
+                await self._held(cell, last, lambda: self._updates.get(cell, _NO_UPDATES).get(last))
+                chain, reason = chain_for(req, self._updates.get(cell, _NO_UPDATES))
+            head = None if reason else updates_info(req, chain, self.chunk_nbytes)
+            if head is not None and not header_fits(head):
+                reason = "the header of these updates is over the frame limit"
+            elif head is not None and self._slots.locked():
+                reason = "busy serving other joiners"
+            if reason or head is None:
+                refusal = dp.UpdatesInfo(
+                    status=status,
+                    reason=reason,
+                    cell_id=req.cell_id,
+                    held_round=req.held_round,
+                    committed_round=req.committed_round,
+                )
+                await write_message(writer, refusal)
+                return
+            async with self._slots:
+                await write_message(writer, head)
+
+                def sent(n: int) -> None:
+                    self.bytes_served += n
+                    self.update_bytes_served += n
+
+                await write_updates(writer, chain, self.chunk_nbytes, on_frame=sent)
+        except (FrameError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
+            log.debug("updates stream from %s ended: %s", info.peer_id, e)
+        except asyncio.CancelledError:
+            log.debug("updates stream from %s cancelled at shutdown", info.peer_id)
+        except Exception:  # a surprise from a hostile peer must cost one stream, nothing more
+            log.exception("updates stream from %s failed", info.peer_id)
         finally:
             writer.close()
 
@@ -892,3 +1019,133 @@ async def fetch_state_from_donors(
             raise last
     except TimeoutError:
         raise StateSyncError(f"state sync from {len(refs)} donors timed out after {timeout_s}s") from None
+
+
+# ---------------------------------------------------------------------- catching up by updates
+
+
+@dataclass(frozen=True)
+class CaughtUp:
+    """A catch-up by committed updates that verified: the state of the target round, the
+    updates it applied (to serve in turn), and what each donor asked did."""
+
+    state: CellState
+    updates: tuple[CommittedUpdate, ...]
+    donor: str  # the label of the donor whose updates verified
+    nbytes: int  # update bytes received from it (the parts, as announced and checked)
+    seconds: float  # its request, from dialing to the verified state
+    failed: dict[str, str]  # donors asked before it (label -> why they were given up)
+    liars: tuple[str, ...]  # of those, the ones proven to have served bytes no member applied
+
+
+class CatchUpFailed(StateSyncError):
+    """No donor's updates verified; `failed` and `liars` say what each did."""
+
+    def __init__(self, why: str, failed: dict[str, str], liars: tuple[str, ...]) -> None:
+        super().__init__(why)
+        self.failed = failed
+        self.liars = liars
+
+
+async def fetch_updates(
+    p2p: P2P,
+    donor: DonorRef,
+    req: dp.UpdatesRequest,
+    *,
+    codec: Codec,
+    total_numel: int,
+    max_nbytes: int,
+    stall_s: float = CATCH_UP_STALL_S,
+) -> tuple[list[CommittedUpdate], int]:
+    """Ask one donor for the updates `req` names; returns them (every part checked against
+    its digest) and their bytes. Raises CatchUpError (refused, malformed, a part that lies)
+    or a stream error; each wait (dial, stream, header, every frame) is within `stall_s`."""
+    pid = await asyncio.wait_for(_dial(p2p, donor.peer_id, donor.maddrs), stall_s)
+    _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(pid, UPDATES_PROTOCOL), stall_s)
+    try:
+        await write_message(writer, req)
+        info, _ = await asyncio.wait_for(read_message(reader, dp.UpdatesInfo), stall_s)
+        nbytes = check_info(info, req, codec, total_numel, max_nbytes)
+        updates = await read_updates(reader, info, stall_s=stall_s)
+    finally:
+        writer.close()
+    return updates, nbytes
+
+
+async def catch_up_from_donors(
+    p2p: P2P,
+    donors: Sequence[DonorRef],
+    *,
+    run_id: str,
+    cell_id: str,
+    held: CellState,
+    held_round: int,
+    held_hash: str,
+    committed_round: int,
+    state_hash: str,
+    codec: Codec,
+    cfg: OuterConfig,
+    max_nbytes: int,
+    timeout_s: float = CATCH_UP_TIMEOUT_S,
+    stall_s: float = CATCH_UP_STALL_S,
+) -> CaughtUp:
+    """Reach (cell, committed_round, state_hash) from `held`, the committed state of
+    `held_round`, by the committed updates of the rounds between: the donors are asked in
+    order (the coordinator's, at most MAX_SYNC_DONORS, duplicates dropped), one at a time;
+    the first whose updates give exactly `state_hash` (`catchup.catch_up`, in a thread)
+    wins. A donor that refuses, fails, stalls for `stall_s` or lies is given up for the
+    next; all of them together get `timeout_s`. Raises CatchUpFailed when none verified
+    (`held` is never changed), ValueError on bad arguments."""
+    if not state_hash:
+        raise ValueError("a committed state hash is required")
+    if not 1 <= committed_round - held_round <= MAX_CATCH_UP_ROUNDS or stall_s <= 0 or timeout_s <= 0:
+        raise ValueError(f"rounds {held_round}..{committed_round}: 1 to {MAX_CATCH_UP_ROUNDS} ahead, positive times")
+    seen: dict[str, DonorRef] = {}
+    for d in donors:
+        if d.peer_id and d.peer_id not in seen and len(seen) < MAX_SYNC_DONORS:
+            seen[d.peer_id] = d
+    req = dp.UpdatesRequest(
+        run_id=run_id,
+        cell_id=cell_id,
+        held_round=held_round,
+        held_hash=held_hash,
+        committed_round=committed_round,
+        state_hash=state_hash,
+    )
+    total_numel = Layout.of(held.weights).total
+    failed: dict[str, str] = {}
+    liars: list[str] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    for d in seen.values():
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(left):
+                updates, nbytes = await fetch_updates(
+                    p2p, d, req, codec=codec, total_numel=total_numel, max_nbytes=max_nbytes, stall_s=stall_s
+                )
+                # off the event loop: decoding, the outer steps and the hash take a while
+                state = await asyncio.to_thread(catch_up, held, updates, codec, cfg, state_hash)
+        except CatchUpError as e:
+            failed[d.label] = str(e)
+            if e.lied:
+                liars.append(d.label)
+            log.info("catch-up: donor %s given up: %s", d.label, e)
+            continue
+        except TimeoutError:
+            failed[d.label] = f"timed out (nothing for {stall_s}s, or the catch-up's {timeout_s}s are spent)"
+            log.info("catch-up: donor %s given up: %s", d.label, failed[d.label])
+            continue
+        except _DONOR_ERRORS as e:
+            failed[d.label] = f"{type(e).__name__}: {e}"
+            log.info("catch-up: donor %s given up: %s", d.label, failed[d.label])
+            continue
+        took = time.monotonic() - t0
+        return CaughtUp(state, tuple(updates), d.label, nbytes, took, failed, tuple(liars))
+    why = "; ".join(f"{k}: {v}" for k, v in failed.items()) or "no donor to ask"
+    raise CatchUpFailed(
+        f"no donor's updates of rounds {held_round + 1}..{committed_round} verified ({why})", failed, tuple(liars)
+    )
