@@ -164,6 +164,14 @@ class ExchangeResult:
     # part streams we sent again after a broken stream or a reducer not ready yet: each one
     # sent its header and payload again, and bytes_sent counts them
     resends: int = 0
+    # The averaged delta as it was applied, in its wire form: each part's encoded bytes as
+    # its reducer sent them (b"" for an empty part), in part order, the codec's canonical
+    # name and each part's element count. `averaged` is Layout.unflatten(cat(decode(part)))
+    # of these in the sorted parameter order, so a holder of the same committed state can
+    # apply the round from them alone (worker/catchup.py).
+    parts: tuple[bytes, ...] = ()
+    part_numels: tuple[int, ...] = ()
+    codec: str = ""
 
 
 # ---------------------------------------------------------------- the data plane
@@ -509,6 +517,9 @@ class DataPlane:
             audit=sessions[index].audit,
             encode_s=encode_s,
             resends=client_bytes[2],
+            parts=tuple(replies[j][0] for j in range(k)),
+            part_numels=tuple(e - s for s, e in bounds),
+            codec=codec_obj.name,
         )
 
     def _header(

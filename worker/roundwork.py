@@ -30,6 +30,7 @@ from bagel.protocol.messages import PartAudit
 from bagel.protocol.runspec import parse_spec
 from bagel.robust import attacks
 from bagel.worker import ddp
+from bagel.worker.catchup import CommittedUpdate
 from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
 from bagel.worker.heldout import SliceLossAudit
 from bagel.worker.parts import Layout
@@ -78,8 +79,11 @@ class ReduceOutcome:
     heldout_loss: float | None = None
     heldout_loss_base: float | None = None
     encode_s: float = 0.0  # of comm_s: encoding our contribution
-    outer_step_s: float = 0.0  # the outer step and the state hash
+    outer_step_s: float = 0.0  # the outer step and the state hash (and the kept update's part digests)
     paths: dict[str, str] = field(default_factory=dict)  # contributor -> how we were connected to it
+    # the round's committed update as applied (the exchange's encoded averaged parts), kept
+    # on commit so peers a round or two behind can catch up by it (`[sync] catch_up_rounds`)
+    update: CommittedUpdate | None = None
 
 
 @dataclass
@@ -318,8 +322,14 @@ async def reduce_round(
     i: Any,
     ef: ErrorFeedback | None,
     timeout_s: float,
+    *,
+    base_hash: str = "",
 ) -> ReduceOutcome:
-    """Average our delta over exactly i.contributors, then the outer step and the hash."""
+    """Average our delta over exactly i.contributors, then the outer step and the hash.
+
+    base_hash: the hash of `committed`; where the run keeps committed updates (`[sync]
+    catch_up_rounds` > 0), the outcome carries the round's update, from that state to the new one.
+    """
     from bagel.worker.averaging import Contributor
 
     assert w.delta is not None and w.result is not None
@@ -348,14 +358,22 @@ async def reduce_round(
         loss_probe=loss_probe(spec, committed, w, i, Layout.of(w.delta).names),
     )
     cfg = OuterConfig.from_spec(spec.diloco, spec.ema)
+    sync = getattr(spec, "sync", None)
+    keep_update = bool(getattr(sync, "catch_up_rounds", 0)) and bool(res.parts)
 
-    def step() -> tuple[CellState, str]:
+    def step() -> tuple[CellState, str, CommittedUpdate | None]:
         new = committed.clone()
         outer_step(new, res.averaged, cfg, ema_step=max(1, w.round))
-        return new, new.state_hash()
+        h = new.state_hash()
+        update = None
+        if keep_update:
+            update = CommittedUpdate.of(
+                w.round, res.codec, res.part_numels, res.parts, base_hash=base_hash, state_hash=h
+            )
+        return new, h, update
 
     t_outer = time.perf_counter()
-    new, h = await asyncio.to_thread(step)
+    new, h, update = await asyncio.to_thread(step)
     outer_s = time.perf_counter() - t_outer
     residuals: dict[str, torch.Tensor] = {}
     if ef is not None:
@@ -373,6 +391,7 @@ async def reduce_round(
         res.audit,
         encode_s=res.encode_s,
         outer_step_s=outer_s,
+        update=update,
     )
 
 
