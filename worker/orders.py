@@ -98,6 +98,12 @@ def _ahead_of(a: AheadRun) -> reconciler.Ahead:
     )
 
 
+def caught_source(caught: Any, first: int, last: int) -> str:
+    """The `synced` event's source for a catch-up by the updates of rounds first..last."""
+    rounds = f"update of round {last}" if first == last else f"updates of rounds {first}..{last}"
+    return f"donor {caught.donor} ({rounds}, {caught.nbytes} bytes)"
+
+
 @dataclass
 class Counters:
     bytes_sent: int = 0
@@ -290,6 +296,7 @@ class Orders:
         spec = self.host.spec
         assert spec is not None and self.link.client is not None
         live = [d for d in donors if d.worker_id and d.peer.peer_id]
+        updates: tuple[Any, ...] = ()  # the committed updates applied, when caught up by them
         self.display.update(phase="syncing", cell=cell, round=rnd)
         # the start of the download, for the time accounting (`worker/goodput.py`)
         self.display.event("sync", cell=cell, round=rnd, donor=",".join(d.worker_id for d in live))
@@ -302,11 +309,23 @@ class Orders:
                 source = "initial state (built locally)"
             else:
                 state, source = None, ""
-                if live:
-                    refs = [
-                        DonorRef(d.peer.peer_id, tuple(d.peer.maddrs), d.expected_bytes_per_s, d.worker_id)
-                        for d in live
-                    ]
+                refs = [
+                    DonorRef(d.peer.peer_id, tuple(d.peer.maddrs), d.expected_bytes_per_s, d.worker_id) for d in live
+                ]
+                # holding the same cell's state a round or a few behind: its committed updates first
+                mine = self.held
+                if (
+                    refs
+                    and mine is not None
+                    and mine.cell_id == cell
+                    and 1 <= rnd - mine.committed_round <= spec.sync.catch_up_rounds
+                ):
+                    caught, liars = await self._catch_up(mine, rnd, want, refs)
+                    if caught is not None:
+                        state, source = caught.state, caught_source(caught, mine.committed_round + 1, rnd)
+                        updates = caught.updates
+                    refs = [r for r in refs if r.label not in liars]  # not asked again in this sync
+                if state is None and refs:
                     try:
                         got = await fetch_state_from_donors(
                             self.p2p,
@@ -348,7 +367,8 @@ class Orders:
             self.reset_optimizer = True
             self.stateserver.withdraw()
             if rnd:
-                self.stateserver.publish(cell, rnd, state)
+                # a worker that caught up by updates serves them in turn
+                self.stateserver.publish(cell, rnd, state, updates=updates, keep_updates=spec.sync.catch_up_rounds)
             # what it measured of each donor (reported to the coordinator with its heartbeats)
             dr = self.donor_rates
             measured = {n: {"bytes": b, "ms": ms} for n, b, ms in dr[2]} if dr and dr[:2] == (cell, rnd) else {}
@@ -365,6 +385,52 @@ class Orders:
                 self.sync = None
             self.host.wake()
             self.link.wake_heartbeat()
+
+    async def _catch_up(self, held: LocalCheckpoint, rnd: int, want: str, refs: list[Any]) -> tuple[Any, set[str]]:
+        """Try to reach (held's cell, rnd, want) from the held state by the committed updates
+        of the rounds between (`statesync.catch_up_from_donors`): (the verified result or
+        None, the donors proven to have lied). Every donor given up is said in a
+        `sync-donor-failed` event; the caller then downloads the whole state."""
+        from bagel.worker.parts import resolve_codec
+        from bagel.worker.statesync import CATCH_UP_TIMEOUT_S, CatchUpFailed, catch_up_from_donors
+
+        spec = self.host.spec
+        assert spec is not None
+        try:
+            caught = await catch_up_from_donors(
+                self.p2p,
+                refs,
+                run_id=self.run_id,
+                cell_id=held.cell_id,
+                held=held.state,
+                held_round=held.committed_round,
+                held_hash=held.state_hash,
+                committed_round=rnd,
+                state_hash=want,
+                codec=resolve_codec(spec.diloco.codec),
+                cfg=OuterConfig.from_spec(spec.diloco, spec.ema),
+                # never more than the download it saves (nor than the largest state taken)
+                max_nbytes=min(spec.checkpoint.max_bytes, held.state.nbytes()),
+                timeout_s=min(CATCH_UP_TIMEOUT_S, self.cfg.sync_timeout_s),
+            )
+            failed, liars = caught.failed, caught.liars
+        except CatchUpFailed as e:
+            failed, liars, caught = e.failed, e.liars, None
+        except Exception as e:  # noqa: BLE001  (a bug here must cost the catch-up only: the download follows)
+            log.warning("catch-up by updates failed: %s: %s", type(e).__name__, e)
+            failed, liars, caught = {",".join(r.label for r in refs): f"{type(e).__name__}: {e}"}, (), None
+        for name, why in failed.items():
+            self.display.event(
+                "sync-donor-failed",
+                level="warning",
+                donor=name,
+                message=f"catch-up by updates: {why}",
+                lied=name in liars,
+            )
+        if caught is not None:
+            self.donor_rates = (held.cell_id, rnd, ((caught.donor, caught.nbytes, int(caught.seconds * 1000)),))
+            self.moved_checkpoint(0, caught.nbytes)
+        return caught, set(liars)
 
     async def runtime_for(self, cell: str) -> CellRuntime:
         if self.runtime is None or self.runtime.cell_id != cell:
@@ -605,7 +671,15 @@ class Orders:
         ef = fresh_feedback(held.residuals) if spec.diloco.error_feedback and not w.catch_up else None
         try:
             out = await reduce_round(
-                self.dataplane, spec, self.worker_id, held.state, w, i, ef, self.cfg.reduce_timeout_s
+                self.dataplane,
+                spec,
+                self.worker_id,
+                held.state,
+                w,
+                i,
+                ef,
+                self.cfg.reduce_timeout_s,
+                base_hash=held.state_hash,
             )
             if w.catch_up or not spec.diloco.error_feedback:
                 out.residuals = dict(held.residuals) if w.catch_up else {}
@@ -765,7 +839,11 @@ class Orders:
         c.rounds_committed += 1
         if self.metrics is not None:
             self.metrics.rounds_committed.inc()
-        self.stateserver.publish(w.cell_id, w.round, out.state)  # keeps the last few per cell
+        spec = self.host.spec
+        keep = spec.sync.catch_up_rounds if spec is not None else 0
+        # the last few states per cell, and the updates that led to them (a catch-up applies the same)
+        updates = (out.update,) if out.update is not None else ()
+        self.stateserver.publish(w.cell_id, w.round, out.state, updates=updates, keep_updates=keep)
         self.display.update(committed=w.round, step=0)
         event = {
             "cell": w.cell_id,
