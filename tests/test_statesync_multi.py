@@ -14,7 +14,7 @@ import torch
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.worker import pacing
 from bagel.worker.diloco import CellState, OuterConfig, outer_step
-from bagel.worker.framing import read_message, write_frame, write_message
+from bagel.worker.framing import read_frame, read_message, write_frame, write_message
 from bagel.worker.statesync import (
     MIN_PIECE_NBYTES,
     STATE_PROTOCOL,
@@ -154,19 +154,14 @@ async def ask(joiner: Peer, donor: Peer, want: str, **kw) -> tuple[dp.StateInfo,
         req = dp.StateRequest(run_id=RUN_ID, cell_id=CELL, committed_round=ROUND, state_hash=want, **kw)
         await write_message(writer, req)
         info, _ = await asyncio.wait_for(read_message(reader, dp.StateInfo), 10)
-        body = await asyncio.wait_for(reader.read(), 10) if info.status == dp.STATUS_OK else b""
-        return info, _unframe(body)
+        body = bytearray()
+        # the bytes announced (the donor keeps the stream open until we close it: `statesync.linger`)
+        size = info.range_nbytes if kw else info.total_nbytes
+        while info.status == dp.STATUS_OK and len(body) < size:
+            body += await asyncio.wait_for(read_frame(reader, size - len(body)), 10)
+        return info, bytes(body)
     finally:
         writer.close()
-
-
-def _unframe(raw: bytes) -> bytes:
-    out, at = bytearray(), 0
-    while at < len(raw):
-        n = int.from_bytes(raw[at : at + 4], "big")
-        out += raw[at + 4 : at + 4 + n]
-        at += 4 + n
-    return bytes(out)
 
 
 async def until(cond: Callable[[], bool], timeout: float = 30.0) -> None:
