@@ -122,6 +122,8 @@ def test_overlap_raises_the_committed_share_when_the_exchange_is_long():
     comm_off = off.ledger.buckets["comm"] / off.ledger.offered
     assert comm_off > 0.3
     assert on.ledger.buckets["comm"] / on.ledger.offered < 0.05 * comm_off
+    # the utilisation curve counts the GPUs training ahead (their TRAIN jobs are short)
+    assert on.util_timeline[1:].mean() > off.util_timeline[1:].mean() + 0.2
 
 
 @pytest.mark.timeout(60)
