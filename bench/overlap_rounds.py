@@ -24,6 +24,7 @@ is about the exchange's time on these links, where overlap can gain the most.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -35,8 +36,9 @@ from bagel.sim.netlab.bed import missing_prerequisite
 from bagel.sim.netlab.runs import tiny_run_spec
 from bagel.sim.netlab.topology import TopologyError, check_tag
 
+# the bench next to this one, which runs one configuration on a fresh bed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netlab_rounds import measure  # noqa: E402  (the bench next to this one)
+measure = importlib.import_module("netlab_rounds").measure
 
 MODES = ("off", "delayed")
 

@@ -448,8 +448,10 @@ def _train_with(ahead: object) -> StartTrain:
 def test_steps_trained_ahead_count_toward_the_round_whose_plan_they_guessed() -> None:
     assert _train_with(AHEAD) == StartTrain(1, 3)
     assert _train_with({**AHEAD, "steps": 5}).ahead_steps == 5  # the whole round
-    # the batch shape moved with the throughput estimates: the same shard, so they count
+    # the batch shape moved with the throughput estimates, the shard with the group: they count
     assert _train_with({**AHEAD, "micro_batch": 4, "grad_accum": 1}).ahead_steps == 3
+    assert _train_with({**AHEAD, "member_index": 0}).ahead_steps == 3
+    assert _train_with({**AHEAD, "members": 3}).ahead_steps == 3
     assert _train_with(None).ahead_steps == 0
 
 
@@ -458,8 +460,6 @@ def test_steps_trained_ahead_count_toward_the_round_whose_plan_they_guessed() ->
     [
         {"base_round": 2},  # overlapped an older exchange: its outcome is not this round's base
         {"cell_id": "k1"},  # another cell's steps
-        {"member_index": 0},  # another data shard
-        {"members": 3},  # the shards were cut for another group size
         {"steps": 6},  # more steps than the plan has: they cannot be undone
     ],
 )

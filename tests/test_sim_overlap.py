@@ -106,7 +106,8 @@ def test_every_offered_flop_lands_in_exactly_one_bucket_with_overlap(text):
     # every FLOP trained ahead was carried, thrown away, or (a step begun) wasted on carrying
     assert L.ahead_carried + dropped <= L.ahead_trained * (1 + 1e-9)
     if text is _CHURN:
-        assert {"departed", "members changed"} <= set(L.ahead_dropped)
+        assert "departed" in L.ahead_dropped
+        assert not {"members changed", "member index changed"} & set(L.ahead_dropped)
         assert L.buckets["preempted"] > 0
 
 
@@ -260,26 +261,26 @@ def test_ahead_training_stops_at_the_guessed_rounds_length_then_the_wait_is_comm
 
 
 @pytest.mark.parametrize(
-    "ids, micro, accum, why",
+    "ids",
     [
-        (("a0000",) + IDS, 32, 3, "members changed"),  # a newcomer sorts first: index and size change
-        (("a0000",) + IDS[:1] + IDS[2:], 32, 3, "member index changed"),  # as many, but it is member 1
+        ("a0000",) + IDS,  # a newcomer sorts first: index and group size change
+        ("a0000",) + IDS[:1] + IDS[2:],  # as many members, but it is member 1
     ],
 )
-def test_steps_trained_ahead_are_thrown_away_when_the_data_shard_differs(ids, micro, accum, why):
+def test_steps_trained_ahead_are_carried_when_the_data_shard_moved(ids):
+    """The group changed (a member joined or left), so the plan gives another data shard:
+    the steps trained ahead still count, as the real worker carries them (the rest of the
+    round trains on the new shard); nothing is thrown away."""
     b = _Bench()
     eng, w, L = b.eng, b.w, b.eng.ledger
     b.trained_round_one_and_exchanges()
     b.reported(0.405)
     b.after(0.505)
-    eng._react(w, _train(2, "h1", _plan(ids, micro, accum)))
-    assert w.act == TRAIN and w.h0 == 0 and w.ahead_key is None
-    assert w.dur_s == pytest.approx(micro * accum * H / eng.rate(w, CELL))  # the whole round again
-    ahead = b.trained_ahead(0.505)
-    assert L.buckets["aborted"] == pytest.approx(ahead, rel=1e-4)
-    assert list(L.ahead_dropped) == [why] and L.ahead_dropped[why][0] == 1
-    assert L.ahead_dropped[why][1] == pytest.approx(ahead, rel=1e-4)
-    assert (CELL, 2, 1) not in L.pending and L.ahead_carried == 0.0
+    eng._react(w, _train(2, "h1", _plan(ids, 32, 3)))
+    k = int(0.505 * H)
+    assert w.act == TRAIN and w.h0 == k and w.ahead_key is None
+    assert w.dur_s == pytest.approx((H - k) * 32 * 3 / eng.rate(w, CELL))
+    assert not L.ahead_dropped and L.ahead_carried > 0
     assert L.buckets["comm"] == 0.0 and L.buckets["barrier"] == 0.0
 
 

@@ -7,10 +7,12 @@ to do about the current instruction; `Orders.perform` does it, and `Orders.view`
 commit, so an abandoned round (WAIT, a new attempt, ABORTED, RESYNC, SIGTERM) is a
 rollback for free.
 
-- SYNC: the named donors over P2P, byte ranges from all at once
-  (`statesync.fetch_state_from_donors`; one donor: a single stream), else the coordinator's
-  checkpoint (`DownloadCheckpoint`); either must hash to the committed hash. Round 0 is
-  the deterministic initial state, built locally.
+- SYNC: holding the same cell's state a round or a few behind (`[sync] catch_up_rounds`),
+  first the committed updates of the rounds between, from the donors in order, applied to
+  it (`statesync.catch_up_from_donors`); else, or when that fails, the named donors over
+  P2P, byte ranges from all at once (`statesync.fetch_state_from_donors`; one donor: a
+  single stream), else the coordinator's checkpoint (`DownloadCheckpoint`); each must hash
+  to the committed hash. Round 0 is the deterministic initial state, built locally.
 - TRAIN: `roundwork.train_round` in a thread; then the pseudo-gradient (corrupted on
   purpose with `--byzantine`), and PHASE_READY. With `[diloco] overlap = "delayed"` the
   GPU does not wait for the exchange: once a weighted exchange starts, the next round's
@@ -24,7 +26,7 @@ rollback for free.
   A catch-up contributor (max_samples 0: we hold the base state but trained nothing)
   exchanges a zero delta with weight 0 and applies the same outer step.
 - The verdict (`reconciler.decide_verdict`): COMMITTED adopts the new state (saved, served
-  to joiners); PENDING waits until an instruction shows our hash committed (or another
+  to joiners, with the round's committed update); PENDING waits until an instruction shows our hash committed (or another
   one: drop); RESYNC/ABORTED drop.
 - The local checkpoint: the held state is saved atomically after every sync and commit,
   and loaded at start (`LocalStore`).

@@ -64,11 +64,13 @@ class Ahead:
     """Inner steps trained ahead (`[diloco] overlap = "delayed"`): while the exchange of
     `base_round` ran, the worker went on training, from its own trained weights, the round
     after it on the guess that its plan repeats the last one (same data shard, same batch
-    shape). Those steps count toward round `base_round + 1` only if the coordinator's plan
-    gives it the same data shard and its base is the outcome of that very exchange; the
-    shell then moves them onto the committed base (the delayed outer update). The batch
-    shape may have moved with the coordinator's throughput estimates: the round's other
-    steps take the new one, and its reported samples stay within the new budget."""
+    shape). Those steps count toward round `base_round + 1` if its base is the outcome of
+    that very exchange; the shell then moves them onto the committed base (the delayed
+    outer update). The plan may differ from the guess: the batch shape moves with the
+    coordinator's throughput estimates, and the data shard (member index, group size)
+    whenever a member joins or leaves the cell, which in a large volunteer cell is most
+    rounds. The round's other steps then take the new shape and the new shard (from its
+    first sample), and the reported samples stay within the new budget."""
 
     cell_id: str
     base_round: int
@@ -373,11 +375,15 @@ def _on_train(i: Instruction, view: WorkerView, p: _Plan) -> None:
 def steps_ahead(ahead: Ahead | None, i: Instruction, member_index: int, held: LocalState | None) -> int:
     """How many of the inner steps trained ahead count toward the round `i` says to train:
     all of them when `i` is the round right after the exchange they overlapped, its base is
-    that exchange's outcome and we hold it, the plan gives us the data shard the steps were
-    trained on (member index and group size), and it has at least that many steps; else
-    none. Data is drawn per (round, member index, members) as one sequence per member, so
-    matching steps took the samples the plan would have had us take first, only from
-    weights one outer step old."""
+    that exchange's outcome and we hold it, and the plan has at least that many steps; else
+    none. Data is drawn per (round, member index, members) as one sequence per member: on
+    an unchanged shard the steps took the samples the plan would have had us take first.
+    When the group changed, they were drawn from the member's old position in the round's
+    permutation, so some of them may also be in another member's new shard, which costs
+    a little diversity, not correctness (every member's update is averaged anyway);
+    discarding them instead threw away most overlapped compute in a churning cell (half
+    of all exchanges in `bagel-sim`'s heterogeneity-10x). `member_index` is unused and
+    kept for the shells' call."""
     if ahead is None or i.plan is None or held is None:
         return 0
     plan = i.plan
@@ -386,8 +392,6 @@ def steps_ahead(ahead: Ahead | None, i: Instruction, member_index: int, held: Lo
         and i.round == ahead.base_round + 1
         and i.committed_round == ahead.base_round
         and holds(held, i.cell_id, i.committed_round, i.committed_hash)
-        and ahead.member_index == member_index
-        and ahead.members == len(plan.members)
         and ahead.steps <= plan.inner_steps
     )
     return ahead.steps if same else 0

@@ -252,20 +252,24 @@ def train_round(
     from the step after them."""
     key = w.key(run_id)
     if ahead is not None and ahead.result is not None and ahead.start is not None and ahead.result.steps > 0:
-        # a member's indices for a round are one prefix-stable sequence (models/data.shard):
-        # with the same key the steps trained ahead took its first samples, and the rest of
-        # the round goes on from the next one, in this plan's batch shape
-        if ahead.guess.key(run_id) != key or ahead.result.steps > w.plan.inner_steps or ctx.enabled:
-            raise ValueError("steps trained ahead for another round or data shard")
+        g = ahead.guess.key(run_id)
+        if (g.cell_id, g.round) != (key.cell_id, key.round) or ahead.result.steps > w.plan.inner_steps or ctx.enabled:
+            raise ValueError("steps trained ahead for another round")
         move_onto(rt.model, ahead.start, committed)
         first = ahead.result
-        count = first.samples + (w.plan.inner_steps - first.steps) * w.plan.batch
+        # a member's indices for a round are one prefix-stable sequence (models/data.shard):
+        # on the shard the steps ahead were trained on, the rest of the round goes on from
+        # the next sample; when the plan moved us to another shard (the group changed), the
+        # rest starts at that shard's first sample, the ones the loss audit looks at
+        same_shard = (g.member, g.members) == (key.member, key.members)
+        offset = first.samples if same_shard else 0
+        count = offset + (w.plan.inner_steps - first.steps) * w.plan.batch
         idx = torch.as_tensor(
             shard(key.run_id, key.cell_id, key.round, key.member, key.members, rt.trainer.num_train, count),
             dtype=torch.long,
         )
         rest = rt.trainer.run(
-            key, w.plan, idx, on_step=on_step, stop=w.stop, start_step=first.steps, sample_offset=first.samples
+            key, w.plan, idx, on_step=on_step, stop=w.stop, start_step=first.steps, sample_offset=offset
         )
         res = joined(first, rest)
         if res.samples > w.plan.samples:

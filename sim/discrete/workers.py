@@ -111,7 +111,7 @@ def honest_hash(key: tuple) -> str:
     return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
-def _mismatch(w: W, ins: Instruction, member_index: int) -> str:
+def _mismatch(w: W, ins: Instruction, steps: int) -> str:
     """Why `reconciler.steps_ahead` carried none of `w`'s steps trained ahead into the
     round `ins` says to train (for the report's tally; the decision is the reconciler's)."""
     k, plan, guess = w.ahead_key, ins.plan, w.plan
@@ -119,10 +119,8 @@ def _mismatch(w: W, ins: Instruction, member_index: int) -> str:
         return "no plan"
     if (ins.cell_id, ins.round, ins.committed_round) != (k[0], k[1] + 1, k[1]):
         return "not the next round"
-    if len(plan.members) != len(guess.members):
-        return "members changed"
-    if member_index != w.midx:
-        return "member index changed"
+    if steps > plan.inner_steps:
+        return "more steps than the round has"
     return "no step finished"
 
 
@@ -461,7 +459,7 @@ class WorkerBehaviour:
         if w.ahead_key is None:
             return 0
         if steps <= 0:
-            self._drop_ahead(w, _mismatch(w, ins, a.member_index))
+            self._drop_ahead(w, _mismatch(w, ins, self._steps_ahead(w)))
             return 0
         self._set_act(w, w.act)  # book the interval so far, its ahead training included
         led = self.ledger
