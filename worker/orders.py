@@ -474,7 +474,7 @@ class Orders:
             carried = ahead.result is not None and reconciler.steps_ahead(
                 _ahead_of(ahead), i, member_index, self.held_local()
             )
-            if not carried or ahead.guess.key(self.run_id) != w.key(self.run_id):
+            if not carried or (ahead.guess.cell_id, ahead.guess.round) != (w.cell_id, w.round):
                 why = "the round's plan is not the one trained ahead" if ahead.steps else "no step was trained ahead"
                 self._ahead_dropped(ahead, why)
                 ahead = None
