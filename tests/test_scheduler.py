@@ -401,3 +401,28 @@ def test_router_losing_a_replica_gets_one_back() -> None:
     moved = [w for w in after if after[w] != before[w]]
     assert sum(1 for c in after.values() if c == ROUTER) >= 2
     assert len(moved) == 1 and after[moved[0]] == ROUTER  # redundancy: exactly one newcomer
+
+
+def test_with_overlap_a_newcomer_gets_the_share_of_time_the_head_started_members_have_left() -> None:
+    """Members of the last exchange trained half of this round ahead; a newcomer of the
+    same speed did not. Weights speed / (1 - f) give the newcomer half their step batch,
+    so everyone's remaining time is about equal; a head start above MAX_HEAD_START counts
+    as that; with no head start the split is the plain throughput split."""
+    from bagel.coordinator.core.scheduler import MAX_HEAD_START
+    from bagel.protocol.messages import PeerAddress
+
+    spec = make_spec(group_batch=300, max_micro_batch=64)
+
+    def split(heads: list[float]) -> dict[str, int]:
+        peers = [PlanMember(f"m{i}", PeerAddress(f"p{i}"), 100.0, 50e6, f) for i, f in enumerate(heads)]
+        p = plan_round(peers, spec, T0, BAGEL, payload_bytes=1)
+        return {m.worker_id: m.micro_batch * m.grad_accum for m in p.members}
+
+    b = split([0.5, 0.5, 0.0])
+    assert b["m0"] == b["m1"] and b["m2"] / b["m0"] == pytest.approx(0.5, abs=0.02)
+    left = {"m0": 0.5, "m1": 0.5, "m2": 1.0}
+    times = [left[w] * b[w] / 100.0 for w in b]
+    assert max(times) / min(times) < 1.05
+    capped = split([3.0, 3.0, 0.0])
+    assert capped["m2"] / capped["m0"] == pytest.approx(1 - MAX_HEAD_START, abs=0.02)
+    assert split([0.0, 0.0, 0.0]) == split([0.7, 0.7, 0.7])  # the same share for all: no change

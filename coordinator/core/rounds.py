@@ -156,12 +156,28 @@ class Rounds:
         """Open the next attempt with every worker that holds the committed state."""
         ids = sorted(c.synced)
         self.changes.ops += len(ids)
+        # with overlap, each weighted contributor of the round just committed has trained this
+        # one ahead since its freeze, in that round's batch shape: its share of H is the time
+        # since the freeze x its speed / its budget there. Under a throughput split that share
+        # is about the same for all of them, so all get the median: per-member shares fed
+        # back into the next split made the batches oscillate round after round
+        prev = self.last_committed.get(c.id) if self.spec.diloco.overlap == "delayed" else None
+        if prev is None or prev.round != c.committed_round or not prev.frozen_ms:
+            prev = None
+        speeds = {wid: throughput_for(self.roster.workers[wid].throughput, c.id) for wid in ids}
+        shares = []
+        for wid in ids:
+            if prev is not None and wid in prev.plans and prev.is_contributor(wid) and wid not in prev.catch_up:
+                budget = prev.plans[wid].max_samples
+                if budget > 0:
+                    shares.append((wid, (now - prev.frozen_ms) / 1000.0 * speeds[wid] / budget))
+        head = median([x for _, x in shares]) if shares else 0.0
+        ahead = {wid for wid, _ in shares}
         members = []
         for wid in ids:
             w = self.roster.workers[wid]
-            members.append(
-                PlanMember(wid, w.peer, throughput_for(w.throughput, c.id), w.profile.link_bandwidth_bytes_per_s)
-            )
+            bw = w.profile.link_bandwidth_bytes_per_s
+            members.append(PlanMember(wid, w.peer, speeds[wid], bw, head if wid in ahead else 0.0))
         payload = c.config.payload_bytes or c.config.memory_bytes // 16
         plan = plan_round(members, self.spec, now, self.policy, payload)
         c.round_attempt += 1

@@ -858,6 +858,14 @@ class PlanMember:
     peer: PeerAddress
     samples_per_s: float
     bandwidth_bytes_per_s: float = 0.0  # 0 = unknown
+    # with overlap: the share of this round the member is expected to have trained already,
+    # ahead, during the last exchange (0 for a member that took no part in it)
+    head_start: float = 0.0
+
+
+MAX_HEAD_START = 0.9
+"""The most of a round the planner counts as trained ahead, so a newcomer still gets a tenth
+of its throughput share rather than nothing."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -936,6 +944,14 @@ def plan_round(
     micro_batch x grad_accum with micro_batch <= `diloco.max_micro_batch`. Its sample budget
     (`max_samples`) is that times H. Deadline = now + max(min_round_s, predicted compute
     (the slowest member) x slack + predicted communication).
+
+    With overlap, a member of the last exchange has already trained a share f of this round
+    ahead (`PlanMember.head_start`) and needs only (1 - f) of its time; a newcomer needs all
+    of it. Splitting by throughput alone, every head-started member would then wait at the
+    freeze for the newcomers' whole round, so each weight is speed / (1 - f) (f at most
+    `MAX_HEAD_START`), which makes everyone's remaining time about equal. The deadline stays
+    that of a whole round (a cut-off only: the freeze comes when all are ready), so a member
+    that hears of the round a heartbeat late is not cut for it.
     """
     if not members:
         raise ValueError("a round needs members")
@@ -943,7 +959,10 @@ def plan_round(
     h = policy.inner_steps or spec.diloco.inner_steps
     a = spec.audit
     speeds = [max(s, 1e-9) for s in plausible_speeds([m.samples_per_s for m in ms], a.max_speedup, a.max_samples_per_s)]
-    weights = speeds if policy.batch_split == "proportional" else [1.0] * len(ms)
+    left = [1.0 - min(max(m.head_start, 0.0), MAX_HEAD_START) for m in ms]
+    weights = (
+        [s / f for s, f in zip(speeds, left, strict=True)] if policy.batch_split == "proportional" else [1.0] * len(ms)
+    )
     batches = split_batch(spec.diloco.group_batch, weights)
     plans: list[MemberPlan] = []
     compute_s = 0.0
