@@ -29,7 +29,7 @@ BUCKET_DEFINITIONS: dict[str, str] = {
     "preempted": "training by a worker that died or was cut off before its contribution counted",
     "rejected": "training whose reported hash disagreed with the committed one",
     "resync": "state downloads (joins, moves, resyncs after a bad hash)",
-    "comm": "the pseudo-gradient exchange (the GPU idles while the link works)",
+    "comm": "the pseudo-gradient exchange while the GPU idles (with overlap: what training ahead leaves)",
     "barrier": "trained and waiting: for slower members, for the verdict, at a lock-step barrier",
     "idle": "no work: standby, waiting for the next round or for an instruction",
     "unresolved": "training in rounds still open when the simulation ended (neither committed nor wasted yet)",

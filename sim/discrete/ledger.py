@@ -11,7 +11,7 @@ add up to the offered compute (a test checks the identity):
 - `preempted`: training by a worker that died or was cut off before its contribution counted;
 - `rejected`: training whose reported hash disagreed with the committed one (Byzantine);
 - `resync`: state downloads (joins, moves, resyncs after a bad hash);
-- `comm`: the pseudo-gradient exchange (the GPU idles while the link works);
+- `comm`: the pseudo-gradient exchange while the GPU idles (with overlap: what training ahead leaves);
 - `barrier`: trained and waiting: for slower members to be ready, for the verdict, at a
   lock-step barrier, or hung in a broken lock-step collective;
 - `idle`: no work: standby, waiting for the next round (e.g. holding the committed state
