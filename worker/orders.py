@@ -26,8 +26,8 @@ rollback for free.
   A catch-up contributor (max_samples 0: we hold the base state but trained nothing)
   exchanges a zero delta with weight 0 and applies the same outer step.
 - The verdict (`reconciler.decide_verdict`): COMMITTED adopts the new state (saved, served
-  to joiners, with the round's committed update); PENDING waits until an instruction shows our hash committed (or another
-  one: drop); RESYNC/ABORTED drop.
+  to joiners, with the round's committed update); PENDING waits until an instruction shows
+  our hash committed (or another one: drop); RESYNC/ABORTED drop.
 - The local checkpoint: the held state is saved atomically after every sync and commit,
   and loaded at start (`LocalStore`).
 """
