@@ -86,13 +86,19 @@ def test_overlapped_rounds_stay_bit_identical_across_a_death_mid_exchange_and_a_
             time.sleep(0.05)
     assert killed_round is not None, "c never seen mid-exchange"
     s.workers["c"].kill()
-    assert killed_round not in s.commits("c")
+    # its log lags the process: the kill can land just after that exchange ended, and then
+    # c committed it; either way c is dead, and the rounds after it are a's and b's alone
+    last_c = max(s.commits("c"), default=0)
+    assert last_c <= killed_round
     after_kill = s.wait(
-        "a and b commit a round at or after the killed one",
-        lambda: [r for r in committed_by_all(s, ["a", "b"]) if r >= killed_round],
+        "a and b commit a round after c's last",
+        lambda: [r for r in committed_by_all(s, ["a", "b"]) if r > last_c],
         timeout_s=90,
     )
+    assert after_kill[0] not in s.commits("c")
     assert_replicas_identical(s, ["a", "b"], after_kill[0])
+    if killed_round in s.commits("c"):
+        assert_replicas_identical(s, names, killed_round)
 
     # SIGKILL the coordinator mid-round, restart it on the same data dir
     before = s.committed_round()
