@@ -433,7 +433,7 @@ def test_the_heartbeat_phase_of_every_local_state(state: str) -> None:
 
 # ---------------------------------------------------------------- steps trained ahead (overlap)
 
-AHEAD = dict(cell_id=CELL, base_round=3, member_index=1, members=2, micro_batch=8, grad_accum=2, steps=3)
+AHEAD = dict(cell_id=CELL, base_round=3, member_index=1, members=2, steps=3)
 
 
 def _train_with(ahead: object) -> StartTrain:
@@ -448,8 +448,7 @@ def _train_with(ahead: object) -> StartTrain:
 def test_steps_trained_ahead_count_toward_the_round_whose_plan_they_guessed() -> None:
     assert _train_with(AHEAD) == StartTrain(1, 3)
     assert _train_with({**AHEAD, "steps": 5}).ahead_steps == 5  # the whole round
-    # the batch shape moved with the throughput estimates, the shard with the group: they count
-    assert _train_with({**AHEAD, "micro_batch": 4, "grad_accum": 1}).ahead_steps == 3
+    # the plan's batch shape is not looked at; the shard moved with the group: they count
     assert _train_with({**AHEAD, "member_index": 0}).ahead_steps == 3
     assert _train_with({**AHEAD, "members": 3}).ahead_steps == 3
     assert _train_with(None).ahead_steps == 0

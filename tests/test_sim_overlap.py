@@ -220,7 +220,6 @@ def test_steps_trained_ahead_are_carried_when_the_plan_repeats_and_are_training_
     view = eng._view(w)
     assert view.ahead is not None and view.ahead.steps == int(0.305 * H)
     assert (view.ahead.cell_id, view.ahead.base_round, view.ahead.member_index, view.ahead.members) == (CELL, 1, 0, 8)
-    assert (view.ahead.micro_batch, view.ahead.grad_accum) == (32, 3)
     b.reported(0.405)
     b.after(0.555)
     eng._react(w, _train(2, "h1", _plan(IDS)))  # commits round 1 (our hash), opens round 2 alike

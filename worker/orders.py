@@ -35,9 +35,7 @@ rollback for free.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -95,9 +93,7 @@ log = logging.getLogger(__name__)
 def _ahead_of(a: AheadRun) -> reconciler.Ahead:
     """What the reconciler sees of steps trained ahead."""
     g = a.guess
-    return reconciler.Ahead(
-        g.cell_id, a.base_round, g.member_index, g.members, g.plan.micro_batch, g.plan.grad_accum, a.steps
-    )
+    return reconciler.Ahead(g.cell_id, a.base_round, g.member_index, g.members, a.steps)
 
 
 def caught_source(caught: Any, first: int, last: int) -> str:
@@ -604,21 +600,8 @@ class Orders:
         t = self.train_task
         if t is not None and not t.done():
             return  # the round's own training thread has not returned yet
-        guess = dataclasses.replace(
-            w,
-            round=w.round + 1,
-            round_attempt=1,
-            deadline_unix_ms=0,
-            stop=threading.Event(),
-            task=None,
-            inner_step=0,
-            result=None,
-            delta=None,
-            reduce_attempt=0,
-            reduce_task=None,
-            pending=None,
-        )
-        a = AheadRun(guess, w.round, time.monotonic())
+        guess = RoundWork(w.cell_id, w.round + 1, 1, w.member_index, w.members, w.plan, deadline_unix_ms=0)
+        a = AheadRun(guess, w.round)
         self.ahead = a
         self.display.event("ahead", cell=w.cell_id, round=guess.round, base_round=w.round)
         assert self.held is not None and w.delta is not None
@@ -640,12 +623,10 @@ class Orders:
             await asyncio.to_thread(job)
         except Exception as e:  # noqa: BLE001  (a failed step ahead costs only the steps)
             log.warning("training ahead failed: %s: %s", type(e).__name__, e)
-            a.ended_at = time.monotonic()
             if self.ahead is a:
                 self.ahead = None
                 self._ahead_dropped(a, f"failed: {type(e).__name__}")
             return
-        a.ended_at = time.monotonic()
         if self.ahead is a:  # stopped for the round it trained, or out of steps: its time ends here
             self.display.event("ahead-done", cell=a.guess.cell_id, round=a.guess.round, steps=a.steps)
 

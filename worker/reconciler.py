@@ -76,8 +76,6 @@ class Ahead:
     base_round: int
     member_index: int
     members: int
-    micro_batch: int
-    grad_accum: int
     steps: int  # inner steps trained ahead so far
 
 

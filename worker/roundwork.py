@@ -157,17 +157,15 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @dataclass
 class AheadRun:
     """Inner steps of round `guess.round`, trained ahead while the exchange of the round
-    before it runs (`[diloco] overlap = "delayed"`), from the worker's own trained weights,
-    as the plan `guess` (the last plan, one round on). `start` is what the steps started
+    before it runs (`[diloco] overlap = "delayed"`), from the eager estimate of that round's
+    outer step (`eager_start`), as the plan `guess` (the last plan, one round on). `start` is what the steps started
     from, so that once the round commits they can be moved onto its outcome."""
 
     guess: RoundWork
     base_round: int  # the round whose exchange the steps overlap
-    started_at: float  # monotonic
     task: asyncio.Task | None = None
-    start: dict[str, torch.Tensor] | None = None  # the trained weights, float32 on CPU
+    start: dict[str, torch.Tensor] | None = None  # where the steps started, float32 on CPU
     result: TrainResult | None = None
-    ended_at: float = 0.0  # monotonic: training ahead stopped or ran out of steps
 
     @property
     def steps(self) -> int:
@@ -192,12 +190,11 @@ def train_ahead(
     rt: CellRuntime,
     a: AheadRun,
     on_step: Callable[[StepProgress], None] | None,
-    start: Mapping[str, torch.Tensor] | None = None,
+    start: Mapping[str, torch.Tensor],
 ) -> None:
-    """Blocking: train `a.guess`'s steps from `start` (`eager_start`; None: the model as it
-    stands, the round just trained), until `a.guess.stop` is set or the plan's steps are done."""
-    if start is not None:
-        CellState(start).load_into(rt.model)
+    """Blocking: train `a.guess`'s steps from `start` (`eager_start`), until `a.guess.stop`
+    is set or the plan's steps are done."""
+    CellState(start).load_into(rt.model)
     a.start = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in trainable(rt.model).items()}
     key = a.guess.key(run_id)
     idx = round_indices(shard, key, rt.trainer.num_train, a.guess.plan)

@@ -433,10 +433,7 @@ class WorkerBehaviour:
         ahead = None
         k = w.ahead_key
         if k is not None and w.plan is not None:
-            plan = w.plan
-            ahead = Ahead(
-                k[0], k[1], w.midx, len(plan.members), plan.micro_batch, plan.grad_accum, self._steps_ahead(w)
-            )
+            ahead = Ahead(k[0], k[1], w.midx, len(w.plan.members), self._steps_ahead(w))
         return WorkerView(w.wid, held, work, sync, uploaded, missing, ahead)
 
     # ------------------------------------------------------------ training ahead
