@@ -101,6 +101,9 @@ def test_the_volunteer_flags_are_checked_and_rounds_are_planned_with_the_cap() -
     c = cfg("--max-upload-mbps", "5", "--cpu-threads", "2", "--uplink-mbps", "50")
     assert (c.max_upload_mbps, c.cpu_threads, c.uplink_mbps, c.fetch_data) == (5.0, 2, 5.0, "auto")
     assert cfg("--uplink-mbps", "3", "--max-upload-mbps", "5").uplink_mbps == 3.0
-    for bad, flag in ((("--cpu-threads", "0"), "--cpu-threads"), (("--max-upload-mbps", "0"), "--max-upload-mbps")):
+    assert (c.sync_timeout_s, cfg("--sync-timeout-s", "1800").sync_timeout_s) == (120.0, 1800.0)
+    bads = (("--cpu-threads", "0"), ("--max-upload-mbps", "0"), ("--sync-timeout-s", "0"), ("--sync-timeout-s", "1e6"))
+    for bad in bads:
+        flag = bad[0]
         with pytest.raises(ValueError, match=flag):
             cfg(*bad)

@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, wait at most this long for a running exchange before leaving (default: 15)",
     )
     j.add_argument(
+        "--sync-timeout-s",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="give one state download (and a catch-up by committed updates, which fetches less) at most "
+        "S seconds before retrying; raise it for multi-GB states on home links (default: 120)",
+    )
+    j.add_argument(
         "--token",
         default=None,
         metavar="TOKEN",
@@ -153,6 +161,8 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         raise ValueError(f"--uplink-mbps must be positive, got {args.uplink_mbps}")
     if args.reduce_timeout_s <= 0:
         raise ValueError(f"--reduce-timeout-s must be positive, got {args.reduce_timeout_s}")
+    if not 0 < args.sync_timeout_s <= 86400:
+        raise ValueError(f"--sync-timeout-s must be in (0, 86400] seconds, got {args.sync_timeout_s}")
     if args.leave_grace_s < 0:
         raise ValueError(f"--leave-grace-s must be >= 0, got {args.leave_grace_s}")
     if args.metrics_listen:
@@ -190,6 +200,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         byzantine=args.byzantine,
         dht_listen=tuple(args.dht_listen or ("/ip4/0.0.0.0/tcp/0",)),
         reduce_timeout_s=args.reduce_timeout_s,
+        sync_timeout_s=args.sync_timeout_s,
         leave_grace_s=args.leave_grace_s,
         keep_round_history=args.keep_round_history,
         join_token=join_token,

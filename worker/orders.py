@@ -390,7 +390,7 @@ class Orders:
         None, the donors proven to have lied). Every donor given up is said in a
         `sync-donor-failed` event; the caller then downloads the whole state."""
         from bagel.worker.parts import resolve_codec
-        from bagel.worker.statesync import CATCH_UP_TIMEOUT_S, CatchUpFailed, catch_up_from_donors
+        from bagel.worker.statesync import CatchUpFailed, catch_up_from_donors
 
         spec = self.host.spec
         assert spec is not None
@@ -409,7 +409,8 @@ class Orders:
                 cfg=OuterConfig.from_spec(spec.diloco, spec.ema),
                 # never more than the download it saves (nor than the largest state taken)
                 max_nbytes=min(spec.checkpoint.max_bytes, held.state.nbytes()),
-                timeout_s=min(CATCH_UP_TIMEOUT_S, self.cfg.sync_timeout_s),
+                # the budget of the download it saves: it fetches fewer bytes than that one
+                timeout_s=self.cfg.sync_timeout_s,
             )
             failed, liars = caught.failed, caught.liars
         except CatchUpFailed as e:

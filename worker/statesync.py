@@ -106,8 +106,9 @@ STALL_S = 15.0  # a donor that sends nothing for this long is dropped from a mul
 # Catching up by updates: a donor that does not answer, or sends nothing for this long, is
 # given up for the next one (above ROUND_WAIT_S, which a donor may wait before it answers)...
 CATCH_UP_STALL_S = 8.0
-# ...and all of them together get this long, after which the joiner downloads the state.
-CATCH_UP_TIMEOUT_S = 60.0
+# ...and all of them together get this long by default; the worker gives a catch-up the budget
+# of the download it would replace (`--sync-timeout-s`), as it fetches fewer bytes than that
+CATCH_UP_TIMEOUT_S = 120.0
 DEFAULT_KEEP_UPDATES = SyncSection().catch_up_rounds  # the run spec's default
 
 
