@@ -356,7 +356,7 @@ class RunBook:
         """Account one validated ReportRound of `worker_id` (class `cls`); False if not counted."""
         if rnd is None or rnd.round != req.round:
             return False
-        plan = next((p for p in rnd.members if p.worker_id == worker_id), None)
+        plan = next((p for p in (*rnd.members, *rnd.late) if p.worker_id == worker_id), None)
         if plan is None:
             return False
         key = (worker_id, req.cell_id, req.round, req.reduce_attempt)

@@ -145,18 +145,20 @@ class Member(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., max_samples: _Optional[int] = ..., no_reduce: _Optional[bool] = ...) -> None: ...
 
 class RoundPlan(_message.Message):
-    __slots__ = ("inner_steps", "micro_batch", "grad_accum", "deadline_unix_ms", "members")
+    __slots__ = ("inner_steps", "micro_batch", "grad_accum", "deadline_unix_ms", "members", "late_from")
     INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     GRAD_ACCUM_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    LATE_FROM_FIELD_NUMBER: _ClassVar[int]
     inner_steps: int
     micro_batch: int
     grad_accum: int
     deadline_unix_ms: int
     members: _containers.RepeatedCompositeFieldContainer[Member]
-    def __init__(self, inner_steps: _Optional[int] = ..., micro_batch: _Optional[int] = ..., grad_accum: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+    late_from: int
+    def __init__(self, inner_steps: _Optional[int] = ..., micro_batch: _Optional[int] = ..., grad_accum: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., late_from: _Optional[int] = ...) -> None: ...
 
 class Donor(_message.Message):
     __slots__ = ("worker_id", "peer", "checkpoint_round", "expected_bytes_per_s")

@@ -85,12 +85,15 @@ def instruction_from_pb(p: pb.Instruction) -> Instruction:
     plan = None
     if p.HasField("plan"):
         q = p.plan
+        # a late joiner's position must name one of the members; anything else reads as none
+        late = q.late_from if 0 < q.late_from < len(q.members) else 0
         plan = RoundPlan(
             inner_steps=q.inner_steps,
             micro_batch=q.micro_batch,
             grad_accum=q.grad_accum,
             deadline_unix_ms=q.deadline_unix_ms,
             members=tuple(member_from_pb(m) for m in q.members),
+            late_from=late,
         )
     donor = donor_from_pb(p.donor) if p.HasField("donor") else None
     return Instruction(
@@ -181,6 +184,7 @@ def instruction_to_pb(ins: Instruction | None) -> pb.Instruction:
                 grad_accum=p.grad_accum,
                 deadline_unix_ms=p.deadline_unix_ms,
                 members=[member_to_pb(m) for m in p.members],
+                late_from=p.late_from,
             )
         )
     if ins.contributors:

@@ -103,7 +103,19 @@ class RoundPlan:
     micro_batch: int
     grad_accum: int
     deadline_unix_ms: int
-    members: tuple[Member, ...]  # sorted by worker_id; data shard index = position
+    # the members the round opened with, sorted by worker_id, then (from `late_from` on)
+    # the late joiners admitted while it trained, in the order they came; data shard index
+    # = position
+    members: tuple[Member, ...]
+    late_from: int = 0  # position of the first late joiner (0 = none)
+
+    def shard_members(self, index: int) -> int:
+        """The group size member `index` draws its data shard with (`models.data.shard`):
+        the opening members' count for them, and for a late joiner its position + 1, so it
+        owns the next stride of the round's permutation and no opening member's data moves."""
+        if 0 < self.late_from <= index:
+            return index + 1
+        return self.late_from if self.late_from > 0 else len(self.members)
 
 
 @dataclass(frozen=True, slots=True)

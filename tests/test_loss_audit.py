@@ -25,7 +25,7 @@ from bagel.models.data import shard
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.convert import audit_from_pb, audit_to_pb
-from bagel.protocol.messages import PartAudit, SenderAudit
+from bagel.protocol.messages import Member, PartAudit, PeerAddress, RoundPlan, SenderAudit
 from bagel.protocol.runspec import AuditSection, parse_spec
 from bagel.protocol.validation import ValidationError, validate
 from bagel.robust.aggregation import get_reducer
@@ -100,8 +100,8 @@ def test_an_honest_slice_lowers_the_loss_and_a_flipped_one_raises_it(trained) ->
 def test_the_probe_follows_the_round_plan_and_can_be_turned_off(trained) -> None:
     spec, state, delta, member, plan = trained
     names = Layout.of(delta).names
-    members = tuple(SimpleNamespace(worker_id=f"w{k}", max_samples=40) for k in range(8))
-    i = SimpleNamespace(plan=SimpleNamespace(members=members))
+    members = tuple(Member(f"w{k}", PeerAddress(f"p{k}"), 40) for k in range(8))
+    i = SimpleNamespace(plan=RoundPlan(1, 1, 1, 0, members))
     w = RoundWork(CELL, 2, 1, 0, 8, plan, 0)
     probe = loss_probe(spec, state, w, i, names)
     assert probe is not None

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from bagel.coordinator.core.policy import DILOCO_WAIT_ALL, SYNC_DP
+from bagel.coordinator.core.policy import BAGEL, DILOCO_WAIT_ALL, SYNC_DP
 from bagel.coordinator.core.records import CommitRecord, RoundRecord, RoundState, WorkerRecord, WorkerState
 from bagel.protocol.messages import LocalState, Order, Phase, Verdict
 from bagel.protocol.runspec import SyncSection
@@ -120,7 +120,9 @@ def test_different_hash_is_told_to_resync_from_a_donor() -> None:
     # a duplicate late report with the wrong hash: RESYNC again, nothing else happens
     assert hz.report("c", h(9), round=1, reduce_attempt=1).verdict is Verdict.RESYNC
     hz.sync("c")
-    assert hz.st.instruction_for("c").order is Order.WAIT
+    # holding round 1 again while round 2 trains: admitted into it late (tests/test_late_join.py)
+    ins = hz.st.instruction_for("c")
+    assert ins.order is Order.TRAIN and ins.round == 2 and ins.plan is not None and ins.plan.late_from == 2
 
 
 def test_donors_are_spread() -> None:
@@ -168,7 +170,7 @@ def test_deadline_freezes_ready_members_and_straggler_sits_out() -> None:
 
 
 def test_catch_up_lets_a_joiner_enter_a_busy_cell() -> None:
-    hz = Harness()
+    hz = Harness(policy=replace(BAGEL, late_join=False))  # with it, j would train round 2 late
     start(hz, "a", "b")
     freeze_all(hz, "a", "b")
     hz.report("a", h(1))
@@ -527,7 +529,7 @@ def test_reputation_ban() -> None:
     bad = 0
     for n in range(1, 5):  # x disagrees whenever it contributes: -2 each, banned at -3
         r = hz.round()
-        freeze_all(hz, *(m.worker_id for m in r.members))
+        freeze_all(hz, *(m.worker_id for m in (*r.members, *r.late)))  # x may have joined late
         if hz.st.instruction_for("x").order is Order.REDUCE:
             hz.report("x", h(100 + n), samples=0)
             bad += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 import bagel.worker.profile as profile_module
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.convert import instruction_from_pb
 from bagel.worker import cli
 from bagel.worker.diloco import CellState
 from bagel.worker.display import Display, human_bytes
@@ -128,8 +130,13 @@ def _instruction(**kw) -> pb.Instruction:
 
 
 def test_round_work_from_an_instruction_and_for_catch_up():
-    w = RoundWork.from_instruction(_instruction(), 1)
+    w = RoundWork.from_instruction(instruction_from_pb(_instruction()), 1)
     assert (w.cell_id, w.round, w.round_attempt, w.member_index, w.members) == ("k0.r0", 4, 2, 1, 3)
+    # a late joiner (position 2 of 3, after 2 opening members) draws its shard as 2 of 3 too;
+    # one admitted after it would draw as 3 of 4, with nobody's data moved
+    late = instruction_from_pb(_instruction())
+    late = replace(late, plan=replace(late.plan, late_from=1))
+    assert [RoundWork.from_instruction(late, k).members for k in range(3)] == [1, 2, 3]
     assert (w.plan.inner_steps, w.plan.batch, w.plan.samples) == (5, 16, 80)
     assert w.catch_up is False and w.matches("k0.r0", 4, 2) and not w.matches("k0.r0", 4, 1)
     st = _state()

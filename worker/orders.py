@@ -487,6 +487,7 @@ class Orders:
             micro_batch=i.plan.micro_batch,
             grad_accum=i.plan.grad_accum,
             members=len(i.plan.members),
+            late=0 < i.plan.late_from <= member_index,
             ahead_steps=ahead.result.steps if ahead is not None and ahead.result is not None else 0,
         )
         w.task = self.train_task = self.host.spawn(self._train(w, rt, reset, ahead), "train")

@@ -121,7 +121,7 @@ class RoundWork:
             round=i.round,
             round_attempt=i.round_attempt,
             member_index=member_index,
-            members=len(p.members),
+            members=p.shard_members(member_index),
             plan=InnerPlan(p.inner_steps, p.micro_batch, p.grad_accum),
             deadline_unix_ms=p.deadline_unix_ms,
         )
@@ -424,12 +424,13 @@ def loss_probe(
     plan = getattr(i, "plan", None)
     if not spec.audit.loss_samples or plan is None or not plan.members:
         return None
-    order = {m.worker_id: (k, int(m.max_samples)) for k, m in enumerate(plan.members)}
-    members = len(plan.members)
+    # (data shard index, the group size it was drawn with, budget): a late joiner's shard
+    # follows the opening members' (`RoundPlan.shard_members`)
+    order = {m.worker_id: (k, plan.shard_members(k), int(m.max_samples)) for k, m in enumerate(plan.members)}
 
     def probe(start: int, slices: Mapping[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
         audit = loss_audit_for(spec, w.cell_id)
-        assigned = {s: audit.assigned(w.round, order[s][0], members, order[s][1]) for s in slices if s in order}
+        assigned = {s: audit.assigned(w.round, *order[s]) for s in slices if s in order}
         return audit.gains(committed, names, start, slices, assigned, w.round)
 
     return probe

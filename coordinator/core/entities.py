@@ -137,6 +137,9 @@ class Round:
         "member_plans",
         "train_ms",
         "ready_ms",
+        "late",
+        "late_wire",
+        "ready_by_ms",
     )
 
     def __init__(
@@ -184,6 +187,12 @@ class Round:
         # the wire views every member's instruction shares (built once)
         self.members_wire: tuple[Member, ...] = tuple(p.member() for p in plans)
         self.contributors_wire: tuple[Member, ...] = ()
+        # late joiners (`Rounds.admit_late`): their plans in the order they came, and the wire
+        self.late: dict[str, MemberPlan] = {}
+        self.late_wire: tuple[Member, ...] = ()
+        # volatile: when the planner expects the members to be ready (the freeze), which a
+        # late joiner's budget is sized to; a restored round assumes no head start
+        self.ready_by_ms = opened_ms + compute_ms
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -202,11 +211,30 @@ class Round:
         """Contributors that trained (the quorum is counted over them)."""
         return [x for x in self.contributors if x not in self.catch_up]
 
+    def admit(self, plan: MemberPlan) -> None:
+        """Add a late joiner: a member from now on, after the opening members and the late
+        joiners before it (its data shard index)."""
+        self.plans[plan.worker_id] = plan
+        self.late[plan.worker_id] = plan
+        self.late_wire = (*self.late_wire, plan.member())
+
     def plan_for(self, worker_id: str) -> RoundPlan:
+        """`worker_id`'s plan. While the round trains, an opening member sees the opening
+        members, and a late joiner those and the late joiners up to itself (so nobody's
+        plan changes under it); from the freeze on everyone sees them all, which the
+        reducers' loss audit needs to know what each sender was assigned."""
+        members, late_from = self.members_wire, 0
+        if self.late_wire:
+            if self.state in (RoundState.OPEN, RoundState.TRAINING):
+                k = list(self.late).index(worker_id) + 1 if worker_id in self.late else 0
+            else:
+                k = len(self.late_wire)
+            if k:
+                members, late_from = (*self.members_wire, *self.late_wire[:k]), len(self.members_wire)
         p = self.plans.get(worker_id)
         if p is None or worker_id in self.catch_up:  # a catch-up contributor: nothing to train
-            return RoundPlan(self.inner_steps, 0, 0, self.deadline_ms, self.members_wire)
-        return RoundPlan(self.inner_steps, p.micro_batch, p.grad_accum, self.deadline_ms, self.members_wire)
+            return RoundPlan(self.inner_steps, 0, 0, self.deadline_ms, members, late_from)
+        return RoundPlan(self.inner_steps, p.micro_batch, p.grad_accum, self.deadline_ms, members, late_from)
 
     def set_contributors(
         self,
@@ -256,6 +284,7 @@ class Round:
             predicted_comm_ms=self.predicted_comm_ms,
             ended_ms=self.ended_ms,
             reason=self.reason,
+            late=tuple(self.late.values()),
         )
 
     @classmethod
@@ -271,6 +300,8 @@ class Round:
             rec.predicted_compute_ms,
             rec.predicted_comm_ms,
         )
+        for p in rec.late:
+            r.admit(p)
         r.state = rec.state
         r.dropped = dict.fromkeys(rec.dropped)
         r.ready = dict(rec.ready)

@@ -37,6 +37,12 @@ class Policy:
     # apply the same outer step. Without this a joiner would chase the cell forever: the
     # next round opens the moment a round commits, so any download ends one commit late.
     catch_up: bool = True
+    # A worker that comes to hold a round's base state while the round trains (a download
+    # that finished after the round opened) is admitted into it with a batch sized to the
+    # time left, if at least `late_join_min_share` of the round's training time is left
+    # (`scheduler.plan_late_member`); otherwise it waits for the next round.
+    late_join: bool = True
+    late_join_min_share: float = 0.2
     # overrides of the spec (None = use spec.schedule.deadline_slack / spec.diloco.inner_steps)
     deadline_slack: float | None = None
     inner_steps: int | None = None
@@ -71,6 +77,8 @@ class Policy:
             raise ValueError("throughput_ema: in (0, 1]")
         if self.max_moves_per_event < 0 or self.repair_candidates < 1 or self.swap_candidates < 0:
             raise ValueError("max_moves_per_event >= 0, repair_candidates >= 1, swap_candidates >= 0")
+        if not 0.0 <= self.late_join_min_share < 1.0:
+            raise ValueError("late_join_min_share: in [0, 1)")
         if self.default_bandwidth_bytes_per_s <= 0:
             raise ValueError("default_bandwidth_bytes_per_s: positive")
 
@@ -82,6 +90,7 @@ DILOCO_WAIT_ALL = Policy(
     wait_for_all=True,
     fail_fast_leases=False,
     deadline_slack=10.0,
+    late_join=False,
 )
 SYNC_DP = replace(DILOCO_WAIT_ALL, name="sync_dp", inner_steps=1)
 

@@ -135,6 +135,9 @@ class RoundRecord:
     predicted_comm_ms: int = 0
     ended_ms: int = 0
     reason: str = ""  # why it ended (abort cause)
+    # members admitted while the round trained (`Rounds.admit_late`), in the order they came
+    # (their data shards follow from that order, `RoundPlan.shard_members`)
+    late: tuple[MemberPlan, ...] = ()
 
     @property
     def key(self) -> tuple[str, int, int]:

@@ -365,7 +365,7 @@ class Roster:
     def observe_progress(self, w: Worker, c: Cell, r: Round, now: int) -> None:
         """A member missed the deadline: estimate its real speed from its last heartbeat."""
         p = r.plans[w.id]
-        elapsed_s = (now - r.opened_ms) / 1000.0
+        elapsed_s = (now - max(r.opened_ms, r.train_ms.get(w.id, r.opened_ms))) / 1000.0
         if w.round == r.round and w.inner_step > 0 and elapsed_s > 0:
             observed = w.inner_step * p.micro_batch * p.grad_accum / elapsed_s
         else:

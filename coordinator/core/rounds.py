@@ -32,7 +32,17 @@ rules, in one place:
   reporters into the round in flight instead was not chosen: the round's batch split,
   members list (every member's data shard index) and deadline are planned at the open and
   sent to every member, so a later member would either change the others' plans or train a
-  shorter, differently planned share.
+  shorter, differently planned share;
+- late join (`admit_late`, `Policy.late_join`): a worker that comes to hold the round's
+  base state while the round trains (a download that ended after the open: in
+  `bagel-sim`'s heterogeneity-10x a download takes about as long as a round, so this is
+  most joiners) is admitted into it with a share sized to the time left, instead of
+  idling a whole round. Nobody else's plan changes: it trains the same H steps with a
+  smaller per-step batch, on the data shard after the opening members' and the late
+  joiners' before it (`RoundPlan.shard_members`), is credited from its own TRAIN, and
+  weighs in the exchange with the samples it is credited, like any member. Under the
+  round's deadline and freeze it is a member like the others; the freeze is expected
+  when the planner expected it, so its budget is what it trains by then.
 Timeouts are pure predicates on `now_ms` fired from the deadline heap by Tick (Psyche's
 `check_timeout(ts, duration)`).
 """
@@ -51,7 +61,7 @@ from bagel.coordinator.core.guard import CommitGuard, median
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
 from bagel.coordinator.core.roster import Roster
-from bagel.coordinator.core.scheduler import PlanMember, plan_round, reduce_nothing, throughput_for
+from bagel.coordinator.core.scheduler import PlanMember, plan_late_member, plan_round, reduce_nothing, throughput_for
 from bagel.protocol.messages import Reachability
 from bagel.protocol.runspec import RunSpec
 
@@ -192,12 +202,43 @@ class Rounds:
             plan.predicted_compute_ms,
             plan.predicted_comm_ms,
         )
+        if plan.ready_in_ms:
+            r.ready_by_ms = now + plan.ready_in_ms
         c.round = r
         for wid in ids:
             c.idle.pop(wid, None)
         self.push_deadline(r.deadline_ms, r, TRAIN_DEADLINE)
         self.changes.round(r)
         self.changes.cell(c.id)
+
+    def admit_late(self, c: Cell, r: Round, wid: str, now: int) -> bool:
+        """`wid` holds c's committed state (the base of the round r in training) and is not
+        a member: admit it with a share of the time left (`scheduler.plan_late_member`),
+        if that pays; True if admitted. Durable: the round's record lists it."""
+        if r.state not in (RoundState.OPEN, RoundState.TRAINING) or wid in r.plans or wid not in c.synced:
+            return False
+        w = self.roster.workers[wid]
+        if w.state is WorkerState.BANNED:
+            return False
+        speeds = [throughput_for(self.roster.workers[x].throughput, c.id) for x in r.plans if x in self.roster.workers]
+        plan = plan_late_member(
+            throughput_for(w.throughput, c.id),
+            speeds,
+            r.inner_steps,
+            r.ready_by_ms - now,
+            r.ready_by_ms - r.opened_ms,
+            wid,
+            w.peer,
+            self.spec,
+            self.policy,
+        )
+        if plan is None:
+            return False
+        r.admit(plan)
+        c.idle.pop(wid, None)
+        self.changes.round(r)
+        self.changes.cell(c.id)
+        return True
 
     def can_open(self, c: Cell, now: int) -> bool:
         """No round is open, enough workers hold the committed state (the floor), and the

@@ -875,6 +875,9 @@ class Planning:
     deadline_ms: int
     predicted_compute_ms: int
     predicted_comm_ms: int
+    # when the members are expected to be ready: the slowest one's time left after its
+    # head start (= predicted_compute_ms without overlap)
+    ready_in_ms: int = 0
 
 
 def split_batch(total: int, weights: Sequence[float]) -> list[int]:
@@ -965,13 +968,50 @@ def plan_round(
     )
     batches = split_batch(spec.diloco.group_batch, weights)
     plans: list[MemberPlan] = []
-    compute_s = 0.0
-    for m, b, s in zip(ms, batches, speeds, strict=True):
+    compute_s = ready_s = 0.0
+    for m, b, s, f in zip(ms, batches, speeds, left, strict=True):
         micro, accum = batch_shape(b, spec.diloco.max_micro_batch)
         samples = micro * accum * h
         plans.append(MemberPlan(m.worker_id, m.peer, micro, accum, samples))
         compute_s = max(compute_s, samples / s)
+        ready_s = max(ready_s, samples * f / s)
     comm_ms = predict_comm_ms(payload_bytes, [m.bandwidth_bytes_per_s for m in ms], policy)
     slack = policy.deadline_slack or spec.schedule.deadline_slack
     span = max(spec.schedule.min_round_s * 1000.0, compute_s * 1000.0 * slack + comm_ms)
-    return Planning(h, tuple(plans), now_ms + int(span), int(compute_s * 1000.0), comm_ms)
+    return Planning(h, tuple(plans), now_ms + int(span), int(compute_s * 1000.0), comm_ms, int(ready_s * 1000.0))
+
+
+LATE_JOIN_MARGIN = 0.8
+"""A late joiner is given this share of what its speed trains by the expected freeze, so a
+speed estimate a little high does not make the others wait for it."""
+
+
+def plan_late_member(
+    speed: float,
+    member_speeds: Sequence[float],
+    inner_steps: int,
+    left_ms: int,
+    round_ms: int,
+    worker_id: str,
+    peer: PeerAddress,
+    spec: RunSpec,
+    policy: Policy,
+) -> MemberPlan | None:
+    """The plan of a worker that came to hold a round's base state while the round trains
+    (`Rounds.admit_late`): the same H inner steps with a per-step batch sized to what it
+    trains in the `left_ms` until the members are expected ready (a `LATE_JOIN_MARGIN`
+    of it, its speed clamped as the members' are), so it contributes a sample-weighted
+    partial round instead of idling until the next one. None when it does not pay: late
+    join off (`Policy.late_join`), less than `late_join_min_share` of the round's
+    `round_ms` left, or less than one sample per inner step."""
+    if not policy.late_join or policy.batch_split != "proportional" or left_ms <= 0 or round_ms <= 0:
+        return None
+    if left_ms < policy.late_join_min_share * round_ms:
+        return None
+    a = spec.audit
+    (clamped,) = plausible_speeds([speed, *member_speeds], a.max_speedup, a.max_samples_per_s)[:1]
+    batch = int(clamped * left_ms / 1000.0 * LATE_JOIN_MARGIN / inner_steps)
+    if batch < 1:
+        return None
+    micro, accum = batch_shape(batch, spec.diloco.max_micro_batch)
+    return MemberPlan(worker_id, peer, micro, accum, micro * accum * inner_steps)

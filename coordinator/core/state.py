@@ -473,6 +473,8 @@ class CoordinatorState:
             # instruction below tells the worker what the current attempt wants.
             if self.rounds.can_open(c, now):
                 self.rounds.open_round(c, now)
+            elif r is not None and w.id in c.synced and w.id not in r.plans:
+                self.rounds.admit_late(c, r, w.id, now)
         return self._answer(w, now), None, w.lease_ms
 
     @staticmethod
