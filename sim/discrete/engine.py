@@ -203,6 +203,16 @@ class Engine(WorkerBehaviour):
         comm_k = self.policy.core.inner_steps if self.policy.comm_every_step else 1
         self.comm_rounds = comm_k or 1
         self.payload = {c: cm.encoded_nbytes(codec, int(cm.cell_params(self.work, c))) for c in self.cells}
+        # catching up by committed updates (`[sync] catch_up_rounds`, workers.py): how many
+        # rounds' updates a worker keeps per cell (its state server also keeps no more of them
+        # than fit in the state's own bytes), and the recent committed hashes of each cell
+        # (an update applies only to the committed state of the round before it)
+        self.catch_up_rounds = self.spec.sync.catch_up_rounds
+        self.keep_updates = {
+            c: min(self.catch_up_rounds, cm.cell_state_bytes(self.work, c) // max(1, self.payload[c]))
+            for c in self.cells
+        }
+        self.commit_hashes: dict[str, dict[int, str]] = {}
         cfgs = [
             CellConfig(c, cm.cell_memory_bytes(self.work, c), self.targets[c], self.payload[c] * self.comm_rounds)
             for c in self.cells
@@ -499,6 +509,10 @@ class Engine(WorkerBehaviour):
             self.rounds_now[j] += 1
         led.resolve_commit(key, useful, rejected)
         self.locksteps.pop(key, None)
+        if self.catch_up_rounds:
+            hashes = self.commit_hashes.setdefault(c.cell_id, {})
+            hashes[c.round] = c.state_hash
+            hashes.pop(c.round - self.catch_up_rounds - 1, None)
         hold = self.core.next_round_hold_ms(c.cell_id)
         if hold is not None:  # the next round waits for late reporters, at most until then
             self._tick_at(hold - T0_MS)

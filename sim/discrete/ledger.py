@@ -62,6 +62,10 @@ class Ledger:
     ahead_kept: int = 0  # of which the next round took some steps
     # why the others' steps were thrown away: reason -> [exchanges, FLOPs]
     ahead_dropped: dict[str, list[float]] = field(default_factory=dict)
+    # syncs that tried to catch up by committed updates: "tried", of which "caught up" or
+    # "no donor held them" (those downloaded the whole state after), and the "rounds" the
+    # successful ones applied
+    catch_up: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def add(self, bucket: str, flops: float) -> None:
         if flops > 0:

@@ -8,16 +8,19 @@ cannot know about:
 - `bagel`: the daemon's policy object itself (`coordinator.policy.BAGEL`), unchanged:
   throughput-proportional batches, deadlines that freeze whoever is ready, leases that
   fail fast. Workers behave as the real worker does, including the run spec's
-  `[diloco] overlap` (training the next round ahead during the exchange).
+  `[diloco] overlap` (training the next round ahead during the exchange) and `[sync]
+  catch_up_rounds` (a worker a round or two behind catches up by the committed updates).
 - `diloco_wait_all`: `coordinator.policy.DILOCO_WAIT_ALL`, unchanged: equal batches, a round
   freezes only when every live member is ready, a dead member is noticed only at the
   round's timeout (DiLoCo, Douillard et al. 2023, as usually deployed with a plain
-  all-reduce barrier, whose GPUs wait for the exchange: `overlap` is forced "off").
+  all-reduce barrier, whose GPUs wait for the exchange: `overlap` is forced "off"; every
+  sync downloads the whole state: `catch_up_rounds` is 0).
 - `sync_dp`: `coordinator.policy.SYNC_DP` (equal batches, wait for all, no fail-fast) with
-  `inner_steps` = K, the run's codec forced to fp32 and no overlap (every step waits for
-  its all-reduce). Synchronous data parallel exchanges
-  fp32 gradients every step; simulating every step as its own core round would take
-  10^5 core rounds per cell per day, so one core round stands for K lock-step steps:
+  `inner_steps` = K, the run's codec forced to fp32, no overlap (every step waits for
+  its all-reduce) and no catch-up by updates (a joiner downloads the state). Synchronous
+  data parallel exchanges fp32 gradients every step; simulating every step as its own
+  core round would take 10^5 core rounds per cell per day, so one core round stands for
+  K lock-step steps:
   the workers are *lock-stepped* (every step waits for the slowest member, so all members
   are READY after K x the slowest member's step time) and the round's exchange is K fp32
   all-reduces (`comm_rounds = K`; the core is told payload_bytes = K x the fp32 gradient,
@@ -95,7 +98,7 @@ DILOCO_WAIT_ALL = register(
     SimPolicy(
         "diloco_wait_all",
         core_policy.DILOCO_WAIT_ALL,
-        spec_overrides={"diloco": {"overlap": "off"}},
+        spec_overrides={"diloco": {"overlap": "off"}, "sync": {"catch_up_rounds": 0}},
         description="DiLoCo, equal batches, every round waits for all members",
     )
 )
@@ -103,7 +106,7 @@ SYNC_DP = register(
     SimPolicy(
         "sync_dp",
         core_policy.SYNC_DP,
-        spec_overrides={"diloco": {"codec": "fp32", "overlap": "off"}},
+        spec_overrides={"diloco": {"codec": "fp32", "overlap": "off"}, "sync": {"catch_up_rounds": 0}},
         lockstep=True,
         comm_every_step=True,
         description="synchronous data parallel: fp32 all-reduce every step, everyone waits for the slowest",

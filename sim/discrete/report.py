@@ -59,6 +59,9 @@ def _time_to_target(r: EngineResult, target_samples: float) -> dict[str, Any]:
     }
 
 
+CATCH_UP_OUTCOMES = ("tried", "caught up", "no donor held them", "rounds")
+
+
 def policy_summary(r: EngineResult, target_samples: float) -> dict[str, Any]:
     L = r.ledger
     off = L.offered
@@ -109,6 +112,9 @@ def policy_summary(r: EngineResult, target_samples: float) -> dict[str, Any]:
                 for why, (n, fl) in sorted(L.ahead_dropped.items(), key=lambda kv: -kv[1][1])
             },
         },
+        # syncs that tried to catch up by committed updates ([sync] catch_up_rounds), and how
+        # they ended (the failed ones then downloaded the whole state)
+        "catch_up": {k: int(L.catch_up.get(k, 0)) for k in CATCH_UP_OUTCOMES},
     }
 
 
@@ -192,6 +198,14 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
             lines.append(
                 f"- {name}: {a['trained']:.3f} of offered trained ahead, {a['carried']:.3f} carried into the next "
                 f"round ({a['carried_rounds']} of {a['rounds']} exchanges); thrown away (of offered, exchanges): {why}"
+            )
+    caught = [(name, p["catch_up"]) for name, p in pols.items() if p.get("catch_up", {}).get("tried")]
+    if caught:
+        lines += ["", "Syncs that caught up by committed updates (`[sync] catch_up_rounds`):", ""]
+        for name, c in caught:
+            lines.append(
+                f"- {name}: {c['caught up']} of {c['tried']} caught up ({c['rounds']} rounds applied); "
+                f"{c['no donor held them']} found no donor holding the updates and downloaded the state"
             )
     lines += [
         "",

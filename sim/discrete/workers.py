@@ -35,6 +35,21 @@ on the worker (`W.ahead_fl`) and, when carried, join round n + 1's pending train
 carried steps' share; the rest, a step begun but not finished, is "aborted"); thrown away,
 they are "aborted", or "preempted" when the worker departs or is cut off or stopped, and
 "unresolved" at the end of the run. Time past the cap is the activity's own bucket.
+
+Catching up by committed updates (`[sync] catch_up_rounds` > 0, a policy that does not turn
+it off: the baselines do): as in the real worker (`Orders._sync`, `worker/catchup.py`), every
+worker keeps the committed updates of its cell's last rounds it applied (`W.upd`: a round
+it exchanged and adopted, or the rounds it caught up by; a download or a restart keeps
+none), and a worker told to sync to the round R of the cell whose committed state of round
+j it holds, 1 <= R - j <= catch_up_rounds, asks its donors in order for the updates of
+rounds j+1..R (one round's update is the exchange's encoded vector, `Engine.payload`). A
+donor that does not hold them all refuses; the first that does sends them over its link,
+and the worker reports what it measured of it (`DonorRate`), as after a download. A catch-up
+that no donor serves costs its refusals, then the whole state is downloaded. The real
+worker gives a catch-up the budget of the download it saves (`--sync-timeout-s`); the
+simulator's downloads always finish (a volunteer sets that budget to fit its state), so a
+catch-up, which moves fewer bytes, finishes too. Applying the updates (the outer steps) is
+not timed.
 """
 
 from __future__ import annotations
@@ -193,8 +208,10 @@ class W:
         "since",
         "spot",
         "stopped",
+        "sync_from",
         "sync_rates",
         "sync_target",
+        "upd",
         "uploaded",
         "waited",
         "wid",
@@ -230,6 +247,10 @@ class W:
         self.ex: Exchange | None = None
         self.lock: Lockstep | None = None
         self.sync_target: tuple[str, int, str] | None = None  # (cell, committed round, hash)
+        self.sync_from = -1  # the held round the sync in flight catches up from (-1: a full download)
+        # (cell, first round, last round): the committed updates it holds and serves to peers
+        # catching up (`WorkerBehaviour._start_sync`)
+        self.upd: tuple[str, int, int] | None = None
         self.uploaded: tuple[str, int, str] | None = None
         self.report: ReportRound | None = None  # sent but not acknowledged (lost): resend
         self.lease_until = 0  # lease expiry the core last granted (heartbeat lease mode)
@@ -300,6 +321,9 @@ class WorkerBehaviour:
         lease_ms: int
         comm_rounds: int
         payload: dict[str, int]
+        catch_up_rounds: int
+        keep_updates: dict[str, int]
+        commit_hashes: dict[str, dict[int, str]]
         online_flops: float
         online_count: int
         exchanges: dict[tuple[str, int, int], Exchange]
@@ -363,6 +387,8 @@ class WorkerBehaviour:
         w.stopped = False
         w.report = None
         w.sync_target = None
+        w.sync_from = -1
+        w.upd = None  # the state server's updates are in memory: a restarted worker serves none
         if comes_back and not w.banned:
             gap_s = popmod.draw_offline_s(self.av, self.now / 1000.0, self.rng)
             self.push(self.now + int(gap_s * 1000) + 1, ARRIVE, w.i, w.gen)
@@ -521,9 +547,11 @@ class WorkerBehaviour:
             elif t is StartCatchUp:
                 self._catch_up(w, ins)
             elif t is StartSync:
+                # the committed state it holds (an outcome awaiting its verdict is not one)
+                held = w.prev_local if w.pending is not None else w.local
                 self._abandon(w, "")
                 self._drop_ahead(w, "synced")
-                self._start_sync(w, ins, (ins.cell_id, ins.committed_round, ins.committed_hash))
+                self._start_sync(w, ins, (ins.cell_id, ins.committed_round, ins.committed_hash), held)
             elif t is DropWork:
                 base = self._drops_ahead_base(w)
                 self._abandon(w, "")
@@ -532,9 +560,12 @@ class WorkerBehaviour:
             elif t is CancelSync or t is AdoptPending:
                 # the round's job ends (an adopted outcome is already the worker's `local`;
                 # training ahead goes on: it is the committed round's successor)
+                if t is AdoptPending:
+                    self._keep_update(w)
                 self._abandon(w, "")
             elif t is BuildInitialState:
                 w.local = LocalState(ins.cell_id, 0, "")
+                w.upd = None
             elif isinstance(a, Upload):
                 upload = a
             elif isinstance(a, ReportMissing):
@@ -577,7 +608,11 @@ class WorkerBehaviour:
             ),
         )
 
-    def _start_sync(self, w: W, ins: Instruction, target: tuple) -> None:
+    def _start_sync(self, w: W, ins: Instruction, target: tuple, held: LocalState) -> None:
+        """Fetch the committed state `target` names, as the real worker's `Orders._sync` does:
+        a worker that `held` the same cell's committed state 1..`[sync] catch_up_rounds` rounds
+        behind first catches up by the committed updates of the rounds between
+        (`_catch_up_s`), and downloads the whole state only if that fails."""
         # the donors the coordinator named (its list, else its one donor), each giving what the
         # coordinator expects of it (its uplink shared among the syncs it serves); none reachable:
         # the coordinator's checkpoint store
@@ -588,9 +623,23 @@ class WorkerBehaviour:
             if x is not None and x.online and not x.cut:
                 donors.append(x)
                 bws.append(min(x.bw, d.expected_bytes_per_s) if d.expected_bytes_per_s > 0 else x.bw)
+        cell, rnd = target[0], target[1]
+        w.sync_from = -1
+        spent = 0.0  # seconds of a catch-up that no donor served, before the download
+        behind = rnd - held.committed_round
+        if donors and held.cell_id == cell and 1 <= behind <= self.catch_up_rounds:
+            took, served = self._catch_up_s(w, held, target, donors, bws)
+            if served is not None:
+                w.sync_from = held.committed_round
+                w.sync_rates = (served,)
+                w.sync_target = target
+                self._set_act(w, SYNC)
+                self._job(w, SYNC_DONE, took)
+                return
+            spent = took
         if not donors:
             bws = [COORDINATOR_BW]
-        nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
+        nbytes = cm.cell_state_bytes(self.work, cell)
         w.recv += nbytes
         dur = cm.multi_donor_download_s(nbytes, w.bw, bws, w.lat)
         rates = []
@@ -601,7 +650,38 @@ class WorkerBehaviour:
         w.sync_rates = tuple(rates)
         w.sync_target = target
         self._set_act(w, SYNC)
-        self._job(w, SYNC_DONE, dur)
+        self._job(w, SYNC_DONE, spent + dur)
+
+    def _catch_up_s(
+        self, w: W, held: LocalState, target: tuple, donors: list[W], bws: list[float]
+    ) -> tuple[float, DonorRate | None]:
+        """A catch-up from `held` to `target` by the committed updates of the rounds between
+        (`statesync.catch_up_from_donors`): (its seconds, what the worker measured of the
+        donor that served them, None if none did). The donors are asked in order, one at a
+        time; one that does not hold every one of those updates refuses (a round trip), the
+        first that does sends them all over its link (`bws`: as for a download) against the
+        joiner's. `held` must be the cell's committed state of its round (the first update's
+        base), else every donor refuses."""
+        cell, rnd, _h = target
+        j = held.committed_round
+        led = self.ledger
+        led.catch_up["tried"] += 1
+        took = 0.0
+        base = self.commit_hashes.get(cell, {}).get(j) if j else ""  # round 0: the initial state
+        for x, bw in zip(donors, bws, strict=True):
+            u = x.upd
+            if held.state_hash != base or u is None or u[0] != cell or not u[1] <= j + 1 <= rnd <= u[2]:
+                took += 2 * w.lat  # refused: the request and its answer
+                continue
+            nbytes = (rnd - j) * self.payload[cell]
+            need = cm.download_s(nbytes, w.bw, bw, w.lat)
+            w.recv += nbytes
+            x.sent += nbytes
+            led.catch_up["caught up"] += 1
+            led.catch_up["rounds"] += rnd - j
+            return took + need, DonorRate(x.wid, nbytes, int(need * 1000))
+        led.catch_up["no donor held them"] += 1
+        return took, None
 
     def _on_sync_done(self, w: W, token: int) -> None:
         if token != w.job or not w.online:
@@ -609,12 +689,30 @@ class WorkerBehaviour:
         assert w.sync_target is not None  # set by _start_sync; a stale SYNC_DONE fails the token check
         cell, r, h = w.sync_target
         w.local = LocalState(cell, r, h)
+        # the state server serves what this sync applied: the updates it caught up by, or
+        # (a download) none
+        keep = self.keep_updates.get(cell, 0)
+        w.upd = (cell, max(w.sync_from + 1, r - keep + 1), r) if w.sync_from >= 0 and keep > 0 else None
+        w.sync_from = -1
         w.sync_target = None
         w.job_kind = -1
         self._set_act(w, IDLE)
         out = self._heartbeat(w)
         if out is not None:
             self._react(w, out.instruction)
+
+    def _keep_update(self, w: W) -> None:
+        """`w` adopts the outcome it exchanged (its `local`): it keeps that round's committed
+        update after the ones it holds of the rounds just before, the cell's last
+        `keep_updates` of them, as the real worker's state server does (`Orders.commit`)."""
+        cell, r = w.local.cell_id, w.local.committed_round
+        keep = self.keep_updates.get(cell, 0)
+        if keep <= 0:
+            w.upd = None
+            return
+        u = w.upd
+        first = u[1] if u is not None and u[0] == cell and u[2] == r - 1 else r
+        w.upd = (cell, max(first, r - keep + 1), r)
 
     def _start_train(self, w: W, ins: Instruction, a: StartTrain) -> None:
         plan = ins.plan
@@ -777,6 +875,8 @@ class WorkerBehaviour:
             return  # lost: resent at the next heartbeat that gets through
         w.report = None
         for a in reconciler.decide_verdict(out.verdict, reported_outcome=not ev.failed, current=True):
+            if type(a) is AdoptPending:
+                self._keep_update(w)
             base = type(a) is DropWork and self._drops_ahead_base(w)
             self._abandon(w, "")  # adopted (already the worker's `local`) or dropped: the job ends
             if base:
