@@ -169,3 +169,68 @@ def test_late_from_crosses_the_wire_and_a_bad_one_reads_as_none() -> None:
         p.plan.late_from = bad
         got = instruction_from_pb(pb.Instruction.FromString(p.SerializeToString()))
         assert got.plan is not None and got.plan.late_from == 0
+
+
+def _overlapped() -> Harness:
+    spec = make_spec()
+    return Harness(replace(spec, diloco=replace(spec.diloco, overlap="delayed")))
+
+
+def _chaser(hz: Harness) -> None:
+    """a and b commit round 1 and freeze round 2; j fetches round 1 during round 2's exchange
+    (too late to join it even with zero weight), then round 2 commits: j is a round behind."""
+    for w in ("a", "b"):
+        hz.reg(w)
+    hz.hb("a")
+    for w in ("a", "b"):
+        hz.ready(w)
+    hz.report("a", h(1))
+    hz.report("b", h(1))
+    hz.reg("j")
+    for w in ("a", "b"):
+        hz.ready(w)
+    r = hz.round()
+    assert r is not None and r.state is RoundState.REDUCING and "j" not in r.contributors
+    hz.sync("j")
+    assert hz.st.instruction_for("j").order is Order.WAIT
+    hz.report("a", h(2))
+    assert hz.report("b", h(2)).verdict is Verdict.COMMITTED
+
+
+def test_with_overlap_the_next_round_waits_for_a_worker_catching_up_by_the_updates() -> None:
+    hz = _overlapped()
+    _chaser(hz)
+    # round 3 waits for j, which fetches round 2's update (SYNC, one round behind)
+    assert hz.round() is None
+    hold = hz.st.next_round_hold_ms(CELL)
+    assert hold is not None and hold > hz.now
+    ins = hz.st.instruction_for("j")
+    assert ins.order is Order.SYNC and ins.committed_round == 2
+    assert hz.st.instruction_for("a").order is Order.WAIT
+    hz.advance(500)
+    hz.sync("j")
+    r3 = hz.round()
+    assert r3 is not None and r3.round == 3 and [m.worker_id for m in r3.members] == ["a", "b", "j"]
+    assert hz.st.instruction_for("j").order is Order.TRAIN
+
+
+def test_the_wait_for_a_catch_up_is_bounded_and_off_without_overlap() -> None:
+    hz = _overlapped()
+    _chaser(hz)
+    hold = hz.st.next_round_hold_ms(CELL)
+    assert hold is not None
+    # never past the members' steps trained ahead: one round's compute from the freeze
+    rec = [r for r in hz.store.rounds.values() if r.round == 2][-1]
+    assert hold <= rec.frozen_ms + rec.predicted_compute_ms
+    hz.now = hold
+    hz.tick()
+    r3 = hz.round()
+    assert r3 is not None and [m.worker_id for m in r3.members] == ["a", "b"]  # opened without j
+    off = Harness()  # overlap off: the members would idle, so the next round opens at once
+    _chaser(off)
+    r = off.round()
+    assert r is not None and r.round == 3 and off.st.next_round_hold_ms(CELL) is None
+    spec = _overlapped().spec
+    no_hold = Harness(spec, policy=replace(BAGEL, hold_for_catch_up=False))
+    _chaser(no_hold)
+    assert no_hold.round() is not None and no_hold.st.next_round_hold_ms(CELL) is None
