@@ -516,6 +516,14 @@ class Engine(WorkerBehaviour):
         hold = self.core.next_round_hold_ms(c.cell_id)
         if hold is not None:  # the next round waits for late reporters, at most until then
             self._tick_at(hold - T0_MS)
+        # the commit changed the instruction of the cell's other workers too: one that held
+        # or was fetching the state before it is now a round behind (SYNC, or a catch-up by
+        # the updates), and a real worker hears that at its next heartbeat
+        frozen = set(c.contributors)
+        for wid in self.core.cell_workers(c.cell_id):
+            w = by.get(wid)
+            if w is not None and w.online and wid not in frozen:
+                self._poll_later(w)
 
     def _poll_later(self, w: W) -> None:
         """The worker's next periodic heartbeat (fixed phase) delivers its new instruction."""
