@@ -328,3 +328,53 @@ async def test_heterogeneous_workers_fit_and_proportional_batches(tmp_path: Path
     finally:
         await stop_workers(workers)
         await h.stop()
+
+
+@pytest.mark.timeout(90)
+async def test_a_joiner_that_syncs_while_a_round_trains_is_admitted_into_it_over_grpc(tmp_path: Path) -> None:
+    """Late join over real gRPC: a third worker registers while two train 2 s rounds, fetches
+    the committed state in 0.3 s, and is admitted into the round in flight
+    (`RoundRecord.late`) with a smaller budget than the members; that round commits with its
+    samples, and it trains every round after it as an opening member."""
+    text = (
+        cluster_spec_text(min_replicas=1, heartbeat_s=0.2)
+        .replace("clusters = 2", "clusters = 1")
+        .replace("timestep_ranges = 2", "timestep_ranges = 1")
+        .replace("router = true", "router = false")
+    )
+    h = await start(tmp_path, text)
+    target = f"127.0.0.1:{h.port}"
+    speed = {"samples_per_s": 8.0, "reduce_s": 0.1}  # 16 samples each: a 2 s round
+    workers = await start_workers(target, h.spec.run.id, 2, cells=h.spec.cell_ids, sync_s=0.02, **speed)
+    joiner = SimWorker(target, h.spec.run.id, name="joiner", cells=h.spec.cell_ids, seed=9, sync_s=0.3, **speed)
+    try:
+        await wait_for(lambda: h.state.snapshot().cells[0].committed_round >= 2, 30, "2 commits")
+        # mid-round: the next round has trained for a moment when it registers
+        await wait_for(lambda: h.state.cell_view(h.spec.cell_ids[0])[1] is not None, 10, "a round open")
+        await asyncio.sleep(0.2)
+        joiner.start()
+
+        def admitted() -> list[RoundRecord]:
+            return [r for r in all_rounds(h.data_dir) if joiner.worker_id in {m.worker_id for m in r.late}]
+
+        await wait_for(lambda: bool(admitted()), 30, "the joiner admitted late")
+        late_round = admitted()[0]
+        await wait_for(
+            lambda: any(c.round >= late_round.round + 2 for c in all_commits(h.data_dir)), 30, "two more commits"
+        )
+    finally:
+        await stop_workers([*workers, joiner])
+        await h.stop()
+    plan = next(m for m in late_round.late if m.worker_id == joiner.worker_id)
+    assert 0 < plan.max_samples < min(m.max_samples for m in late_round.members)
+    assert joiner.worker_id not in {m.worker_id for m in late_round.members}
+    recs = {(c.round, c.attempt): c for c in all_commits(h.data_dir)}
+    rounds = {(r.round, r.attempt): r for r in all_rounds(h.data_dir)}
+    c = recs.get((late_round.round, late_round.attempt))
+    assert c is not None, "the round the joiner was admitted to did not commit"
+    assert joiner.worker_id in c.contributors and joiner.worker_id not in rounds[(c.round, c.attempt)].catch_up
+    # from the next round on it is an opening member with a full share
+    nxt = [r for r in rounds.values() if r.round == late_round.round + 1]
+    assert nxt and joiner.worker_id in {m.worker_id for m in nxt[-1].members}
+    assert not joiner.stats.errors and all(v == pb.VERDICT_COMMITTED for _, _, v in joiner.stats.verdicts)
+    assert_commit_history_sane(commits(h.data_dir))

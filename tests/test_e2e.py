@@ -435,6 +435,11 @@ def test_late_joiner_syncs_from_a_peer_and_contributes_next_round(swarm: Swarm):
     assert first == j + 1, f"synced round {j} but first committed round {first}"
     s.wait(f"all report round {j + 1}", lambda: j + 1 in committed_by_all(s, ["a", "b", "late"]), timeout_s=30)
     assert_replicas_identical(s, ["a", "b", "late"], j + 1)
+    # a sync that ended while round j + 1 trained is admitted into it late (the next data
+    # shard, a smaller batch); the round then commits with its samples, bit-identical
+    late_trains = [e for e in s.events("late", "train") if e.get("late")]
+    if late_trains and late_trains[0]["round"] == j + 1:
+        assert s.commits("late")[j + 1]["samples"] > 0, late_trains[0]
     # and then trains: a round it contributes samples to, bit-identical with the others
     weighted = s.wait(
         "the joiner contributes samples",
