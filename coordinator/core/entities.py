@@ -366,10 +366,9 @@ class Cell:
         self.round: Round | None = None
         self.commits: deque[CommitRecord] = deque(maxlen=COMMIT_WINDOW)
         self.donor_load: dict[str, int] = {}
-        # volatile: whom the next round waits for (`Rounds.hold_next_round`), and until when:
-        # contributors of the round just committed that have not reported yet (AWAIT_REPORT),
-        # and workers a round or two behind catching up by the committed updates (AWAIT_SYNC)
-        self.awaiting: dict[str, str] = {}
+        # volatile: contributors of the round just committed that have not reported yet, and
+        # until when the next round waits for them (`Rounds.hold_next_round`)
+        self.awaiting: dict[str, None] = {}
         self.hold_until_ms = 0
 
     def holds_committed(self, local: LocalState) -> bool:

@@ -46,9 +46,6 @@ class Policy:
     # (`scheduler.plan_late_member`); otherwise it waits for the next round.
     late_join: bool = True
     late_join_min_share: float = 0.2
-    # With overlap, the next round after a commit also waits (while the members train it
-    # ahead) for the workers catching up by the committed updates (`Rounds.catching_up`).
-    hold_for_catch_up: bool = True
     # overrides of the spec (None = use spec.schedule.deadline_slack / spec.diloco.inner_steps)
     deadline_slack: float | None = None
     inner_steps: int | None = None
@@ -97,7 +94,6 @@ DILOCO_WAIT_ALL = Policy(
     fail_fast_leases=False,
     deadline_slack=10.0,
     late_join=False,
-    hold_for_catch_up=False,
 )
 SYNC_DP = replace(DILOCO_WAIT_ALL, name="sync_dp", inner_steps=1)
 

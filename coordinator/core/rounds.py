@@ -42,12 +42,7 @@ rules, in one place:
   joiners' before it (`RoundPlan.shard_members`), is credited from its own TRAIN, and
   weighs in the exchange with the samples it is credited, like any member. Under the
   round's deadline and freeze it is a member like the others; the freeze is expected
-  when the planner expected it, so its budget is what it trains by then;
-- with overlap, the round boundary also waits for the workers that the commit left a round
-  or two behind and that catch up by the committed updates (`catching_up`), as long as the
-  members are still training the next round ahead: otherwise the next round's short
-  training (most of it was trained ahead) ends before their catch-up does, they land in
-  its exchange, and chase the cell a round behind.
+  when the planner expected it, so its budget is what it trains by then.
 Timeouts are pure predicates on `now_ms` fired from the deadline heap by Tick (Psyche's
 `check_timeout(ts, duration)`).
 """
@@ -93,8 +88,6 @@ _LEGAL = frozenset(
 )
 
 TRAIN_DEADLINE, REDUCE_DEADLINE, HOLD_DEADLINE = "train", "reduce", "hold"
-# what the next round waits for from a worker of `Cell.awaiting`
-AWAIT_REPORT, AWAIT_SYNC = "report", "sync"
 
 
 class IllegalTransition(RuntimeError):
@@ -150,7 +143,7 @@ class Rounds:
             c = self.cells[cid]
             if kind == HOLD_DEADLINE:
                 if c.awaiting and c.hold_until_ms == at and c.committed_round == rnd:
-                    c.awaiting.clear()  # the wait is over: open with the holders there are
+                    c.awaiting.clear()  # the grace is over: open with the holders there are
                     self._boundary(c, now)
                 continue
             r = c.round
@@ -264,58 +257,16 @@ class Rounds:
     def hold_next_round(self, c: Cell, r: Round, now: int) -> bool:
         """Round r of c just committed: wait for its contributors that have not reported yet
         (live, still in the cell) before the round boundary (rebalance, then the next round),
-        at most the grace (see the module docstring), and for the workers catching up
-        (`catching_up`); True if it waits. Volatile: a restarted core opens the next round
-        at once."""
+        at most the grace (see the module docstring); True if it waits. Volatile: a restarted
+        core opens the next round at once."""
         late = [x for x in r.contributors if x not in r.reports and x not in r.dropped and x in c.workers]
         self.changes.ops += len(r.contributors)
-        c.awaiting = dict.fromkeys(late, AWAIT_REPORT) if self.grace_ms > 0 else {}
-        until = now + self.grace_ms if c.awaiting else now
-        chasers, chase_until = self.catching_up(c, r, now)
-        if chase_until > now:
-            c.awaiting.update(dict.fromkeys(chasers, AWAIT_SYNC))
-            until = max(until, chase_until)
+        c.awaiting = dict.fromkeys(late) if self.grace_ms > 0 else {}
         if not c.awaiting:
             return False
-        c.hold_until_ms = until
+        c.hold_until_ms = now + self.grace_ms
         heapq.heappush(self.deadlines, (c.hold_until_ms, next(self._seq), c.id, r.round, r.attempt, HOLD_DEADLINE, 0))
         return True
-
-    def catching_up(self, c: Cell, r: Round, now: int) -> tuple[list[str], int]:
-        """The workers of c that round r's commit left a round or a few behind (holding a
-        committed state of c at most `[sync] catch_up_rounds` old, not contributors of r),
-        which fetch the committed updates instead of the whole state, and until when the
-        next round waits for them: the longest such catch-up is expected to take (the
-        updates' bytes over the worker's link, twice, plus a heartbeat), but never past
-        the members' steps trained ahead (with `[diloco] overlap = "delayed"` they train the
-        next round from r's freeze on, for one round's time), so waiting costs the members
-        nothing. Without overlap, or with `Policy.hold_for_catch_up` off, none.
-
-        Opening at once instead, the next round's training is short under overlap (most of
-        it was trained ahead), so a catch-up that ends after it lands in its exchange,
-        commits a round behind again, and chases the cell round after round (`bagel-sim`'s
-        heterogeneity-10x: 0.13 of offered compute idle that way)."""
-        keep = self.spec.sync.catch_up_rounds
-        if not self.policy.hold_for_catch_up or keep < 1 or self.spec.diloco.overlap != "delayed" or not r.frozen_ms:
-            return [], now
-        cap = r.frozen_ms + r.predicted_compute_ms
-        payload = c.config.payload_bytes or c.config.memory_bytes // 16
-        out, longest = [], 0.0
-        for wid in c.workers:
-            if wid in r.frozen:
-                continue
-            w = self.roster.workers[wid]
-            loc = w.local
-            behind = c.committed_round - loc.committed_round
-            if loc.cell_id != c.id or not 1 <= behind <= keep or w.lease_ms <= now:
-                continue
-            bw = w.profile.link_bandwidth_bytes_per_s or self.policy.default_bandwidth_bytes_per_s
-            out.append(wid)
-            longest = max(longest, 2.0 * behind * payload / bw)
-        self.changes.ops += len(c.workers)
-        if not out:
-            return [], now
-        return out, min(cap, now + int(1000.0 * longest) + int(1000 * self.spec.schedule.heartbeat_s))
 
     def release(self, c: Cell, wid: str, now: int) -> None:
         """`wid` reported the round just committed: the last one awaited ends the wait, and

@@ -110,7 +110,7 @@ from bagel.coordinator.core.records import (
     WorkerState,
 )
 from bagel.coordinator.core.roster import Roster
-from bagel.coordinator.core.rounds import AWAIT_REPORT, REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
+from bagel.coordinator.core.rounds import REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
 from bagel.coordinator.core.scheduler import Balance, Knobs
 from bagel.protocol.grpc_options import RESTART_REATTACH_MS
 from bagel.protocol.messages import Instruction, LocalState, Order, Phase, Verdict
@@ -241,8 +241,8 @@ class CoordinatorState:
         return min(times) if times else None
 
     def next_round_hold_ms(self, cell_id: str) -> int | None:
-        """Until when the cell's next round waits for its last commit's late reporters and
-        catching-up workers (`Rounds.hold_next_round`), or None when it does not wait (O(1))."""
+        """Until when the cell's next round waits for its last commit's late reporters
+        (`Rounds.hold_next_round`), or None when it does not wait (O(1))."""
         c = self._cells.get(cell_id)
         if c is None or c.round is not None or not c.awaiting:
             return None
@@ -283,10 +283,6 @@ class CoordinatorState:
         """A cell's record, its open round's record and its assigned workers (status pages)."""
         c = self.roster.cell(cell_id)
         return c.record(), (c.round.record() if c.round else None), tuple(c.workers)
-
-    def cell_workers(self, cell_id: str) -> tuple[str, ...]:
-        """The workers assigned to a cell (O(workers of the cell), no records built)."""
-        return tuple(self.roster.cell(cell_id).workers)
 
     def shares(self) -> dict[str, float]:
         """Each cell's current share of total (weighted) compute."""
@@ -454,13 +450,9 @@ class CoordinatorState:
             self.changes.worker(w.id)
             if c is not None:
                 self.roster.refresh_synced(w, c)
-        waited = c.awaiting.get(w.id) if c is not None else None
-        if c is not None and waited is not None:
-            # a worker that caught up; a late contributor that adopted the commit without
-            # reporting it, or dropped its work
-            idle = phase in (Phase.IDLE, Phase.SYNCING)
-            if w.id in c.synced or (waited == AWAIT_REPORT and idle):
-                self.rounds.release(c, w.id, now)
+        if c is not None and w.id in c.awaiting and (w.id in c.synced or phase in (Phase.IDLE, Phase.SYNCING)):
+            # a late contributor that adopted the commit without reporting it, or dropped its work
+            self.rounds.release(c, w.id, now)
         if c is not None:
             r = c.round
             if (
@@ -805,7 +797,7 @@ class CoordinatorState:
                     upload_checkpoint=upload,
                     reason="not ready at the freeze: sit this round out",
                 )
-        if r is None and c.awaiting.get(w.id) == AWAIT_REPORT and w.id not in c.synced:
+        if r is None and w.id in c.awaiting and w.id not in c.synced:
             return Instruction(
                 Order.WAIT,
                 c.id,
