@@ -5,10 +5,9 @@ compare them side by side:
 
 - `bagel`: throughput-proportional batches (so H inner steps take about the same wall
   time on every card), a deadline that freezes the contributors that are ready, leases
-  that drop a dead member from its open round at once, late join (a worker that comes to
-  hold the round's base state while it trains is admitted with a share of the time left),
-  and, with overlap, a round boundary that waits for the workers catching up by the
-  committed updates;
+  that drop a dead member from its open round at once, and late join (a worker that comes
+  to hold the round's base state while it trains is admitted with a share of the time
+  left);
 - `diloco_wait_all`: DiLoCo (Douillard et al., 2023) with equal batches; a round waits for
   every member, a dead member is noticed only when the round times out;
 - `sync_dp`: synchronous data parallel: one inner step per round (H = 1), equal batches,

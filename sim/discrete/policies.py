@@ -7,8 +7,7 @@ cannot know about:
 
 - `bagel`: the daemon's policy object itself (`coordinator.policy.BAGEL`), unchanged:
   throughput-proportional batches, deadlines that freeze whoever is ready, leases that
-  fail fast, late join and, with overlap, the round boundary that waits for catching-up
-  workers. Workers behave as the real worker does, including the run spec's
+  fail fast, late join. Workers behave as the real worker does, including the run spec's
   `[diloco] overlap` (training the next round ahead during the exchange) and `[sync]
   catch_up_rounds` (a worker a round or two behind catches up by the committed updates).
 - `diloco_wait_all`: `coordinator.policy.DILOCO_WAIT_ALL`, unchanged: equal batches, a round
