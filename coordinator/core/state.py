@@ -284,6 +284,10 @@ class CoordinatorState:
         c = self.roster.cell(cell_id)
         return c.record(), (c.round.record() if c.round else None), tuple(c.workers)
 
+    def cell_workers(self, cell_id: str) -> tuple[str, ...]:
+        """The workers assigned to a cell (O(workers of the cell), no records built)."""
+        return tuple(self.roster.cell(cell_id).workers)
+
     def shares(self) -> dict[str, float]:
         """Each cell's current share of total (weighted) compute."""
         return self.balance.shares()
