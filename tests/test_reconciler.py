@@ -475,3 +475,20 @@ def test_steps_trained_ahead_need_the_committed_base_held() -> None:
     assert steps_ahead(ahead, i, 1, LocalState(CELL, 3, "h3-other")) == 0  # another outcome
     assert steps_ahead(ahead, i, 1, None) == 0
     assert steps_ahead(ahead, replace(i, round=5), 1, HOLD) == 0  # not the round right after
+
+
+def test_a_download_the_cell_committed_past_once_finishes_and_then_catches_up() -> None:
+    """Downloading round 2 when round 3 commits: with catch-up by the updates on, the
+    download goes on (its donors still serve round 2), and the worker then holds round 2
+    and catches up by round 3's update; without it, or two rounds past, it starts again."""
+    syncing_old = WorkerView(ME, None, sync=Sync(OLD), catch_up_rounds=2)
+    assert decide(INSTRUCTIONS["sync"], syncing_old) == ()
+    assert decide(INSTRUCTIONS["sync"], replace(syncing_old, catch_up_rounds=0)) == (CANCEL, SYNC)
+    two_past = replace(syncing_old, sync=Sync(LocalState(CELL, 1, "h1")))
+    assert decide(INSTRUCTIONS["sync"], two_past) == (CANCEL, SYNC)
+    other_cell = replace(syncing_old, sync=Sync(LocalState("k1", 2, "x2")))
+    assert decide(INSTRUCTIONS["sync"], other_cell) == (CANCEL, SYNC)
+    # a failed download (no longer running) is retried toward the new round
+    assert decide(INSTRUCTIONS["sync"], replace(syncing_old, sync=Sync(OLD, running=False))) == (CANCEL, SYNC)
+    # when it finishes it holds round 2: told to sync round 3, it starts that (the catch-up)
+    assert decide(INSTRUCTIONS["sync"], WorkerView(ME, OLD, catch_up_rounds=2)) == (SYNC,)

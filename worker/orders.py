@@ -234,8 +234,16 @@ class Orders:
         if self.sync is not None:
             sync = Sync(LocalState(*self.sync.target), running=not self.sync.task.done())
         ahead = _ahead_of(self.ahead) if self.ahead is not None else None
+        spec = self.host.spec
         return WorkerView(
-            self.worker_id, self.held_local(), work, sync, uploaded, frozenset(self.missing_reported), ahead
+            self.worker_id,
+            self.held_local(),
+            work,
+            sync,
+            uploaded,
+            frozenset(self.missing_reported),
+            ahead,
+            spec.sync.catch_up_rounds if spec is not None else 0,
         )
 
     async def perform(self, i: Instruction, a: reconciler.Action) -> bool:

@@ -91,6 +91,7 @@ class WorkerView:
     uploaded: frozenset[tuple[str, int]] = field(default_factory=frozenset)  # (cell, round) uploaded / uploading
     missing_reported: frozenset[tuple[str, int, int, int]] = field(default_factory=frozenset)
     ahead: Ahead | None = None
+    catch_up_rounds: int = 0  # the run spec's `[sync] catch_up_rounds` (0: never by the updates)
 
 
 def holds(held: LocalState | None, cell_id: str, committed_round: int, committed_hash: str) -> bool:
@@ -282,7 +283,7 @@ def decide(i: Instruction, view: WorkerView) -> tuple[Action, ...]:
         if not _finishing(i, p.work):
             p.drop_work("ordered to wait")
     elif o is Order.SYNC:
-        _on_sync(i, p)
+        _on_sync(i, view, p)
     elif o is Order.TRAIN:
         _on_train(i, view, p)
     elif o is Order.REDUCE:
@@ -317,13 +318,25 @@ def _finishing(i: Instruction, w: Work | None) -> bool:
     )
 
 
-def _on_sync(i: Instruction, p: _Plan) -> None:
+def _on_sync(i: Instruction, view: WorkerView, p: _Plan) -> None:
     target = LocalState(i.cell_id, i.committed_round, i.committed_hash)
     if holds(p.held, i.cell_id, i.committed_round, i.committed_hash):
         p.cancel_sync()
         p.drop_work("synced")
         return
-    if p.sync is not None and p.sync.target == target and p.sync.running:
+    s = p.sync
+    if s is not None and s.running and s.target == target:
+        return
+    if (
+        s is not None
+        and s.running
+        and view.catch_up_rounds >= 1
+        and s.target.cell_id == i.cell_id
+        and i.committed_round == s.target.committed_round + 1
+    ):
+        # the cell committed once more while we download: finish it (donors keep serving the
+        # state before their newest, `StateServer.keep`), then catch up by that round's update
+        # (a small fraction of the state), instead of starting the whole download again
         return
     w = p.work
     # our exchange of the round that just committed is still running (the others' reports

@@ -460,7 +460,7 @@ class WorkerBehaviour:
         k = w.ahead_key
         if k is not None and w.plan is not None:
             ahead = Ahead(k[0], k[1], w.midx, len(w.plan.members), self._steps_ahead(w))
-        return WorkerView(w.wid, held, work, sync, uploaded, missing, ahead)
+        return WorkerView(w.wid, held, work, sync, uploaded, missing, ahead, self.catch_up_rounds)
 
     # ------------------------------------------------------------ training ahead
 
