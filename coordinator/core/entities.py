@@ -140,6 +140,7 @@ class Round:
         "late",
         "late_wire",
         "ready_by_ms",
+        "freeze_by_ms",
     )
 
     def __init__(
@@ -193,6 +194,8 @@ class Round:
         # volatile: when the planner expects the members to be ready (the freeze), which a
         # late joiner's budget is sized to; a restored round assumes no head start
         self.ready_by_ms = opened_ms + compute_ms
+        # when the round freezes without its last members (`Rounds.check_freeze`); 0 = not set
+        self.freeze_by_ms = 0
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -285,6 +288,7 @@ class Round:
             ended_ms=self.ended_ms,
             reason=self.reason,
             late=tuple(self.late.values()),
+            freeze_by_ms=self.freeze_by_ms,
         )
 
     @classmethod
@@ -302,6 +306,7 @@ class Round:
         )
         for p in rec.late:
             r.admit(p)
+        r.freeze_by_ms = rec.freeze_by_ms
         r.state = rec.state
         r.dropped = dict.fromkeys(rec.dropped)
         r.ready = dict(rec.ready)

@@ -45,6 +45,10 @@ class Policy:
     # (`scheduler.plan_late_member`); otherwise it waits for the next round.
     late_join: bool = True
     late_join_min_share: float = 0.2
+    # Once this share of a round's live members is ready, the rest get only as long as
+    # waiting for them costs the ready ones what their own work is worth (`Rounds.
+    # check_freeze`), then the round freezes without them; 0 waits for all (to the deadline).
+    patience_share: float = 0.75
     # overrides of the spec (None = use spec.schedule.deadline_slack / spec.diloco.inner_steps)
     deadline_slack: float | None = None
     inner_steps: int | None = None
@@ -79,6 +83,8 @@ class Policy:
             raise ValueError("throughput_ema: in (0, 1]")
         if self.max_moves_per_event < 0 or self.repair_candidates < 1 or self.swap_candidates < 0:
             raise ValueError("max_moves_per_event >= 0, repair_candidates >= 1, swap_candidates >= 0")
+        if not 0.0 <= self.patience_share < 1.0:
+            raise ValueError("patience_share: in [0, 1)")
         if not 0.0 <= self.late_join_min_share < 1.0:
             raise ValueError("late_join_min_share: in [0, 1)")
         if self.default_bandwidth_bytes_per_s <= 0:
@@ -93,6 +99,7 @@ DILOCO_WAIT_ALL = Policy(
     fail_fast_leases=False,
     deadline_slack=10.0,
     late_join=False,
+    patience_share=0.0,
 )
 SYNC_DP = replace(DILOCO_WAIT_ALL, name="sync_dp", inner_steps=1)
 

@@ -138,6 +138,9 @@ class RoundRecord:
     # members admitted while the round trained (`Rounds.admit_late`), in the order they came
     # (their data shards follow from that order, `RoundPlan.shard_members`)
     late: tuple[MemberPlan, ...] = ()
+    # when the round freezes with the members ready by then, not waiting for the last few
+    # (`Rounds.check_freeze`); 0 = not set
+    freeze_by_ms: int = 0
 
     @property
     def key(self) -> tuple[str, int, int]:

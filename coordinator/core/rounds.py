@@ -87,7 +87,7 @@ _LEGAL = frozenset(
     }
 )
 
-TRAIN_DEADLINE, REDUCE_DEADLINE, HOLD_DEADLINE = "train", "reduce", "hold"
+TRAIN_DEADLINE, REDUCE_DEADLINE, HOLD_DEADLINE, PATIENCE_DEADLINE = "train", "reduce", "hold", "patience"
 
 
 class IllegalTransition(RuntimeError):
@@ -151,6 +151,9 @@ class Rounds:
                 continue  # that attempt ended: a stale entry
             if kind == TRAIN_DEADLINE and r.state in (RoundState.OPEN, RoundState.TRAINING):
                 self.train_deadline(c, r, now)
+            elif kind == PATIENCE_DEADLINE and r.state in (RoundState.OPEN, RoundState.TRAINING):
+                if r.freeze_by_ms == at:
+                    self.patience_over(c, r, now)
             elif (
                 kind == REDUCE_DEADLINE
                 and r.state is RoundState.REDUCING
@@ -291,6 +294,41 @@ class Rounds:
             self.abort(c, r, now, self._below_floor(live))
         elif len(r.ready) == live:
             self._freeze(c, r, tuple(sorted(r.ready)), now)
+        elif (
+            not r.freeze_by_ms
+            and self.policy.patience_share > 0
+            and not self.policy.wait_for_all
+            and len(r.ready) >= math.ceil(self.policy.patience_share * live - 1e-9)
+            and self._freeze_ok(len(r.ready), live)
+        ):
+            # k of n ready: waiting t more costs the ready k x t of compute, and freezing
+            # without the n - k drops their work so far, about (n - k) x the time since the
+            # open; the round waits until the two are equal (the backup-worker trade of
+            # synchronous SGD, Chen et al. 2016, "Revisiting distributed synchronous SGD")
+            k = len(r.ready)
+            wait = int((live - k) / k * max(0, now - r.opened_ms))
+            r.freeze_by_ms = min(r.deadline_ms, now + max(wait, int(self.spec.schedule.heartbeat_s * 1000)))
+            self.push_deadline(r.freeze_by_ms, r, PATIENCE_DEADLINE)
+            self.changes.round(r)
+
+    def patience_over(self, c: Cell, r: Round, now: int) -> None:
+        """The wait `check_freeze` gave the last members of r is over: freeze with the ready
+        ones (the others join the exchange with zero weight). A member cut here is not
+        charged (it did not miss the deadline), but the coordinator learns from it: it has
+        not finished its budget in the time since its TRAIN, so its speed is at most that."""
+        live = [wid for wid in r.plans if wid not in r.dropped]
+        late = [wid for wid in live if wid not in r.ready]
+        if not late or not self._freeze_ok(len(r.ready), len(live)):
+            return
+        for wid in late:
+            w = self.roster.workers[wid]
+            span_s = (now - max(r.opened_ms, r.train_ms.get(wid, r.opened_ms))) / 1000.0
+            if span_s > 0:
+                bound = r.plans[wid].max_samples / span_s
+                if bound < throughput_for(w.throughput, c.id):
+                    self.roster.observe_throughput(w, c.id, bound)
+        self.changes.ops += len(live)
+        self._freeze(c, r, tuple(sorted(r.ready)), now)
 
     def _freeze(self, c: Cell, r: Round, weighted: tuple[str, ...], now: int) -> None:
         """Freeze the contributors: `weighted` (ready members) plus, under catch_up, every

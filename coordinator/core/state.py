@@ -110,7 +110,7 @@ from bagel.coordinator.core.records import (
     WorkerState,
 )
 from bagel.coordinator.core.roster import Roster
-from bagel.coordinator.core.rounds import REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
+from bagel.coordinator.core.rounds import PATIENCE_DEADLINE, REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
 from bagel.coordinator.core.scheduler import Balance, Knobs
 from bagel.protocol.grpc_options import RESTART_REATTACH_MS
 from bagel.protocol.messages import Instruction, LocalState, Order, Phase, Verdict
@@ -373,6 +373,9 @@ class CoordinatorState:
                 st.rounds.push_deadline(max(r.reduce_deadline_ms, grace), r, REDUCE_DEADLINE)
             else:
                 st.rounds.push_deadline(max(r.deadline_ms, grace), r, TRAIN_DEADLINE)
+                if r.freeze_by_ms:
+                    st.rounds.push_deadline(max(r.freeze_by_ms, grace), r, PATIENCE_DEADLINE)
+                    r.freeze_by_ms = max(r.freeze_by_ms, grace)
         st.changes.clear()
         return st
 

@@ -461,6 +461,8 @@ class Engine(WorkerBehaviour):
     def _on_round_record(self, r: RoundRecord, caller: str) -> None:
         """A round record changed: arm its deadline, settle the ledger, and make everyone
         whose instruction changed hear it at their next heartbeat."""
+        if r.freeze_by_ms and r.state in (RoundState.OPEN, RoundState.TRAINING):
+            self._tick_at(r.freeze_by_ms - T0_MS)  # the core's wait for the last members ends then
         sig = (r.round, r.attempt, r.state, r.reduce_attempt)
         prev = self.seen_round.get(r.cell_id)
         if prev == sig:
