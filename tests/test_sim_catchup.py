@@ -6,7 +6,9 @@ them)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -238,9 +240,48 @@ def _run(sc: Scenario, policy: str = "bagel"):
     return Engine(sc, policies.get(policy)).run()
 
 
+class _Watch(Engine):
+    """The engine, noting at every commit how many of the cell's other online workers (not
+    its contributors) it had to tell of their new instruction, and how many it did."""
+
+    def __init__(self, *a, **k) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*a, **k)
+        self.heard: list[tuple[int, int]] = []
+
+    def _on_commit(self, c):  # noqa: ANN001, ANN202
+        others = [
+            self.by_id[x]
+            for x in self.core.cell_workers(c.cell_id)
+            if x in self.by_id and x not in c.contributors and self.by_id[x].online
+        ]
+        before = {w.i for w in others if w.poll}
+        super()._on_commit(c)
+        self.heard.append((len(others) - len(before), sum(1 for w in others if w.poll and w.i not in before)))
+
+
+@functools.cache
+def _churn_run() -> tuple[Any, list[tuple[int, int]]]:
+    eng = _Watch(_scenario(_CHURN), policies.get("bagel"))
+    return eng.run(), eng.heard
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_reaches_the_cells_other_workers_at_their_next_heartbeat():
+    """A commit changes the instruction of every worker of the cell, not only its
+    contributors': one that held (or was fetching) the state before it is a round behind
+    now. Real workers hear that at their next heartbeat, so the engine must poll them too;
+    it used to poll only members and contributors, and such workers sat idle until some
+    unrelated event reached them (in heterogeneity-10x, 0.13 of offered compute)."""
+    res, heard = _churn_run()
+    assert res.ledger.committed_rounds > 0
+    told = [(n, k) for n, k in heard if n]
+    assert told, "no commit left a worker of its cell out (the scenario should churn)"
+    assert all(k == n for n, k in told), told
+
+
 @pytest.mark.timeout(60)
 def test_with_churn_workers_catch_up_and_spend_less_on_resync():
-    on, off = _run(_scenario(_CHURN)), _run(_scenario(_CHURN, rounds=0))
+    on, off = _churn_run()[0], _run(_scenario(_CHURN, rounds=0))
     for res in (on, off):
         L = res.ledger
         assert sum(L.buckets.values()) == pytest.approx(L.offered, rel=1e-9)
@@ -252,29 +293,3 @@ def test_with_churn_workers_catch_up_and_spend_less_on_resync():
     assert s["policies"]["bagel"]["catch_up"]["caught up"] == c["caught up"]
     md = markdown(s, run_meta([on], scenario="catch-up-churn", seed=5, lease_mode="declared"))
     assert f"- bagel: {c['caught up']} of {c['tried']} caught up" in md
-
-
-def test_a_commit_reaches_the_cells_other_workers_at_their_next_heartbeat():
-    """A commit changes the instruction of every worker of the cell, not only its
-    contributors': one that held (or was fetching) the state before it is a round behind
-    now. Real workers hear that at their next heartbeat, so the engine must poll them too;
-    it used to poll only members and contributors, and such workers sat idle until some
-    unrelated event reached them (in heterogeneity-10x, 0.13 of offered compute)."""
-    heard: list[tuple[int, int]] = []  # (workers to tell, of which polled) per commit
-
-    class Watch(Engine):
-        def _on_commit(self, c):  # noqa: ANN001, ANN202
-            others = [
-                self.by_id[x]
-                for x in self.core.cell_workers(c.cell_id)
-                if x in self.by_id and x not in c.contributors and self.by_id[x].online
-            ]
-            before = {w.i for w in others if w.poll}
-            super()._on_commit(c)
-            heard.append((len(others) - len(before), sum(1 for w in others if w.poll and w.i not in before)))
-
-    res = Watch(_scenario(_CHURN), policies.get("bagel")).run()
-    assert res.ledger.committed_rounds > 0
-    told = [(n, k) for n, k in heard if n]
-    assert told, "no commit left a worker of its cell out (the scenario should churn)"
-    assert all(k == n for n, k in told), told
