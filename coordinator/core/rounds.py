@@ -11,6 +11,11 @@ rules, in one place:
   smaller group (a lone first member, say) decides a round by itself;
 - freeze quorum: at the deadline, at least ceil(quorum x live members) (and >= the floor)
   must be ready, else the attempt aborts; with every live member ready it freezes at once;
+- freeze patience (`Policy.patience_share`): once that share of the live members is ready
+  (and the quorum is), the rest get (n - k) / k x the time since the open, k of n ready:
+  waiting longer would cost the ready members more than the late ones' work is worth.
+  Then it freezes with the ready ones; the others join the exchange with zero weight, are
+  not charged, and their speed estimate drops to the bound they showed;
 - commit quorum: strictly more than quorum x |weighted contributors| equal hashes
   (catch-up contributors do not count: they trained nothing);
 - commit guard (`guard.CommitGuard`): a hash that reaches the quorum is still refused (the
