@@ -210,7 +210,7 @@ class CoreMachine(RuleBasedStateMachine):
                 bound = g.max_loss_ratio * before.heldout_loss + g.abs_slack
                 assert commit.heldout_loss <= bound, f"guard let {commit.heldout_loss} past {bound}"
                 counted["guarded commits"] += 1
-        plans = {p.worker_id: p.max_samples for p in rec.members}
+        plans = {p.worker_id: p.max_samples for p in (*rec.members, *rec.late)}  # late joiners too
         # a weighted contributor counts what it reported, at most its budget: the samples the
         # core credited it at the freeze (`RoundRecord.ready`, from the time it observed),
         # never above its plan's
@@ -563,7 +563,7 @@ class CoreMachine(RuleBasedStateMachine):
             _, rnd, members = hz.st.cell_view(cid)
             assert not (set(members) & banned), f"banned workers in {cid}"
             if rnd is not None:
-                live = (set(p.worker_id for p in rnd.members) | set(rnd.contributors)) - set(rnd.dropped)
+                live = (set(p.worker_id for p in (*rnd.members, *rnd.late)) | set(rnd.contributors)) - set(rnd.dropped)
                 assert not (live & banned), f"banned {live & banned} live in {cid} round {rnd.round}"
 
     @invariant()
