@@ -71,6 +71,16 @@ def assert_commit_history_sane(rows: list[tuple[str, int, str]]) -> None:
         assert rounds == list(range(1, len(rounds) + 1)), (cell, rounds)
 
 
+def one_cell_spec(**kw: float) -> str:
+    """`cluster_spec_text` with one expert cell and no router, so every worker shares it."""
+    return (
+        cluster_spec_text(**kw)
+        .replace("clusters = 2", "clusters = 1")
+        .replace("timestep_ranges = 2", "timestep_ranges = 1")
+        .replace("router = true", "router = false")
+    )
+
+
 async def start(tmp_path: Path, spec_text: str, cells: list[CellConfig] | None = None, **kw) -> CoordinatorHandle:
     spec = parse_spec(spec_text)
     return await start_coordinator(
@@ -134,12 +144,7 @@ async def test_twenty_workers_commit_rounds(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 async def test_member_with_another_hash_is_resynced(tmp_path: Path) -> None:
     # one cell, so the liar certainly shares a round with honest members
-    text = (
-        cluster_spec_text(min_replicas=1, max_replicas=8)
-        .replace("clusters = 2", "clusters = 1")
-        .replace("timestep_ranges = 2", "timestep_ranges = 1")
-        .replace("router = true", "router = false")
-    )
+    text = one_cell_spec(min_replicas=1, max_replicas=8)
     h = await start(tmp_path, text)
     target = f"127.0.0.1:{h.port}"
     honest = await start_workers(target, h.spec.run.id, 3, cells=h.spec.cell_ids)
@@ -166,12 +171,7 @@ async def test_member_with_another_hash_is_resynced(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(90)
 async def test_silent_member_loses_lease_and_round_commits_without_it(tmp_path: Path) -> None:
-    text = (
-        cluster_spec_text(min_replicas=1, lease_s=2.0, heartbeat_s=0.3)
-        .replace("clusters = 2", "clusters = 1")
-        .replace("timestep_ranges = 2", "timestep_ranges = 1")
-        .replace("router = true", "router = false")
-    )
+    text = one_cell_spec(min_replicas=1, lease_s=2.0, heartbeat_s=0.3)
     h = await start(tmp_path, text)
     target = f"127.0.0.1:{h.port}"
     # slow workers (a round trains ~2 s, its deadline is ~2x that), so there is time to
@@ -227,12 +227,7 @@ async def test_a_member_that_reports_after_the_quorum_trains_every_round(tmp_pat
     """One of four members always reports 0.4 s after the others (3 of 4 are the quorum): the
     next round waits for it (`schedule.next_round_grace_s`), so it trains every round instead
     of sitting every other one out."""
-    text = (
-        cluster_spec_text(min_replicas=1, heartbeat_s=0.2)
-        .replace("clusters = 2", "clusters = 1")
-        .replace("timestep_ranges = 2", "timestep_ranges = 1")
-        .replace("router = true", "router = false")
-    )
+    text = one_cell_spec(min_replicas=1, heartbeat_s=0.2)
     h = await start(tmp_path, text)
     target = f"127.0.0.1:{h.port}"
     # A member learns of the freeze from its next heartbeat's answer, and a simulated exchange
@@ -336,12 +331,7 @@ async def test_a_joiner_that_syncs_while_a_round_trains_is_admitted_into_it_over
     the committed state in 0.3 s, and is admitted into the round in flight
     (`RoundRecord.late`) with a smaller budget than the members; that round commits with its
     samples, and it trains every round after it as an opening member."""
-    text = (
-        cluster_spec_text(min_replicas=1, heartbeat_s=0.2)
-        .replace("clusters = 2", "clusters = 1")
-        .replace("timestep_ranges = 2", "timestep_ranges = 1")
-        .replace("router = true", "router = false")
-    )
+    text = one_cell_spec(min_replicas=1, heartbeat_s=0.2)
     h = await start(tmp_path, text)
     target = f"127.0.0.1:{h.port}"
     speed = {"samples_per_s": 8.0, "reduce_s": 0.1}  # 16 samples each: a 2 s round

@@ -25,9 +25,8 @@ from test_state_harness import Harness, h, make_spec, restored
 CELL = "k0.r0"
 
 
-def _round_two_with_joiner(hz: Harness, after_ms: int = 0) -> None:
-    """a and b commit round 1 and train round 2; j registers and fetches round 1 `after_ms`
-    into round 2."""
+def _round_one(hz: Harness) -> None:
+    """a and b register, train and commit round 1; round 2 opens with them."""
     for w in ("a", "b"):
         hz.reg(w)
     hz.hb("a")
@@ -35,6 +34,12 @@ def _round_two_with_joiner(hz: Harness, after_ms: int = 0) -> None:
         hz.ready(w)
     hz.report("a", h(1))
     assert hz.report("b", h(1)).verdict is Verdict.COMMITTED
+
+
+def _round_two_with_joiner(hz: Harness, after_ms: int = 0) -> None:
+    """a and b commit round 1 and train round 2; j registers and fetches round 1 `after_ms`
+    into round 2."""
+    _round_one(hz)
     r = hz.round()
     assert r is not None and r.round == 2
     hz.reg("j")
@@ -88,13 +93,7 @@ def test_the_late_joiner_trains_commits_and_counts_with_the_samples_it_is_credit
 
 def test_too_little_time_left_means_waiting_and_catching_up_as_before() -> None:
     hz = Harness()
-    for w in ("a", "b"):
-        hz.reg(w)
-    hz.hb("a")
-    for w in ("a", "b"):
-        hz.ready(w)
-    hz.report("a", h(1))
-    hz.report("b", h(1))
+    _round_one(hz)
     r = hz.round()
     assert r is not None
     hz.reg("j")

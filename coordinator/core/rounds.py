@@ -226,15 +226,18 @@ class Rounds:
         if r.state not in (RoundState.OPEN, RoundState.TRAINING) or wid in r.plans or wid not in c.synced:
             return False
         w = self.roster.workers[wid]
-        if w.state is WorkerState.BANNED:
+        left_ms, round_ms = r.ready_by_ms - now, r.ready_by_ms - r.opened_ms
+        # a synced non-member heartbeats this every few seconds: refuse on time first, cheaply
+        too_late = left_ms < self.policy.late_join_min_share * round_ms
+        if w.state is WorkerState.BANNED or not self.policy.late_join or too_late:
             return False
         speeds = [throughput_for(self.roster.workers[x].throughput, c.id) for x in r.plans if x in self.roster.workers]
         plan = plan_late_member(
             throughput_for(w.throughput, c.id),
             speeds,
             r.inner_steps,
-            r.ready_by_ms - now,
-            r.ready_by_ms - r.opened_ms,
+            left_ms,
+            round_ms,
             wid,
             w.peer,
             self.spec,

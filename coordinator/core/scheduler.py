@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -1009,7 +1010,11 @@ def plan_late_member(
     if left_ms < policy.late_join_min_share * round_ms:
         return None
     a = spec.audit
-    (clamped,) = plausible_speeds([speed, *member_speeds], a.max_speedup, a.max_samples_per_s)[:1]
+    # as `plausible_speeds` clamps a member: the cap, and max_speedup x the others' median
+    clamped = min(max(speed, 0.0), a.max_samples_per_s)
+    if member_speeds:
+        med = statistics.median(min(max(x, 0.0), a.max_samples_per_s) for x in member_speeds)
+        clamped = min(clamped, a.max_speedup * med)
     batch = int(clamped * left_ms / 1000.0 * LATE_JOIN_MARGIN / inner_steps)
     if batch < 1:
         return None
