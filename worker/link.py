@@ -242,6 +242,11 @@ class CoordinatorLink:
     async def _heartbeat_loop(self) -> None:
         failures = 0
         while True:
+            # Cleared before the request is built, never after the answer: a phase change
+            # while this heartbeat is in flight (or while its answer is handled, when an
+            # instruction completes at once, e.g. a round trained ahead) wakes the next one
+            # at once instead of being lost until the interval runs out.
+            self._hb_wake.clear()
             req = self.owner.heartbeat_request()
             try:
                 resp = await self.rpc(functools.partial(self._heartbeat_call, req))
@@ -263,9 +268,9 @@ class CoordinatorLink:
                 delay = FAST_HEARTBEAT_S if req.phase in (pb.PHASE_READY, pb.PHASE_REDUCING) else self.hb_interval_s
             else:
                 failures += 1
+                self._hb_wake.clear()  # a failed call backs off, whatever changed meanwhile
                 await self.maybe_reresolve()
                 delay = min(self.hb_interval_s, backoff_delay_s(failures, base_s=0.2, max_s=self.hb_interval_s) + 0.1)
-            self._hb_wake.clear()
             try:
                 await asyncio.wait_for(self._hb_wake.wait(), delay)
             except TimeoutError:
