@@ -367,6 +367,27 @@ def test_checkpoint_upload_every_n_rounds() -> None:
     assert hz.st.instruction_for("z").donor.checkpoint_round == 2  # type: ignore[union-attr]
 
 
+def test_an_upload_slower_than_a_round_is_not_asked_of_another_holder() -> None:
+    """One checkpoint upload per cell at a time: a request that has not landed when the next
+    round commits stands (same round, same uploader; its upload is still accepted), and only
+    after a whole interval without it is the newest round asked for again. Asking again at
+    every commit used to stack uploads on the uplinks and refuse the first when it ended."""
+    hz = Harness(spec=make_spec(every_rounds=2))
+    start(hz, "a", "b")
+    for n in (1, 2):
+        commit(hz, n)
+    up = hz.cell().uploader
+    commit(hz, 3)  # the upload of round 2 is still running
+    cell = hz.cell()
+    assert (cell.upload_round, cell.uploader) == (2, up)
+    assert not any(hz.st.instruction_for(w).upload_checkpoint for w in "ab")  # nobody starts another
+    assert hz.st.check_upload(up, CELL, 2, h(2)) is True  # the running one is still the one asked for
+    commit(hz, 4)  # a whole interval (2 rounds) without it: presumed lost, the newest round is asked for
+    cell = hz.cell()
+    assert cell.upload_round == 4 and cell.uploader in ("a", "b")
+    assert hz.st.instruction_for(cell.uploader).upload_checkpoint
+
+
 def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:
     hz = Harness(spec=make_spec(every_rounds=2))
     start(hz, "a", "b")

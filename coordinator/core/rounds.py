@@ -487,7 +487,18 @@ class Rounds:
         self.changes.ops += len(c.workers)
         self.check_orphan(c, now)
         every = self.spec.checkpoint.every_rounds
-        if r.round % every == 0 or c.upload_round > c.checkpoint_round:
+        if c.upload_round > c.checkpoint_round:
+            # One upload per cell at a time. An upload may take longer than a round (a full
+            # state over a home uplink); asking another holder for the newer round at every
+            # commit would start a second upload on top of it, refuse the first when it ends
+            # (it is no longer the one asked for) and keep the uplinks full of checkpoint
+            # bytes the exchange and the heartbeats queue behind. So the request stands
+            # until it lands, its uploader leaves (`Roster.detach` hands it on), or a whole
+            # interval passes without it: then it is presumed lost and asked again.
+            ask = not c.uploader or r.round - c.upload_round >= every
+        else:
+            ask = r.round % every == 0
+        if ask:
             holders = [x for x in agreeing if x in c.synced]
             if holders:
                 c.upload_round, c.uploader = r.round, self.rng.choice(holders)
