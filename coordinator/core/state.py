@@ -32,7 +32,9 @@ The round protocol, per cell:
   committed round's other contributors have reported (they hold the new state a moment
   after the quorum, and train the next round too), or `schedule.next_round_grace_s` after
   the commit (`Rounds.hold_next_round`).
-- Every checkpoint.every_rounds commits, one agreeing contributor is asked to upload.
+- Every checkpoint.every_rounds commits, one agreeing contributor is asked to upload; one
+  upload per cell at a time: a request stands until it lands, its uploader leaves, or
+  another interval passes without it (`Rounds.commit`).
 - Convicted (the shell has verified evidence that a worker lied as a reducer, or signed two
   different contributions to one part): the worker is banned with the proof as its reason,
   and if that exchange is still the open one it is re-frozen without the worker (or
