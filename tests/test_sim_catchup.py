@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from simscenario import two_cell_scenario_text
 
 from bagel.protocol.messages import Donor, DonorRate, Instruction, LocalState, Order, PeerAddress
 from bagel.sim.discrete import costmodel as cm
@@ -22,54 +23,9 @@ from bagel.sim.discrete.workers import IDLE, SYNC, W
 
 # Two cells of equal RTX 4090s on 100 Mbit/s links that stay online: one int4 update of a
 # 675M-parameter expert (~350 MB) takes ~28 s, the whole state (5.4 GB) ~7 minutes.
-_SMALL = """
-[scenario]
-name = "catch-up-small"
-workers = 16
-hours = 2.0
-seed = 5
-policies = ["bagel"]
-
-[run_spec.run]
-id = "catch-up-small"
-
-[run_spec.data]
-clusters = 2
-
-[run_spec.cells]
-timestep_ranges = 1
-router = false
-
-[run_spec.diloco]
-inner_steps = 500
-group_batch = 768
-max_micro_batch = 32
-codec = "int4"
-
-[run_spec.schedule]
-min_replicas = 2
-max_replicas = 16
-lease_s = 60.0
-heartbeat_s = 15.0
-min_round_s = 60.0
-
-[run_spec.sync]
-catch_up_rounds = 2
-
-[population]
-gpu_mix = { rtx4090 = 1.0 }
-throughput_jitter = 0.0
-
-[population.links]
-home_mbit_median = 100.0
-home_mbit_sigma = 0.0
-
-[population.availability]
-session_weibull_shape = 1.0
-session_weibull_scale_h = 10000.0
-diurnal_amplitude = 0.0
-initial_online_fraction = 1.0
-"""
+_SMALL = two_cell_scenario_text(
+    "catch-up-small", seed=5, home_mbit=100.0, extra="\n[run_spec.sync]\ncatch_up_rounds = 2\n"
+)
 
 # The same with churn: workers leave and come back a round or two behind, and catch up.
 _CHURN = (

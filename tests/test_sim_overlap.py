@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from simscenario import two_cell_scenario_text
 
 from bagel.protocol.messages import Instruction, LocalState, Member, Order, PeerAddress, RoundPlan
 from bagel.sim.discrete import policies
@@ -17,52 +18,7 @@ from bagel.sim.discrete.workers import IDLE, READY, REDUCE, TRAIN, WAITV, W
 
 # Two cells of eight equal RTX 4090s on 20 Mbit/s home links that stay online: an int4
 # exchange of a 675M-parameter expert takes about as long as a round's training (~5 min).
-_SMALL = """
-[scenario]
-name = "overlap-small"
-workers = 16
-hours = 2.0
-seed = 3
-policies = ["bagel"]
-
-[run_spec.run]
-id = "overlap-small"
-
-[run_spec.data]
-clusters = 2
-
-[run_spec.cells]
-timestep_ranges = 1
-router = false
-
-[run_spec.diloco]
-inner_steps = 500
-group_batch = 768
-max_micro_batch = 32
-codec = "int4"
-overlap = "delayed"
-
-[run_spec.schedule]
-min_replicas = 2
-max_replicas = 16
-lease_s = 60.0
-heartbeat_s = 15.0
-min_round_s = 60.0
-
-[population]
-gpu_mix = { rtx4090 = 1.0 }
-throughput_jitter = 0.0
-
-[population.links]
-home_mbit_median = 20.0
-home_mbit_sigma = 0.0
-
-[population.availability]
-session_weibull_shape = 1.0
-session_weibull_scale_h = 10000.0
-diurnal_amplitude = 0.0
-initial_online_fraction = 1.0
-"""
+_SMALL = two_cell_scenario_text("overlap-small", seed=3, home_mbit=20.0, diloco='overlap = "delayed"\n')
 
 # The same run with churn, mixed GPUs and a late crowd: plans change between rounds, members
 # leave mid-exchange, so steps trained ahead are carried, mismatched and lost to departures.
