@@ -7,7 +7,10 @@ and it does not validate what peers send. This module is our own butterfly all-r
 written so that every contributor applies the *same decoded bytes*:
 
 1. The delta tensors are flattened in sorted-name order into one float32 vector (`Layout`)
-   and split into |C| contiguous parts (`part_bounds`); contributor i reduces part i.
+   and split into |C| contiguous parts (`part_bounds`); contributor i reduces part i. The
+   parts' sizes follow the coordinator's part weights (`Contributor.part_weight`, from the
+   uplinks the peers measured, `PeerRates`): a slow uplink reduces a smaller part, so it
+   sends less of the averaged result; all weights 1 is the equal split.
 2. Reduce-scatter: each contributor adds its error-feedback residual, encodes every part
    with the run's codec and sends part j to contributor j (`/bagel/dataplane/v1/part`).
    The reducer decodes every contribution, its own included (it encodes and decodes its own
@@ -350,6 +353,7 @@ class DataPlane:
             weight=weight,
             error_feedback=error_feedback,
             skip=[i for i, c in enumerate(members) if c.no_reduce],
+            weights=[c.part_weight for c in members],
         )
         layout, bounds, abstained, payloads = own.layout, own.bounds, own.abstained, own.payloads
         encode_s = loop.time() - encode_started
