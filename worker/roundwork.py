@@ -339,7 +339,9 @@ async def reduce_round(
     # a zero budget to 1 the same way (the group digest stays equal everywhere); at worst a
     # lying catch-up peer could weigh as 1 sample. Remove once the data plane accepts 0.
     contributors = [
-        Contributor(m.worker_id, m.peer.peer_id, tuple(m.peer.maddrs), max(1, int(m.max_samples)), m.no_reduce)
+        Contributor(
+            m.worker_id, m.peer.peer_id, tuple(m.peer.maddrs), max(1, int(m.max_samples)), m.no_reduce, m.part_weight
+        )
         for m in i.contributors
     ]
     res = await dataplane.all_reduce(
