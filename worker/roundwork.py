@@ -84,6 +84,8 @@ class ReduceOutcome:
     # the round's committed update as applied (the exchange's encoded averaged parts), kept
     # on commit so peers a round or two behind can catch up by it (`[sync] catch_up_rounds`)
     update: CommittedUpdate | None = None
+    # (sender, bytes, ms) of each contribution we received as a reducer (`ExchangeResult.peer_rates`)
+    peer_rates: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -395,6 +397,7 @@ async def reduce_round(
         encode_s=res.encode_s,
         outer_step_s=outer_s,
         update=update,
+        peer_rates=res.peer_rates,
     )
 
 
