@@ -134,13 +134,25 @@ def test_the_uplink_estimate_comes_from_the_others_and_one_liar_cannot_move_it()
     assert up["a"] == up["b"] == up["c"] == pytest.approx(24 * MB)  # d's lie lies outside the median
     assert set(roster.workers["d"].uplink_seen) == {"a", "b", "c"}  # not its own claim
     assert "nobody" not in roster.workers
+    # on a fresh start for b: a liar that inflates is bounded by the two honest figures, and
+    # an observer whose own downlink bounded its stream (a home observer of a fast sender)
+    # does not drag the estimate down while two others saw the sender's uplink
+    quad = ("a", "b", "c", "d")
+    for liar in (PeerRate("b", 1 << 40, 1000), PeerRate("b", 8 * MB, 100_000)):
+        roster.workers["b"].uplink_seen.clear()
+        roster.observe_peer_rates(roster.workers["a"], quad, rates(b=1))
+        roster.observe_peer_rates(roster.workers["c"], quad, rates(b=1))
+        roster.observe_peer_rates(roster.workers["d"], quad, (liar,))
+        assert roster.exchange_uplink(roster.workers["b"]) == pytest.approx(24 * MB)
+    roster.workers["b"].uplink_seen.pop("c")  # two observers: a liar can only lower it
+    assert roster.exchange_uplink(roster.workers["b"]) < 24 * MB
     # an observer that reports again replaces its own figure: it cannot outvote the others
     for _ in range(3):
         roster.observe_peer_rates(roster.workers["d"], ("a", "b", "c", "d"), rates(a=1000))
     assert roster.exchange_uplink(roster.workers["a"]) == pytest.approx(24 * MB)
     # too short to be a bandwidth (latency): skipped
-    roster.observe_peer_rates(roster.workers["a"], ("a", "b", "c", "d"), (PeerRate("b", 1000, 5000),))
-    assert roster.workers["b"].uplink_seen["a"] == pytest.approx(24 * MB)
+    roster.observe_peer_rates(roster.workers["a"], quad, (PeerRate("b", 1000, 5000), PeerRate("c", 8 * MB, 50)))
+    assert roster.workers["b"].uplink_seen["a"] == roster.workers["c"].uplink_seen["a"] == pytest.approx(24 * MB)
     # a worker that is not a contributor of the exchange speaks of nobody
     roster.observe_peer_rates(roster.workers["a"], ("b", "c"), rates(b=1000))
     assert roster.workers["b"].uplink_seen["a"] == pytest.approx(24 * MB)

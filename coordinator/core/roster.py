@@ -305,15 +305,22 @@ class Roster:
         self.changes.ops += len(members)
 
     def exchange_uplink(self, w: Worker) -> float:
-        """`w`'s exchange uplink in bytes/s as the other contributors measured it: the lower
-        median of its observers' figures, once `MIN_UPLINK_OBSERVERS` of them measured it
-        (0 = unmeasured). With three or more observers one lying observer cannot move it
-        outside the honest ones' figures; with two, a liar can only lower it (the lower
-        median), which shrinks the victim's part and makes the liar's own part larger."""
-        vals = sorted(w.uplink_seen.values())
+        """`w`'s exchange uplink in bytes/s as the other contributors measured it: the second
+        highest of its observers' figures, once `MIN_UPLINK_OBSERVERS` of them measured it
+        (0 = unmeasured).
+
+        Not the median: a stream is bounded by both of its ends, the sender's uplink and the
+        observer's downlink, so a datacenter sender seen by home observers looks as slow as
+        their links, and the figures the sender itself bounded are the high ones. Not the
+        highest either: one lying observer would set it. With two honest figures h1 >= h2
+        and one liar, the second highest stays within [h2, h1] whatever the liar says;
+        with two observers in all it is the lower one, so a liar can only lower it, which
+        shrinks its victim's part and makes the liar's own part larger. The worker's own
+        claims never enter (`observe_peer_rates`)."""
+        vals = sorted(w.uplink_seen.values(), reverse=True)
         if len(vals) < MIN_UPLINK_OBSERVERS:
             return 0.0
-        return vals[(len(vals) - 1) // 2]
+        return vals[1]
 
     def donors(self, w: Worker, c: Cell) -> tuple[Donor, ...]:
         """Up to `[sync] max_donors` synced workers of the cell for `w` to fetch from, best first.
