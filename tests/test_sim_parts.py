@@ -93,6 +93,26 @@ def test_allreduce_is_bounded_by_the_slowest_link():
     assert cm.allreduce_s(S, [1e9, 1e9], [0.05, 0.01]) == pytest.approx(S / 1e9 + 0.1)
 
 
+def test_weighted_parts_follow_the_real_split_and_relieve_a_slow_uplink():
+    """Equal weights are exactly the equal-part model; a slow member with a small part moves
+    fewer bytes, and the exchange is the longest of each member's moved bytes over its link."""
+    S = 100_000_000
+    bws = [1e9] * 7 + [1e6]
+    lats = [0.01] * 8
+    assert cm.weighted_allreduce_s(S, [1] * 8, bws, bws, lats) == pytest.approx(cm.allreduce_s(S, bws, lats))
+    assert cm.weighted_allreduce_bytes(S, [3] * 8) == [cm.allreduce_bytes_per_member(S, 8)] * 8
+    light = [16] * 7 + [4]  # the slow member's part clamped to 1/4 of the others'
+    parts = cm.part_nbytes(S, light)
+    assert sum(parts) == pytest.approx(S) and parts[7] == pytest.approx(parts[0] / 4)
+    moved = cm.weighted_allreduce_bytes(S, light)
+    assert moved[7] == int(S - parts[7] + 7 * parts[7]) < moved[0]
+    t = cm.weighted_allreduce_s(S, light, bws, bws, lats)
+    assert t == pytest.approx(moved[7] / 1e6 + 0.02, rel=1e-6)
+    assert t < 0.75 * cm.allreduce_s(S, bws, lats)
+    slow_down = [1e9] * 7 + [1e5]  # a member's downlink counts too
+    assert cm.weighted_allreduce_s(S, light, bws, slow_down, lats) > 9 * t
+
+
 def test_compute_scales_with_throughput():
     w = cm.WorkloadSpec()
     assert cm.samples_per_s(w, 200.0, "k0.r0") == pytest.approx(2 * cm.samples_per_s(w, 100.0, "k0.r0"))

@@ -375,8 +375,11 @@ class Rounds:
         ids = tuple(sorted(w_set.union(catch)))
         relayed = {x for x in ids if self.roster.workers[x].profile.reachability == Reachability.RELAYED}
         skip = reduce_nothing(ids, relayed)
-        uplinks = {x: self.roster.exchange_uplink(self.roster.workers[x]) for x in ids}
-        r.set_contributors(ids, catch, peers, no_reduce=skip, part_weights=part_weights(ids, uplinks, skip))
+        weights = None
+        if self.policy.part_split == "measured":
+            uplinks = {x: self.roster.exchange_uplink(self.roster.workers[x]) for x in ids}
+            weights = part_weights(ids, uplinks, skip)
+        r.set_contributors(ids, catch, peers, no_reduce=skip, part_weights=weights)
         # as the workers' data plane sees the set: a zero budget (catch-up) counts as 1
         frozen: FrozenSet = tuple(
             (m.worker_id, m.peer.peer_id, max(1, m.max_samples), m.no_reduce, m.part_weight)
