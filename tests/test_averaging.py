@@ -255,6 +255,7 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
                     peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
                     max_samples=c.max_samples,
                     no_reduce=False,
+                    part_weight=0,
                 )
                 for c in cs
             ],

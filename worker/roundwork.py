@@ -26,6 +26,7 @@ import torch
 
 from bagel.compression import ErrorFeedback
 from bagel.models.data import shard
+from bagel.protocol.convert import MAX_PART_WEIGHT
 from bagel.protocol.messages import PartAudit
 from bagel.protocol.runspec import parse_spec
 from bagel.robust import attacks
@@ -340,9 +341,16 @@ async def reduce_round(
     # refuses budgets <= 0. They abstain (weight 0, no payload) anyway, so every worker maps
     # a zero budget to 1 the same way (the group digest stays equal everywhere); at worst a
     # lying catch-up peer could weigh as 1 sample. Remove once the data plane accepts 0.
+    # A part weight is read as the protocol's converter reads it (0, unset, is 1; clamped), so
+    # every member binds the same weights into the group digest as the coordinator does.
     contributors = [
         Contributor(
-            m.worker_id, m.peer.peer_id, tuple(m.peer.maddrs), max(1, int(m.max_samples)), m.no_reduce, m.part_weight
+            m.worker_id,
+            m.peer.peer_id,
+            tuple(m.peer.maddrs),
+            max(1, int(m.max_samples)),
+            m.no_reduce,
+            min(MAX_PART_WEIGHT, max(1, int(m.part_weight))),
         )
         for m in i.contributors
     ]
