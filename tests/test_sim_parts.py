@@ -113,6 +113,26 @@ def test_weighted_parts_follow_the_real_split_and_relieve_a_slow_uplink():
     assert cm.weighted_allreduce_s(S, light, bws, slow_down, lats) > 9 * t
 
 
+def test_simulated_reducers_measure_what_the_core_turns_back_into_the_link():
+    """A simulated reducer times each payload-sending peer over a stream that shares both ends'
+    links with the k - 1 others; the core's scaling (rate x (k - 1)) gives back the slower
+    end. A catch-up contributor sends nothing and is not timed, nor is a reducer of nothing."""
+    from bagel.sim.discrete.workers import Exchange, W
+
+    ws = [W(i) for i in range(4)]
+    for w, bw in zip(ws, (1e9, 1e9, 5e6, 1e9), strict=True):
+        w.bw, w.lat = bw, 0.0
+    parts = {ws[0].wid: 40e6, ws[1].wid: 40e6, ws[2].wid: 10e6, ws[3].wid: 0.0}
+    senders = frozenset(w.wid for w in ws[:3])  # ws[3]: catch-up
+    ex = Exchange(("c", 1, 1), tuple(w.wid for w in ws), 1, "h", {}, parts, tuple(ws), senders)
+    got = {r.worker_id: r.nbytes * 1000 / r.ms * 3 for r in ex.peer_rates(ws[0])}
+    assert set(got) == {ws[1].wid, ws[2].wid}
+    assert got[ws[1].wid] == pytest.approx(1e9, rel=1e-3) and got[ws[2].wid] == pytest.approx(5e6, rel=1e-3)
+    seen_by_slow = {r.worker_id: r.nbytes * 1000 / r.ms * 3 for r in ex.peer_rates(ws[2])}
+    assert seen_by_slow[ws[0].wid] == pytest.approx(5e6, rel=1e-3)  # its own downlink bounds it
+    assert ex.peer_rates(ws[3]) == ()
+
+
 def test_compute_scales_with_throughput():
     w = cm.WorkloadSpec()
     assert cm.samples_per_s(w, 200.0, "k0.r0") == pytest.approx(2 * cm.samples_per_s(w, 100.0, "k0.r0"))

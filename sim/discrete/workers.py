@@ -277,7 +277,19 @@ class W:
 class Exchange:
     """One all-reduce over a frozen contributor set: completes once all joined, unless broken."""
 
-    __slots__ = ("broken", "done_at", "dur_ms", "hash", "joined", "key", "members", "nbytes", "parts", "peers")
+    __slots__ = (
+        "broken",
+        "done_at",
+        "dur_ms",
+        "hash",
+        "joined",
+        "key",
+        "members",
+        "nbytes",
+        "parts",
+        "peers",
+        "senders",
+    )
 
     def __init__(
         self,
@@ -288,6 +300,7 @@ class Exchange:
         nbytes: dict[str, int],
         parts: dict[str, float] | None = None,
         peers: tuple[W, ...] = (),
+        senders: frozenset[str] = frozenset(),
     ) -> None:
         self.key = key
         self.members = members
@@ -299,20 +312,21 @@ class Exchange:
         self.nbytes = nbytes  # worker id -> bytes it sends (and receives)
         self.parts = parts or {}  # worker id -> bytes of the part it reduces (one exchange)
         self.peers = peers  # the contributors' workers, as they were at the freeze
+        self.senders = senders  # those that send a payload (a catch-up contributor abstains)
 
     def peer_rates(self, w: W) -> tuple[PeerRate, ...]:
         """What `w`, as the reducer of its part, measures of each other contributor's
         contribution, as the real data plane does (`ExchangeResult.peer_rates`): its part's
         bytes, over a stream that shares the sender's uplink and `w`'s downlink with the
         k - 1 others (the population's one link rate per worker, both ways), after the two
-        one-way latencies."""
+        one-way latencies. A catch-up contributor (zero budget) sends no payload: not timed."""
         n = self.parts.get(w.wid, 0.0)
         k = len(self.peers)
         if n <= 0 or k < 2:
             return ()
         out = []
         for p in self.peers:
-            if p is not w:
+            if p is not w and p.wid in self.senders:
                 rate = min(p.bw, w.bw) / (k - 1)
                 out.append(PeerRate(p.wid, int(n), max(1, int((p.lat + w.lat + n / rate) * 1000))))
         return tuple(out)
@@ -830,7 +844,10 @@ class WorkerBehaviour:
                 for p, b in zip(peers, cm.weighted_allreduce_bytes(nbytes, weights), strict=True)
             }
             parts = {p.wid: b for p, b in zip(peers, cm.part_nbytes(nbytes, weights), strict=True)}
-            ex = self.exchanges[rkey] = Exchange(rkey, members, int(dur_s * 1000), honest_hash(rkey), per, parts, peers)
+            senders = frozenset(m.worker_id for m in known if m.max_samples > 0)
+            ex = self.exchanges[rkey] = Exchange(
+                rkey, members, int(dur_s * 1000), honest_hash(rkey), per, parts, peers, senders
+            )
             if any(not p.online or p.cut or p.stopped for p in peers):
                 ex.broken = True
             self.push(self.now + max(2 * ex.dur_ms, EXCHANGE_TIMEOUT_MS), XTIMEOUT, -1, len(self.ex_list))
