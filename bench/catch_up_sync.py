@@ -58,6 +58,7 @@ async def commit_rounds(planes: list[DataPlane], dhts: list[Any], spec: Any, bas
             peer=SimpleNamespace(peer_id=p.peer_id, maddrs=[str(m) for m in d.get_visible_maddrs()]),
             max_samples=100,
             no_reduce=False,
+            part_weight=0,
         )
         for i, (p, d) in enumerate(zip(planes, dhts, strict=True))
     ]

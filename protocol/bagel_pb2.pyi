@@ -133,16 +133,18 @@ class LocalState(_message.Message):
     def __init__(self, cell_id: _Optional[str] = ..., committed_round: _Optional[int] = ..., state_hash: _Optional[str] = ...) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("worker_id", "peer", "max_samples", "no_reduce")
+    __slots__ = ("worker_id", "peer", "max_samples", "no_reduce", "part_weight")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     MAX_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     NO_REDUCE_FIELD_NUMBER: _ClassVar[int]
+    PART_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     peer: PeerAddress
     max_samples: int
     no_reduce: bool
-    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., max_samples: _Optional[int] = ..., no_reduce: _Optional[bool] = ...) -> None: ...
+    part_weight: int
+    def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., max_samples: _Optional[int] = ..., no_reduce: _Optional[bool] = ..., part_weight: _Optional[int] = ...) -> None: ...
 
 class RoundPlan(_message.Message):
     __slots__ = ("inner_steps", "micro_batch", "grad_accum", "deadline_unix_ms", "members", "late_from")
@@ -283,7 +285,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_expires_unix_ms: _Optional[int] = ..., instruction: _Optional[_Union[Instruction, _Mapping]] = ...) -> None: ...
 
 class ReportRoundRequest(_message.Message):
-    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt", "audit", "heldout_loss", "heldout_loss_base", "data_ms", "forward_backward_ms", "optimizer_ms", "encode_ms", "exchange_ms", "outer_step_ms", "waiting_ms", "cuda_free_bytes", "cuda_peak_allocated_bytes", "rss_bytes")
+    __slots__ = ("header", "cell_id", "round", "state_hash", "samples", "loss", "compute_ms", "comm_ms", "bytes_sent", "bytes_received", "failed", "reason", "reduce_attempt", "audit", "heldout_loss", "heldout_loss_base", "data_ms", "forward_backward_ms", "optimizer_ms", "encode_ms", "exchange_ms", "outer_step_ms", "waiting_ms", "cuda_free_bytes", "cuda_peak_allocated_bytes", "rss_bytes", "peer_rates")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +312,7 @@ class ReportRoundRequest(_message.Message):
     CUDA_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CUDA_PEAK_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_RATES_FIELD_NUMBER: _ClassVar[int]
     header: RequestHeader
     cell_id: str
     round: int
@@ -336,7 +339,18 @@ class ReportRoundRequest(_message.Message):
     cuda_free_bytes: int
     cuda_peak_allocated_bytes: int
     rss_bytes: int
-    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., audit: _Optional[_Union[AuditPart, _Mapping]] = ..., heldout_loss: _Optional[float] = ..., heldout_loss_base: _Optional[float] = ..., data_ms: _Optional[int] = ..., forward_backward_ms: _Optional[int] = ..., optimizer_ms: _Optional[int] = ..., encode_ms: _Optional[int] = ..., exchange_ms: _Optional[int] = ..., outer_step_ms: _Optional[int] = ..., waiting_ms: _Optional[int] = ..., cuda_free_bytes: _Optional[int] = ..., cuda_peak_allocated_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+    peer_rates: _containers.RepeatedCompositeFieldContainer[PeerRate]
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., state_hash: _Optional[str] = ..., samples: _Optional[int] = ..., loss: _Optional[float] = ..., compute_ms: _Optional[int] = ..., comm_ms: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., failed: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., audit: _Optional[_Union[AuditPart, _Mapping]] = ..., heldout_loss: _Optional[float] = ..., heldout_loss_base: _Optional[float] = ..., data_ms: _Optional[int] = ..., forward_backward_ms: _Optional[int] = ..., optimizer_ms: _Optional[int] = ..., encode_ms: _Optional[int] = ..., exchange_ms: _Optional[int] = ..., outer_step_ms: _Optional[int] = ..., waiting_ms: _Optional[int] = ..., cuda_free_bytes: _Optional[int] = ..., cuda_peak_allocated_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., peer_rates: _Optional[_Iterable[_Union[PeerRate, _Mapping]]] = ...) -> None: ...
+
+class PeerRate(_message.Message):
+    __slots__ = ("worker_id", "nbytes", "ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    nbytes: int
+    ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., ms: _Optional[int] = ...) -> None: ...
 
 class AuditPart(_message.Message):
     __slots__ = ("part", "first_block", "senders")

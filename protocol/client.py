@@ -20,7 +20,7 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -238,10 +238,12 @@ class CoordinatorClient:
         heldout_loss: float | None = None,
         heldout_loss_base: float | None = None,
         round_metrics: Mapping[str, int] | None = None,
+        peer_rates: Sequence[tuple[str, int, int]] = (),
         timeout_s: float | None = None,
     ) -> pb.ReportRoundResponse:
         """`round_metrics`: the report's phase times and memory fields (`data_ms`, ...,
-        `rss_bytes`), by field name."""
+        `rss_bytes`), by field name; `peer_rates`: (sender, bytes, ms) of each contribution
+        this worker received as a reducer."""
         req = pb.ReportRoundRequest(
             cell_id=cell_id,
             round=round,
@@ -264,6 +266,8 @@ class CoordinatorClient:
             req.heldout_loss_base = heldout_loss_base
         for name, value in (round_metrics or {}).items():
             setattr(req, name, int(value))
+        for worker_id, nbytes, ms in peer_rates:
+            req.peer_rates.add(worker_id=worker_id, nbytes=int(nbytes), ms=int(ms))
         return await self.call("ReportRound", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
     async def accuse(self, evidence: pb.EvidenceRequest, *, timeout_s: float | None = None) -> pb.AccuseResponse:

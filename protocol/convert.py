@@ -57,8 +57,19 @@ def local_from_pb(p: pb.LocalState) -> LocalState:
     return LocalState(cell_id=p.cell_id, committed_round=p.committed_round, state_hash=p.state_hash)
 
 
+MAX_PART_WEIGHT = 1 << 16  # far above any weight the core gives (it stays within 16x the median)
+
+
 def member_from_pb(m: pb.Member) -> Member:
-    return Member(worker_id=m.worker_id, peer=peer_from_pb(m.peer), max_samples=m.max_samples, no_reduce=m.no_reduce)
+    """A member as the worker reads it; a part weight outside [1, MAX_PART_WEIGHT] (0: unset,
+    equal parts) is clamped into it, so the split stays small integer arithmetic."""
+    return Member(
+        worker_id=m.worker_id,
+        peer=peer_from_pb(m.peer),
+        max_samples=m.max_samples,
+        no_reduce=m.no_reduce,
+        part_weight=min(MAX_PART_WEIGHT, max(1, m.part_weight)),
+    )
 
 
 def donor_from_pb(d: pb.Donor) -> Donor:
@@ -158,7 +169,13 @@ def local_to_pb(s: LocalState) -> pb.LocalState:
 
 
 def member_to_pb(m: Member) -> pb.Member:
-    return pb.Member(worker_id=m.worker_id, peer=peer_to_pb(m.peer), max_samples=m.max_samples, no_reduce=m.no_reduce)
+    return pb.Member(
+        worker_id=m.worker_id,
+        peer=peer_to_pb(m.peer),
+        max_samples=m.max_samples,
+        no_reduce=m.no_reduce,
+        part_weight=m.part_weight if m.part_weight != 1 else 0,  # unset = 1: the wire of equal parts is unchanged
+    )
 
 
 def instruction_to_pb(ins: Instruction | None) -> pb.Instruction:

@@ -93,6 +93,9 @@ class Member:
     peer: PeerAddress
     max_samples: int  # cap on this member's averaging weight in the round
     no_reduce: bool = False  # reduces no part (reached through a relay): an empty part in the split
+    # its part's relative size in the split (`bagel.robust.reduction.part_bounds`), from the
+    # uplink the other members measured of it; 1 for every member = equal parts
+    part_weight: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +136,17 @@ class DonorRate:
     """What a joiner measured of one donor of its last verified sync (proto `DonorRate`):
     the verified bytes it adopted from that donor, and the time the donor's requests were
     in flight. The coordinator's measure of the donor's uplink comes from these."""
+
+    worker_id: str
+    nbytes: int
+    ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRate:
+    """What a contributor measured, as a reducer, of one peer's contribution to its part in
+    an exchange (proto `PeerRate`): the payload's bytes and the time they took to arrive.
+    The coordinator's estimate of the peer's uplink comes from what the others measured."""
 
     worker_id: str
     nbytes: int

@@ -245,6 +245,24 @@ def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:
     if req.HasField("audit"):
         _audit("audit", req.audit, spec)
     _round_metrics(req)
+    _peer_rates(req, spec)
+
+
+def _peer_rates(req: pb.ReportRoundRequest, spec: RunSpec) -> None:
+    """At most one entry per peer of an exchange (the audit's bound on its senders), each
+    naming a peer once, with bytes and milliseconds in range. Whether the peer was a
+    contributor of the exchange is the core's to check (it reads only those)."""
+    most = max(MAX_AUDIT_CONTRIBUTORS, spec.schedule.max_replicas)
+    if len(req.peer_rates) > most:
+        raise ValidationError("peer_rates", f"{len(req.peer_rates)} entries, an exchange has at most {most} peers")
+    seen: set[str] = set()
+    for i, r in enumerate(req.peer_rates):
+        _text(f"peer_rates[{i}].worker_id", r.worker_id, MAX_NAME_CHARS, required=True)
+        if r.worker_id in seen:
+            raise ValidationError(f"peer_rates[{i}].worker_id", f"{r.worker_id!r} named twice")
+        seen.add(r.worker_id)
+        _int(f"peer_rates[{i}].nbytes", r.nbytes, 0, MAX_BYTES_COUNTER)
+        _int(f"peer_rates[{i}].ms", r.ms, 0, MAX_DURATION_MS)
 
 
 # The round metrics a report carries (`coordinator/metrics.py` exports them): each phase

@@ -67,6 +67,7 @@ from bagel.robust.reduction import (
     group_digest_of,
     header_problem,
     part_bounds,
+    part_weights_of,
     reduce_one_part,
     result_generator,
     skipped_positions,
@@ -81,8 +82,9 @@ MAX_EVIDENCE_INPUTS = validation.MAX_EVIDENCE_INPUTS  # one per contributor of t
 MAX_HEADER_BYTES = validation.MAX_EVIDENCE_HEADER_BYTES  # one serialized ContributionHeader
 MAX_RECEIPT_BYTES = validation.MAX_EVIDENCE_RECEIPT_BYTES
 
-# FrozenMember: (worker id, peer id, budget[, no_reduce]) of one contributor, as in the group digest.
-FrozenMember = tuple[str, str, int] | tuple[str, str, int, bool]
+# FrozenMember: (worker id, peer id, budget[, no_reduce[, part weight]]) of one contributor, as in
+# the group digest (the part weight only when it is not 1).
+FrozenMember = tuple[str, str, int] | tuple[str, str, int, bool] | tuple[str, str, int, bool, int]
 
 
 # ---------------------------------------------------------------- errors
@@ -337,7 +339,8 @@ def adjudicate(
         raise IncompleteEvidence(f"the accuser and the accused disagree on the model layout of {where}")
     if not 0 < r.total_numel <= 1 << 40:
         raise MalformedEvidence(f"total_numel {r.total_numel}")
-    s, e = part_bounds(r.total_numel, k, skipped_positions(members))[r.part]
+    # the split the members cut, with the frozen set's part weights (bound by the group digest)
+    s, e = part_bounds(r.total_numel, k, skipped_positions(members), part_weights_of(members))[r.part]
     numel = e - s
     inputs = []
     for x in ids:

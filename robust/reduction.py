@@ -49,6 +49,7 @@ __all__ = [
     "part_generator",
     "reduce_one_part",
     "result_generator",
+    "part_weights_of",
     "skipped_positions",
 ]
 
@@ -68,33 +69,56 @@ class NoValidContribution(ValueError):
     """Every contribution to the part was excluded: there is nothing to aggregate."""
 
 
-def part_bounds(total: int, parts: int, skip: Collection[int] = ()) -> list[tuple[int, int]]:
-    """Split [0, total) into `parts` contiguous ranges; the first total % parts get one more.
+def part_bounds(
+    total: int, parts: int, skip: Collection[int] = (), weights: Sequence[int] | None = None
+) -> list[tuple[int, int]]:
+    """Split [0, total) into `parts` contiguous ranges, sized by `weights` (None: all equal).
 
     Positions in `skip` (members that reduce no part: reached through a relay) get an empty
     range and the others share the vector the same way; if every position is skipped, none is.
+
+    `weights` are the coordinator's integer part weights (`Member.part_weight`, from the
+    uplinks the other members measured: a slow uplink reduces a smaller part, so it
+    uploads less of the averaged result). Position i gets floor(total x w_i / W) elements,
+    W the active positions' weight sum, and the elements left over go one each to the
+    largest remainders, ties to the lower position (largest remainder, integers only, so
+    every machine cuts at the same places). Equal weights give exactly the equal split:
+    the first total % parts active positions get one element more. A weight below 1
+    counts as 1 (an unset proto field is 0), so no active position is left out by a weight.
     """
     if parts < 1:
         raise ValueError("at least one part")
+    if weights is not None and len(weights) != parts:
+        raise ValueError(f"{len(weights)} part weights for {parts} parts")
     skipped = {i for i in skip if 0 <= i < parts}
     if len(skipped) == parts:
         skipped = set()
-    active = parts - len(skipped)
-    base, extra = divmod(total, active)
-    bounds, start, n = [], 0, 0
+    active = [i for i in range(parts) if i not in skipped]
+    w = {i: (max(1, int(weights[i])) if weights is not None else 1) for i in active}
+    wsum = sum(w.values())
+    size = {i: total * w[i] // wsum for i in active}
+    left = total - sum(size.values())  # < len(active): each floor dropped less than one element
+    by_remainder = sorted(active, key=lambda i: (-(total * w[i] % wsum), i))
+    for i in by_remainder[:left]:
+        size[i] += 1
+    bounds, start = [], 0
     for i in range(parts):
-        if i in skipped:
-            bounds.append((start, start))
-            continue
-        end = start + base + (1 if n < extra else 0)
+        end = start + size.get(i, 0)
         bounds.append((start, end))
-        start, n = end, n + 1
+        start = end
     return bounds
 
 
 def skipped_positions(members: Sequence[tuple[Any, ...]]) -> frozenset[int]:
-    """The positions of frozen members (worker id, peer id, budget[, no_reduce]) that reduce no part."""
+    """The positions of frozen members (worker id, peer id, budget[, no_reduce[, weight]]) that reduce no part."""
     return frozenset(i for i, m in enumerate(members) if len(m) > 3 and m[3])
+
+
+def part_weights_of(members: Sequence[tuple[Any, ...]]) -> list[int] | None:
+    """The part weights of frozen members (worker id, peer id, budget[, no_reduce[, weight]]),
+    None when every member has weight 1 (the equal split)."""
+    ws = [max(1, int(m[4])) if len(m) > 4 else 1 for m in members]
+    return ws if any(x != 1 for x in ws) else None
 
 
 def decode_part(codec: Codec, buf: bytes, numel: int) -> torch.Tensor:
@@ -213,10 +237,16 @@ def reduce_one_part(
 
 
 def group_digest_of(members: Sequence[tuple[Any, ...]]) -> str:
-    """Binds an exchange to one frozen contributor set of (worker id, peer id, budget[, no_reduce]),
-    sorted by worker id: every member, and the coordinator checking evidence, must see the same one
-    (a member that reduces no part is marked, so the split is bound too)."""
-    text = "|".join(f"{m[0]},{m[1]},{m[2]}" + (",r" if len(m) > 3 and m[3] else "") for m in members)
+    """Binds an exchange to one frozen contributor set of (worker id, peer id, budget[, no_reduce[,
+    part weight]]), sorted by worker id: every member, and the coordinator checking evidence, must
+    see the same one (a member that reduces no part is marked, and a part weight other than 1
+    is written, so the split is bound too; a set of weight-1 members hashes as it always did)."""
+    text = "|".join(
+        f"{m[0]},{m[1]},{m[2]}"
+        + (",r" if len(m) > 3 and m[3] else "")
+        + (f",w{int(m[4])}" if len(m) > 4 and int(m[4]) != 1 else "")
+        for m in members
+    )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

@@ -255,6 +255,7 @@ async def test_the_specs_aggregation_rule_is_the_one_the_exchange_uses() -> None
                     peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
                     max_samples=c.max_samples,
                     no_reduce=False,
+                    part_weight=0,
                 )
                 for c in cs
             ],
@@ -606,12 +607,16 @@ async def test_a_member_that_reduces_nothing_gets_an_empty_part_and_replicas_sta
     """A relayed member (`no_reduce`, the coordinator's plan) reduces no part: the vector is split
     among the others, it returns no averaged part, and every replica applies the same bytes as
     the pure pipeline over that split. Control: the same exchange with equal parts costs the
-    relayed member an averaged part's upload to each other member."""
+    relayed member an averaged part's upload to each other member. Round 2 also gives the
+    first member part weight 3 (the coordinator's plan from measured uplinks): its part is
+    three times the other's, and the replicas still apply the pure pipeline's bytes; each
+    reducer reports what it measured of the senders' contributions."""
     import dataclasses
 
     async with peers(3, signed=True) as ps:  # verified: primary and shadow reducers
         plain = [p.contributor() for p in ps]
         relayed = [dataclasses.replace(c, no_reduce=c.worker_id == plain[1].worker_id) for c in plain]
+        relayed[0] = dataclasses.replace(relayed[0], part_weight=3)
         weights = {c.worker_id: 1.0 for c in plain}
         sent = {}
         for rnd, cs in ((1, plain), (2, relayed)):
@@ -622,11 +627,18 @@ async def test_a_member_that_reduces_nothing_gets_an_empty_part_and_replicas_sta
             assert_bit_identical(results)
             sent[rnd] = results[plain[1].worker_id].bytes_sent
         layout = Layout.of(deltas[plain[0].worker_id])
-        bounds = part_bounds(layout.total, 3, {1})
-        assert bounds[1][0] == bounds[1][1] and bounds[0][1] - bounds[0][0] >= layout.total // 2
+        bounds = part_bounds(layout.total, 3, {1}, [3, 1, 1])
+        assert bounds[1][0] == bounds[1][1] and bounds[0][1] - bounds[0][0] >= 3 * (layout.total // 4)
+        assert all(r.part_numels == tuple(e - s for s, e in bounds) for r in results.values())
+        ids = set(results)
+        for w, r in results.items():
+            assert {x for x, _, _ in r.peer_rates} <= ids - {w} and all(n > 0 and ms > 0 for _, n, ms in r.peer_rates)
+        assert any(r.peer_rates for r in results.values())  # (a stream that waited for its reducer is untimed)
         codec = get_codec("int8")
         contribs = {
-            w: prepare_contribution(deltas[w], codec, 3, (RUN_ID, CELL, 2, 1, 1, w), weight=1.0, skip=[1])
+            w: prepare_contribution(
+                deltas[w], codec, 3, (RUN_ID, CELL, 2, 1, 1, w), weight=1.0, skip=[1], weights=[3, 1, 1]
+            )
             for w in sorted(deltas)
         }
         pieces = []

@@ -72,7 +72,7 @@ from bagel.coordinator.core.events import (
 from bagel.coordinator.core.guard import median
 from bagel.coordinator.core.policy import POLICIES
 from bagel.coordinator.core.records import CellRecord, CommitRecord, RoundRecord, RoundState, WorkerState
-from bagel.protocol.messages import Instruction, LocalState, Order, PeerAddress, Phase, Profile
+from bagel.protocol.messages import Instruction, LocalState, Order, PeerAddress, PeerRate, Phase, Profile
 
 from test_state_harness import GB, Harness, h, make_spec
 
@@ -415,11 +415,20 @@ class CoreMachine(RuleBasedStateMachine):
         if roll:
             return
         hz.advance(1_000)
+        reduce = {}  # every open exchange's REDUCE (its part weights included) must survive
+        for c in hz.store.cells:
+            r = hz.st.cell_view(c)[1]
+            if r is not None and r.state is RoundState.REDUCING and r.contributors:
+                reduce[c] = hz.st.instruction_for(r.contributors[0]).contributors
         hz.st = hz.store.restore(
             hz.spec, hz.cells, hz.now, policy=hz.st.policy, rng=random.Random(seed), max_workers=hz.st.max_workers
         )
         counted["restarts"] += 1
         hz.store.check(hz.st)
+        for c, before in reduce.items():
+            r = hz.st.cell_view(c)[1]
+            assert r is not None and hz.st.instruction_for(r.contributors[0]).contributors == before
+            counted["weighted exchanges kept by a restart"] += any(m.part_weight != 1 for m in before)
 
     # ------------------------------------------------------------------ cooperative progress
 
@@ -510,6 +519,15 @@ class CoreMachine(RuleBasedStateMachine):
                     reduce_attempt=ins.reduce_attempt,
                     heldout_loss=heldout,
                     heldout_loss_base=None if heldout is None else base,
+                    # what it timed of each sender, a different link per sender: later freezes
+                    # give unequal part weights, which restarts must keep
+                    peer_rates=tuple(
+                        PeerRate(
+                            m.worker_id, 8 << 20, 250 + 50 * (hashlib.sha256(m.worker_id.encode()).digest()[0] % 40)
+                        )
+                        for m in ins.contributors
+                        if m.worker_id != wid
+                    ),
                 )
             )
             if how == "honest":  # a retry of the same report, as a worker whose answer was lost sends
@@ -594,7 +612,8 @@ def test_core_fuzz() -> None:
     print(
         f"\ncore fuzz: {events} events ({counted['refused']} refused), {counted['commits']} commits "
         f"({counted['guarded commits']} guarded), {counted['guard refusals']} guard refusals, "
-        f"{counted['restarts']} restarts, {counted['steps']} steps"
+        f"{counted['restarts']} restarts ({counted['weighted exchanges kept by a restart']} kept a weighted "
+        f"exchange), {counted['steps']} steps"
     )
     if os.environ.get("BAGEL_FUZZ_VERBOSE"):
         for k, v in sorted(counted.items()):

@@ -93,6 +93,46 @@ def test_allreduce_is_bounded_by_the_slowest_link():
     assert cm.allreduce_s(S, [1e9, 1e9], [0.05, 0.01]) == pytest.approx(S / 1e9 + 0.1)
 
 
+def test_weighted_parts_follow_the_real_split_and_relieve_a_slow_uplink():
+    """Equal weights are exactly the equal-part model; a slow member with a small part moves
+    fewer bytes, and the exchange is the longest of each member's moved bytes over its link."""
+    S = 100_000_000
+    bws = [1e9] * 7 + [1e6]
+    lats = [0.01] * 8
+    assert cm.weighted_allreduce_s(S, [1] * 8, bws, bws, lats) == pytest.approx(cm.allreduce_s(S, bws, lats))
+    assert cm.weighted_allreduce_bytes(S, [3] * 8) == [cm.allreduce_bytes_per_member(S, 8)] * 8
+    light = [16] * 7 + [4]  # the slow member's part clamped to 1/4 of the others'
+    parts = cm.part_nbytes(S, light)
+    assert sum(parts) == pytest.approx(S) and parts[7] == pytest.approx(parts[0] / 4)
+    moved = cm.weighted_allreduce_bytes(S, light)
+    assert moved[7] == int(S - parts[7] + 7 * parts[7]) < moved[0]
+    t = cm.weighted_allreduce_s(S, light, bws, bws, lats)
+    assert t == pytest.approx(moved[7] / 1e6 + 0.02, rel=1e-6)
+    assert t < 0.75 * cm.allreduce_s(S, bws, lats)
+    slow_down = [1e9] * 7 + [1e5]  # a member's downlink counts too
+    assert cm.weighted_allreduce_s(S, light, bws, slow_down, lats) > 9 * t
+
+
+def test_simulated_reducers_measure_what_the_core_turns_back_into_the_link():
+    """A simulated reducer times each payload-sending peer over a stream that shares both ends'
+    links with the k - 1 others; the core's scaling (rate x (k - 1)) gives back the slower
+    end. A catch-up contributor sends nothing and is not timed, nor is a reducer of nothing."""
+    from bagel.sim.discrete.workers import Exchange, W
+
+    ws = [W(i) for i in range(4)]
+    for w, bw in zip(ws, (1e9, 1e9, 5e6, 1e9), strict=True):
+        w.bw, w.lat = bw, 0.0
+    parts = {ws[0].wid: 40e6, ws[1].wid: 40e6, ws[2].wid: 10e6, ws[3].wid: 0.0}
+    senders = frozenset(w.wid for w in ws[:3])  # ws[3]: catch-up
+    ex = Exchange(("c", 1, 1), tuple(w.wid for w in ws), 1, "h", {}, parts, tuple(ws), senders)
+    got = {r.worker_id: r.nbytes * 1000 / r.ms * 3 for r in ex.peer_rates(ws[0])}
+    assert set(got) == {ws[1].wid, ws[2].wid}
+    assert got[ws[1].wid] == pytest.approx(1e9, rel=1e-3) and got[ws[2].wid] == pytest.approx(5e6, rel=1e-3)
+    seen_by_slow = {r.worker_id: r.nbytes * 1000 / r.ms * 3 for r in ex.peer_rates(ws[2])}
+    assert seen_by_slow[ws[0].wid] == pytest.approx(5e6, rel=1e-3)  # its own downlink bounds it
+    assert ex.peer_rates(ws[3]) == ()
+
+
 def test_compute_scales_with_throughput():
     w = cm.WorkloadSpec()
     assert cm.samples_per_s(w, 200.0, "k0.r0") == pytest.approx(2 * cm.samples_per_s(w, 100.0, "k0.r0"))

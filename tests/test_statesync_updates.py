@@ -122,7 +122,7 @@ async def commit_round(members: list[tuple[Peer, Orders]], rnd: int) -> list[Red
         reduce_attempt=1,
         contributors=[
             SimpleNamespace(worker_id=c.worker_id, peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
-                            max_samples=c.max_samples, no_reduce=False)
+                            max_samples=c.max_samples, no_reduce=False, part_weight=0)
             for c in contributors
         ],
     )  # fmt: skip

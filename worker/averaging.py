@@ -7,7 +7,10 @@ and it does not validate what peers send. This module is our own butterfly all-r
 written so that every contributor applies the *same decoded bytes*:
 
 1. The delta tensors are flattened in sorted-name order into one float32 vector (`Layout`)
-   and split into |C| contiguous parts (`part_bounds`); contributor i reduces part i.
+   and split into |C| contiguous parts (`part_bounds`); contributor i reduces part i. The
+   parts' sizes follow the coordinator's part weights (`Contributor.part_weight`, from the
+   uplinks the peers measured, `PeerRates`): a slow uplink reduces a smaller part, so it
+   sends less of the averaged result; all weights 1 is the equal split.
 2. Reduce-scatter: each contributor adds its error-feedback residual, encodes every part
    with the run's codec and sends part j to contributor j (`/bagel/dataplane/v1/part`).
    The reducer decodes every contribution, its own included (it encodes and decodes its own
@@ -62,7 +65,7 @@ import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -172,6 +175,11 @@ class ExchangeResult:
     parts: tuple[bytes, ...] = ()
     part_numels: tuple[int, ...] = ()
     codec: str = ""
+    # what we measured, as a reducer, of each sender's contribution: (sender, payload bytes,
+    # ms from its header to the payload's last byte), the larger of our two parts' streams
+    # when we reduce two; the worker reports them (ReportRound.peer_rates), and the
+    # coordinator sizes the senders' parts of later exchanges by them
+    peer_rates: tuple[tuple[str, int, int], ...] = ()
 
 
 # ---------------------------------------------------------------- the data plane
@@ -350,6 +358,7 @@ class DataPlane:
             weight=weight,
             error_feedback=error_feedback,
             skip=[i for i, c in enumerate(members) if c.no_reduce],
+            weights=[c.part_weight for c in members],
         )
         layout, bounds, abstained, payloads = own.layout, own.bounds, own.abstained, own.payloads
         encode_s = loop.time() - encode_started
@@ -520,6 +529,7 @@ class DataPlane:
             parts=tuple(replies[j][0] for j in range(k)),
             part_numels=tuple(e - s for s, e in bounds),
             codec=codec_obj.name,
+            peer_rates=_peer_rates(sessions.values()),
         )
 
     def _header(
@@ -702,11 +712,14 @@ class DataPlane:
         header = None
         try:
             header, nbytes = await asyncio.wait_for(read_message(reader, dp.ContributionHeader), self.header_timeout_s)
+            header_at = asyncio.get_running_loop().time()
             sessions = await self._session_for(header.tag)
             session = sessions.get(header.part)
             if session is None:
                 raise Refused(f"we do not reduce part {header.part} of this exchange (we reduce {sorted(sessions)})")
-            await session.serve(header, nbytes, info.peer_id, reader, writer)
+            # a stream held until our exchange started buffered its payload meanwhile: untimed
+            waited = asyncio.get_running_loop().time() - header_at > 0.05
+            await session.serve(header, nbytes, info.peer_id, reader, writer, None if waited else header_at)
         except Refused as e:
             log.log(logging.DEBUG if e.retry else logging.INFO, "refused a stream from %s: %s", info.peer_id, e.reason)
             reply = dp.ReducedHeader(status=dp.STATUS_NOT_READY if e.retry else dp.STATUS_REJECTED, reason=e.reason)
@@ -763,6 +776,16 @@ class DataPlane:
         if tag.group_digest != next(iter(s.values())).tag.group_digest:
             raise Refused("a different contributor set for this exchange")
         return s
+
+
+def _peer_rates(sessions: Iterable[Reduction]) -> tuple[tuple[str, int, int], ...]:
+    """Per sender, the measure of its contribution with the most bytes among our parts."""
+    best: dict[str, tuple[int, int]] = {}
+    for s in sessions:
+        for sender, (nbytes, ms) in s.rates.items():
+            if sender != s.me and nbytes > best.get(sender, (0, 0))[0]:
+                best[sender] = (nbytes, ms)
+    return tuple((x, n, ms) for x, (n, ms) in sorted(best.items()))
 
 
 def _dial_addrs(c: Contributor) -> list[WireMultiaddr]:

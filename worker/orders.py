@@ -769,6 +769,7 @@ class Orders:
                 audit=out.audit,
                 heldout_loss=out.heldout_loss,
                 heldout_loss_base=out.heldout_loss_base,
+                peer_rates=out.peer_rates,
             )
         attempt = 0
         while self.work is w:

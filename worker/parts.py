@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from bagel.compression import get_codec
-from bagel.robust.reduction import Codec, decode_part, group_digest_of, part_bounds, part_generator
+from bagel.robust.reduction import (
+    Codec,
+    decode_part,
+    group_digest_of,
+    part_bounds,
+    part_generator,
+    part_weights_of,
+    skipped_positions,
+)
 
 __all__ = [
     "Codec",
@@ -33,6 +41,7 @@ __all__ = [
     "prepare_contribution",
     "reduce_part",
     "resolve_codec",
+    "split_of",
 ]
 
 # ---------------------------------------------------------------- codecs
@@ -95,16 +104,30 @@ class Contributor:
     maddrs: tuple[str, ...] = ()
     max_samples: int = 1
     no_reduce: bool = False  # reduces no part (reached through a relay): its part is empty
+    # its part's relative size in the split (`part_bounds`), from the uplink its peers
+    # measured; 1 for everyone = equal parts
+    part_weight: int = 1
+
+    def frozen(self) -> tuple[str, str, int] | tuple[str, str, int, bool] | tuple[str, str, int, bool, int]:
+        """As the group digest and the coordinator's frozen set write it: (worker id, peer id,
+        budget[, no_reduce[, part weight]]), the optional fields only when they are set."""
+        if self.part_weight != 1:
+            return (self.worker_id, self.peer_id, self.max_samples, self.no_reduce, self.part_weight)
+        if self.no_reduce:
+            return (self.worker_id, self.peer_id, self.max_samples, True)
+        return (self.worker_id, self.peer_id, self.max_samples)
 
 
 def group_digest(contributors: Sequence[Contributor]) -> str:
     """Binds an exchange to one frozen contributor set: every member must see the same one."""
-    return group_digest_of(
-        [
-            (c.worker_id, c.peer_id, c.max_samples, True) if c.no_reduce else (c.worker_id, c.peer_id, c.max_samples)
-            for c in contributors
-        ]
-    )
+    return group_digest_of([c.frozen() for c in contributors])
+
+
+def split_of(contributors: Sequence[Contributor], total: int) -> list[tuple[int, int]]:
+    """The part bounds every member of this (sorted) contributor set cuts: relayed members'
+    parts empty, the others sized by their part weights (`part_bounds`)."""
+    frozen = [c.frozen() for c in contributors]
+    return part_bounds(total, len(frozen), skipped_positions(frozen), part_weights_of(frozen))
 
 
 def encode_parts(
@@ -162,6 +185,7 @@ def prepare_contribution(
     weight: float,
     error_feedback: Any = None,
     skip: Collection[int] = (),
+    weights: Sequence[int] | None = None,
 ) -> Contribution:
     """Compensate with the error-feedback residual, flatten, split, encode and decode every part.
 
@@ -176,7 +200,8 @@ def prepare_contribution(
     flat = layout.flatten(compensated)
     finite = bool(torch.isfinite(flat).all())
     abstained = "" if finite and weight > 0 else ("non-finite delta" if not finite else "no samples")
-    bounds = part_bounds(layout.total, num_parts, skip)  # `skip`: positions that reduce no part
+    # `skip`: positions that reduce no part; `weights`: the parts' relative sizes (None: equal)
+    bounds = part_bounds(layout.total, num_parts, skip, weights)
     payloads, decoded = encode_parts(codec, flat, bounds, gen_key, abstained)
     return Contribution(layout, bounds, compensated, flat, payloads, decoded, abstained)
 

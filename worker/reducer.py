@@ -138,6 +138,10 @@ class Reduction:
     replies_done: asyncio.Event = field(default_factory=asyncio.Event)
     bytes_sent: int = 0
     bytes_received: int = 0
+    # sender -> (payload bytes, ms from its header to the payload's last byte) of its latest
+    # contribution received here: what the coordinator's uplink estimates come from
+    # (`ExchangeResult.peer_rates`); a stream that waited for our exchange to start measures nothing
+    rates: dict[str, tuple[int, int]] = field(default_factory=dict)
     # the audit of our part for the coordinator (robust/audit.py): computed when
     # `audit_blocks` (the run's audit.sketch_blocks) is set, once the part is reduced
     audit_blocks: int = 0
@@ -346,7 +350,10 @@ class Reduction:
         remote: PeerID,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
+        header_at: float | None = None,
     ) -> None:
+        """Serve one contributor's stream; `header_at` (event-loop time its header arrived,
+        None when the stream waited for our exchange to start) times its payload."""
         c = self.by_worker.get(h.sender)
         if c is None or h.sender == self.me:
             raise Refused(f"{h.sender!r} is not a contributor of this exchange")
@@ -373,6 +380,9 @@ class Reduction:
                 else:
                     buf = await read_frame(reader, h.payload_nbytes)
                     self.bytes_received += LEN_NBYTES + len(buf)
+                    if header_at is not None and buf:
+                        ms = int((asyncio.get_running_loop().time() - header_at) * 1000)
+                        self.rates[h.sender] = (len(buf), max(1, ms))
                     if self.verified and hashlib.sha256(buf).digest() != h.payload_sha256:
                         # never an exclusion: the other reducer of this part may get the right
                         # bytes under the same signed header, and then the two must still agree

@@ -26,6 +26,7 @@ import torch
 
 from bagel.compression import ErrorFeedback
 from bagel.models.data import shard
+from bagel.protocol.convert import MAX_PART_WEIGHT
 from bagel.protocol.messages import PartAudit
 from bagel.protocol.runspec import parse_spec
 from bagel.robust import attacks
@@ -84,6 +85,8 @@ class ReduceOutcome:
     # the round's committed update as applied (the exchange's encoded averaged parts), kept
     # on commit so peers a round or two behind can catch up by it (`[sync] catch_up_rounds`)
     update: CommittedUpdate | None = None
+    # (sender, bytes, ms) of each contribution we received as a reducer (`ExchangeResult.peer_rates`)
+    peer_rates: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -338,8 +341,17 @@ async def reduce_round(
     # refuses budgets <= 0. They abstain (weight 0, no payload) anyway, so every worker maps
     # a zero budget to 1 the same way (the group digest stays equal everywhere); at worst a
     # lying catch-up peer could weigh as 1 sample. Remove once the data plane accepts 0.
+    # A part weight is read as the protocol's converter reads it (0, unset, is 1; clamped), so
+    # every member binds the same weights into the group digest as the coordinator does.
     contributors = [
-        Contributor(m.worker_id, m.peer.peer_id, tuple(m.peer.maddrs), max(1, int(m.max_samples)), m.no_reduce)
+        Contributor(
+            m.worker_id,
+            m.peer.peer_id,
+            tuple(m.peer.maddrs),
+            max(1, int(m.max_samples)),
+            m.no_reduce,
+            min(MAX_PART_WEIGHT, max(1, int(m.part_weight))),
+        )
         for m in i.contributors
     ]
     res = await dataplane.all_reduce(
@@ -393,6 +405,7 @@ async def reduce_round(
         encode_s=res.encode_s,
         outer_step_s=outer_s,
         update=update,
+        peer_rates=res.peer_rates,
     )
 
 

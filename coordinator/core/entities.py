@@ -11,6 +11,7 @@ the core stays deterministic whatever PYTHONHASHSEED is.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 from bagel.coordinator.core.records import (
     CellConfig,
@@ -51,6 +52,7 @@ class Worker:
         "loss",
         "donors",
         "uplink_measured",
+        "uplink_seen",
         "raw",
     )
 
@@ -76,6 +78,9 @@ class Worker:
         # its uplink as its joiners measured it, bytes/s (0 = not yet measured; see
         # Roster.observe_donor_rates); soft state, measured again after a restart
         self.uplink_measured = 0.0
+        # its exchange uplink as each other contributor saw it (observer -> bytes/s, the most
+        # recent MAX_UPLINK_OBSERVERS observers; see Roster.observe_peer_rates); soft state
+        self.uplink_seen: dict[str, float] = {}
         self.raw = 0.0  # its weighted throughput as counted in the scheduler's Balance
 
     def record(self) -> WorkerRecord:
@@ -132,6 +137,8 @@ class Round:
         "reason",
         "members_wire",
         "contributors_wire",
+        "no_reduce",
+        "part_weights",
         "catch_up",
         "frozen",
         "member_plans",
@@ -188,6 +195,8 @@ class Round:
         # the wire views every member's instruction shares (built once)
         self.members_wire: tuple[Member, ...] = tuple(p.member() for p in plans)
         self.contributors_wire: tuple[Member, ...] = ()
+        self.no_reduce: frozenset[str] = frozenset()  # contributors whose part is empty (relayed)
+        self.part_weights: dict[str, int] = {}  # contributor -> its part weight, where it is not 1
         # late joiners (`Rounds.admit_late`): their plans in the order they came, and the wire
         self.late: dict[str, MemberPlan] = {}
         self.late_wire: tuple[Member, ...] = ()
@@ -245,16 +254,24 @@ class Round:
         catch_up: tuple[str, ...],
         peers: dict[str, PeerAddress],
         no_reduce: frozenset[str] = frozenset(),
+        part_weights: Mapping[str, int] | None = None,
     ) -> None:
         """Freeze `ids` (sorted, catch-up included, which weigh 0 on the wire); `peers` has
-        the addresses of catch-up workers that are not members; `no_reduce` reduce no part."""
+        the addresses of catch-up workers that are not members; `no_reduce` reduce no part;
+        `part_weights` size each contributor's part of the split (absent: 1)."""
         self.contributors = ids
         self.frozen = dict.fromkeys(ids)
         self.catch_up = dict.fromkeys(catch_up)
+        self.no_reduce = frozenset(x for x in no_reduce if x in self.frozen)
+        self.part_weights = {x: int(v) for x, v in (part_weights or {}).items() if x in self.frozen and v != 1}
         self.contributors_wire = tuple(
-            Member(i, self.plans[i].peer if i in self.plans else peers[i], 0, i in no_reduce)
-            if i in self.catch_up
-            else Member(i, self.plans[i].peer, self.budget(i), i in no_reduce)
+            Member(
+                i,
+                self.plans[i].peer if i in self.plans else peers[i],
+                0 if i in self.catch_up else self.budget(i),
+                i in self.no_reduce,
+                self.part_weights.get(i, 1),
+            )
             for i in ids
         )
 
@@ -289,6 +306,8 @@ class Round:
             reason=self.reason,
             late=tuple(self.late.values()),
             freeze_by_ms=self.freeze_by_ms,
+            no_reduce=tuple(sorted(self.no_reduce)),
+            part_weights=dict(self.part_weights),
         )
 
     @classmethod
@@ -310,7 +329,7 @@ class Round:
         r.state = rec.state
         r.dropped = dict.fromkeys(rec.dropped)
         r.ready = dict(rec.ready)
-        r.set_contributors(rec.contributors, rec.catch_up, peers)
+        r.set_contributors(rec.contributors, rec.catch_up, peers, frozenset(rec.no_reduce), rec.part_weights)
         r.reduce_attempt = rec.reduce_attempt
         r.first_reduce_attempt = rec.first_reduce_attempt
         r.frozen_ms = rec.frozen_ms

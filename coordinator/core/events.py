@@ -16,6 +16,7 @@ from bagel.protocol.messages import (
     LocalState,
     PartAudit,
     PeerAddress,
+    PeerRate,
     Phase,
     Profile,
     Verdict,
@@ -69,6 +70,9 @@ class ReportRound:
     # cell's guard batch (None: not measured)
     heldout_loss: float | None = None
     heldout_loss_base: float | None = None
+    # what the reporter measured of each peer's contribution to the part it reduced
+    # (`Roster.observe_peer_rates`: the others' measures of a member make its uplink estimate)
+    peer_rates: tuple[PeerRate, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

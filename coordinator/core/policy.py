@@ -5,9 +5,9 @@ compare them side by side:
 
 - `bagel`: throughput-proportional batches (so H inner steps take about the same wall
   time on every card), a deadline that freezes the contributors that are ready, leases
-  that drop a dead member from its open round at once, and late join (a worker that comes
+  that drop a dead member from its open round at once, late join (a worker that comes
   to hold the round's base state while it trains is admitted with a share of the time
-  left);
+  left), and exchange parts sized by the uplinks the peers measured;
 - `diloco_wait_all`: DiLoCo (Douillard et al., 2023) with equal batches; a round waits for
   every member, a dead member is noticed only when the round times out;
 - `sync_dp`: synchronous data parallel: one inner step per round (H = 1), equal batches,
@@ -45,6 +45,9 @@ class Policy:
     # (`scheduler.plan_late_member`); otherwise it waits for the next round.
     late_join: bool = True
     late_join_min_share: float = 0.2
+    # exchange parts: sized by each contributor's uplink as the others measured it
+    # (`scheduler.part_weights`), or equal (the butterfly as DiLoCo implementations cut it)
+    part_split: Literal["measured", "equal"] = "measured"
     # Once this share of a round's live members is ready, the rest get only as long as
     # waiting for them costs the ready ones what their own work is worth (`Rounds.
     # check_freeze`), then the round freezes without them; 0 waits for all (to the deadline).
@@ -75,6 +78,8 @@ class Policy:
     def __post_init__(self) -> None:
         if self.batch_split not in ("proportional", "equal"):
             raise ValueError(f"batch_split: {self.batch_split!r} is not proportional|equal")
+        if self.part_split not in ("measured", "equal"):
+            raise ValueError(f"part_split: {self.part_split!r} is not measured|equal")
         if self.deadline_slack is not None and self.deadline_slack < 1.0:
             raise ValueError("deadline_slack: at least 1")
         if self.inner_steps is not None and self.inner_steps < 1:
@@ -100,6 +105,7 @@ DILOCO_WAIT_ALL = Policy(
     deadline_slack=10.0,
     late_join=False,
     patience_share=0.0,
+    part_split="equal",
 )
 SYNC_DP = replace(DILOCO_WAIT_ALL, name="sync_dp", inner_steps=1)
 

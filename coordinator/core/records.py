@@ -141,6 +141,11 @@ class RoundRecord:
     # when the round freezes with the members ready by then, not waiting for the last few
     # (`Rounds.check_freeze`); 0 = not set
     freeze_by_ms: int = 0
+    # the split of the frozen exchange, kept with its contributors so a restarted coordinator
+    # answers the same REDUCE: who reduces no part (relayed), and each part weight that is
+    # not 1 (`scheduler.part_weights`)
+    no_reduce: tuple[str, ...] = ()
+    part_weights: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, int, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from bagel.coordinator.core.changes import Changes
@@ -29,13 +29,17 @@ from bagel.coordinator.core.errors import Banned, InvalidEvent, UnknownWorker
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import WorkerState
 from bagel.coordinator.core.scheduler import Balance, Knobs, WorkerView, throughput_for
-from bagel.protocol.messages import Donor, DonorRate, PeerAddress
+from bagel.protocol.messages import Donor, DonorRate, PeerAddress, PeerRate
 from bagel.protocol.runspec import RunSpec
 
 # a donor's transfer to one joiner measures its uplink only when it is long enough
 MIN_RATE_MS = 200
 MIN_RATE_NBYTES = 1 << 20
 DONOR_BOUND = 0.8  # a joiner that got less than this share of its own link was held back by its donors
+# a worker's exchange uplink (`Roster.exchange_uplink`): the most recent observers kept, and
+# how many distinct ones an estimate needs before the split uses it
+MAX_UPLINK_OBSERVERS = 16
+MIN_UPLINK_OBSERVERS = 2
 
 if TYPE_CHECKING:  # the two-way link: Rounds imports Roster at run time
     from bagel.coordinator.core.rounds import Rounds
@@ -271,6 +275,52 @@ class Roster:
             prev = d.uplink_measured
             d.uplink_measured = observed if prev <= 0 else (1 - a) * prev + a * observed
         self._release_donor(w, c)
+
+    def observe_peer_rates(self, w: Worker, contributors: Sequence[str], rates: Iterable[PeerRate]) -> None:
+        """Fold what contributor `w` measured, as a reducer, of its peers' contributions in one
+        exchange over `contributors` into those peers' exchange uplink estimates.
+
+        Only peers among `contributors` are read, never `w` itself (a worker's claims about
+        its own link never count), and transfers shorter than `MIN_RATE_MS` or
+        `MIN_RATE_NBYTES` are skipped (latency, not bandwidth). A sender streams its parts
+        to the other k - 1 reducers at once, so one stream sees about 1/(k - 1) of its
+        uplink: the observation is the stream's rate x (k - 1). Each peer keeps one figure
+        per observer (its latest), for the `MAX_UPLINK_OBSERVERS` most recent observers, so
+        an observer that reports again replaces its own figure and cannot outvote others."""
+        members = set(contributors)
+        if w.id not in members:
+            return
+        scale = max(1, len(members) - 1)
+        for r in rates:
+            if r.worker_id == w.id or r.worker_id not in members or r.ms < MIN_RATE_MS or r.nbytes < MIN_RATE_NBYTES:
+                continue
+            peer = self.workers.get(r.worker_id)
+            if peer is None:
+                continue
+            seen = peer.uplink_seen
+            seen.pop(w.id, None)  # re-inserted last: the most recent observer
+            seen[w.id] = r.nbytes * 1000.0 / r.ms * scale
+            while len(seen) > MAX_UPLINK_OBSERVERS:
+                del seen[next(iter(seen))]
+        self.changes.ops += len(members)
+
+    def exchange_uplink(self, w: Worker) -> float:
+        """`w`'s exchange uplink in bytes/s as the other contributors measured it: the second
+        highest of its observers' figures, once `MIN_UPLINK_OBSERVERS` of them measured it
+        (0 = unmeasured).
+
+        Not the median: a stream is bounded by both of its ends, the sender's uplink and the
+        observer's downlink, so a datacenter sender seen by home observers looks as slow as
+        their links, and the figures the sender itself bounded are the high ones. Not the
+        highest either: one lying observer would set it. With two honest figures h1 >= h2
+        and one liar, the second highest stays within [h2, h1] whatever the liar says;
+        with two observers in all it is the lower one, so a liar can only lower it, which
+        shrinks its victim's part and makes the liar's own part larger. The worker's own
+        claims never enter (`observe_peer_rates`)."""
+        vals = sorted(w.uplink_seen.values(), reverse=True)
+        if len(vals) < MIN_UPLINK_OBSERVERS:
+            return 0.0
+        return vals[1]
 
     def donors(self, w: Worker, c: Cell) -> tuple[Donor, ...]:
         """Up to `[sync] max_donors` synced workers of the cell for `w` to fetch from, best first.

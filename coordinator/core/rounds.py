@@ -66,7 +66,14 @@ from bagel.coordinator.core.guard import CommitGuard, median
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
 from bagel.coordinator.core.roster import Roster
-from bagel.coordinator.core.scheduler import PlanMember, plan_late_member, plan_round, reduce_nothing, throughput_for
+from bagel.coordinator.core.scheduler import (
+    PlanMember,
+    part_weights,
+    plan_late_member,
+    plan_round,
+    reduce_nothing,
+    throughput_for,
+)
 from bagel.protocol.messages import Reachability
 from bagel.protocol.runspec import RunSpec
 
@@ -77,7 +84,8 @@ FROZEN_KEPT = 8
 # (cell, round, round_attempt, reduce_attempt) -> ((worker id, peer id, budget), ...) sorted
 FrozenKey = tuple[str, int, int, int]
 # each member: (worker id, peer id, budget), with a fourth element True when it reduces no part
-FrozenSet = tuple[tuple[str, str, int] | tuple[str, str, int, bool], ...]
+# (worker id, peer id, budget[, no_reduce[, part weight]]) per contributor, as the group digest
+FrozenSet = tuple[tuple[str, str, int] | tuple[str, str, int, bool] | tuple[str, str, int, bool, int], ...]
 
 _LEGAL = frozenset(
     {
@@ -366,10 +374,17 @@ class Rounds:
         peers = {x: self.roster.workers[x].peer for x in catch if x not in r.plans}
         ids = tuple(sorted(w_set.union(catch)))
         relayed = {x for x in ids if self.roster.workers[x].profile.reachability == Reachability.RELAYED}
-        r.set_contributors(ids, catch, peers, no_reduce=reduce_nothing(ids, relayed))
+        skip = reduce_nothing(ids, relayed)
+        weights = None
+        if self.policy.part_split == "measured":
+            uplinks = {x: self.roster.exchange_uplink(self.roster.workers[x]) for x in ids}
+            weights = part_weights(ids, uplinks, skip)
+        r.set_contributors(ids, catch, peers, no_reduce=skip, part_weights=weights)
         # as the workers' data plane sees the set: a zero budget (catch-up) counts as 1
-        frozen = tuple(
-            (m.worker_id, m.peer.peer_id, max(1, m.max_samples), m.no_reduce)
+        frozen: FrozenSet = tuple(
+            (m.worker_id, m.peer.peer_id, max(1, m.max_samples), m.no_reduce, m.part_weight)
+            if m.part_weight != 1
+            else (m.worker_id, m.peer.peer_id, max(1, m.max_samples), True)
             if m.no_reduce
             else (m.worker_id, m.peer.peer_id, max(1, m.max_samples))
             for m in r.contributors_wire

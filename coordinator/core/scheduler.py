@@ -104,6 +104,48 @@ def reduce_nothing(contributors: Sequence[str], relayed: Iterable[str]) -> froze
     return skip if len(skip) < len(members) else frozenset()
 
 
+PART_WEIGHT_UNIT = 16  # the part weight of a contributor whose uplink is the group's median
+PART_WEIGHT_CLAMP = 4.0  # a part is at most this many times the median's, at least its inverse
+
+
+def part_weights(
+    contributors: Sequence[str], uplinks: Mapping[str, float], no_reduce: Iterable[str] = ()
+) -> dict[str, int]:
+    """Each contributor's integer part weight in the split (`robust.reduction.part_bounds`),
+    from its measured exchange uplink (bytes/s; 0 or absent = unmeasured).
+
+    Contributor i uploads about (n - n_i) + (k - 1) n_i bytes of an n-element exchange (its
+    contributions to the other parts, then its averaged part to every other member), so one
+    slow uplink with an equal part bounds the whole group; a part proportional to the
+    uplink lets every member finish its (k - 1) n_i share in about the same time. The idea
+    is hivemind's load balancing (hivemind/averaging/load_balancing.py), which solves a
+    linear program for the part sizes from the peers' bandwidths; this is the simpler rule
+    of parts in proportion to the uplinks, clamped so a part stays within
+    [1/PART_WEIGHT_CLAMP, PART_WEIGHT_CLAMP] x the median's: no part empty, none everything,
+    and one mismeasured peer moves the split only so far. Unmeasured contributors count as
+    the median of the measured ones; relayed ones (`no_reduce`) reduce nothing anyway and
+    get 1. The weights are divided by their greatest common divisor, so with nobody
+    measured (or everybody alike) every weight is 1: exactly the equal split.
+    """
+    skip = set(no_reduce)
+    active = [x for x in contributors if x not in skip]
+    measured = sorted(v for x in active if (v := uplinks.get(x, 0.0)) > 0 and math.isfinite(v))
+    out = dict.fromkeys(contributors, 1)
+    if not measured or len(active) < 2:
+        return out
+    mid = len(measured) // 2
+    median = measured[mid] if len(measured) % 2 else (measured[mid - 1] + measured[mid]) / 2
+    for x in active:
+        v = uplinks.get(x, 0.0)
+        ratio = v / median if v > 0 and math.isfinite(v) else 1.0
+        ratio = min(PART_WEIGHT_CLAMP, max(1.0 / PART_WEIGHT_CLAMP, ratio))
+        out[x] = max(1, round(PART_WEIGHT_UNIT * ratio))
+    g = math.gcd(*(out[x] for x in active))
+    for x in active:
+        out[x] //= g
+    return out
+
+
 def fits(vram_bytes: int, memory_bytes: int, headroom: float) -> bool:
     """A cell fits a worker when its memory needs at most (1 - headroom) of the VRAM."""
     return memory_bytes <= vram_bytes * (1.0 - headroom)

@@ -112,15 +112,36 @@ from bagel.coordinator.core.records import (
     WorkerState,
 )
 from bagel.coordinator.core.roster import Roster
-from bagel.coordinator.core.rounds import PATIENCE_DEADLINE, REDUCE_DEADLINE, TRAIN_DEADLINE, Rounds
+from bagel.coordinator.core.rounds import PATIENCE_DEADLINE, REDUCE_DEADLINE, TRAIN_DEADLINE, FrozenSet, Rounds
 from bagel.coordinator.core.scheduler import Balance, Knobs
 from bagel.protocol.grpc_options import RESTART_REATTACH_MS
-from bagel.protocol.messages import Instruction, LocalState, Order, Phase, Verdict
+from bagel.protocol.messages import Instruction, LocalState, Order, PeerRate, Phase, Verdict
 from bagel.protocol.runspec import RunSpec
 
 
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+MAX_PEER_RATES = 256  # entries in one report's peer_rates (an exchange has at most this many peers)
+
+
+def _check_peer_rates(rates: tuple[PeerRate, ...]) -> None:
+    """Refuse a report whose peer rates are malformed, before anything changes: too many,
+    a peer named twice or by no name, or bytes and milliseconds that are not non-negative
+    integers. Entries naming a worker that was not a peer of the exchange are not an error
+    (`Roster.observe_peer_rates` skips them)."""
+    if len(rates) > MAX_PEER_RATES:
+        raise InvalidEvent(f"peer_rates: {len(rates)} entries, at most {MAX_PEER_RATES}")
+    seen: set[str] = set()
+    for i, r in enumerate(rates):
+        if not isinstance(r.worker_id, str) or not r.worker_id or r.worker_id in seen:
+            raise InvalidEvent(f"peer_rates[{i}].worker_id: empty, or named twice")
+        seen.add(r.worker_id)
+        for name in ("nbytes", "ms"):
+            x = getattr(r, name)
+            if type(x) is not int or x < 0:
+                raise InvalidEvent(f"peer_rates[{i}].{name}: must be an integer >= 0, got {x!r}")
 
 
 _PLAIN = frozenset((int, float))
@@ -255,9 +276,7 @@ class CoordinatorState:
         c = self._cells.get(cell_id)
         return None if c is None else c.hash_of(round)
 
-    def frozen_set(
-        self, cell_id: str, round: int, round_attempt: int, reduce_attempt: int
-    ) -> tuple[tuple[str, str, int] | tuple[str, str, int, bool], ...] | None:
+    def frozen_set(self, cell_id: str, round: int, round_attempt: int, reduce_attempt: int) -> FrozenSet | None:
         """The contributors frozen for that exchange as (worker id, peer id, budget[, no_reduce]), sorted, if
         the core still remembers it (the last few of each cell); what evidence is checked against."""
         return self.rounds.frozen_set((cell_id, round, round_attempt, reduce_attempt))
@@ -515,6 +534,7 @@ class CoordinatorState:
         for name, x in (("heldout_loss", ev.heldout_loss), ("heldout_loss_base", ev.heldout_loss_base)):
             if x is not None and not (_finite(x) and x >= 0):
                 raise InvalidEvent(f"{name}: must be finite and >= 0 when given")
+        _check_peer_rates(ev.peer_rates)
         if w.cell != c.id:
             raise WrongCell(f"worker {w.id} is assigned to {w.cell or 'no cell'}, not {c.id}")
         r = c.round
@@ -562,6 +582,7 @@ class CoordinatorState:
                 return self._instruction(w), Verdict.ABORTED, w.lease_ms
         r.reports[w.id] = entry
         self.changes.round(r)
+        self.roster.observe_peer_rates(w, r.contributors, ev.peer_rates)
         if ev.failed:
             self.roster.reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
             if w.state is WorkerState.BANNED:  # the round went on without it (re-frozen or aborted)
@@ -625,6 +646,7 @@ class CoordinatorState:
                 if w.state is not WorkerState.ACTIVE:
                     return self._instruction(w), Verdict.RESYNC, w.lease_ms
             r.reports[w.id] = ReportEntry(ev.state_hash, ev.failed, ev.samples, ev.reduce_attempt, 0.0)
+            self.roster.observe_peer_rates(w, r.contributors, ev.peer_rates)
         if ev.failed or ev.state_hash != c.committed_hash:
             self.rounds.release(c, w.id, now)  # it does not hold the new state: not waited for
             return self._instruction(w), Verdict.RESYNC, w.lease_ms

@@ -10,15 +10,20 @@ Compute
     `H x micro_batch x grad_accum / samples_per_s`.
 
 Communication
-    Bagel's data plane (`worker/averaging.py`) is a butterfly all-reduce with equal parts:
-    the vector is cut into k contiguous parts for k contributors; in the reduce-scatter
+    Bagel's data plane (`worker/averaging.py`) is a butterfly all-reduce: the vector is cut
+    into k contiguous parts for k contributors, sized by the coordinator's part weights
+    (`robust.reduction.part_bounds`; equal when nothing is measured); in the reduce-scatter
     each contributor uploads the k - 1 parts it does not reduce, in the all-gather it
-    uploads its reduced part to the k - 1 others, so each uploads 2 (k - 1)/k x S bytes and
-    the slowest uplink bounds the exchange (downlinks are taken to be no slower than
-    uplinks, as on home connections). Each of the two phases also pays the largest one-way
-    latency in the group. S is the codec's encoded size of the cell's parameter vector:
-    `bagel.compression`'s `get_codec(name).encoded_nbytes(numel)` when that module provides
-    it, otherwise the documented bytes per value below.
+    uploads its reduced part (S_i bytes) to the k - 1 others, so it uploads
+    S - S_i + (k - 1) S_i bytes and downloads as many (the others' contributions to its
+    part, then the other averaged parts). The exchange takes the longest of each
+    contributor's upload over its uplink and download over its downlink
+    (`weighted_allreduce_s`; the population samples one link rate per worker, used both
+    ways); with equal parts that is 2 (k - 1)/k x S over the slowest link. Each of the two
+    phases also pays the largest one-way latency in the group. S is the codec's encoded
+    size of the cell's parameter vector: `bagel.compression`'s
+    `get_codec(name).encoded_nbytes(numel)` when that module provides it, otherwise the
+    documented bytes per value below.
 
 Join / resync
     The committed state (weights + outer momentum, 8 bytes per parameter in fp32) travels
@@ -112,6 +117,44 @@ def allreduce_s(nbytes: int, bandwidths: Sequence[float], latencies: Sequence[fl
     if n <= 1:
         return 0.0
     return 2.0 * nbytes * (n - 1) / n / min(bandwidths) + 2.0 * max(latencies)
+
+
+def part_nbytes(nbytes: int, weights: Sequence[float]) -> list[float]:
+    """Each contributor's part of an `nbytes` vector, in proportion to its part weight (the
+    simulator's bytes are continuous; the data plane cuts whole elements)."""
+    total = float(sum(weights))
+    if total <= 0:
+        return [nbytes / len(weights)] * len(weights) if weights else []
+    return [nbytes * w / total for w in weights]
+
+
+def weighted_allreduce_s(
+    nbytes: int,
+    weights: Sequence[float],
+    uplinks: Sequence[float],
+    downlinks: Sequence[float],
+    latencies: Sequence[float],
+) -> float:
+    """Butterfly all-reduce time with parts sized by `weights` (bytes/s links): the longest
+    of each contributor's upload, S - S_i + (k - 1) S_i over its uplink, and download (as
+    many bytes) over its downlink, plus the largest one-way latency twice. Equal weights
+    give exactly `allreduce_s`."""
+    k = len(weights)
+    if k <= 1:
+        return 0.0
+    worst = 0.0
+    for s_i, up, down in zip(part_nbytes(nbytes, weights), uplinks, downlinks, strict=True):
+        moved = nbytes - s_i + (k - 1) * s_i
+        worst = max(worst, moved / up, moved / down)
+    return worst + 2.0 * max(latencies)
+
+
+def weighted_allreduce_bytes(nbytes: int, weights: Sequence[float]) -> list[int]:
+    """Bytes each contributor uploads (and downloads) in one exchange with weighted parts."""
+    k = len(weights)
+    if k <= 1:
+        return [0] * k
+    return [int(nbytes - s_i + (k - 1) * s_i) for s_i in part_nbytes(nbytes, weights)]
 
 
 def allreduce_bytes_per_member(nbytes: int, n: int) -> int:

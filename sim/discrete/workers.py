@@ -61,7 +61,7 @@ import numpy as np
 
 from bagel.coordinator.core.errors import CoordinatorError
 from bagel.coordinator.core.events import CheckpointStored, LeaseExpired, Leave, ReportRound
-from bagel.protocol.messages import DonorRate, Instruction, LocalState, Order, Verdict
+from bagel.protocol.messages import DonorRate, Instruction, LocalState, Order, PeerRate, Verdict
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import population as popmod
 from bagel.sim.faults import Fault, FaultKind
@@ -277,9 +277,31 @@ class W:
 class Exchange:
     """One all-reduce over a frozen contributor set: completes once all joined, unless broken."""
 
-    __slots__ = ("broken", "done_at", "dur_ms", "hash", "joined", "key", "members", "nbytes")
+    __slots__ = (
+        "broken",
+        "done_at",
+        "dur_ms",
+        "hash",
+        "joined",
+        "key",
+        "members",
+        "nbytes",
+        "parts",
+        "peers",
+        "senders",
+    )
 
-    def __init__(self, key: tuple[str, int, int], members: tuple[str, ...], dur_ms: int, h: str, nbytes: int) -> None:
+    def __init__(
+        self,
+        key: tuple[str, int, int],
+        members: tuple[str, ...],
+        dur_ms: int,
+        h: str,
+        nbytes: dict[str, int],
+        parts: dict[str, float] | None = None,
+        peers: tuple[W, ...] = (),
+        senders: frozenset[str] = frozenset(),
+    ) -> None:
         self.key = key
         self.members = members
         self.joined: dict[W, None] = {}  # insertion-ordered set: O(1) leave
@@ -287,7 +309,27 @@ class Exchange:
         self.dur_ms = dur_ms
         self.done_at = -1
         self.hash = h
-        self.nbytes = nbytes
+        self.nbytes = nbytes  # worker id -> bytes it sends (and receives)
+        self.parts = parts or {}  # worker id -> bytes of the part it reduces (one exchange)
+        self.peers = peers  # the contributors' workers, as they were at the freeze
+        self.senders = senders  # those that send a payload (a catch-up contributor abstains)
+
+    def peer_rates(self, w: W) -> tuple[PeerRate, ...]:
+        """What `w`, as the reducer of its part, measures of each other contributor's
+        contribution, as the real data plane does (`ExchangeResult.peer_rates`): its part's
+        bytes, over a stream that shares the sender's uplink and `w`'s downlink with the
+        k - 1 others (the population's one link rate per worker, both ways), after the two
+        one-way latencies. A catch-up contributor (zero budget) sends no payload: not timed."""
+        n = self.parts.get(w.wid, 0.0)
+        k = len(self.peers)
+        if n <= 0 or k < 2:
+            return ()
+        out = []
+        for p in self.peers:
+            if p is not w and p.wid in self.senders:
+                rate = min(p.bw, w.bw) / (k - 1)
+                out.append(PeerRate(p.wid, int(n), max(1, int((p.lat + w.lat + n / rate) * 1000))))
+        return tuple(out)
 
 
 class Lockstep:
@@ -788,11 +830,24 @@ class WorkerBehaviour:
         if ex is None:
             by = self.by_id
             members = tuple(m.worker_id for m in ins.contributors)
-            peers = [by[x] for x in members if x in by]
+            known = [m for m in ins.contributors if m.worker_id in by]
+            peers = tuple(by[m.worker_id] for m in known)
             nbytes = self.payload[ins.cell_id]
-            dur_s = cm.allreduce_s(nbytes, [p.bw for p in peers], [p.lat for p in peers]) * self.comm_rounds
-            per = cm.allreduce_bytes_per_member(nbytes, len(members)) * self.comm_rounds
-            ex = self.exchanges[rkey] = Exchange(rkey, members, int(dur_s * 1000), honest_hash(rkey), per)
+            # the plan's split, as the data plane cuts it: relayed members' parts empty
+            # (unless all are), the others sized by their part weights
+            relayed = all(m.no_reduce for m in known)
+            weights = [0 if m.no_reduce and not relayed else max(1, m.part_weight) for m in known]
+            bws, lats = [p.bw for p in peers], [p.lat for p in peers]
+            dur_s = cm.weighted_allreduce_s(nbytes, weights, bws, bws, lats) * self.comm_rounds
+            per = {
+                p.wid: b * self.comm_rounds
+                for p, b in zip(peers, cm.weighted_allreduce_bytes(nbytes, weights), strict=True)
+            }
+            parts = {p.wid: b for p, b in zip(peers, cm.part_nbytes(nbytes, weights), strict=True)}
+            senders = frozenset(m.worker_id for m in known if m.max_samples > 0)
+            ex = self.exchanges[rkey] = Exchange(
+                rkey, members, int(dur_s * 1000), honest_hash(rkey), per, parts, peers, senders
+            )
             if any(not p.online or p.cut or p.stopped for p in peers):
                 ex.broken = True
             self.push(self.now + max(2 * ex.dur_ms, EXCHANGE_TIMEOUT_MS), XTIMEOUT, -1, len(self.ex_list))
@@ -845,8 +900,9 @@ class WorkerBehaviour:
                 w.wid, cell, rnd, samples=w.samples, failed=True, reason="exchange failed", reduce_attempt=attempt
             )
         else:
-            w.sent += ex.nbytes
-            w.recv += ex.nbytes
+            sent = ex.nbytes.get(w.wid, 0)
+            w.sent += sent
+            w.recv += sent
             h = ex.hash if not w.byz else honest_hash((ex.hash, w.wid))
             w.prev_local = w.local
             w.local = LocalState(cell, rnd, h)
@@ -859,9 +915,10 @@ class WorkerBehaviour:
                 samples=w.samples,
                 compute_ms=int(w.own_s * 1000),
                 comm_ms=ex.dur_ms,
-                bytes_sent=ex.nbytes,
-                bytes_received=ex.nbytes,
+                bytes_sent=sent,
+                bytes_received=sent,
                 reduce_attempt=attempt,
+                peer_rates=ex.peer_rates(w),
             )
         self._set_act(w, WAITV)
         self._report(w, ev)
