@@ -14,6 +14,7 @@ import hivemind
 import pytest
 import torch
 
+from bagel.protocol.discovery import start_dht
 from bagel.protocol.identity import Identity
 from bagel.worker.averaging import Contributor, DataPlane
 
@@ -67,7 +68,7 @@ async def peers(
     try:
         for _ in range(n):
             initial = dhts[0].get_visible_maddrs() if dhts else []
-            dhts.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
+            dhts.append(start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial))
         idents = sorted((Identity.generate() for _ in range(n)), key=lambda x: x.worker_id) if signed else []
         for i, dht in enumerate(dhts):
             plane = DataPlane(

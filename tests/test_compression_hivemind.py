@@ -31,6 +31,7 @@ from hivemind.proto import runtime_pb2
 
 from bagel.compression import CodecError, get_codec
 from bagel.compression.hivemind_adapter import BagelCompression, install, installed, uninstall
+from bagel.protocol.discovery import start_dht
 
 SLOT = runtime_pb2.CompressionType.BLOCKWISE_8BIT
 
@@ -142,13 +143,9 @@ def dhts():
     cycles was seen to stop serving new averagers on a loaded machine."""
     nodes: list[hivemind.DHT] = []
     try:
-        nodes.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        nodes.append(start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
         for _ in range(PEERS - 1):
-            nodes.append(
-                hivemind.DHT(
-                    start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=nodes[0].get_visible_maddrs()
-                )
-            )
+            nodes.append(start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=nodes[0].get_visible_maddrs()))
         yield nodes
     finally:
         for node in nodes:

@@ -6,7 +6,6 @@ import asyncio
 import base64
 import json
 
-import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
@@ -234,8 +233,10 @@ def _torch_shm_manager():
 
 
 def _start(initial_peers=(), validators=()):
-    return hivemind.DHT(
-        start=True,
+    # through the product's start: bounded, and the heap frozen across the fork (a plain
+    # `hivemind.DHT(start=True)` here once forked a child that crashed collecting the test
+    # process's gRPC objects, and waited for it until the test's timeout)
+    return start_dht(
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         initial_peers=list(initial_peers),
         record_validators=list(validators),

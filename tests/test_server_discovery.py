@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bagel.protocol.client import CoordinatorClient
-from bagel.protocol.discovery import CoordinatorNotFound, resolve_coordinator
+from bagel.protocol.discovery import CoordinatorNotFound, resolve_coordinator, start_dht
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo, parse_join_string
 from bagel.protocol.runspec import parse_spec
@@ -69,7 +69,6 @@ async def test_forgeries_planted_at_the_coordinator_node_do_not_hide_it(tmp_path
     """The coordinator's own DHT node validates: an attacker who stores forgeries with
     day-long expirations, under the coordinator's subkey and its own, gets none of them
     stored there, so a worker resolves the coordinator at once and connects pinned."""
-    import hivemind
     from hivemind.utils import get_dht_time
 
     from bagel.coordinator.daemon import start_coordinator
@@ -93,7 +92,7 @@ async def test_forgeries_planted_at_the_coordinator_node_do_not_hide_it(tmp_path
         info = parse_join_string(h.join)
         assert info.tls_fingerprint == h.tls_fingerprint != ""
         peers = list(info.initial_peers)
-        attacker = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers)
+        attacker = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers)
         dhts.append(attacker)
         evil = Identity.generate()
         now = get_dht_time()
@@ -108,16 +107,14 @@ async def test_forgeries_planted_at_the_coordinator_node_do_not_hide_it(tmp_path
                 return_future=True,
             )
         # the coordinator's node refused both: asked directly, it holds the genuine entry only
-        probe = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers)
+        probe = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers)
         dhts.append(probe)
         record, refused = await lookup_direct(probe, info)
         assert record is not None and record.endpoint == h.endpoint and refused == []
         assert record.tls_sha256 == h.tls_fingerprint
 
         validators = [CoordinatorRecordValidator("discorun", info.coordinator_public_key)]
-        worker = hivemind.DHT(
-            start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, record_validators=validators
-        )
+        worker = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=peers, record_validators=validators)
         dhts.append(worker)
         record = await resolve_coordinator(info, dht=worker, timeout_s=10, retry_interval_s=0.2)
         assert record.endpoint == h.endpoint

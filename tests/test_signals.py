@@ -221,12 +221,16 @@ def test_a_worker_waits_for_a_coordinator_that_is_down(matrix) -> None:
     """Started while its coordinator is down, the worker keeps running: one warning per try
     that says what is wrong, a countdown to the next, growing delays; SIGTERM still stops it."""
     got = matrix["waiting"]
-    # one warning per try; on a loaded machine a later try can fail on the DHT node's own
-    # slow start instead ("the DHT node is slow to start"), which is waited out the same way
+    # one warning per try; on a loaded machine a try (the first one too: seen in a fresh-clone
+    # run, whose DHT child needed over 60 s) can fail on the DHT node's own slow start instead
+    # ("the DHT node is slow to start"), which is waited out the same way; every try names
+    # one of the two, and some try names the coordinator
     tries = [ln for ln in got["out"].splitlines() if "waiting: " in ln and "retrying in" in ln]
     assert len(tries) >= 2, got["out"][-3000:] + got["stderr"][-2000:]
-    assert "the coordinator is unreachable" in tries[0]
-    assert "none of the DHT bootstrap peers answered" in tries[0] and "retrying in" in tries[0]
+    down = [t for t in tries if "the coordinator is unreachable" in t]
+    assert all(t in down or "the DHT node is slow to start" in t for t in tries), tries
+    assert down, tries
+    assert "none of the DHT bootstrap peers answered" in down[0]
     assert "(attempt 1)" in tries[0] and "(attempt 2)" in tries[1]
     assert got["code"] == 0, got["stderr"][-2000:] + got["out"][-2000:]
     assert "Traceback" not in got["stderr"] + got["out"]
