@@ -415,19 +415,28 @@ class CoreMachine(RuleBasedStateMachine):
         if roll:
             return
         hz.advance(1_000)
-        reduce = {}  # every open exchange's REDUCE (its part weights included) must survive
+        # every open exchange's REDUCE (its part weights included) must survive, as a live
+        # contributor is told it (a lost or departed one stays listed until the exchange ends)
+        reduce = {}
         for c in hz.store.cells:
             r = hz.st.cell_view(c)[1]
-            if r is not None and r.state is RoundState.REDUCING and r.contributors:
-                reduce[c] = hz.st.instruction_for(r.contributors[0]).contributors
+            if r is not None and r.state is RoundState.REDUCING:
+                for wid in r.contributors:
+                    try:
+                        ins = hz.st.instruction_for(wid)
+                    except UnknownWorker:
+                        continue
+                    if ins.order is Order.REDUCE:
+                        reduce[wid] = ins.contributors
+                        break
         hz.st = hz.store.restore(
             hz.spec, hz.cells, hz.now, policy=hz.st.policy, rng=random.Random(seed), max_workers=hz.st.max_workers
         )
         counted["restarts"] += 1
         hz.store.check(hz.st)
-        for c, before in reduce.items():
-            r = hz.st.cell_view(c)[1]
-            assert r is not None and hz.st.instruction_for(r.contributors[0]).contributors == before
+        for wid, before in reduce.items():
+            after = hz.st.instruction_for(wid)
+            assert after.order is Order.REDUCE and after.contributors == before, (wid, before, after)
             counted["weighted exchanges kept by a restart"] += any(m.part_weight != 1 for m in before)
 
     # ------------------------------------------------------------------ cooperative progress

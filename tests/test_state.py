@@ -15,7 +15,7 @@ from bagel.coordinator.core.records import CommitRecord, RoundRecord, RoundState
 from bagel.protocol.messages import LocalState, Order, Phase, Verdict
 from bagel.protocol.runspec import SyncSection
 
-from test_state_harness import Harness, h, make_spec
+from test_state_harness import Harness, h, make_spec, restored
 
 CELL = "k0.r0"
 
@@ -386,6 +386,31 @@ def test_an_upload_slower_than_a_round_is_not_asked_of_another_holder() -> None:
     cell = hz.cell()
     assert cell.upload_round == 4 and cell.uploader in ("a", "b")
     assert hz.st.instruction_for(cell.uploader).upload_checkpoint
+
+
+def test_a_contributor_that_leaves_after_reporting_keeps_its_budget_in_the_reduce() -> None:
+    """From the freeze on, each contributor's budget is part of the exchange (the group
+    digest binds it). A contributor that reported and then left used to lose its credited
+    samples from the round, so a restarted core rebuilt the REDUCE with its plan's budget
+    instead: the survivors asking after the restart got another contributor set."""
+    from bagel.coordinator.core.events import Leave
+
+    hz = Harness()
+    start(hz)
+    hz.ready("a", samples=7)  # credited less than planned: its budget is what it was credited
+    for w in "bc":
+        hz.ready(w)
+    rnd = hz.round()
+    assert rnd is not None and rnd.state is RoundState.REDUCING
+    before = hz.st.instruction_for("b").contributors
+    plan = hz.st.instruction_for("b").plan
+    assert plan is not None
+    cap = next(m.max_samples for m in plan.members if m.worker_id == "a")
+    assert next(m.max_samples for m in before if m.worker_id == "a") < cap
+    hz.report("a", h(1))
+    hz.apply(Leave("a"))
+    assert hz.st.instruction_for("b").contributors == before
+    assert restored(hz).instruction_for("b").contributors == before
 
 
 def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:

@@ -587,7 +587,12 @@ class Rounds:
         part was delivered and reports came in: no commit is made of a banned worker's bytes,
         and no instruction names it as a contributor again."""
         r.dropped[wid] = None
-        r.ready.pop(wid, None)
+        if r.state in (RoundState.OPEN, RoundState.TRAINING):
+            # before the freeze `ready` says who is ready; from the freeze on it holds the
+            # budgets the REDUCE carries, which the exchange's group digest binds: a member
+            # that leaves after the freeze keeps its budget there, so the REDUCE answered
+            # before and after a restart (which rebuilds it from `ready`) is the same
+            r.ready.pop(wid, None)
         self.changes.round(r)
         if r.state in (RoundState.OPEN, RoundState.TRAINING):
             self.check_freeze(c, r, now)
