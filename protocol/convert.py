@@ -60,6 +60,12 @@ def local_from_pb(p: pb.LocalState) -> LocalState:
 MAX_PART_WEIGHT = 1 << 16  # far above any weight the core gives (it stays within 16x the median)
 
 
+def part_weight_from_wire(v: int) -> int:
+    """A part weight as every worker reads it: 0 (unset) is 1, and it stays within
+    [1, MAX_PART_WEIGHT], so members and the coordinator bind the same weights."""
+    return min(MAX_PART_WEIGHT, max(1, int(v)))
+
+
 def member_from_pb(m: pb.Member) -> Member:
     """A member as the worker reads it; a part weight outside [1, MAX_PART_WEIGHT] (0: unset,
     equal parts) is clamped into it, so the split stays small integer arithmetic."""
@@ -68,7 +74,7 @@ def member_from_pb(m: pb.Member) -> Member:
         peer=peer_from_pb(m.peer),
         max_samples=m.max_samples,
         no_reduce=m.no_reduce,
-        part_weight=min(MAX_PART_WEIGHT, max(1, m.part_weight)),
+        part_weight=part_weight_from_wire(m.part_weight),
     )
 
 

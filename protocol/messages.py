@@ -98,6 +98,22 @@ class Member:
     part_weight: int = 1
 
 
+# One contributor of a frozen exchange as its group digest binds it (`robust.reduction.
+# group_digest_of`): (worker id, peer id, budget[, no_reduce[, part weight]]), the optional
+# fields only when they are set, so a set of plain members hashes as it always did.
+FrozenMember = tuple[str, str, int] | tuple[str, str, int, bool] | tuple[str, str, int, bool, int]
+
+
+def frozen_member(worker_id: str, peer_id: str, budget: int, no_reduce: bool, part_weight: int) -> FrozenMember:
+    """The `FrozenMember` of one contributor; the coordinator (its frozen sets, what evidence
+    is checked against) and every member's data plane write it with this one function."""
+    if part_weight != 1:
+        return (worker_id, peer_id, budget, no_reduce, part_weight)
+    if no_reduce:
+        return (worker_id, peer_id, budget, True)
+    return (worker_id, peer_id, budget)
+
+
 @dataclass(frozen=True, slots=True)
 class RoundPlan:
     """The plan as one worker receives it (proto `RoundPlan`): its own batch shape."""

@@ -59,6 +59,7 @@ from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol import validation
 from bagel.protocol.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, Identity, verify_signature, worker_id_of
+from bagel.protocol.messages import FrozenMember
 from bagel.robust.aggregation import Reducer
 from bagel.robust.reduction import (
     Codec,
@@ -81,10 +82,6 @@ RECEIPT_DOMAIN = b"bagel/receipt/v1\n"
 MAX_EVIDENCE_INPUTS = validation.MAX_EVIDENCE_INPUTS  # one per contributor of the part
 MAX_HEADER_BYTES = validation.MAX_EVIDENCE_HEADER_BYTES  # one serialized ContributionHeader
 MAX_RECEIPT_BYTES = validation.MAX_EVIDENCE_RECEIPT_BYTES
-
-# FrozenMember: (worker id, peer id, budget[, no_reduce[, part weight]]) of one contributor, as in
-# the group digest (the part weight only when it is not 1).
-FrozenMember = tuple[str, str, int] | tuple[str, str, int, bool] | tuple[str, str, int, bool, int]
 
 
 # ---------------------------------------------------------------- errors

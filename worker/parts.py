@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from bagel.compression import get_codec
+from bagel.protocol.messages import FrozenMember, frozen_member
 from bagel.robust.reduction import (
     Codec,
     decode_part,
@@ -108,14 +109,9 @@ class Contributor:
     # measured; 1 for everyone = equal parts
     part_weight: int = 1
 
-    def frozen(self) -> tuple[str, str, int] | tuple[str, str, int, bool] | tuple[str, str, int, bool, int]:
-        """As the group digest and the coordinator's frozen set write it: (worker id, peer id,
-        budget[, no_reduce[, part weight]]), the optional fields only when they are set."""
-        if self.part_weight != 1:
-            return (self.worker_id, self.peer_id, self.max_samples, self.no_reduce, self.part_weight)
-        if self.no_reduce:
-            return (self.worker_id, self.peer_id, self.max_samples, True)
-        return (self.worker_id, self.peer_id, self.max_samples)
+    def frozen(self) -> FrozenMember:
+        """As the group digest and the coordinator's frozen set write it (`frozen_member`)."""
+        return frozen_member(self.worker_id, self.peer_id, self.max_samples, self.no_reduce, self.part_weight)
 
 
 def group_digest(contributors: Sequence[Contributor]) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from bagel.compression import ErrorFeedback
 from bagel.models.data import shard
-from bagel.protocol.convert import MAX_PART_WEIGHT
+from bagel.protocol.convert import part_weight_from_wire
 from bagel.protocol.messages import PartAudit
 from bagel.protocol.runspec import parse_spec
 from bagel.robust import attacks
@@ -350,7 +350,7 @@ async def reduce_round(
             tuple(m.peer.maddrs),
             max(1, int(m.max_samples)),
             m.no_reduce,
-            min(MAX_PART_WEIGHT, max(1, int(m.part_weight))),
+            part_weight_from_wire(m.part_weight),
         )
         for m in i.contributors
     ]

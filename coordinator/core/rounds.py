@@ -74,7 +74,7 @@ from bagel.coordinator.core.scheduler import (
     reduce_nothing,
     throughput_for,
 )
-from bagel.protocol.messages import Reachability
+from bagel.protocol.messages import FrozenMember, Reachability, frozen_member
 from bagel.protocol.runspec import RunSpec
 
 # Frozen contributor sets remembered per cell, so evidence about an exchange that has been
@@ -84,8 +84,8 @@ FROZEN_KEPT = 8
 # (cell, round, round_attempt, reduce_attempt) -> ((worker id, peer id, budget), ...) sorted
 FrozenKey = tuple[str, int, int, int]
 # each member: (worker id, peer id, budget), with a fourth element True when it reduces no part
-# (worker id, peer id, budget[, no_reduce[, part weight]]) per contributor, as the group digest
-FrozenSet = tuple[tuple[str, str, int] | tuple[str, str, int, bool] | tuple[str, str, int, bool, int], ...]
+# one `FrozenMember` per contributor, as the group digest binds them
+FrozenSet = tuple[FrozenMember, ...]
 
 _LEGAL = frozenset(
     {
@@ -382,11 +382,7 @@ class Rounds:
         r.set_contributors(ids, catch, peers, no_reduce=skip, part_weights=weights)
         # as the workers' data plane sees the set: a zero budget (catch-up) counts as 1
         frozen: FrozenSet = tuple(
-            (m.worker_id, m.peer.peer_id, max(1, m.max_samples), m.no_reduce, m.part_weight)
-            if m.part_weight != 1
-            else (m.worker_id, m.peer.peer_id, max(1, m.max_samples), True)
-            if m.no_reduce
-            else (m.worker_id, m.peer.peer_id, max(1, m.max_samples))
+            frozen_member(m.worker_id, m.peer.peer_id, max(1, m.max_samples), m.no_reduce, m.part_weight)
             for m in r.contributors_wire
         )
         kept = self.frozen_sets.setdefault(c.id, deque(maxlen=FROZEN_KEPT))
