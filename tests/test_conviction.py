@@ -95,3 +95,25 @@ def test_bad_convictions_are_refused_and_change_nothing() -> None:
     with pytest.raises(InvalidEvent):
         hz.apply(Convicted("c", "b", "k9.r9", 1, 1, 1, "x"))
     assert hz.st.snapshot() == before
+
+
+def test_a_conviction_refreezes_another_exchange_its_worker_reported_in_and_then_left() -> None:
+    """A contributor that reported and left stays in its exchange's frozen set (its part was
+    delivered). Convicted later for a lie in another exchange, it must leave that one too, as
+    any ban does: the REDUCE names it no more and the round cannot commit with its bytes."""
+    from bagel.coordinator.core.events import Leave
+
+    hz = Harness()
+    start(hz)
+    freeze_all(hz, "a", "b", "c")
+    first = hz.st.instruction_for("b").reduce_attempt
+    hz.report("a", h(1))
+    hz.apply(Leave("a"))
+    hz.reg("a")
+    assert {m.worker_id for m in hz.st.instruction_for("b").contributors} == {"a", "b", "c"}
+    # proven to have lied in an exchange that is no longer open (round 1, reduce attempt 9)
+    hz.apply(Convicted("a", "c", CELL, 1, 1, first + 8, "verified evidence: an older exchange"))
+    assert hz.store.workers["a"].state is WorkerState.BANNED
+    ins = hz.st.instruction_for("b")
+    assert ins.order is Order.REDUCE and ins.reduce_attempt > first
+    assert {m.worker_id for m in ins.contributors} == {"b", "c"}

@@ -192,17 +192,22 @@ class Roster:
             if awaited and not c.awaiting and self.rounds.can_open(c, now):
                 self.rounds.open_round(c, now)  # it was the last one the next round waited for
         if distrust:
-            # A lease lost without fail_fast_leases keeps the worker counted in its old
-            # cell's round until that round's deadline; re-registered since, it may sit in
-            # another cell or on standby. A ban must take it out of that round too.
-            # A contributor that reported and then left is dropped but still frozen (its part
-            # was delivered): a ban must re-freeze that exchange as well, or it would commit
-            # with the banned worker's bytes and keep naming it in the REDUCE.
-            self.changes.ops += len(self.cells)
-            for oc in self.cells.values():
-                r = oc.round
-                if r is not None and (r.is_live_member(w.id) or w.id in r.frozen):
-                    self.rounds.drop_member(oc, r, w.id, now, distrust=True)
+            self.distrust(w, now)
+
+    def distrust(self, w: Worker, now: int) -> None:
+        """A banned worker leaves every open round that still counts it, in any cell.
+
+        A lease lost without fail_fast_leases keeps the worker counted in its old cell's
+        round until that round's deadline; re-registered since, it may sit in another cell
+        or on standby. A contributor that reported and then left is dropped but still
+        frozen (its part was delivered). Either way its round must go on without it: an
+        exchange it is frozen in is re-frozen (or aborted), or it would commit with the
+        banned worker's bytes and keep naming it in the REDUCE."""
+        self.changes.ops += len(self.cells)
+        for oc in self.cells.values():
+            r = oc.round
+            if r is not None and (r.is_live_member(w.id) or w.id in r.frozen):
+                self.rounds.drop_member(oc, r, w.id, now, distrust=True)
 
     def expire(self, w: Worker, now: int) -> None:
         self.detach(w, now, fail_fast=self.policy.fail_fast_leases)

@@ -744,7 +744,9 @@ class CoordinatorState:
 
     def _on_convicted(self, now: int, ev: Convicted) -> tuple[None, None, None]:
         """Ban a worker proven to lie (the shell verified the evidence), and make sure the
-        exchange it lied in never commits: discard it if it is still the open one."""
+        exchange it lied in never commits: discard it if it is still the open one. Like any
+        ban, it also takes the worker out of every other open round that still counts it
+        (`Roster.distrust`)."""
         w = self.roster.workers.get(ev.worker_id)
         if w is None:
             raise UnknownWorker(f"unknown worker {ev.worker_id!r}")
@@ -771,6 +773,9 @@ class CoordinatorState:
                 if e.failed and x != w.id and x in self.roster.workers:
                     self.roster.reputation(self.roster.workers[x], -self.policy.rep_failed_report, now, "")
             self.rounds.discard_exchange(c, r, w.id, now, f"contributor {w.id} convicted: {ev.reason}")
+        # and out of any other open round that still counts it (after the refund above, so
+        # that the discarded exchange's failure reports are judged as the liar's doing)
+        self.roster.distrust(w, now)
         self.roster.rebalance(now, balance=False)
         return None, None, None
 
