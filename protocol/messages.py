@@ -11,6 +11,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from bagel.protocol.fastinit import fast_init
 
 
 class Phase(enum.IntEnum):
@@ -54,6 +57,7 @@ class Verdict(enum.IntEnum):
     ABORTED = 4  # the round was aborted: roll back to the last committed state
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PeerAddress:
     peer_id: str = ""
@@ -76,6 +80,7 @@ class Profile:
     reachability_detail: str = ""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class LocalState:
     """The committed state a worker holds locally (proto `LocalState`)."""
@@ -85,6 +90,7 @@ class LocalState:
     state_hash: str = ""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Member:
     """A round member as the wire shows it (proto `Member`)."""
@@ -114,6 +120,7 @@ def frozen_member(worker_id: str, peer_id: str, budget: int, no_reduce: bool, pa
     return (worker_id, peer_id, budget)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RoundPlan:
     """The plan as one worker receives it (proto `RoundPlan`): its own batch shape."""
@@ -137,6 +144,7 @@ class RoundPlan:
         return self.late_from if self.late_from > 0 else len(self.members)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Donor:
     """Where to fetch state from (proto `Donor`); worker_id "" = the coordinator checkpoint."""
@@ -147,6 +155,7 @@ class Donor:
     expected_bytes_per_s: float = 0.0  # what this donor is expected to give the joiner (0 = unknown)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class DonorRate:
     """What a joiner measured of one donor of its last verified sync (proto `DonorRate`):
@@ -158,17 +167,22 @@ class DonorRate:
     ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class PeerRate:
+class PeerRate(NamedTuple):
     """What a contributor measured, as a reducer, of one peer's contribution to its part in
     an exchange (proto `PeerRate`): the payload's bytes and the time they took to arrive.
-    The coordinator's estimate of the peer's uplink comes from what the others measured."""
+    The coordinator's estimate of the peer's uplink comes from what the others measured.
+
+    A named tuple, unlike the other messages: a report carries one per peer (an exchange of
+    k contributors makes k x (k - 1) of them), and the coordinator checks and reads them
+    column-wise (`zip(*rates)`), so they are built and read at C speed. It is the
+    (sender, bytes, ms) triple the data plane measures (`ExchangeResult.peer_rates`)."""
 
     worker_id: str
     nbytes: int
     ms: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Instruction:
     """The level-triggered order for one worker (proto `Instruction`)."""

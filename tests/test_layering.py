@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, Layer], ...] = (
             ("bagel.coordinator", "bagel.protocol", "bagel.compression", "bagel.models", "bagel.robust"),
         ),
     ),
-    ("worker/reconciler.py", Layer("worker reconciler", ("bagel.protocol.messages",))),
+    ("worker/reconciler.py", Layer("worker reconciler", ("bagel.protocol.messages", "bagel.protocol.fastinit"))),
     (
         "worker/",
         Layer("worker", ("bagel.worker", "bagel.protocol", "bagel.compression", "bagel.models", "bagel.robust")),

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bagel.protocol.messages import Donor, Instruction, LocalState, Order, Phase, Verdict
+from bagel.protocol.fastinit import fast_init
+from bagel.protocol.messages import Donor, Instruction, LocalState, Member, Order, Phase, Verdict
 
 # ---------------------------------------------------------------- what the worker holds and does
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Work:
     """The one round the worker is working on: training, ready, exchanging or reported."""
@@ -51,6 +53,7 @@ class Work:
         return self.cell_id == cell_id and self.round == round and self.round_attempt == round_attempt
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Sync:
     """A download of (cell, committed round, committed hash) in flight."""
@@ -59,6 +62,7 @@ class Sync:
     running: bool = True
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Ahead:
     """Inner steps trained ahead (`[diloco] overlap = "delayed"`): while the exchange of
@@ -79,6 +83,7 @@ class Ahead:
     steps: int  # inner steps trained ahead so far
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     """Everything `decide` looks at: the worker's committed state, its work, its sync, and
@@ -126,6 +131,7 @@ class Leave:
     reason: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Upload:
     """Stream the committed state held to UploadCheckpoint (in the background)."""
@@ -135,11 +141,13 @@ class Upload:
     committed_hash: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class AdoptPending:
     """The reported round committed with our hash: its outcome becomes the committed state."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class DropWork:
     """Abandon the current round (training, ready, exchanging or reported)."""
@@ -147,11 +155,13 @@ class DropWork:
     why: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CancelSync:
     """Stop the download in flight."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StartSync:
     """Fetch (cell, committed round) from the donors (several at once, else the one donor),
@@ -165,6 +175,7 @@ class StartSync:
     donors: tuple[Donor, ...] = ()  # the coordinator's list, best first (empty: an older coordinator)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class BuildInitialState:
     """Round 0 of a TRAIN or a catch-up: build the deterministic initial state locally, at
@@ -173,6 +184,7 @@ class BuildInitialState:
     cell_id: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StartTrain:
     """Train the instruction's round per its plan, as data shard `member_index`; the first
@@ -187,6 +199,7 @@ class NotAMember:
     """Told to train a round whose plan does not list us (a stale answer): warn, wait."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StartCatchUp:
     """Become a catch-up contributor of the instruction's round: we hold its base state but
@@ -194,6 +207,7 @@ class StartCatchUp:
     outer step, and hold the new state without a download."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StartReduce:
     """Exchange the pseudo-gradient with exactly the instruction's contributors, then the
@@ -237,6 +251,40 @@ Action = (
 
 
 # ---------------------------------------------------------------- the decisions
+
+
+class _Contributors:
+    """REDUCE contributor tuples indexed by worker id, with how many are weighted. Every
+    member of an exchange is handed the same tuple object (the simulator's thirty members
+    of a group each decide on it, interleaved with other groups), so the indexes of the
+    last `KEEP` tuples are kept, by identity, and a REDUCE is read in O(1) instead of a
+    scan per member; another tuple (the real worker's, new with each answer) is indexed
+    afresh. The first entry of a worker id wins, as a scan would find it. A kept index
+    holds its tuple, so its id cannot be reused while it is kept."""
+
+    KEEP = 64
+
+    __slots__ = ("_kept",)
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[tuple[Member, ...], dict[str, Member], int]] = {}
+
+    def index(self, contributors: tuple[Member, ...]) -> tuple[dict[str, Member], int]:
+        """(worker id -> its entry, the number of weighted contributors)."""
+        got = self._kept.get(id(contributors))
+        if got is None or got[0] is not contributors:
+            by_id: dict[str, Member] = {}
+            for m in contributors:
+                by_id.setdefault(m.worker_id, m)
+            got = (contributors, by_id, sum(1 for m in contributors if m.max_samples > 0))
+            kept = self._kept
+            if len(kept) >= self.KEEP:
+                kept.pop(next(iter(kept)), None)  # the oldest
+            kept[id(contributors)] = got
+        return got[1], got[2]
+
+
+_CONTRIBUTORS = _Contributors()
 
 
 class _Plan:
@@ -409,7 +457,8 @@ def steps_ahead(ahead: Ahead | None, i: Instruction, member_index: int, held: Lo
 
 
 def _on_reduce(i: Instruction, view: WorkerView, p: _Plan) -> None:
-    me = next((m for m in i.contributors if m.worker_id == view.worker_id), None)
+    by_id, weighted = _CONTRIBUTORS.index(i.contributors)
+    me = by_id.get(view.worker_id)
     if me is None:
         return  # not ours (a stale answer): the next heartbeat corrects it
     w = p.work
@@ -447,7 +496,7 @@ def _on_reduce(i: Instruction, view: WorkerView, p: _Plan) -> None:
         return
     if i.reduce_attempt <= w.reduce_attempt:
         return  # this attempt is running, done, or failed (wait for a re-freeze or abort)
-    p.actions.append(StartReduce(i.reduce_attempt, sum(1 for m in i.contributors if m.max_samples > 0)))
+    p.actions.append(StartReduce(i.reduce_attempt, weighted))
 
 
 def decide_verdict(verdict: Verdict | None, *, reported_outcome: bool, current: bool) -> tuple[Action, ...]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from bagel.coordinator.core.records import Record
+from bagel.protocol.fastinit import fast_init
 from bagel.protocol.messages import (
     DonorRate,
     Instruction,
@@ -23,6 +24,7 @@ from bagel.protocol.messages import (
 )
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Register:
     worker_id: str
@@ -31,6 +33,7 @@ class Register:
     local: LocalState = LocalState()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
     worker_id: str
@@ -50,6 +53,7 @@ class Heartbeat:
     donor_rates: tuple[DonorRate, ...] = ()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ReportRound:
     worker_id: str
@@ -75,6 +79,7 @@ class ReportRound:
     peer_rates: tuple[PeerRate, ...] = ()
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Leave:
     worker_id: str
@@ -85,11 +90,13 @@ class Leave:
     offer_checkpoint: bool = False
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Tick:
     """Time passed: expire leases, fire round and reduce deadlines."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class LeaseExpired:
     """Declare a worker's lease expired now, as Tick would when its lease runs out.
@@ -102,6 +109,7 @@ class LeaseExpired:
     worker_id: str
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CheckpointStored:
     """The shell verified and stored an uploaded checkpoint of a committed round."""
@@ -133,6 +141,7 @@ class Convicted:
 Event: TypeAlias = Register | Heartbeat | ReportRound | Leave | Tick | LeaseExpired | CheckpointStored | Convicted
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What a transition produced.
@@ -142,7 +151,9 @@ class Outcome:
     - `lease_expires_ms`: the caller's renewed lease;
     - `effects`: the durable records this transition changed (full rows, upsert by key;
       CommitRecords are appended). Write them in one transaction before answering.
-      A heartbeat that changes nothing has no effects.
+      A heartbeat that changes nothing has no effects. A core built with
+      `records=False` (the simulator's) hands back the changed live entities instead of
+      their records, and the commit records as they are.
     """
 
     instruction: Instruction | None = None

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
+from bagel.protocol.fastinit import fast_init
 from bagel.protocol.messages import LocalState, Member, PeerAddress, Profile
 
 
@@ -43,6 +44,7 @@ class WorkerState(enum.Enum):
     BANNED = "banned"  # reputation fell past schedule.ban_reputation; final
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class MemberPlan:
     """One member's share of a round: its batch shape and sample budget (core-only)."""
@@ -57,6 +59,7 @@ class MemberPlan:
         return Member(self.worker_id, self.peer, self.max_samples)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class WorkerRecord:
     """One worker row. Leases, phase and loss are volatile and not part of it."""
@@ -74,6 +77,7 @@ class WorkerRecord:
     reason: str = ""  # why LOST/LEFT/BANNED
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CellRecord:
     cell_id: str
@@ -94,6 +98,7 @@ class CellRecord:
     guard_refusals: int = 0  # attempts the commit guard refused, over the cell's life
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ReportEntry:
     state_hash: str
@@ -105,6 +110,7 @@ class ReportEntry:
     heldout_loss_base: float = -1.0
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RoundRecord:
     """One attempt of one round of one cell; key (cell_id, round, attempt)."""
@@ -152,6 +158,7 @@ class RoundRecord:
         return (self.cell_id, self.round, self.attempt)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CommitRecord:
     """Append-only: round `round` of `cell_id` is committed with `state_hash`.

@@ -44,6 +44,7 @@ import numpy as np
 
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import MemberPlan
+from bagel.protocol.fastinit import fast_init
 from bagel.protocol.messages import PeerAddress
 from bagel.protocol.runspec import RunSpec, parse_cell
 
@@ -53,6 +54,7 @@ _DESTINATIONS = 4  # destination cells a candidate tries per repair step
 _DestRow = tuple[str, float, bool, float, int, float, float, float, bool]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     """What the scheduler knows of a worker."""
@@ -895,6 +897,7 @@ def compute_shares(
 # ---------------------------------------------------------------- round planning
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class PlanMember:
     worker_id: str
