@@ -148,6 +148,9 @@ class Round:
         "late_wire",
         "ready_by_ms",
         "freeze_by_ms",
+        "weighted_ids",
+        "votes",
+        "weighted_reported",
     )
 
     def __init__(
@@ -181,13 +184,20 @@ class Round:
         self.train_ms: dict[str, int] = {}
         self.ready_ms: dict[str, int] = {}
         self.contributors: tuple[str, ...] = ()
+        self.weighted_ids: tuple[str, ...] = ()  # contributors that trained (`weighted`)
         self.catch_up: dict[str, None] = {}  # zero-weight contributors
         self.frozen: dict[str, None] = {}  # contributors, as a set
         self.reduce_attempt = 0
         self.first_reduce_attempt = 0
         self.frozen_ms = 0
         self.reduce_deadline_ms = 0
+        # the reports of the frozen exchange; written only through `add_report` and
+        # `clear_reports`, which keep the tallies `Rounds.evaluate` reads: the votes of the
+        # weighted contributors' successful reports per hash (in the order hashes came),
+        # and how many weighted contributors reported at all
         self.reports: dict[str, ReportEntry] = {}
+        self.votes: dict[str, int] = {}
+        self.weighted_reported = 0
         self.predicted_compute_ms = compute_ms
         self.predicted_comm_ms = comm_ms
         self.ended_ms = 0
@@ -219,9 +229,21 @@ class Round:
     def is_contributor(self, worker_id: str) -> bool:
         return worker_id in self.frozen and worker_id not in self.dropped
 
-    def weighted(self) -> list[str]:
-        """Contributors that trained (the quorum is counted over them)."""
-        return [x for x in self.contributors if x not in self.catch_up]
+    def weighted(self) -> tuple[str, ...]:
+        """Contributors that trained (the quorum is counted over them), in contributor order."""
+        return self.weighted_ids
+
+    def add_report(self, worker_id: str, entry: ReportEntry) -> None:
+        """Record a contributor's first report of the exchange (and tally it)."""
+        self.reports[worker_id] = entry
+        if worker_id in self.frozen and worker_id not in self.catch_up:
+            self.weighted_reported += 1
+            if not entry.failed:
+                self.votes[entry.state_hash] = self.votes.get(entry.state_hash, 0) + 1
+
+    def clear_reports(self) -> None:
+        """A new exchange (a freeze or re-freeze): no reports yet."""
+        self.reports, self.votes, self.weighted_reported = {}, {}, 0
 
     def admit(self, plan: MemberPlan) -> None:
         """Add a late joiner: a member from now on, after the opening members and the late
@@ -262,6 +284,7 @@ class Round:
         self.contributors = ids
         self.frozen = dict.fromkeys(ids)
         self.catch_up = dict.fromkeys(catch_up)
+        self.weighted_ids = tuple(x for x in ids if x not in self.catch_up)
         self.no_reduce = frozenset(x for x in no_reduce if x in self.frozen)
         self.part_weights = {x: int(v) for x, v in (part_weights or {}).items() if x in self.frozen and v != 1}
         self.contributors_wire = tuple(
@@ -334,7 +357,9 @@ class Round:
         r.first_reduce_attempt = rec.first_reduce_attempt
         r.frozen_ms = rec.frozen_ms
         r.reduce_deadline_ms = rec.reduce_deadline_ms
-        r.reports = dict(rec.reports)
+        r.clear_reports()
+        for wid, entry in rec.reports.items():
+            r.add_report(wid, entry)
         r.ended_ms = rec.ended_ms
         r.reason = rec.reason
         return r

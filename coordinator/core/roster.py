@@ -17,10 +17,12 @@ charges or credits reputations and lets the roster repair the assignment
 
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import heapq
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from bagel.coordinator.core.changes import Changes
@@ -45,6 +47,48 @@ if TYPE_CHECKING:  # the two-way link: Rounds imports Roster at run time
     from bagel.coordinator.core.rounds import Rounds
 
 
+class CellSpeeds:
+    """The throughput estimates of a cell's workers, sorted, for `Roster.rate_bound` of many
+    of them in a row (a freeze credits every ready member, each against the median of the
+    others): sorted once, then kept sorted as each credit moves one estimate, instead of
+    sorting the others again for every member. The median of the others is read off the
+    sorted whole, skipping the member's own value: the same values `sorted(others)` gives,
+    so the same bound. Valid while nothing but `moved` changes the cell's estimates."""
+
+    __slots__ = ("_order", "_vals")
+
+    def __init__(self, roster: Roster, c: Cell) -> None:
+        workers = roster.workers
+        self._vals = {x: throughput_for(workers[x].throughput, c.id) for x in c.workers}
+        self._order = sorted(self._vals.values())
+        roster.changes.ops += len(self._order)
+
+    def median_without(self, wid: str) -> float | None:
+        """The median estimate of the cell's workers other than `wid` (None if there are none)."""
+        order = self._order
+        v = self._vals.get(wid)
+        skip = len(order) if v is None else bisect.bisect_left(order, v)  # `wid`'s place
+        n = len(order) - (v is not None)
+        if n <= 0:
+            return None
+
+        def at(i: int) -> float:  # the i-th of the others
+            return order[i] if i < skip else order[i + 1]
+
+        return at(n // 2) if n % 2 else 0.5 * (at(n // 2 - 1) + at(n // 2))
+
+    def moved(self, wid: str, value: float) -> None:
+        """`wid`'s estimate is now `value`."""
+        old = self._vals.get(wid)
+        if old is None:
+            return
+        order = self._order
+        del order[bisect.bisect_left(order, old)]
+        bisect.insort(order, value)
+        self._vals[wid] = value
+
+
+@functools.lru_cache(maxsize=1 << 16)  # pure; a joiner ranks the same candidates at every heartbeat
 def _pair_hash(a: str, b: str) -> int:
     """A deterministic, well-mixed tie-break for the pair (a, b). Not CRC32: it is affine, so
     every joiner would rank equal donors in the same order."""
@@ -284,9 +328,10 @@ class Roster:
             d.uplink_measured = observed if prev <= 0 else (1 - a) * prev + a * observed
         self._release_donor(w, c)
 
-    def observe_peer_rates(self, w: Worker, contributors: Sequence[str], rates: Iterable[PeerRate]) -> None:
+    def observe_peer_rates(self, w: Worker, contributors: Collection[str], rates: Iterable[PeerRate]) -> None:
         """Fold what contributor `w` measured, as a reducer, of its peers' contributions in one
-        exchange over `contributors` into those peers' exchange uplink estimates.
+        exchange over `contributors` (a round's `frozen` set, or any collection of ids) into
+        those peers' exchange uplink estimates.
 
         Only peers among `contributors` are read, never `w` itself (a worker's claims about
         its own link never count), and transfers shorter than `MIN_RATE_MS` or
@@ -295,19 +340,21 @@ class Roster:
         uplink: the observation is the stream's rate x (k - 1). Each peer keeps one figure
         per observer (its latest), for the `MAX_UPLINK_OBSERVERS` most recent observers, so
         an observer that reports again replaces its own figure and cannot outvote others."""
-        members = set(contributors)
-        if w.id not in members:
+        members = contributors if isinstance(contributors, (dict, set, frozenset)) else frozenset(contributors)
+        me = w.id
+        if me not in members:
             return
         scale = max(1, len(members) - 1)
-        for r in rates:
-            if r.worker_id == w.id or r.worker_id not in members or r.ms < MIN_RATE_MS or r.nbytes < MIN_RATE_NBYTES:
+        workers = self.workers
+        for wid, nbytes, ms in rates:
+            if ms < MIN_RATE_MS or nbytes < MIN_RATE_NBYTES or wid == me or wid not in members:
                 continue
-            peer = self.workers.get(r.worker_id)
+            peer = workers.get(wid)
             if peer is None:
                 continue
             seen = peer.uplink_seen
-            seen.pop(w.id, None)  # re-inserted last: the most recent observer
-            seen[w.id] = r.nbytes * 1000.0 / r.ms * scale
+            seen.pop(me, None)  # re-inserted last: the most recent observer
+            seen[me] = nbytes * 1000.0 / ms * scale
             while len(seen) > MAX_UPLINK_OBSERVERS:
                 del seen[next(iter(seen))]
         self.changes.ops += len(members)
@@ -373,16 +420,17 @@ class Roster:
         self._reweigh(w)
         self.changes.worker(w.id)
 
-    def rate_bound(self, w: Worker, c: Cell) -> float:
+    def rate_bound(self, w: Worker, c: Cell, speeds: CellSpeeds | None = None) -> float:
         """The most samples/s the coordinator believes of `w` in `c`: `audit.max_samples_per_s`,
-        and `audit.max_speedup` times the median estimate of the cell's other workers."""
+        and `audit.max_speedup` times the median estimate of the cell's other workers.
+        `speeds`: the cell's estimates already sorted (`CellSpeeds`), when many members of
+        the cell are bounded in a row."""
         a = self.spec.audit
-        others = sorted(throughput_for(self.workers[x].throughput, c.id) for x in c.workers if x != w.id)
-        self.changes.ops += len(others)
-        if not others:
+        if speeds is None:
+            speeds = CellSpeeds(self, c)
+        med = speeds.median_without(w.id)
+        if med is None:
             return a.max_samples_per_s
-        n = len(others)
-        med = others[n // 2] if n % 2 else 0.5 * (others[n // 2 - 1] + others[n // 2])
         return min(a.max_samples_per_s, a.max_speedup * med)
 
     def credit(
@@ -395,6 +443,7 @@ class Roster:
         *,
         observe: bool = True,
         ahead_since_ms: int | None = None,
+        speeds: CellSpeeds | None = None,
     ) -> int:
         """The samples a ready member is credited for this round, from what the coordinator
         observed: its claim, at most its plan's budget, and at most what the absolute
@@ -406,7 +455,8 @@ class Roster:
         `rate_bound`; the `compute_ms` a worker reports is never used for it.
         `ahead_since_ms`: with overlap, when the member's exchange of the round before was
         frozen, since which it may have trained this round's first steps; its span starts
-        there."""
+        there. `speeds`: the cell's `CellSpeeds` while a freeze credits its members in turn
+        (kept up to date with each estimate this changes)."""
         p = r.plans.get(w.id)
         cap = p.max_samples if p is not None else 0
         start = max(r.opened_ms, r.train_ms.get(w.id, r.opened_ms))
@@ -416,8 +466,10 @@ class Roster:
         by_time = int(self.spec.audit.max_samples_per_s * span_ms / 1000.0)
         got = max(0, min(claimed, cap, by_time))
         if observe and got > 0 and span_ms >= self.spec.schedule.heartbeat_s * 1000:
-            observed = min(got * 1000.0 / span_ms, self.rate_bound(w, c))
+            observed = min(got * 1000.0 / span_ms, self.rate_bound(w, c, speeds))
             self.observe_throughput(w, c.id, observed)
+            if speeds is not None:
+                speeds.moved(w.id, throughput_for(w.throughput, c.id))
         return got
 
     def observe_progress(self, w: Worker, c: Cell, r: Round, now: int) -> None:

@@ -57,6 +57,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import operator
 import random
 from collections import Counter, deque
 
@@ -65,7 +66,7 @@ from bagel.coordinator.core.entities import Cell, Round
 from bagel.coordinator.core.guard import CommitGuard, median
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
-from bagel.coordinator.core.roster import Roster
+from bagel.coordinator.core.roster import CellSpeeds, Roster
 from bagel.coordinator.core.scheduler import (
     PlanMember,
     part_weights,
@@ -101,6 +102,7 @@ _LEGAL = frozenset(
 )
 
 TRAIN_DEADLINE, REDUCE_DEADLINE, HOLD_DEADLINE, PATIENCE_DEADLINE = "train", "reduce", "hold", "patience"
+_count = operator.itemgetter(1)
 
 
 class IllegalTransition(RuntimeError):
@@ -361,13 +363,14 @@ class Rounds:
         prev = self.last_committed.get(c.id) if self.spec.diloco.overlap == "delayed" else None
         if prev is not None and prev.round != r.round - 1:
             prev = None
+        speeds = CellSpeeds(self.roster, c) if first else None  # each credit bounds by the others' median
         for x in weighted:  # what each ready member is credited, and so weighs on the wire
             if x in r.ready and x in r.plans:
                 since = None
                 if prev is not None and prev.frozen_ms and prev.is_contributor(x) and x not in prev.catch_up:
                     since = prev.frozen_ms
                 r.ready[x] = self.roster.credit(
-                    self.roster.workers[x], c, r, r.ready[x], now, observe=first, ahead_since_ms=since
+                    self.roster.workers[x], c, r, r.ready[x], now, observe=first, ahead_since_ms=since, speeds=speeds
                 )
         catch = tuple(sorted(x for x in c.synced if x not in w_set)) if self.policy.catch_up else ()
         self.changes.ops += len(c.synced)
@@ -389,7 +392,7 @@ class Rounds:
         kept.append(((c.id, r.round, r.attempt, r.reduce_attempt), frozen))
         self.change_state(c, r, RoundState.REDUCING, now)
         r.frozen_ms = now
-        r.reports = {}
+        r.clear_reports()
         # give up once the exchange had its predicted time (with slack) and a lost
         # contributor had time to be noticed and the survivors re-frozen
         span = max(self.min_round_ms, int(r.predicted_comm_ms * self.slack)) + self.lease_ms
@@ -445,9 +448,22 @@ class Rounds:
         and a minority that reports first would decide it."""
         weighted = r.weighted()
         need = self.quorum * len(weighted)
-        votes = Counter(r.reports[x].state_hash for x in weighted if x in r.reports and not r.reports[x].failed)
-        outstanding = sum(1 for x in weighted if x not in r.reports and x not in r.dropped)
-        for h, k in votes.most_common(1):
+        # the round keeps the weighted contributors' votes per hash as reports come
+        # (`Round.add_report`); those not reported yet are the rest, less the dropped ones
+        votes = r.votes
+        reports = r.reports
+        outstanding = len(weighted) - r.weighted_reported
+        if r.dropped:
+            outstanding -= sum(1 for x in r.dropped if x not in reports and x in r.frozen and x not in r.catch_up)
+        if self.quorum >= 0.5:
+            # at most one hash can have more than half of the votes: the one with the most
+            top = max(votes.items(), key=_count, default=None)
+            leaders = [top] if top is not None else []
+        else:  # several may pass the quorum: the first in contributor order wins, as counted
+            leaders = Counter(
+                reports[x].state_hash for x in weighted if x in reports and not reports[x].failed
+            ).most_common(1)
+        for h, k in leaders:
             if k > need:
                 agreeing = [e for e in r.reports.values() if not e.failed and e.state_hash == h]
                 measured = self.guard.cfg.enabled and any(e.heldout_loss >= 0 for e in agreeing)

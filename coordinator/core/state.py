@@ -124,6 +124,7 @@ def _finite(x: float) -> bool:
 
 
 MAX_PEER_RATES = 256  # entries in one report's peer_rates (an exchange has at most this many peers)
+_PEER_RATE, _STR, _INT = {PeerRate}, {str}, {int}
 
 
 def _check_peer_rates(rates: tuple[PeerRate, ...]) -> None:
@@ -131,8 +132,25 @@ def _check_peer_rates(rates: tuple[PeerRate, ...]) -> None:
     a peer named twice or by no name, or bytes and milliseconds that are not non-negative
     integers. Entries naming a worker that was not a peer of the exchange are not an error
     (`Roster.observe_peer_rates` skips them)."""
-    if len(rates) > MAX_PEER_RATES:
-        raise InvalidEvent(f"peer_rates: {len(rates)} entries, at most {MAX_PEER_RATES}")
+    n = len(rates)
+    if n > MAX_PEER_RATES:
+        raise InvalidEvent(f"peer_rates: {n} entries, at most {MAX_PEER_RATES}")
+    if not n:
+        return
+    if set(map(type, rates)) == _PEER_RATE:
+        # column-wise, in C: every name a distinct non-empty str, every figure an int >= 0;
+        # anything else goes to the loop below, which names the first offending entry
+        ids, nbytes, ms = zip(*rates, strict=True)
+        if (
+            set(map(type, ids)) == _STR
+            and all(ids)
+            and len(set(ids)) == n
+            and set(map(type, nbytes)) == _INT
+            and set(map(type, ms)) == _INT
+            and min(nbytes) >= 0
+            and min(ms) >= 0
+        ):
+            return
     seen: set[str] = set()
     for i, r in enumerate(rates):
         if not isinstance(r.worker_id, str) or not r.worker_id or r.worker_id in seen:
@@ -170,6 +188,7 @@ class CoordinatorState:
         rng: random.Random | None = None,
         now_ms: int = 0,
         max_workers: int | None = None,
+        records: bool = True,
     ) -> None:
         ids = [c.cell_id for c in cells]
         if sorted(ids) != sorted(spec.cell_ids) or len(set(ids)) != len(ids):
@@ -180,6 +199,10 @@ class CoordinatorState:
         self.rng = rng if rng is not None else random.Random(spec.run.seed)
         self.max_workers = max_workers
         self.now_ms = now_ms
+        # False: `Outcome.effects` carries the changed live entities (`Worker`, `Cell`,
+        # `Round`) and the commit records, not frozen records; for a caller that only reads
+        # what changed, at once, and persists nothing (the simulator)
+        self.records = records
         self._cells: dict[str, Cell] = {cid: Cell(by_id[cid]) for cid in spec.cell_ids}
         self.knobs = Knobs.from_spec(spec, policy)
         self.balance = Balance(
@@ -580,9 +603,9 @@ class CoordinatorState:
             self.roster.reputation(w, self.spec.audit.rep_finding, now, lie)
             if w.state is not WorkerState.ACTIVE:  # banned for it: the round goes on without it
                 return self._instruction(w), Verdict.ABORTED, w.lease_ms
-        r.reports[w.id] = entry
+        r.add_report(w.id, entry)
         self.changes.round(r)
-        self.roster.observe_peer_rates(w, r.contributors, ev.peer_rates)
+        self.roster.observe_peer_rates(w, r.frozen, ev.peer_rates)
         if ev.failed:
             self.roster.reputation(w, self.policy.rep_failed_report, now, f"failed report: {ev.reason}")
             if w.state is WorkerState.BANNED:  # the round went on without it (re-frozen or aborted)
@@ -645,8 +668,8 @@ class CoordinatorState:
                 self.roster.reputation(w, self.spec.audit.rep_finding, now, lie)
                 if w.state is not WorkerState.ACTIVE:
                     return self._instruction(w), Verdict.RESYNC, w.lease_ms
-            r.reports[w.id] = ReportEntry(ev.state_hash, ev.failed, ev.samples, ev.reduce_attempt, 0.0)
-            self.roster.observe_peer_rates(w, r.contributors, ev.peer_rates)
+            r.add_report(w.id, ReportEntry(ev.state_hash, ev.failed, ev.samples, ev.reduce_attempt, 0.0))
+            self.roster.observe_peer_rates(w, r.frozen, ev.peer_rates)
         if ev.failed or ev.state_hash != c.committed_hash:
             self.rounds.release(c, w.id, now)  # it does not hold the new state: not waited for
             return self._instruction(w), Verdict.RESYNC, w.lease_ms
@@ -873,12 +896,17 @@ class CoordinatorState:
 
     def _take_effects(self) -> tuple[Any, ...]:
         ch = self.changes
-        if ch.empty():
+        if not (ch.workers or ch.cells or ch.rounds or ch.commits):
             return ()
         workers = self.roster.workers
-        out: list[Any] = [workers[k].record() for k in ch.workers]
-        out += [self._cells[k].record() for k in ch.cells]
-        out += [r.record() for r in ch.rounds.values()]
+        if self.records:
+            out: list[Any] = [workers[k].record() for k in ch.workers]
+            out += [self._cells[k].record() for k in ch.cells]
+            out += [r.record() for r in ch.rounds.values()]
+        else:
+            out = [workers[k] for k in ch.workers]
+            out += [self._cells[k] for k in ch.cells]
+            out += ch.rounds.values()
         out += ch.commits
         ch.clear()
         return tuple(out)
