@@ -8,7 +8,7 @@ writes DIR/summary.json, DIR/run.json (what was simulated), DIR/summary.md and P
 (committed rounds per cell over time, committed compute over time, wasted work by cause,
 utilisation). This shell does the I/O and reads the wall
 clock; the engine itself is pure. The policies run in parallel processes (`--jobs`,
-default: all at once on a multi-core machine; see `bagel.sim.discrete.runner`), with the same
+default: one per core, the costliest first; see `bagel.sim.discrete.runner`), with the same
 results as one after the other. `python -m bagel.sim run ...` is the same command.
 
     bagel-sim chaos SCENARIO.toml --out DIR ...
@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
         "--jobs",
         type=int,
         default=None,
-        help="policies simulated at once, one process each (default: all of them on a multi-core machine, else 1)",
+        help="policies simulated at once, one process each, the costliest first (default: one per core)",
     )
     from bagel.sim.chaos.command import add_chaos_parser
 

@@ -175,3 +175,23 @@ def test_partitioned_workers_lose_their_lease_and_reattach_after_the_heal():
     # re-register; and cells keep committing after the heal
     assert res.ledger.core_errors.get("UnknownWorker", 0) >= hit // 2
     assert any(ts > 1800.0 for ts, _c, _s in res.ledger.commits)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["heterogeneity-10x", "churn"])
+def test_a_repeated_ready_answered_by_a_query_changes_nothing(name, monkeypatch):
+    """A member polled after its round froze repeats its READY; the engine answers it with a
+    core query instead of a heartbeat (`Engine._repeat_ready`). The run is the same as with
+    every such poll sent as a heartbeat, to the last FLOP and commit, with that many fewer
+    core calls."""
+    sc = load_sim_scenario(SCENARIOS / f"{name}.toml")
+    fast = Engine(sc, policies.get("bagel"), workers=240, hours=1.5)
+    a = fast.run()
+    slow = Engine(sc, policies.get("bagel"), workers=240, hours=1.5)
+    monkeypatch.setattr(slow, "_repeat_ready", lambda w, key: None)
+    b = slow.run()
+    assert fast.core_queries > 100 and slow.core_queries == 0
+    assert b.core_calls - a.core_calls == fast.core_queries
+    assert a.ledger.buckets == b.ledger.buckets and a.ledger.offered == b.ledger.offered
+    assert a.ledger.commits == b.ledger.commits and a.ledger.committed_rounds > 0
+    assert a.ledger.aborts == b.ledger.aborts and a.events == b.events

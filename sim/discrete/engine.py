@@ -1,8 +1,9 @@
 """Discrete-event engine: synthetic workers drive the real coordinator core.
 
 One `Engine` simulates one policy over one scenario. It owns a virtual clock and an event
-heap (`heapq` of `(time_ms, seq, kind, worker, token)`; `seq` breaks ties, so two runs
-with the same seed pop events in the same order). All randomness comes from numpy
+heap (`heapq` of `(time_ms, seq, kind, worker, token)`, each packed into one int, see
+`Engine.push`; `seq` breaks ties, so two runs with the same seed pop events in the same
+order). All randomness comes from numpy
 generators spawned from the scenario seed; the core gets its own `random.Random(seed)`.
 No I/O and no clock: this is a pure core like `coordinator/state.py`, which it drives
 through the very same `CoordinatorState.apply(now_ms, event)` the daemon's gRPC shell
@@ -27,8 +28,12 @@ The heartbeat approximation (what makes 10,000 workers x 24 h affordable):
     each worker has a fixed heartbeat phase in [0, heartbeat_s), and the engine schedules
     one heartbeat at the next tick of that phase after the change (exactly when the real
     worker would have learned it). The engine reads the change off `Outcome.effects`
-    (round records whose state, attempt or contributor set changed; worker records that
-    changed cell or status);
+    (rounds whose state, attempt or contributor set changed; workers that changed cell or
+    status: the core is built with `records=False`, so these are its live entities, read
+    at once, not frozen records). A member that is READY when its round freezes repeats
+    that READY at its next heartbeat to hear the REDUCE; in declared lease mode such a
+    heartbeat changes nothing in the core, so the engine reads the REDUCE with a query
+    instead (`_repeat_ready`; `EngineResult.core_calls` leaves these out);
   * leases (`engine.lease_mode`):
     - "declared" (default): live workers send no lease-only heartbeats. When a worker
       dies, is cut off or stopped, the engine sends `LeaseExpired` at exactly the moment
@@ -70,20 +75,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bagel.coordinator.core.entities import Round, Worker
 from bagel.coordinator.core.errors import Banned, CoordinatorError, UnknownWorker
 from bagel.coordinator.core.events import Event, Heartbeat, Outcome, Register, Tick
-from bagel.coordinator.core.records import (
-    CellConfig,
-    CommitRecord,
-    Record,
-    RoundRecord,
-    RoundState,
-    WorkerRecord,
-    WorkerState,
-)
+from bagel.coordinator.core.records import CellConfig, CommitRecord, RoundState, WorkerState
 from bagel.coordinator.core.scheduler import cell_targets
 from bagel.coordinator.core.state import CoordinatorState
-from bagel.protocol.messages import PeerAddress, Phase, Profile
+from bagel.protocol.messages import Instruction, Order, PeerAddress, Phase, Profile
 from bagel.protocol.runspec import ROUTER_CELL, RunSpec
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import population as popmod
@@ -121,6 +119,13 @@ from bagel.sim.discrete.workers import (
     WorkerBehaviour,
 )
 
+# an event's bit fields (`Engine.push`), from the bottom: token (32 bits), worker index + 1
+# (24), kind (8), seq (32), then the time in ms
+_TOKEN_MASK = (1 << 32) - 1
+_WORKER, _WORKER_MASK = 32, (1 << 24) - 1
+_KIND, _KIND_MASK = 56, (1 << 8) - 1
+_SEQ, _SEQ_MASK = 64, (1 << 32) - 1
+_T = 96
 T0_MS = 1_767_225_600_000  # virtual epoch: 2026-01-01T00:00:00Z (the core works in unix ms)
 DECLARED_CORE_LEASE_S = 10_000_000.0  # declared lease mode: longer than any simulation
 
@@ -217,16 +222,19 @@ class Engine(WorkerBehaviour):
             CellConfig(c, cm.cell_memory_bytes(self.work, c), self.targets[c], self.payload[c] * self.comm_rounds)
             for c in self.cells
         ]
+        # the core hands back the live entities it changed, not frozen records: the engine
+        # reads them at once and persists nothing
         self.core = CoordinatorState(
-            self.spec, cfgs, policy=self.policy.core, rng=random.Random(self.seed), now_ms=T0_MS
+            self.spec, cfgs, policy=self.policy.core, rng=random.Random(self.seed), now_ms=T0_MS, records=False
         )
         self.hb_ms = int(self.spec.schedule.heartbeat_s * 1000)
         self.end_ms = int(self.hours * 3600_000)
-        self.heap: list[tuple[int, int, int, int, int]] = []
+        self.heap: list[int] = []  # packed events (`push`)
         self.seq = 0
         self.now = 0
         self.ledger = Ledger()
         self.core_calls = 0
+        self.core_queries = 0  # answers read without a transition (`_repeat_ready`)
         self.events = 0
         self.last_tick = -1
         self.exchanges: dict[tuple[str, int, int], Exchange] = {}
@@ -277,8 +285,16 @@ class Engine(WorkerBehaviour):
         return w.rate_r if cell == ROUTER_CELL else w.rate_e
 
     def push(self, t: int, kind: int, i: int = -1, token: int = 0) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, i, token))
+        """Schedule event `kind` of worker `i` (-1: none) with `token` at virtual time `t` ms.
+
+        An event is one int, (t, seq, kind, i + 1, token) packed in fixed bit fields from
+        the top (`_SEQ`, `_KIND`, `_WORKER` shifts): ints compare in C without building or
+        walking a tuple, and the order is exactly (t, seq), seq unique, as the tuple's was.
+        The heap's pops were the engine's largest single cost."""
+        seq = self.seq = self.seq + 1
+        if not (0 <= token <= _TOKEN_MASK and -1 <= i < _WORKER_MASK and seq <= _SEQ_MASK):
+            raise OverflowError(f"event field out of range: seq {seq}, worker {i}, token {token}")
+        heapq.heappush(self.heap, (t << _T) | (seq << _SEQ) | (kind << _KIND) | ((i + 1) << _WORKER) | token)
 
     # ------------------------------------------------------------ the loop
 
@@ -317,9 +333,13 @@ class Engine(WorkerBehaviour):
         ws = self.ws
         next_report = 1 << 14
         while heap:
-            t, _, kind, i, token = pop(heap)
+            e = pop(heap)
+            t = e >> _T
             if t > end:
                 break
+            kind = (e >> _KIND) & _KIND_MASK
+            i = ((e >> _WORKER) & _WORKER_MASK) - 1
+            token = e & _TOKEN_MASK
             self.now = t
             self.events += 1
             if kind == TICK:
@@ -384,6 +404,7 @@ class Engine(WorkerBehaviour):
         if w.cut or w.stopped:
             return None  # lost on the way; it registers when it can reach the coordinator
         ev = Register(w.wid, w.profile, PeerAddress(peer_id=w.wid), w.local)
+        w.regs += 1
         try:
             out = self._apply(ev)
         except Banned:
@@ -416,8 +437,23 @@ class Engine(WorkerBehaviour):
     def _heartbeat(self, w: W) -> Outcome | None:
         a = w.act
         key = w.key
+        ready_hb, w.ready_hb = w.ready_hb, None
         if a == READY and key is not None:
+            if ready_hb == key and self.declared and not (w.cut or w.stopped or not w.online):
+                # The same READY again, while its round exchanges with it as a contributor
+                # (the REDUCE that a freeze makes every member hear): the core would change
+                # nothing but the lease, which it does not keep in declared mode, and answer
+                # that REDUCE (`_repeat_ready`). Else it is sent as any heartbeat.
+                ins = self._repeat_ready(w, key)
+                if ins is not None:
+                    w.ready_hb = key
+                    return Outcome(ins, None, None, ())
             ev = Heartbeat(w.wid, Phase.READY, key[0], key[1], samples=w.samples, local=w.local, round_attempt=key[2])
+            regs = w.regs
+            out = self._send(w, ev)
+            if out is not None and w.regs == regs:  # the heartbeat itself got through
+                w.ready_hb = key
+            return out
         elif a in (TRAIN, STALL) and key is not None:
             # progress so far, as the real worker reports it (the core estimates a late
             # member's speed from it), counting the steps trained ahead it started with
@@ -434,20 +470,46 @@ class Engine(WorkerBehaviour):
             w.sync_rates = ()  # the real worker repeats them, but only the first is read
         return self._send(w, ev)
 
+    def _repeat_ready(self, w: W, key: tuple[str, int, int]) -> Instruction | None:
+        """The REDUCE the core answers a READY heartbeat of `w` that repeats its last one
+        (`_heartbeat`), or None if the answer may be anything else.
+
+        Such a heartbeat is a no-op for the core, apart from renewing the lease, when the
+        round it names is exchanging and `w` is one of its contributors: the phase, round,
+        step and held state it carries are what the core already has from `w`; a READY
+        counts only while the round trains; no round can open or admit `w` while that
+        round is open and `w` is its member; a cell waits for late reporters only between a
+        commit and the next round's open; and a REDUCE answer starts no clock. In declared
+        lease mode the core's lease is never read (`DECLARED_CORE_LEASE_S`), so the
+        instruction the core would answer, read without a transition
+        (`CoordinatorState.instruction_for`), is the whole outcome. It is a query, not a
+        core call (`core_queries`)."""
+        try:
+            ins = self.core.instruction_for(w.wid)
+        except CoordinatorError:
+            return None
+        if ins.order is Order.REDUCE and ins.cell_id == key[0] and ins.round == key[1] and ins.round_attempt == key[2]:
+            self.core_queries += 1
+            return ins
+        return None
+
     # ------------------------------------------------------------ effects -> who must hear
 
-    def _absorb(self, effects: tuple[Record, ...], caller: str) -> None:
+    def _absorb(self, effects: tuple[object, ...], caller: str) -> None:
+        """Hear what a transition changed. The core runs with `records=False`: the effects
+        are the live `Round` and `Worker` entities it touched (and `Cell`s, not read here),
+        and the commit records."""
         for r in effects:
-            if isinstance(r, RoundRecord):
+            if isinstance(r, Round):
                 self._on_round_record(r, caller)
             elif isinstance(r, CommitRecord):
                 self._on_commit(r)
-            elif isinstance(r, WorkerRecord) and r.worker_id != caller:
-                w = self.by_id.get(r.worker_id)
+            elif isinstance(r, Worker) and r.id != caller:
+                w = self.by_id.get(r.id)
                 if (
                     w is not None
                     and w.online
-                    and (r.state is not WorkerState.ACTIVE or r.cell_id != self._believed_cell(w))
+                    and (r.state is not WorkerState.ACTIVE or r.cell != self._believed_cell(w))
                 ):
                     self._poll_later(w)
 
@@ -458,18 +520,18 @@ class Engine(WorkerBehaviour):
             return w.sync_target[0]
         return w.local.cell_id
 
-    def _on_round_record(self, r: RoundRecord, caller: str) -> None:
-        """A round record changed: arm its deadline, settle the ledger, and make everyone
-        whose instruction changed hear it at their next heartbeat."""
+    def _on_round_record(self, r: Round, caller: str) -> None:
+        """A round changed: arm its deadline, settle the ledger, and make everyone whose
+        instruction changed hear it at their next heartbeat."""
         if r.freeze_by_ms and r.state in (RoundState.OPEN, RoundState.TRAINING):
             self._tick_at(r.freeze_by_ms - T0_MS)  # the core's wait for the last members ends then
         sig = (r.round, r.attempt, r.state, r.reduce_attempt)
-        prev = self.seen_round.get(r.cell_id)
+        prev = self.seen_round.get(r.cell)
         if prev == sig:
             return
-        self.seen_round[r.cell_id] = sig
+        self.seen_round[r.cell] = sig
         st = r.state
-        key = (r.cell_id, r.round, r.attempt)
+        key = (r.cell, r.round, r.attempt)
         if st is RoundState.TRAINING and prev is not None and prev[:2] == sig[:2]:
             return  # OPEN -> TRAINING: every member's order is still TRAIN
         if st is RoundState.REDUCING:
@@ -484,7 +546,7 @@ class Engine(WorkerBehaviour):
                 self.locksteps.pop(key, None)
         else:  # a new attempt opened
             self._tick_at(r.deadline_ms - T0_MS)
-            who = self.member_ids[key] = tuple(m.worker_id for m in r.members)
+            who = self.member_ids[key] = tuple(m.worker_id for m in r.member_plans)
         by = self.by_id
         for wid in who:
             if wid != caller:

@@ -56,6 +56,9 @@ class SimPolicy:
     # all-reduces per round: 1 (DiLoCo: one pseudo-gradient per round) or "steps" (every step)
     comm_every_step: bool = False
     description: str = ""
+    # how costly a simulated day of it is, relative to the others (the runner starts the
+    # costliest first, so it keeps a core to itself): bagel simulates the most member-rounds
+    sim_cost: int = 1
 
     def resolved(self, steps_per_round: int) -> SimPolicy:
         """sync_dp-style policies get their K; others are returned unchanged."""
@@ -92,6 +95,7 @@ BAGEL = register(
         "bagel",
         core_policy.BAGEL,
         description="throughput-proportional batches, deadlines, fail-fast leases (the daemon's policy)",
+        sim_cost=3,
     )
 )
 DILOCO_WAIT_ALL = register(
@@ -110,5 +114,6 @@ SYNC_DP = register(
         lockstep=True,
         comm_every_step=True,
         description="synchronous data parallel: fp32 all-reduce every step, everyone waits for the slowest",
+        sim_cost=2,
     )
 )

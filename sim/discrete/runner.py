@@ -8,10 +8,13 @@ halves the wall time of a big scenario.
 
 Processes are forked where the platform allows (no re-import, no pickling of the
 scenario); each sends its progress and finally its pickled `EngineResult` over one queue.
-Up to `jobs` run at once, started in the order given. Running more processes than cores
-is deliberate: the OS shares the cores, so the last result arrives after about
-max(total CPU / cores, the longest policy) rather than after an unlucky packing of
-whole policies onto cores.
+Up to `jobs` run at once (by default one per core), the costliest first
+(`SimPolicy.sim_cost`, then the order given): longest-processing-time-first packing, so
+the policy that takes longest (bagel, which simulates the most rounds) has a core to
+itself from the start and the others queue on the rest. The last result then arrives
+after about max(the longest policy, the others' CPU time / the other cores). Running
+more processes than cores would share the longest policy's core with the others and
+make it finish later.
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ Progress = Callable[[int, float], None]  # (policy index, fraction done)
 
 
 def default_jobs(n_policies: int) -> int:
-    """All policies at once where there is more than one core, else one at a time."""
+    """One policy per core, at most all of them at once."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover (not Linux)
         cores = os.cpu_count() or 1
-    return n_policies if cores > 1 else 1
+    return max(1, min(n_policies, cores))
 
 
 def run_policies(
@@ -62,7 +65,7 @@ def run_policies(
     q = ctx.Queue()
     procs: dict[int, mp.process.BaseProcess] = {}
     results: dict[int, EngineResult] = {}
-    pending = list(range(len(pols)))
+    pending = sorted(range(len(pols)), key=lambda k: -pols[k].sim_cost)  # costliest first (stable)
     try:
         while pending or procs:
             while pending and len(procs) < jobs:

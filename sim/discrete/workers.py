@@ -198,7 +198,9 @@ class W:
         "rate_e",
         "rate_r",
         "rattempt",
+        "ready_hb",
         "recv",
+        "regs",
         "renew_armed",
         "renew_due",
         "report",
@@ -213,6 +215,7 @@ class W:
         "sync_target",
         "upd",
         "uploaded",
+        "uploaded_fs",
         "waited",
         "wid",
     )
@@ -227,6 +230,10 @@ class W:
         self.act = OFF
         self.since = 0
         self.key: tuple[str, int, int] | None = None  # (cell, round, round_attempt) trained / ready
+        # the key of the READY heartbeat the coordinator last got from it, if its last
+        # heartbeat was that READY (engine `_heartbeat`: a repeat of it may be answered by a query)
+        self.ready_hb: tuple[str, int, int] | None = None
+        self.regs = 0  # registrations sent (a registration resets what the core has of it)
         self.rkey: tuple[str, int, int] | None = None  # (cell, round, reduce_attempt) reduced / reported
         self.samples = 0
         self.own_s = 0.0  # own compute time of the round
@@ -252,6 +259,7 @@ class W:
         # catching up (`WorkerBehaviour._start_sync`)
         self.upd: tuple[str, int, int] | None = None
         self.uploaded: tuple[str, int, str] | None = None
+        self.uploaded_fs: frozenset[tuple[str, int]] = _NOTHING  # {uploaded[:2]}, as a view reads it
         self.report: ReportRound | None = None  # sent but not acknowledged (lost): resend
         self.lease_until = 0  # lease expiry the core last granted (heartbeat lease mode)
         self.epoch = 0  # bumps whenever the worker (re)gains contact: invalidates LEASE events
@@ -289,6 +297,7 @@ class Exchange:
         "parts",
         "peers",
         "senders",
+        "_senders",
     )
 
     def __init__(
@@ -313,23 +322,42 @@ class Exchange:
         self.parts = parts or {}  # worker id -> bytes of the part it reduces (one exchange)
         self.peers = peers  # the contributors' workers, as they were at the freeze
         self.senders = senders  # those that send a payload (a catch-up contributor abstains)
+        # the senders' ids, uplinks, latencies and positions, built at the first report
+        self._senders: tuple[list[str], np.ndarray, np.ndarray, dict[str, int]] | None = None
 
     def peer_rates(self, w: W) -> tuple[PeerRate, ...]:
         """What `w`, as the reducer of its part, measures of each other contributor's
         contribution, as the real data plane does (`ExchangeResult.peer_rates`): its part's
         bytes, over a stream that shares the sender's uplink and `w`'s downlink with the
         k - 1 others (the population's one link rate per worker, both ways), after the two
-        one-way latencies. A catch-up contributor (zero budget) sends no payload: not timed."""
+        one-way latencies. A catch-up contributor (zero budget) sends no payload: not timed.
+
+        Each sender's figure is min(sender bw, w.bw) / (k - 1) bytes/s and
+        (sender lat + w.lat + part / rate) x 1000 ms, truncated, at least 1: computed for all
+        senders at once (the same IEEE operations, element-wise), then `w` left out."""
         n = self.parts.get(w.wid, 0.0)
         k = len(self.peers)
         if n <= 0 or k < 2:
             return ()
-        out = []
-        for p in self.peers:
-            if p is not w and p.wid in self.senders:
-                rate = min(p.bw, w.bw) / (k - 1)
-                out.append(PeerRate(p.wid, int(n), max(1, int((p.lat + w.lat + n / rate) * 1000))))
-        return tuple(out)
+        cols = self._senders
+        if cols is None:
+            snd = [p for p in self.peers if p.wid in self.senders]
+            cols = self._senders = (
+                [p.wid for p in snd],
+                np.array([p.bw for p in snd], dtype=np.float64),
+                np.array([p.lat for p in snd], dtype=np.float64),
+                {p.wid: j for j, p in enumerate(snd)},
+            )
+        ids, bw, lat, index = cols
+        if not ids:
+            return ()
+        rate = np.minimum(bw, w.bw) / (k - 1)
+        ms = np.maximum(((lat + w.lat + n / rate) * 1000).astype(np.int64), 1).tolist()
+        nb = [int(n)] * len(ids)
+        j = index.get(w.wid)
+        if j is None:
+            return tuple(map(PeerRate, ids, nb, ms))
+        return tuple(map(PeerRate, ids[:j] + ids[j + 1 :], nb[1:], ms[:j] + ms[j + 1 :]))
 
 
 class Lockstep:
@@ -496,13 +524,12 @@ class WorkerBehaviour:
                 pending_hash=w.pending,
                 pending_attempt=ra,
             )
-        uploaded = frozenset((w.uploaded[:2],)) if w.uploaded is not None else _NOTHING
         missing = frozenset(w.missing) if w.missing else _NONE_MISSING
         ahead = None
         k = w.ahead_key
         if k is not None and w.plan is not None:
             ahead = Ahead(k[0], k[1], w.midx, len(w.plan.members), self._steps_ahead(w))
-        return WorkerView(w.wid, held, work, sync, uploaded, missing, ahead, self.catch_up_rounds)
+        return WorkerView(w.wid, held, work, sync, w.uploaded_fs, missing, ahead, self.catch_up_rounds)
 
     # ------------------------------------------------------------ training ahead
 
@@ -627,6 +654,7 @@ class WorkerBehaviour:
         if upload is not None:  # (after the order's own job: heap ties break by push order)
             up = (upload.cell_id, upload.committed_round, upload.committed_hash)
             w.uploaded = up
+            w.uploaded_fs = frozenset((up[:2],))
             nbytes = cm.cell_state_bytes(self.work, ins.cell_id)
             w.sent += nbytes
             self.uploads[w.i] = up
