@@ -66,7 +66,7 @@ def state_dtype(spec: object) -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"float32", "bfloat16", "float16": how errors name a state dtype."""
+    """How errors name a state dtype: "float32", "bfloat16" or "float16"."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -82,9 +82,9 @@ def to_state_dtype(t: torch.Tensor, dtype: torch.dtype, what: str = "tensor") ->
     out = src.to(dtype).contiguous()
     if out.data_ptr() == src.data_ptr():
         out = out.clone()
-    if dtype == torch.float16 and src.dtype != torch.float16 and bool(torch.isinf(out).any()):
-        if not bool(torch.isinf(src).any()):
-            raise StateFormatError(f"{what} has values beyond float16's range (65504): use bf16 or fp32")
+    overflow = dtype == torch.float16 and src.dtype != torch.float16 and bool(torch.isinf(out).any())
+    if overflow and not bool(torch.isinf(src).any()):
+        raise StateFormatError(f"{what} has values beyond float16's range (65504): use bf16 or fp32")
     return out
 
 
