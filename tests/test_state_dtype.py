@@ -354,3 +354,47 @@ def test_sim_state_bytes_follow_the_run_spec() -> None:
     # the shipped scenarios' run spec is fp32 without an average: their figure is unchanged
     shipped = load_sim_scenario(Path(__file__).parent.parent / "sim" / "scenarios" / "heterogeneity-10x.toml")
     assert shipped.workload.state_bytes_per_param == 8.0
+
+
+@pytest.mark.timeout(120)
+async def test_the_coordinator_keeps_and_samples_a_half_precision_run(tmp_path: Path) -> None:
+    """A real coordinator of an fp16 run: its workers' fp16 checkpoints pass the daemon's
+    schema check, and `sample`/`export` read back the committed fp16 weights into a model."""
+    import asyncio
+    import time
+
+    from bagel.coordinator.committed import load_committed
+    from bagel.coordinator.daemon import start_coordinator
+
+    from simworkers import cluster_spec_text, start_workers, stop_workers, uniform_cells
+
+    text = (
+        cluster_spec_text("halfrun", min_replicas=1, every_rounds=1, min_round_s=0.3, lease_s=15.0, heartbeat_s=0.5)
+        .replace("clusters = 2", "clusters = 1")
+        .replace("timestep_ranges = 2", "timestep_ranges = 1")
+        .replace("router = true", "router = false")
+        + '\n[sync]\nstate_dtype = "fp16"\n'
+    )
+    spec = parse_spec(text)
+    cell = "k0.r0"
+    base = CellState.from_model(cell_task(spec, cell).build_model(), dtype=state_dtype(spec))
+
+    def states(cell_id: str, rnd: int, prev_hash: str, contributors: object) -> dict[str, np.ndarray]:
+        nudge = np.float16(1e-3 * (rnd % 7 + 1))
+        return {k: (v.numpy() + nudge).astype(np.float16) for k, v in base.to_flat().items()}
+
+    data = tmp_path / "data"
+    h = await start_coordinator(spec, data, cells=uniform_cells(spec.cell_ids), tick_ms=50)
+    workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 2, cells=[cell], state_fn=states)
+    try:
+        deadline = time.monotonic() + 60
+        while not h.app.checkpoints.list(cell):
+            assert time.monotonic() < deadline, f"no checkpoint yet: {[w.stats.errors[-3:] for w in workers]}"
+            await asyncio.sleep(0.1)
+    finally:
+        await stop_workers(workers)
+        await h.stop()
+    got = load_committed(data).cells[cell]
+    assert {t.dtype for t in got.weights.values()} == {torch.float16}
+    model = got.model()
+    assert all(torch.equal(p.detach(), got.weights[n].float()) for n, p in model.named_parameters())
