@@ -585,7 +585,9 @@ def print_report(result: dict[str, Any]) -> None:
     grid = t.get("state_dtype", {})
     if grid:
         print("\n  the committed state's dtype (int4+EF, no overlap, each at its best outer lr/momentum):")
-        print(f"  {'state':>6} {'held-out':>9} {'vs ddp':>8} {'vs fp32 state':>14} {'state file':>12} {'file ratio':>11}")
+        print(
+            f"  {'state':>6} {'held-out':>9} {'vs ddp':>8} {'vs fp32 state':>14} {'state file':>12} {'file ratio':>11}"
+        )
         for dt, o in grid.items():
             print(
                 f"  {dt:>6} {o['heldout_loss']:>9.4f} {o['loss_rel_vs_ddp']:>+8.2%} {o['loss_rel_vs_fp32']:>+14.2%} "
