@@ -57,7 +57,9 @@ about 2 (k-1)/k x 0.53 B x params per member, DDP 2 (W-1)/W x 4 B x params x H, 
 ratio is at most about H x 4 / 0.53 = 376 at H = 50, less the data plane's headers.
 
 Not a test. The default (10 rounds at batch 32, 8 training runs) took 24 minutes on the shared
-2-core development machine at a load average of 9-15; expect well under that on a quiet one:
+2-core development machine at a load average of 9-15; expect well under that on a quiet one.
+Without the overlap rows (`--overlaps "" --naive-overlaps ""`, 19 training runs with the
+state-dtype rows) one seed took 10 to 11 minutes there:
     .venv/bin/python bench/diloco_vs_ddp.py --json bench/out/diloco_vs_ddp.json
     .venv/bin/python bench/diloco_vs_ddp.py --quick      # smoke run, 2 rounds at batch 8
 """
