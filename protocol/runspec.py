@@ -300,7 +300,7 @@ class SyncSection:
     shares proportional to those figures (`worker/statesync.py`). 1 is the single-donor sync.
 
     `catch_up_rounds`: a worker keeps the committed updates of its cell's last this many
-    rounds (the encoded averaged parts every member applied, about 1/12 of the state with
+    rounds (the encoded averaged parts every member applied, about 1/12 of an fp32 state with
     int8, 1/24 with int4) and serves them to peers; a joiner that holds the same cell's
     committed state of round j, told to sync to round R with 1 <= R - j <= this, first
     fetches the updates of rounds j+1..R from its donors and applies them itself (the result
