@@ -23,6 +23,12 @@ shard indices, from `bagel.models.data.shard`, at the same step in every variant
                  A = H (an exchange as long as the compute or longer: the whole round is
                  one outer step late, the most staleness the mode has). Same samples,
                  same bytes as (d): the cost of the staleness is the loss gap to (d).
+(f) diloco_int4_state_{bf16,fp16}  (d) with `[sync] state_dtype = "bf16"` / "fp16": the
+                 committed state (weights and outer momentum) lives on that grid: every
+                 member rounds it at round 0 and after every outer step (computed in fp32),
+                 so a joiner's download is half the bytes and lossless. Same samples and
+                 exchange bytes as (d): the cost of the grid is the loss gap to (d), whose
+                 state is fp32. The state file's bytes are reported per variant.
 
 The DiLoCo variants use the worker's real pieces: `InnerTrainer` (AdamW kept across rounds,
 as the worker does), `pseudo_gradient`, `CellState`, `outer_step`, `ErrorFeedback`, and the
@@ -37,7 +43,8 @@ the worker trains) with the fp32 codec for DiLoCo; int8 and int4 reuse fp32's be
 (they get no sweep of their own, so the selection cannot favour them). A delayed outer
 update acts like extra outer momentum, so int4+EF and its overlap variants are each run at
 every outer lr:momentum pair of `--outer` and reported at their best; int4+EF without
-overlap gets the same sweep, so the gap between them is the cost of staleness alone. The sweep selects on
+overlap gets the same sweep, so the gap between them is the cost of staleness alone; so do the
+bf16 and fp16 states, against int4+EF's fp32 state. The sweep selects on
 the same held-out loss it reports (there is no separate validation split); both variants
 are selected the same way.
 
@@ -50,7 +57,9 @@ about 2 (k-1)/k x 0.53 B x params per member, DDP 2 (W-1)/W x 4 B x params x H, 
 ratio is at most about H x 4 / 0.53 = 376 at H = 50, less the data plane's headers.
 
 Not a test. The default (10 rounds at batch 32, 8 training runs) took 24 minutes on the shared
-2-core development machine at a load average of 9-15; expect well under that on a quiet one:
+2-core development machine at a load average of 9-15; expect well under that on a quiet one.
+Without the overlap rows (`--overlaps "" --naive-overlaps ""`, 19 training runs with the
+state-dtype rows) one seed took 10 to 11 minutes there:
     .venv/bin/python bench/diloco_vs_ddp.py --json bench/out/diloco_vs_ddp.json
     .venv/bin/python bench/diloco_vs_ddp.py --quick      # smoke run, 2 rounds at batch 8
 """
@@ -75,7 +84,7 @@ from bagel.models.data import shard
 from bagel.models.experts import CellTask, cell_task
 from bagel.protocol.runspec import RunSpec, parse_spec
 from bagel.worker.averaging import Contributor, DataPlane
-from bagel.worker.diloco import CellState, OuterConfig, outer_step, pseudo_gradient
+from bagel.worker.diloco import STATE_DTYPES, CellState, OuterConfig, outer_step, pseudo_gradient
 from bagel.worker.roundwork import eager_start, joined, move_onto, trainable
 from bagel.worker.trainer import InnerPlan, InnerTrainer, RoundKey, TrainResult, round_indices
 
@@ -246,6 +255,7 @@ class DilocoRun:
         ef: bool,
         ahead: int = 0,
         naive: bool = False,
+        state_dtype: str = "fp32",
     ):
         self.spec, self.task, self.budget, self.codec = spec, task, budget, codec
         self.ahead = ahead  # steps of the next round trained during each exchange (overlap)
@@ -253,7 +263,8 @@ class DilocoRun:
         self.starts: list[dict[str, torch.Tensor] | None] = [None] * budget.workers
         self.ahead_results: list[TrainResult | None] = [None] * budget.workers
         init = task.build_model()
-        self.states = [CellState.from_model(init) for _ in range(budget.workers)]
+        # every member builds its round-0 state itself, rounded onto the run's state dtype
+        self.states = [CellState.from_model(init, dtype=STATE_DTYPES[state_dtype]) for _ in range(budget.workers)]
         self.trainers = [
             InnerTrainer(task, task.build_model(), CPU, lr=inner_lr, weight_decay=spec.diloco.inner_weight_decay)
             for _ in range(budget.workers)
@@ -362,6 +373,7 @@ class DilocoRun:
             "heldout_curve": self.curve,
             "rounds": self.budget.rounds,
             "replicas_identical": self.hash_mismatches == 0,
+            "state_file_bytes": len(self.states[0].to_safetensors()),
             "comm_s": self.comm_s,
             "wall_s": time.perf_counter() - t0,
         }
@@ -376,8 +388,10 @@ async def run_diloco_all(
     overlaps: tuple[int, ...] = (),
     naive_overlaps: tuple[int, ...] = (),
     outer_grid: tuple[tuple[float, float], ...] = (),
+    state_dtypes: tuple[str, ...] = (),
 ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
-    """The inner-lr sweep with fp32, then int8 and int4+EF at fp32's best inner lr, on one set of peers."""
+    """The inner-lr sweep with fp32, then int8, int4+EF and its variants (overlap, the state
+    on a half-precision grid) at fp32's best inner lr, on one set of peers."""
     peers: list[Peer] = []
     sweep: list[dict[str, Any]] = []
     out: dict[str, dict[str, Any]] = {}
@@ -393,22 +407,26 @@ async def run_diloco_all(
         out["diloco_fp32"] = {"codec": "fp32", "error_feedback": False, "inner_lr": best["lr"], **best}
         out["diloco_fp32"].pop("lr")
         default_outer = ((spec.diloco.outer_lr, spec.diloco.outer_momentum),)
-        for name, codec, ef, ahead, naive, grid in (
-            ("diloco_int8", "int8", False, 0, False, default_outer),
-            ("diloco_int4", "int4", True, 0, False, outer_grid or default_outer),
+        swept = outer_grid or default_outer
+        for name, codec, ef, ahead, naive, grid, sdtype in (
+            ("diloco_int8", "int8", False, 0, False, default_outer, "fp32"),
+            ("diloco_int4", "int4", True, 0, False, swept, "fp32"),
             *(
-                (f"diloco_int4_overlap{pct}", "int4", True, budget.H * pct // 100, False, outer_grid or default_outer)
+                (f"diloco_int4_overlap{pct}", "int4", True, budget.H * pct // 100, False, swept, "fp32")
                 for pct in overlaps
             ),
             *(
-                (f"diloco_int4_naive{pct}", "int4", True, budget.H * pct // 100, True, default_outer)
+                (f"diloco_int4_naive{pct}", "int4", True, budget.H * pct // 100, True, default_outer, "fp32")
                 for pct in naive_overlaps
             ),
+            *((f"diloco_int4_state_{d}", "int4", True, 0, False, swept, d) for d in state_dtypes),
         ):
             tried: list[dict[str, Any]] = []
             for olr, mom in grid:
                 ospec = replace(spec, diloco=replace(spec.diloco, outer_lr=olr, outer_momentum=mom))
-                run = DilocoRun(ospec, task, budget, best["lr"], codec, ef=ef, ahead=ahead, naive=naive)
+                run = DilocoRun(
+                    ospec, task, budget, best["lr"], codec, ef=ef, ahead=ahead, naive=naive, state_dtype=sdtype
+                )
                 r = await run.train(peers, next_round, eval_seeds)
                 next_round += budget.rounds
                 tried.append({"outer_lr": olr, "outer_momentum": mom, **r})
@@ -420,6 +438,7 @@ async def run_diloco_all(
                 "inner_lr": best["lr"],
                 "ahead_steps": ahead,
                 "ahead_from": "own weights" if naive else "eager estimate",
+                "state_dtype": sdtype,
                 **pick,
                 "outer_sweep": [{k: t[k] for k in ("outer_lr", "outer_momentum", "heldout_loss")} for t in tried],
             }
@@ -464,6 +483,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="outer lr:momentum pairs swept for int4+EF with and without overlap, each variant at its best "
         "(a delayed update acts as extra momentum; empty: the spec's 0.7:0.9 only)",
     )
+    p.add_argument(
+        "--state-dtypes",
+        default="bf16,fp16",
+        help="variants of int4+EF (no overlap) whose committed state lives on this grid ([sync] state_dtype), "
+        "each at its best outer lr/momentum (empty: none)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 2 rounds at batch 8")
     args = p.parse_args(argv)
     if args.quick:
@@ -482,6 +507,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if any(not 0 < x <= 100 for x in got):
             p.error(f"--{flag.replace('_', '-')}: each percentage must be in 1..100, got {text!r}")
         setattr(args, flag.removesuffix("s") + "_list", got)
+    args.state_dtype_list = tuple(x.strip() for x in args.state_dtypes.split(",") if x.strip())
+    if any(d not in STATE_DTYPES or d == "fp32" for d in args.state_dtype_list):
+        p.error(f"--state-dtypes: each one of bf16, fp16 (int4+EF is the fp32 state), got {args.state_dtypes!r}")
     try:
         args.outer_grid = tuple(
             (float(a), float(b)) for a, b in (x.split(":") for x in args.outer.split(",") if x.strip())
@@ -556,6 +584,17 @@ def print_report(result: dict[str, Any]) -> None:
             f"vs ddp ({'MET' if o['loss_met'] else 'MISSED'}), {o['loss_rel_vs_int4']:+.1%} vs int4+EF without "
             f"overlap; {o['bytes_ratio']:.1f}x fewer bytes than ddp ({'MET' if o['bytes_met'] else 'MISSED'})"
         )
+    grid = t.get("state_dtype", {})
+    if grid:
+        print("\n  the committed state's dtype (int4+EF, no overlap, each at its best outer lr/momentum):")
+        print(
+            f"  {'state':>6} {'held-out':>9} {'vs ddp':>8} {'vs fp32 state':>14} {'state file':>12} {'file ratio':>11}"
+        )
+        for dt, o in grid.items():
+            print(
+                f"  {dt:>6} {o['heldout_loss']:>9.4f} {o['loss_rel_vs_ddp']:>+8.2%} {o['loss_rel_vs_fp32']:>+14.2%} "
+                f"{o['state_file_bytes']:>12,} {o['file_ratio_vs_fp32']:>11.3f}"
+            )
     print(
         "  replicas bit-identical every round: "
         + ", ".join(f"{v['name']}={v['replicas_identical']}" for v in result["variants"][1:])
@@ -620,6 +659,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             args.overlap_list,
             args.naive_overlap_list,
             args.outer_grid,
+            args.state_dtype_list,
         )
     )
 
@@ -642,6 +682,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for v in variants
         if v.get("ahead_steps")
     }
+    state_grid = {
+        v["state_dtype"]: {
+            "variant": v["name"],
+            "heldout_loss": v["heldout_loss"],
+            "loss_rel_vs_ddp": v["heldout_loss"] / ddp["heldout_loss"] - 1,
+            "loss_rel_vs_fp32": v["heldout_loss"] / int4["heldout_loss"] - 1,
+            "state_file_bytes": v["state_file_bytes"],
+            "file_ratio_vs_fp32": v["state_file_bytes"] / int4["state_file_bytes"],
+            "outer_lr": v["outer_lr"],
+            "outer_momentum": v["outer_momentum"],
+        }
+        for v in variants
+        if v["name"] == "diloco_int4" or v["name"].startswith("diloco_int4_state_")
+    }
     result = {
         "setup": setup,
         "lr_sweep": {
@@ -658,6 +712,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "loss_target": LOSS_TARGET,
             "loss_met": loss_rel <= LOSS_TARGET,
             "overlap": overlap,
+            "state_dtype": state_grid if len(state_grid) > 1 else {},
         },
         "wall_s": time.perf_counter() - t_start,
     }

@@ -17,6 +17,10 @@ Where each donor's uplink is capped:
 The claim checked: time(k) <= 1.3 / k x time(1). Prints a table; `--json FILE` writes the
 figures. Not a test.
 
+`--state-dtype bf16|fp16` (`[sync] state_dtype`): the same parameters with the committed
+state on that grid, so the file the donors serve and the joiner verifies is half the bytes
+(`--mb` is always the fp32 state's size); compare a run of each at the same `--mb`.
+
     sudo .venv/bin/python bench/multi_donor_sync.py [--mb 128] [--link 40] [--json out.json]
 """
 
@@ -41,21 +45,22 @@ DONORS = 4
 PORT = 7100
 
 
-def build_state(mb: float, seed: int) -> Any:
-    """A seeded committed state of about `mb` MB: half weights, half outer momentum, fp32."""
+def build_state(mb: float, seed: int, dtype: str = "fp32") -> Any:
+    """A seeded committed state of about `mb` MB in fp32 (half weights, half outer momentum),
+    rounded onto `dtype` (half the bytes in bf16 or fp16)."""
     import torch
 
-    from bagel.worker.diloco import CellState
+    from bagel.worker.diloco import STATE_DTYPES, CellState
 
     n = int(mb * 1e6 / 8)  # 4 bytes of weight and 4 of momentum per parameter
     g = torch.Generator().manual_seed(seed)
     rows = max(1, n // 1024)
     w = {"blocks.0.weight": torch.randn(rows, 1024, generator=g), "blocks.0.bias": torch.randn(1024, generator=g)}
     m = {k: 0.01 * torch.randn(t.shape, generator=g) for k, t in w.items()}
-    return CellState(w, m)
+    return CellState(w, m, dtype=STATE_DTYPES[dtype])
 
 
-async def _donor(ip: str, addr_file: str, mb: float, mbps: float) -> None:
+async def _donor(ip: str, addr_file: str, mb: float, mbps: float, dtype: str) -> None:
     """Serve the state from a P2P daemon on ip; write `maddr hash nbytes` to addr_file."""
     import asyncio
 
@@ -66,7 +71,7 @@ async def _donor(ip: str, addr_file: str, mb: float, mbps: float) -> None:
 
     if mbps > 0:
         pacing.install(pacing.UploadPacer.from_mbps(mbps))
-    state = build_state(mb, seed=0)
+    state = build_state(mb, seed=0, dtype=dtype)
     p2p = await P2P.create(host_maddrs=[f"/ip4/{ip}/tcp/{PORT if ip != '127.0.0.1' else 0}"])
     server = StateServer(p2p, RUN, chunk_nbytes=1 << 20)
     await server.start()
@@ -79,10 +84,11 @@ async def _donor(ip: str, addr_file: str, mb: float, mbps: float) -> None:
     await asyncio.sleep(3600)
 
 
-async def _joiner(ip: str, donors_file: str, ks: str, repeats: int, link_mbps: float, out: str) -> None:
+async def _joiner(ip: str, donors_file: str, ks: str, repeats: int, link_mbps: float, out: str, dtype: str) -> None:
     """Fetch the state from the first k donors for each k; write the timings as JSON."""
     from hivemind.p2p import P2P
 
+    from bagel.worker.diloco import STATE_DTYPES
     from bagel.worker.statesync import DonorRef, fetch_state_from_donors
 
     lines = [ln.split() for ln in Path(donors_file).read_text().splitlines() if ln.strip()]
@@ -100,7 +106,7 @@ async def _joiner(ip: str, donors_file: str, ks: str, repeats: int, link_mbps: f
                 t0 = time.perf_counter()
                 got = await fetch_state_from_donors(
                     p2p, refs[:k], run_id=RUN, cell_id=CELL, committed_round=ROUND, state_hash=want,
-                    max_nbytes=nbytes, timeout_s=600.0,
+                    max_nbytes=nbytes, timeout_s=600.0, dtype=STATE_DTYPES[dtype],
                 )  # fmt: skip
                 s = time.perf_counter() - t0
                 assert got.synced.state_hash == want and got.synced.nbytes == nbytes
@@ -123,7 +129,7 @@ def _wait_files(paths: list[Path], procs: list[subprocess.Popen[Any]], timeout_s
         time.sleep(0.2)
 
 
-def run(mode: str, mb: float, link: float, ks: str, repeats: int, root: Path) -> dict[str, Any]:
+def run(mode: str, mb: float, link: float, ks: str, repeats: int, root: Path, dtype: str = "fp32") -> dict[str, Any]:
     py, me = sys.executable, str(Path(__file__).resolve())
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     addrs = [root / f"donor{i}.addr" for i in range(1, DONORS + 1)]
@@ -133,12 +139,12 @@ def run(mode: str, mb: float, link: float, ks: str, repeats: int, root: Path) ->
         procs = []
         for i, addr in enumerate(addrs, start=1):
             with open(root / f"donor{i}.log", "w") as f:
-                argv = [py, me, "_donor", ip_of(i), str(addr), str(mb), str(pace)]
+                argv = [py, me, "_donor", ip_of(i), str(addr), str(mb), str(pace), dtype]
                 procs.append(start(i, argv, stdout=f, stderr=subprocess.STDOUT, env=env))
         _wait_files(addrs, procs, 300)
         donors_file.write_text("\n".join(a.read_text() for a in addrs) + "\n")
 
-    jargv = [py, me, "_joiner", "", str(donors_file), ks, str(repeats), str(link), str(out)]
+    jargv = [py, me, "_joiner", "", str(donors_file), ks, str(repeats), str(link), str(out), dtype]
     if mode == "netlab":
         with NetLab(tag="ms", homes=0, per_home=0, public=DONORS) as lab:
             for i in range(1, DONORS + 1):
@@ -177,12 +183,18 @@ def main() -> int:
 
         v = sys.argv[2:]
         if sys.argv[1] == "_donor":
-            asyncio.run(_donor(v[0], v[1], float(v[2]), float(v[3])))
+            asyncio.run(_donor(v[0], v[1], float(v[2]), float(v[3]), v[4]))
         else:
-            asyncio.run(_joiner(v[0], v[1], v[2], int(v[3]), float(v[4]), v[5]))
+            asyncio.run(_joiner(v[0], v[1], v[2], int(v[3]), float(v[4]), v[5], v[6]))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mb", type=float, default=128.0, help="state size in MB (default 128)")
+    ap.add_argument("--mb", type=float, default=128.0, help="the fp32 state's size in MB (default 128)")
+    ap.add_argument(
+        "--state-dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="the committed state's dtype ([sync] state_dtype): bf16/fp16 serve half the bytes",
+    )
     ap.add_argument("--link", type=float, default=40.0, help="each donor's uplink cap, Mbit/s (default 40)")
     ap.add_argument("--ks", default="1,2,4", help="donor counts to time, in order (default 1,2,4)")
     ap.add_argument("--repeats", type=int, default=1)
@@ -204,13 +216,16 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="msync-") as tmp:
         root = a.keep or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        got = run(mode, a.mb, a.link, a.ks, a.repeats, root)
+        got = run(mode, a.mb, a.link, a.ks, a.repeats, root, a.state_dtype)
     rows = got["rows"]
     best = {k: min(r["s"] for r in rows if r["k"] == k) for k in ks}
     base = best.get(1)
     ideal = got["state_nbytes"] * 8 / (a.link * 1e6)
     cap_where = "tbf on each donor's uplink (netlab)" if mode == "netlab" else "each donor's UploadPacer (loopback)"
-    print(f"state {got['state_nbytes'] / 1e6:.1f} MB, donor uplinks {a.link:g} Mbit/s, capped by {cap_where}")
+    print(
+        f"state {got['state_nbytes'] / 1e6:.1f} MB ({a.state_dtype}), donor uplinks {a.link:g} Mbit/s, "
+        f"capped by {cap_where}"
+    )
     print(
         f"{'k':>2s} {'time s':>8s} {'t(k)/t(1)':>9s} {'bound 1.3/k':>11s} {'ok':>3s} {'ideal s':>8s}"
         "  MB from each donor"
@@ -225,8 +240,8 @@ def main() -> int:
               f"{'yes' if ok else 'NO':>3s} {ideal / k:8.2f}  {mbs}")  # fmt: skip
         summary.append({"k": k, "time_s": best[k], "ratio": ratio, "bound": 1.3 / k, "ok": ok})
     if a.json:
-        doc = {"mode": mode, "mb": a.mb, "link_mbps": a.link, "state_nbytes": got["state_nbytes"],
-               "runs": rows, "summary": summary}  # fmt: skip
+        doc = {"mode": mode, "mb": a.mb, "state_dtype": a.state_dtype, "link_mbps": a.link,
+               "state_nbytes": got["state_nbytes"], "runs": rows, "summary": summary}  # fmt: skip
         a.json.write_text(json.dumps(doc, indent=2))
     return 0
 

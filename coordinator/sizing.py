@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 from bagel.coordinator.core.records import CellConfig
 from bagel.coordinator.core.scheduler import ROUTER_SHARE, cell_targets
-from bagel.protocol.runspec import RunSpec
+from bagel.protocol.runspec import STATE_DTYPE_NBYTES, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,11 @@ CHECKPOINT_HEADER_SLACK_BYTES = 1 << 20
 
 
 def checkpoint_bytes_bound(spec: RunSpec, cell_id: str) -> int:
-    """The most bytes an honest checkpoint of `cell_id` takes: float32 weights and outer
-    momentum (`worker/diloco.py`'s CellState), and the average of the weights where the run
-    keeps one (`[ema]`), plus a header slack. An upload declaring more is refused before any
-    byte is accepted. Imports the models (slow): call it once per cell, off the event loop."""
+    """The most bytes an honest checkpoint of `cell_id` takes: weights and outer momentum
+    (`worker/diloco.py`'s CellState), and the average of the weights where the run keeps one
+    (`[ema]`), each in the run's `[sync] state_dtype`, plus a header slack. An upload
+    declaring more is refused before any byte is accepted. Imports the models (slow): call
+    it once per cell, off the event loop."""
     copies = 3 if spec.ema.decay > 0 else 2
-    return 4 * copies * _param_count(spec, cell_id) + CHECKPOINT_HEADER_SLACK_BYTES
+    nbytes = STATE_DTYPE_NBYTES[spec.sync.state_dtype]
+    return nbytes * copies * _param_count(spec, cell_id) + CHECKPOINT_HEADER_SLACK_BYTES

@@ -125,28 +125,33 @@ def cell_param_count(spec: RunSpec, cell_id: str) -> int:
 
 
 # A cell's committed state as stored and hashed: "w.<param>" weights and "m.<param>" outer
-# momentum (`worker/diloco.py`'s CellState.to_flat uses these), float32, one per parameter,
-# and with `[ema] decay` > 0 the average of the committed weights, "ema.<param>".
+# momentum (`worker/diloco.py`'s CellState.to_flat uses these), one per parameter, and with
+# `[ema] decay` > 0 the average of the committed weights, "ema.<param>"; every tensor in the
+# run's `[sync] state_dtype` (float32 by default).
 WEIGHT_PREFIX = "w."
 MOMENTUM_PREFIX = "m."
 EMA_PREFIX = "ema."
+# `[sync] state_dtype` -> the safetensors dtype of the state's tensors
+SAFETENSORS_STATE_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 
 
 def cell_state_schema(spec: RunSpec, cell_id: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (safetensors dtype, shape)} of a cell's committed state, from the spec
     alone: the trainable parameters of its model, built on the meta device (no memory,
-    no init), each as a float32 weight and a float32 momentum of the same shape, plus a
-    float32 average when the spec keeps one (`[ema]`). What a checkpoint of the cell must
-    hold, exactly (the coordinator checks uploads against it)."""
+    no init), each as a weight and a momentum of the same shape, plus an average when the
+    spec keeps one (`[ema]`), all in the spec's `[sync] state_dtype`. What a checkpoint of
+    the cell must hold, exactly (the coordinator checks uploads against it: a tensor in
+    another dtype is refused, not cast)."""
     with torch.device("meta"):
         model = build(cell_config(spec, cell_id))
+    dtype = SAFETENSORS_STATE_DTYPES[spec.sync.state_dtype]
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     for n, p in model.named_parameters():
         if p.requires_grad:
-            out[WEIGHT_PREFIX + n] = ("F32", tuple(p.shape))
-            out[MOMENTUM_PREFIX + n] = ("F32", tuple(p.shape))
+            out[WEIGHT_PREFIX + n] = (dtype, tuple(p.shape))
+            out[MOMENTUM_PREFIX + n] = (dtype, tuple(p.shape))
             if spec.ema.decay > 0:
-                out[EMA_PREFIX + n] = ("F32", tuple(p.shape))
+                out[EMA_PREFIX + n] = (dtype, tuple(p.shape))
     return out
 
 

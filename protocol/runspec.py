@@ -29,6 +29,8 @@ _CELL_RE = re.compile(r"^k(\d{1,4})\.r(\d{1,4})$")
 _RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 MAX_SYNC_DONORS = 16  # the most donors one sync may name (`[sync] max_donors`)
 MAX_CATCH_UP_ROUNDS = 8  # the most committed updates one catch-up may apply (`[sync] catch_up_rounds`)
+# `[sync] state_dtype`: the committed state's dtype, and its bytes per value (no torch here)
+STATE_DTYPE_NBYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 class SpecError(TomlTableError):
@@ -298,16 +300,28 @@ class SyncSection:
     shares proportional to those figures (`worker/statesync.py`). 1 is the single-donor sync.
 
     `catch_up_rounds`: a worker keeps the committed updates of its cell's last this many
-    rounds (the encoded averaged parts every member applied, about 1/12 of the state with
+    rounds (the encoded averaged parts every member applied, about 1/12 of an fp32 state with
     int8, 1/24 with int4) and serves them to peers; a joiner that holds the same cell's
     committed state of round j, told to sync to round R with 1 <= R - j <= this, first
     fetches the updates of rounds j+1..R from its donors and applies them itself (the result
     must have the committed hash, as a download's must), and downloads the whole state only
     if that fails (`worker/catchup.py`). 0 to 8; 0 turns it off.
+
+    `state_dtype`: the dtype of every cell's committed state (weights, outer momentum, the
+    average): "fp32" (the default), "bf16" or "fp16". With a half dtype every member rounds
+    the state onto that grid (to nearest, ties to even, on the CPU) where committed state is
+    made: the initial state of round 0 and the end of every outer step, which computes in
+    fp32 (`worker/diloco.py`). The replicas stay bit-identical, and the hash, the download,
+    a catch-up and the checkpoints are all over the same exact bytes, half as many: a
+    download is lossless. Inner training runs in fp32 from the exact upcast. The price is
+    the grid itself: an outer step changes a value only by more than half the grid's spacing
+    there (2^-9 to 2^-8 of the value for bf16, 2^-12 to 2^-11 for fp16; fp16 also loses
+    precision below 6e-5 and rounds values under 3e-8 to zero).
     """
 
     max_donors: int = 4
     catch_up_rounds: int = 2
+    state_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 @dataclass(frozen=True)

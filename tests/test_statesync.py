@@ -80,6 +80,52 @@ async def test_round_trip_in_chunks_with_hash_verification() -> None:
             await server.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+async def test_a_half_precision_state_downloads_losslessly(dtype: torch.dtype) -> None:
+    """A run whose committed state lives on the bf16 / fp16 grid (`[sync] state_dtype`): the
+    joiner downloads the donors' half-size file, from one donor and from two at once, and
+    holds exactly the donor's bytes under the committed hash; a joiner that expects another
+    dtype refuses the file, and nothing is cast."""
+    from bagel.worker.statesync import DonorRef, fetch_state_from_donors
+
+    g = torch.Generator().manual_seed(5)
+    w = {"net.weight": torch.randn(200, 300, generator=g), "net.bias": torch.randn(300, generator=g)}
+    state = CellState(w, None, w, dtype=dtype)  # rounded onto the grid, as every member's is
+    cfg = OuterConfig(ema_decay=0.9)
+    outer_step(state, {n: 0.1 * torch.randn(t.shape, generator=g) for n, t in w.items()}, cfg)
+    fp32_nbytes = len(CellState(w, None, w).to_safetensors())
+    async with peers(3) as (d0, d1, joiner):
+        servers = [StateServer(d.p2p, RUN_ID, chunk_nbytes=16 << 10) for d in (d0, d1)]
+        try:
+            for s in servers:
+                await s.start()
+                want = s.publish(CELL, 5, state)
+            assert want == state.state_hash()
+            one = await fetch(joiner, d0, 5, want, dtype=dtype)
+            refs = [DonorRef(d.plane.peer_id, tuple(str(m) for m in d.dht.get_visible_maddrs()), 0.0, d.worker_id)
+                    for d in (d0, d1)]  # fmt: skip
+            both = await asyncio.wait_for(
+                fetch_state_from_donors(
+                    joiner.p2p, refs, run_id=RUN_ID, cell_id=CELL, committed_round=5, state_hash=want,
+                    max_nbytes=1 << 22, timeout_s=20.0, stall_s=5.0, request_nbytes=64 << 10, dtype=dtype,
+                ),
+                60,
+            )  # fmt: skip
+            assert all(b > 0 for b in both.nbytes_by_donor.values()) and len(both.nbytes_by_donor) == 2
+            for got in (one, both.synced):
+                assert got.state_hash == want == got.state.state_hash() and got.state.dtype == dtype
+                assert got.state.to_safetensors() == state.to_safetensors()
+                assert all(torch.equal(got.state.to_flat()[k], v) for k, v in state.to_flat().items())
+                assert got.nbytes == len(state.to_safetensors()) < 0.51 * fp32_nbytes
+            # the joiner of an fp32 run (or of the other half dtype) refuses the file
+            other = torch.float32 if dtype == torch.float16 else torch.float16
+            with pytest.raises(StateIntegrityError, match=f"expected {str(other).removeprefix('torch.')}"):
+                await fetch(joiner, d0, 5, want, dtype=other)
+        finally:
+            for s in servers:
+                await s.close()
+
+
 async def until(cond: Callable[[], bool]) -> None:
     while not cond():
         await asyncio.sleep(0.01)

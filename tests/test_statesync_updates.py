@@ -45,12 +45,13 @@ catch_up_rounds = 2
 CFG = OuterConfig.from_spec(SPEC.diloco, SPEC.ema)
 
 
-def base_state() -> CellState:
-    """A committed state of ~137K parameters (weights, outer momentum, average): 1.6 MB."""
+def base_state(dtype: torch.dtype = torch.float32) -> CellState:
+    """A committed state of ~137K parameters (weights, outer momentum, average): 1.6 MB in
+    fp32, on the `dtype` grid."""
     g = torch.Generator().manual_seed(0)
     w = {"blocks.0.weight": torch.randn(256, 512, generator=g), "blocks.0.bias": torch.randn(512, generator=g),
          "head.weight": torch.randn(10, 512, generator=g)}  # fmt: skip
-    state = CellState(w, None, w)
+    state = CellState(w, None, w, dtype=dtype)
     outer_step(state, {n: 0.1 * torch.randn(t.shape, generator=g) for n, t in w.items()}, CFG, ema_step=4)
     return state
 
@@ -70,9 +71,8 @@ class Recorder(Display):
 class Host:
     """What `Orders` needs of the agent, for a sync and a commit."""
 
-    spec = SPEC
-
-    def __init__(self) -> None:
+    def __init__(self, spec: Any = SPEC) -> None:
+        self.spec = spec
         self.tasks: list[asyncio.Task[Any]] = []
 
     def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
@@ -100,21 +100,22 @@ async def _no_checkpoint(*_a: Any, **_k: Any) -> None:
     raise AssertionError("the coordinator's checkpoint is not used here")
 
 
-async def worker(p: Peer, held: CellState, rnd: int) -> Orders:
-    """A worker's `Orders` on peer p, holding `held` as the committed state of `rnd` (and
-    serving it, as after a commit or a sync)."""
+async def worker(p: Peer, held: CellState | None, rnd: int, spec: Any = SPEC) -> Orders:
+    """A worker's `Orders` on peer p of the run `spec`, holding `held` as the committed state
+    of `rnd` (and serving it, as after a commit or a sync), or nothing."""
     link = SimpleNamespace(client=object(), wake_heartbeat=lambda: None, epoch=0, rpc=_no_checkpoint)
     cfg = SimpleNamespace(sync_timeout_s=30.0, keep_round_history=False, byzantine="", reduce_timeout_s=30.0)
-    o = Orders(Host(), link, cfg, Recorder(), ddp.DistContext(), torch.device("cpu"), RUN_ID, p.worker_id)  # type: ignore[arg-type]
+    o = Orders(Host(spec), link, cfg, Recorder(), ddp.DistContext(), torch.device("cpu"), RUN_ID, p.worker_id)  # type: ignore[arg-type]
     server = StateServer(p.p2p, RUN_ID, chunk_nbytes=64 << 10, keep=3)
     await server.start()
     o.attach(p.p2p, p.plane, server, None)  # type: ignore[arg-type]  (no local store: nothing saved)
-    o.held = LocalCheckpoint(CELL, rnd, held, held.state_hash(), {})
-    server.publish(CELL, rnd, held)
+    if held is not None:
+        o.held = LocalCheckpoint(CELL, rnd, held, held.state_hash(), {})
+        server.publish(CELL, rnd, held)
     return o
 
 
-async def commit_round(members: list[tuple[Peer, Orders]], rnd: int) -> list[ReduceOutcome]:
+async def commit_round(members: list[tuple[Peer, Orders]], rnd: int, spec: Any = SPEC) -> list[ReduceOutcome]:
     """Round `rnd` committed as the workers commit it: a real exchange among the members
     (`reduce_round`, what `Orders._reduce` runs), then `Orders.commit` of its outcome."""
     contributors = [p.contributor() for p, _ in members]
@@ -136,7 +137,7 @@ async def commit_round(members: list[tuple[Peer, Orders]], rnd: int) -> list[Red
         works.append(w)
     outs = await asyncio.gather(
         *(
-            reduce_round(p.plane, SPEC, p.worker_id, o.held.state, w, order, None, 30.0, base_hash=o.held.state_hash)  # type: ignore[union-attr]
+            reduce_round(p.plane, spec, p.worker_id, o.held.state, w, order, None, 30.0, base_hash=o.held.state_hash)  # type: ignore[union-attr]
             for (p, o), w in zip(members, works, strict=True)
         )
     )
@@ -281,3 +282,39 @@ async def test_a_lying_donor_is_caught_by_the_hash_and_never_asked_again() -> No
             assert before == s4.to_safetensors()  # what the joiner held was never touched
         finally:
             await close(m0, m1, j)
+
+
+BF16_SPEC = parse_spec(SPEC.source + 'state_dtype = "bf16"\n')  # [sync] is the source's last table
+
+
+@pytest.mark.timeout(180)
+async def test_bf16_catch_up_by_updates_and_a_full_download_land_on_the_same_bytes() -> None:
+    """On the bf16 grid (`[sync] state_dtype = "bf16"`), through the worker's own paths:
+    members commit rounds 5 and 6 (the outer step rounds the new state onto the grid), a
+    joiner holding round 4 catches up by the two rounds' updates, and a joiner holding
+    nothing downloads the whole state. Both hold the members' exact bytes under the
+    committed hash, in bf16, and the download is half the fp32 file."""
+    assert BF16_SPEC.sync.state_dtype == "bf16" and BF16_SPEC.sync.catch_up_rounds == 2
+    async with peers(4) as (d0, d1, catcher, fresh):
+        s4 = base_state(torch.bfloat16)
+        m0, m1 = await worker(d0, s4, 4, BF16_SPEC), await worker(d1, s4, 4, BF16_SPEC)
+        await commit_round([(d0, m0), (d1, m1)], 5, BF16_SPEC)
+        outs6 = await commit_round([(d0, m0), (d1, m1)], 6, BF16_SPEC)
+        s6, h6 = outs6[0].state, outs6[0].state_hash
+        assert s6.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in s6.to_flat().values())
+        j = await worker(catcher, s4, 4, BF16_SPEC)
+        k = await worker(fresh, None, 0, BF16_SPEC)
+        try:
+            await j._sync(CELL, 6, h6, (donor(d0),))
+            await k._sync(CELL, 6, h6, (donor(d1),))
+            [caught] = j.display.named("synced")  # type: ignore[attr-defined]
+            [downloaded] = k.display.named("synced")  # type: ignore[attr-defined]
+            assert "updates of rounds 5..6" in caught["source"], caught
+            assert downloaded["source"] == f"donor w1 ({len(s6.to_safetensors())} bytes)", downloaded
+            for o in (j, k):
+                assert o.held is not None and (o.held.committed_round, o.held.state_hash) == (6, h6)
+                assert o.held.state.dtype == torch.bfloat16
+                assert o.held.state.to_safetensors() == s6.to_safetensors() == outs6[1].state.to_safetensors()
+            assert len(s6.to_safetensors()) < 0.51 * len(base_state().to_safetensors())
+        finally:
+            await close(m0, m1, j, k)

@@ -202,7 +202,7 @@ def _initial_losses(spec: Any) -> dict[str, float]:
 
 def _latest_states(spec: Any, out: Path, workers: list) -> dict[str, tuple[int, Any, str]]:
     """cell -> (round, CellState, source): the newest verified state of every cell."""
-    from bagel.worker.diloco import CellState
+    from bagel.worker.diloco import CellState, state_dtype
     from bagel.worker.localstate import LocalStateError, LocalStore
 
     best: dict[str, tuple[int, Any, str]] = {}
@@ -221,7 +221,7 @@ def _latest_states(spec: Any, out: Path, workers: list) -> dict[str, tuple[int, 
             if rnd <= best.get(cell, (0,))[0]:
                 continue
             data = (meta_path.parent / Path(meta["path"]).name).read_bytes()
-            state = CellState.from_safetensors(data)
+            state = CellState.from_safetensors(data, dtype=state_dtype(spec))
             if state.state_hash() != meta["state_hash"]:
                 continue
             best[cell] = (rnd, state, "coordinator checkpoint")

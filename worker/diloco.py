@@ -25,11 +25,22 @@ weights themselves and a commit's quorum of equal hashes covers it too: a joiner
 downloads the committed state, a worker resuming from its local checkpoint and the
 coordinator's checkpoints all hold the same average bytes. The per-round decay warms up as
 min(decay, (1 + r) / (10 + r)) (TensorFlow's and timm's EMA warm-up, per round here).
+
+The state's dtype (`[sync] state_dtype`): float32 by default; with "bf16" or "fp16" every
+tensor of the committed state lives on that grid. A `CellState` holds its tensors in its
+`dtype`, and a state is rounded onto it, round-to-nearest-even on the CPU (`to_state_dtype`),
+only where committed state is made: the initial state of round 0 (`from_model`, also from
+`[model] init_from` weights) and the end of every outer step, which computes in float32
+from the exact upcast of the state and stores the new weights, momentum and average
+rounded. Rounding is a function of the float32 bits alone, so the replicas stay
+bit-identical, and the state file, the download, a catch-up's result, the checkpoints and
+the hash are all over the same half-size bytes: a download is lossless. Training and the
+pseudo-gradient use the exact float32 upcast (`load_into`, `pseudo_gradient`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 
 import safetensors.torch
@@ -42,6 +53,39 @@ from bagel.protocol.statehash import state_hash
 
 class StateFormatError(ValueError):
     """A flat state mapping or safetensors blob is not a valid cell state."""
+
+
+# `[sync] state_dtype` -> the dtype a committed state's tensors are held, hashed and sent in
+STATE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def state_dtype(spec: object) -> torch.dtype:
+    """The dtype of a run's committed state: its `[sync] state_dtype` (float32 for a spec
+    without a `sync` section, as some test doubles are)."""
+    return STATE_DTYPES[str(getattr(getattr(spec, "sync", None), "state_dtype", "fp32"))]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How errors name a state dtype: "float32", "bfloat16" or "float16"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def to_state_dtype(t: torch.Tensor, dtype: torch.dtype, what: str = "tensor") -> torch.Tensor:
+    """A contiguous CPU copy of `t` in `dtype`: the one rounding onto a state's grid.
+
+    The cast runs on the CPU (a CUDA tensor is copied over first, unchanged), where torch
+    rounds float32 to bfloat16 and float16 to nearest, ties to even (bfloat16 by integer
+    operations on the bits, float16 by the IEEE conversion), so the result is a function of
+    the float32 bits alone on any machine; `tests/test_state_dtype.py` checks both against
+    independent references. A value beyond float16's range would become infinite: refused."""
+    src = t.detach().to("cpu")
+    out = src.to(dtype).contiguous()
+    if out.data_ptr() == src.data_ptr():
+        out = out.clone()
+    overflow = dtype == torch.float16 and src.dtype != torch.float16 and bool(torch.isinf(out).any())
+    if overflow and not bool(torch.isinf(src).any()):
+        raise StateFormatError(f"{what} has values beyond float16's range (65504): use bf16 or fp32")
+    return out
 
 
 @dataclass(frozen=True)
@@ -70,21 +114,30 @@ def ema_decay_at(decay: float, step: int) -> float:
 
 
 class CellState:
-    """A cell's committed state: float32 CPU weights, outer momentum and optionally the
-    average of the committed weights (`ema`, None when the run keeps none), by parameter name."""
+    """A cell's committed state: CPU weights, outer momentum and optionally the average of the
+    committed weights (`ema`, None when the run keeps none), by parameter name, every tensor
+    in `dtype` (float32, or the run's bfloat16 / float16 grid: `state_dtype`).
+
+    Given tensors are copied and rounded onto `dtype` (`to_state_dtype`); a state's own
+    tensors (`clone`) are copied unchanged."""
 
     def __init__(
         self,
         weights: Mapping[str, torch.Tensor],
         momentum: Mapping[str, torch.Tensor] | None = None,
         ema: Mapping[str, torch.Tensor] | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
     ):
+        if dtype not in STATE_DTYPES.values():
+            raise StateFormatError(f"a state is float32, bfloat16 or float16, not {dtype_name(dtype)}")
+        self.dtype = dtype
         self.weights: dict[str, torch.Tensor] = {}
         for name in sorted(weights):
             t = weights[name]
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise StateFormatError(f"weight {name!r} is not a floating-point tensor")
-            self.weights[name] = t.detach().to("cpu", torch.float32).clone().contiguous()
+            self.weights[name] = to_state_dtype(t, dtype, f"weight {name!r}")
         if momentum is None:
             self.momentum = {n: torch.zeros_like(t) for n, t in self.weights.items()}
         else:
@@ -92,7 +145,7 @@ class CellState:
         self.ema: dict[str, torch.Tensor] | None = None if ema is None else self._like_weights(ema, "ema")
 
     def _like_weights(self, tensors: Mapping[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
-        """Float32 CPU copies of `tensors`, which must have exactly the weights' names and shapes."""
+        """CPU copies of `tensors` in the state's dtype, which must have exactly the weights' names and shapes."""
         if set(tensors) != set(self.weights):
             raise StateFormatError(f"{what} names differ from weight names: {sorted(set(tensors) ^ set(self.weights))}")
         out: dict[str, torch.Tensor] = {}
@@ -100,18 +153,20 @@ class CellState:
             m = tensors[name]
             if not isinstance(m, torch.Tensor) or tuple(m.shape) != tuple(w.shape):
                 raise StateFormatError(f"{what} {name!r} does not match its weight's shape {tuple(w.shape)}")
-            out[name] = m.detach().to("cpu", torch.float32).clone().contiguous()
+            if not m.is_floating_point():
+                raise StateFormatError(f"{what} {name!r} is not a floating-point tensor")
+            out[name] = to_state_dtype(m, self.dtype, f"{what} {name!r}")
         return out
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, *, ema: bool = False) -> CellState:
-        """Initial state of a freshly built model: its trainable parameters, zero momentum, and
-        with `ema` an average that starts at the weights."""
+    def from_model(cls, model: torch.nn.Module, *, ema: bool = False, dtype: torch.dtype = torch.float32) -> CellState:
+        """Initial state of a freshly built model: its trainable parameters rounded onto
+        `dtype`, zero momentum, and with `ema` an average that starts at the (rounded) weights."""
         weights = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        return cls(weights, None, weights if ema else None)
+        return cls(weights, None, weights if ema else None, dtype=dtype)
 
     def clone(self) -> CellState:
-        return CellState(self.weights, self.momentum, self.ema)
+        return CellState(self.weights, self.momentum, self.ema, dtype=self.dtype)
 
     @property
     def sampling_weights(self) -> dict[str, torch.Tensor]:
@@ -127,7 +182,9 @@ class CellState:
         return flat
 
     @classmethod
-    def from_flat(cls, flat: Mapping[str, torch.Tensor]) -> CellState:
+    def from_flat(cls, flat: Mapping[str, torch.Tensor], *, dtype: torch.dtype = torch.float32) -> CellState:
+        """The state of a flat mapping (`to_flat`'s form) whose every tensor is exactly `dtype`,
+        the run's state dtype: a tensor of another dtype is refused, never cast."""
         weights: dict[str, torch.Tensor] = {}
         momentum: dict[str, torch.Tensor] = {}
         ema: dict[str, torch.Tensor] = {}
@@ -140,11 +197,14 @@ class CellState:
                 ema[key[len(EMA_PREFIX) :]] = t
             else:
                 raise StateFormatError(f"state key {key!r} is neither 'w.<name>', 'm.<name>' nor 'ema.<name>'")
-            if t.dtype != torch.float32:
-                raise StateFormatError(f"state tensor {key!r} is {t.dtype}, expected float32")
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+                got = dtype_name(t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise StateFormatError(
+                    f"state tensor {key!r} is {got}, expected {dtype_name(dtype)} (the run's [sync] state_dtype)"
+                )
         if not weights:
             raise StateFormatError("state holds no weights")
-        return cls(weights, momentum, ema or None)
+        return cls(weights, momentum, ema or None, dtype=dtype)
 
     def state_hash(self) -> str:
         return state_hash(self.to_flat())
@@ -153,17 +213,18 @@ class CellState:
         return safetensors.torch.save(self.to_flat())
 
     @classmethod
-    def from_safetensors(cls, data: bytes) -> CellState:
-        """Parse a safetensors blob (no pickle is involved) into a validated state."""
+    def from_safetensors(cls, data: bytes, *, dtype: torch.dtype = torch.float32) -> CellState:
+        """Parse a safetensors blob (no pickle is involved) into a validated state of `dtype`."""
         try:
             flat = safetensors.torch.load(data)
         except Exception as e:  # safetensors raises its own SafetensorError on a bad header
             raise StateFormatError(f"not a valid safetensors file: {e}") from e
-        return cls.from_flat(flat)
+        return cls.from_flat(flat, dtype=dtype)
 
     def load_into(self, model: torch.nn.Module, *, sampling: bool = False) -> None:
         """Copy the weights (with `sampling`, `sampling_weights`) into model's parameters (any
-        device/dtype); names must match exactly."""
+        device/dtype; a half-precision state is upcast exactly into float32 parameters);
+        names must match exactly."""
         source = self.sampling_weights if sampling else self.weights
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if set(params) != set(source):
@@ -181,7 +242,8 @@ def pseudo_gradient(
 ) -> dict[str, torch.Tensor]:
     """delta = theta_global - theta_local, float32 on CPU, by name.
 
-    `local` is a name -> tensor mapping or a model's `named_parameters()`.
+    `local` is a name -> tensor mapping or a model's `named_parameters()`; `global_weights`
+    may be a half-precision state's, taken at its exact float32 value.
     """
     local_map = dict(local.items() if isinstance(local, Mapping) else local)
     if set(local_map) - set(global_weights):
@@ -195,7 +257,7 @@ def pseudo_gradient(
         theta = local_map[name].detach().to("cpu", torch.float32)
         if tuple(theta.shape) != tuple(g.shape):
             raise StateFormatError(f"{name!r}: local shape {tuple(theta.shape)} != global {tuple(g.shape)}")
-        out[name] = g - theta
+        out[name] = g.to(torch.float32) - theta
     return out
 
 
@@ -205,6 +267,11 @@ def outer_step(state: CellState, avg_delta: Mapping[str, torch.Tensor], cfg: Out
     buf <- mu * buf + g;  update <- g + mu * buf (Nesterov) or buf;  w <- w - lr * update.
     Then, when the state keeps an average: ema <- d * ema + (1 - d) * w, with
     d = `ema_decay_at(cfg.ema_decay, ema_step)` (the round being committed).
+
+    Always computed in float32: a float32 state's tensors are updated in place; a bfloat16 /
+    float16 state is taken at its exact float32 value and the new momentum, weights and
+    average are stored rounded onto its grid (`to_state_dtype`), the average from the
+    rounded new weights, so the result is the committed state itself.
     """
     if (state.ema is not None) != (cfg.ema_decay > 0):
         raise StateFormatError(
@@ -216,13 +283,16 @@ def outer_step(state: CellState, avg_delta: Mapping[str, torch.Tensor], cfg: Out
         raise ValueError(f"ema_step must be at least 1, got {ema_step}")
     if set(avg_delta) != set(state.weights):
         raise StateFormatError(f"delta names differ from the state: {sorted(set(avg_delta) ^ set(state.weights))}")
+    on_grid = state.dtype != torch.float32
     for name in sorted(state.weights):
         g = avg_delta[name]
         if g.dtype != torch.float32 or g.device.type != "cpu" or tuple(g.shape) != tuple(state.weights[name].shape):
             raise StateFormatError(
                 f"{name!r}: delta must be a float32 CPU tensor of shape {tuple(state.weights[name].shape)}"
             )
-        buf = state.momentum[name]
+        # float32 tensors: a float32 state's own (`.to` returns them), or exact upcasts
+        buf = state.momentum[name].to(torch.float32)
+        w = state.weights[name].to(torch.float32)
         buf.mul_(cfg.momentum)
         buf.add_(g)
         if cfg.nesterov:
@@ -231,21 +301,28 @@ def outer_step(state: CellState, avg_delta: Mapping[str, torch.Tensor], cfg: Out
         else:
             update = buf.clone()
         update.mul_(cfg.lr)
-        state.weights[name].sub_(update)
+        w.sub_(update)
+        if on_grid:
+            state.momentum[name] = to_state_dtype(buf, state.dtype, f"momentum {name!r}")
+            state.weights[name] = to_state_dtype(w, state.dtype, f"weight {name!r}")
     if state.ema is not None:
         update_ema(state.ema, state.weights, ema_decay_at(cfg.ema_decay, ema_step))
 
 
-def update_ema(ema: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], decay: float) -> None:
+def update_ema(ema: MutableMapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], decay: float) -> None:
     """ema <- decay * ema + (1 - decay) * weights, in place, name by name in sorted order.
 
     One multiply and one add per line, never `lerp_` or `add(..., alpha=)` (a kernel may fuse
     those into an FMA on one CPU and not on another), so the bytes are a function of the
-    inputs' bytes and `decay` alone on any machine."""
+    inputs' bytes and `decay` alone on any machine. In float32: a half-precision average is
+    computed from the exact upcasts and stored back rounded onto its own dtype."""
     keep = float(decay)
     take = 1.0 - keep
     for name in sorted(weights):
-        e = ema[name]
+        held = ema[name]
+        e = held.to(torch.float32)
         e.mul_(keep)
-        part = weights[name] * take
+        part = weights[name].to(torch.float32) * take
         e.add_(part)
+        if held.dtype != torch.float32:
+            ema[name] = to_state_dtype(e, held.dtype, f"average {name!r}")

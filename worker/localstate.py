@@ -24,7 +24,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from bagel.protocol.atomicfile import atomic_write  # re-exported for agent/session
-from bagel.worker.diloco import CellState, StateFormatError
+from bagel.worker.diloco import STATE_DTYPES, CellState, StateFormatError
 
 _FORMAT = "bagel-local-v1"
 MAX_LOCAL_BYTES = 8 << 30
@@ -86,8 +86,14 @@ class LocalStore:
         if meta.get("run_id") != self.run_id or meta.get("spec_hash") != self.spec_hash:
             raise LocalStateError(f"{self.path}: belongs to another run or spec")
         residuals = {k[2:]: v for k, v in tensors.items() if k.startswith("e.")}
+        flat = {k: v for k, v in tensors.items() if not k.startswith("e.")}
+        # the state dtype the run's spec gave it (the spec hash above binds the file to that
+        # spec): the first tensor's, which every other tensor of the state must share
+        dtype = next(iter(flat.values())).dtype if flat else torch.float32
+        if dtype not in STATE_DTYPES.values():
+            raise LocalStateError(f"{self.path}: a state in {dtype}, not one of the state dtypes")
         try:
-            state = CellState.from_flat({k: v for k, v in tensors.items() if not k.startswith("e.")})
+            state = CellState.from_flat(flat, dtype=dtype)
         except StateFormatError as e:
             raise LocalStateError(f"{self.path}: {e}") from None
         h = state.state_hash()

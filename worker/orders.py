@@ -51,7 +51,7 @@ from bagel.protocol.messages import Instruction, LocalState
 from bagel.protocol.runspec import RunSpec
 from bagel.worker import ddp, reconciler
 from bagel.worker.datafetch import DataFetchError
-from bagel.worker.diloco import CellState, OuterConfig
+from bagel.worker.diloco import CellState, OuterConfig, state_dtype
 from bagel.worker.display import Display
 from bagel.worker.heldout import HeldoutProbe
 from bagel.worker.link import CoordinatorLink
@@ -308,10 +308,8 @@ class Orders:
         self.display.event("sync", cell=cell, round=rnd, donor=",".join(d.worker_id for d in live))
         try:
             if rnd == 0 and not want:
-                from bagel.worker.diloco import CellState
-
                 rt = await self.runtime_for(cell)
-                state = CellState.from_model(rt.task.build_model(), ema=spec.ema.decay > 0)
+                state = CellState.from_model(rt.task.build_model(), ema=spec.ema.decay > 0, dtype=state_dtype(spec))
                 source = "initial state (built locally)"
             else:
                 state, source = None, ""
@@ -342,6 +340,7 @@ class Orders:
                             state_hash=want,
                             max_nbytes=spec.checkpoint.max_bytes,
                             timeout_s=self.cfg.sync_timeout_s,
+                            dtype=state_dtype(spec),
                         )
                         synced = got.synced
                         used = "+".join(n for n, b in got.nbytes_by_donor.items() if b)
@@ -364,7 +363,7 @@ class Orders:
                     if resp is None:
                         raise StateSyncError("coordinator unreachable for the checkpoint fallback")
                     _info, data = resp
-                    state = await asyncio.to_thread(verify_state_bytes, data, want)
+                    state = await asyncio.to_thread(verify_state_bytes, data, want, state_dtype(spec))
                     source = f"coordinator checkpoint ({len(data)} bytes)"
                     self.moved_checkpoint(0, len(data))
             assert state is not None

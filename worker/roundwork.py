@@ -143,7 +143,7 @@ class RoundWork:
             catch_up=True,
         )
         w.result = TrainResult(samples=0, mean_loss=0.0, steps=0, compute_s=0.0, completed=True)
-        w.delta = {n: torch.zeros_like(t) for n, t in committed.weights.items()}
+        w.delta = {n: torch.zeros(t.shape, dtype=torch.float32) for n, t in committed.weights.items()}
         return w
 
     def matches(self, cell_id: str, round: int, round_attempt: int) -> bool:
@@ -183,7 +183,7 @@ def eager_start(committed: CellState, delta: Mapping[str, torch.Tensor], cfg: Ou
     Computation in DiLoCo). Starting from the member's own trained weights instead leaves
     out the outer step's momentum, and the steps ahead then fail to correct its overshoot:
     `bench/diloco_vs_ddp.py` measures both. Weights only, float32 on CPU."""
-    est = CellState(committed.weights, committed.momentum)  # copies; no average kept
+    est = CellState(committed.weights, committed.momentum)  # float32 copies (exact upcasts); no average kept
     outer_step(est, delta, dataclasses.replace(cfg, ema_decay=0.0))
     return est.weights
 

@@ -6,7 +6,9 @@ a worker that reads only it) and the committed (round, hash). It opens
 `/bagel/dataplane/v1/state` to a donor, asks for exactly that (cell, round, hash), and the
 donor streams its committed state as a safetensors file (weights "w.*", outer momentum "m.*"
 and, where the run keeps one, the average of the committed weights "ema.*") in bounded chunks
-(`protocol/dataplane.proto`: StateRequest, StateInfo, then data frames).
+(`protocol/dataplane.proto`: StateRequest, StateInfo, then data frames). The file holds the
+state in the run's state dtype (`[sync] state_dtype`: fp32, or bf16/fp16 at half the bytes),
+the exact bytes every member holds and hashes, so the joiner applies what it verified.
 
 With several donors (`fetch_state_from_donors`) the joiner downloads byte ranges of the one
 file from all of them at once. Every donor serializes the same committed state to the same
@@ -60,6 +62,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
@@ -206,10 +209,12 @@ _NO_STATES: Mapping[int, _Entry] = {}  # what a cell with no state held reads as
 _NO_UPDATES: Mapping[int, CommittedUpdate] = {}  # ... and one with no update held
 
 
-def verify_state_bytes(data: bytes, expected_hash: str) -> CellState:
-    """Parse a safetensors cell state and check its state hash; for donor and checkpoint bytes alike."""
+def verify_state_bytes(data: bytes, expected_hash: str, dtype: torch.dtype = torch.float32) -> CellState:
+    """Parse a safetensors cell state of the run's state dtype (`[sync] state_dtype`; a file
+    in another dtype is refused, never cast) and check its state hash; for donor and
+    checkpoint bytes alike."""
     try:
-        state = CellState.from_safetensors(data)
+        state = CellState.from_safetensors(data, dtype=dtype)
     except StateFormatError as e:
         raise StateIntegrityError(f"malformed state: {e}") from e
     got = state.state_hash()
@@ -525,18 +530,20 @@ async def fetch_state(
     max_nbytes: int,
     donor_maddrs: Sequence[str] = (),
     timeout_s: float = 120.0,
+    dtype: torch.dtype = torch.float32,
 ) -> SyncedState:
     """Fetch and verify (cell, committed_round) from the donor; raises a StateSyncError on failure.
 
     max_nbytes: the largest state accepted (spec.checkpoint.max_bytes). state_hash: the
-    committed hash from the coordinator (must be non-empty: round 0 needs no sync).
+    committed hash from the coordinator (must be non-empty: round 0 needs no sync). dtype:
+    the run's state dtype, which every tensor of the file must have.
     """
     if not state_hash:
         raise ValueError("a committed state hash is required (round 0 is built locally, not synced)")
     try:
         async with asyncio.timeout(timeout_s):
             return await _fetch(
-                p2p, donor_peer_id, run_id, cell_id, committed_round, state_hash, max_nbytes, donor_maddrs
+                p2p, donor_peer_id, run_id, cell_id, committed_round, state_hash, max_nbytes, donor_maddrs, dtype
             )
     except TimeoutError:
         raise StateSyncError(f"state sync from {donor_peer_id} timed out after {timeout_s}s") from None
@@ -555,6 +562,7 @@ async def _fetch(
     state_hash: str,
     max_nbytes: int,
     maddrs: Sequence[str],
+    dtype: torch.dtype,
 ) -> SyncedState:
     pid = await _dial(p2p, donor, maddrs)
     _, reader, writer = await p2p.call_binary_stream_handler(pid, STATE_PROTOCOL)
@@ -579,7 +587,7 @@ async def _fetch(
             raise StateIntegrityError("sha256 of the received bytes does not match the donor's")
     finally:
         writer.close()
-    state = await asyncio.to_thread(verify_state_bytes, bytes(buf), state_hash)
+    state = await asyncio.to_thread(verify_state_bytes, bytes(buf), state_hash, dtype)
     return SyncedState(cell_id, committed_round, state_hash, state, len(buf))
 
 
@@ -897,12 +905,12 @@ async def _announce(p2p: P2P, donor: DonorRef, req: dp.StateRequest, max_nbytes:
     return _Offer(donor, info.total_nbytes, info.sha256, info.piece_sha256)
 
 
-def _verify_assembled(buf: bytearray, sha256: str, state_hash: str) -> CellState:
-    """The assembled file's sha256 (the donors' announced one), then its state hash."""
+def _verify_assembled(buf: bytearray, sha256: str, state_hash: str, dtype: torch.dtype) -> CellState:
+    """The assembled file's sha256 (the donors' announced one), then its dtype and state hash."""
     data = bytes(buf)
     if hashlib.sha256(data).hexdigest() != sha256:
         raise StateIntegrityError("sha256 of the assembled bytes does not match the donors'")
-    return verify_state_bytes(data, state_hash)
+    return verify_state_bytes(data, state_hash, dtype)
 
 
 async def _announce_all(
@@ -943,6 +951,7 @@ async def fetch_state_from_donors(
     timeout_s: float = 120.0,
     stall_s: float = STALL_S,
     request_nbytes: int = DEFAULT_REQUEST_NBYTES,
+    dtype: torch.dtype = torch.float32,
 ) -> MultiSynced:
     """Fetch and verify (cell, committed_round) from several donors at once; raises a
     StateSyncError on failure (the caller falls back, as for one donor).
@@ -954,7 +963,8 @@ async def fetch_state_from_donors(
     parallel (`_RangedFetch`). The assembled file must then hash to the announced sha256 and
     parse into the committed state hash; if it does not, every donor of the group lied
     together, and the next group is tried. The donors are the coordinator's, at most
-    `MAX_SYNC_DONORS` of them, duplicates dropped."""
+    `MAX_SYNC_DONORS` of them, duplicates dropped. dtype: the run's state dtype, which every
+    tensor of the file must have."""
     if not state_hash:
         raise ValueError("a committed state hash is required (round 0 is built locally, not synced)")
     if not 0 < request_nbytes <= 1 << 30 or stall_s <= 0:
@@ -978,6 +988,7 @@ async def fetch_state_from_donors(
             max_nbytes=max_nbytes,
             donor_maddrs=d.maddrs,
             timeout_s=timeout_s,
+            dtype=dtype,
         )
 
     if len(refs) == 1:
@@ -1027,7 +1038,7 @@ async def fetch_state_from_donors(
                 liars.extend(fetch.liars)
                 try:
                     # off the event loop: hashing and parsing gigabytes takes seconds
-                    state = await asyncio.to_thread(_verify_assembled, fetch.buf, fetch.sha256, state_hash)
+                    state = await asyncio.to_thread(_verify_assembled, fetch.buf, fetch.sha256, state_hash, dtype)
                 except StateIntegrityError as e:
                     group = [o.donor.label for o in g]
                     liars.extend(x for x in group if x not in liars)

@@ -26,7 +26,10 @@ Communication
     documented bytes per value below.
 
 Join / resync
-    The committed state (weights + outer momentum, 8 bytes per parameter in fp32) travels
+    The committed state (weights + outer momentum, and the average with `[ema]`, in the run
+    spec's `[sync] state_dtype`: 8 bytes per parameter in fp32, 4 in bf16 or fp16;
+    `state_bytes_per_param`, which a scenario's `[workload]` takes from its run spec unless
+    it sets the figure itself) travels
     from the donors to the joiner, as the real worker fetches it (`worker/statesync.py`):
     each of the k donors the coordinator names sends a share proportional to its bandwidth,
     so all finish together, and the joiner's downlink or the donors' summed uplinks bound it
@@ -39,6 +42,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+
+from bagel.protocol.runspec import STATE_DTYPE_NBYTES
 
 # Documented bytes per value of each codec family, used only when `bagel.compression`
 # cannot answer: fp32/fp16/bf16 raw; blockwise int8/int4 with one fp32 absmax scale per block
@@ -85,7 +90,9 @@ class WorkloadSpec:
     router_params: float = 130e6
     router_gflops_per_sample: float = 69.0
     mfu: float = 0.35
-    # bytes of committed state per parameter a joiner downloads: fp32 weights + momentum
+    # bytes of committed state per parameter a joiner downloads and a checkpoint uploads:
+    # fp32 weights + momentum here; a scenario file that does not set it gets its run spec's
+    # figure (`state_bytes_per_param`, below: state dtype and average)
     state_bytes_per_param: float = 8.0
     # VRAM fit: weights, grads, AdamW m and v, outer copy and momentum (6 x fp32 per
     # parameter) plus one micro-batch of activations (a scenario figure, not derived)
@@ -182,6 +189,12 @@ def multi_donor_download_s(nbytes: float, joiner_bw: float, donor_bws: Sequence[
 def cell_memory_bytes(work: WorkloadSpec, cell_id: str) -> int:
     act = work.router_activation_bytes if cell_id == "router" else work.expert_activation_bytes
     return int(cell_params(work, cell_id) * work.train_bytes_per_param + act)
+
+
+def state_bytes_per_param(state_dtype: str = "fp32", ema: bool = False) -> float:
+    """Bytes of committed state per parameter: the weights and the outer momentum, and with
+    `ema` the average of the weights, each in `state_dtype` (`[sync] state_dtype`)."""
+    return float((3 if ema else 2) * STATE_DTYPE_NBYTES[state_dtype])
 
 
 def cell_state_bytes(work: WorkloadSpec, cell_id: str) -> int:

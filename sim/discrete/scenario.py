@@ -13,6 +13,7 @@ type is a `SimScenarioError` that names the key (the shared builder,
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 
 from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
 from bagel.protocol.typedtoml import TomlTableError, from_table, load_document
-from bagel.sim.discrete.costmodel import WorkloadSpec
+from bagel.sim.discrete.costmodel import WorkloadSpec, state_bytes_per_param
 from bagel.sim.discrete.population import AvailabilitySpec, LinkSpec, PopulationSpec
 from bagel.sim.faults import Fault, FaultError, parse_faults
 
@@ -123,6 +124,16 @@ def _build(cls: Any, table: Any, where: str) -> Any:
 _TOP = {"scenario", "run_spec", "population", "workload", "engine", "faults"}
 
 
+def _workload(table: Any, spec: RunSpec) -> WorkloadSpec:
+    """The `[workload]` table; the state's bytes per parameter follow the run spec (its
+    `[sync] state_dtype` and `[ema]`) unless the table sets them."""
+    work: WorkloadSpec = _build(WorkloadSpec, table, "workload")
+    if isinstance(table, Mapping) and "state_bytes_per_param" in table:
+        return work
+    per_param = state_bytes_per_param(spec.sync.state_dtype, spec.ema.decay > 0)
+    return dataclasses.replace(work, state_bytes_per_param=per_param)
+
+
 def parse_sim_scenario(text: str, *, base_dir: Path | None = None, path: str = "") -> Scenario:
     data = load_document(text, allowed=_TOP, unknown=lambda key: f"unknown key {key}", error=SimScenarioError)
     if "scenario" not in data:
@@ -147,7 +158,7 @@ def parse_sim_scenario(text: str, *, base_dir: Path | None = None, path: str = "
         raise SimScenarioError("run_spec: expected a path or a table")
     spec_toml = dump_toml(spec_table)
     try:
-        parse_spec(spec_toml)
+        spec = parse_spec(spec_toml)
     except SpecError as e:
         raise SimScenarioError(f"run_spec: {e}") from None
     try:
@@ -158,7 +169,7 @@ def parse_sim_scenario(text: str, *, base_dir: Path | None = None, path: str = "
         scenario=sc,
         run_spec_toml=spec_toml,
         population=_build(PopulationSpec, data.get("population", {}), "population"),
-        workload=_build(WorkloadSpec, data.get("workload", {}), "workload"),
+        workload=_workload(data.get("workload", {}), spec),
         engine=_build(EngineSection, data.get("engine", {}), "engine"),
         faults=faults,
         path=path,
