@@ -24,7 +24,7 @@ from bagel.protocol.convert import (  # the message types' own translations, sha
     profile_from_pb,
     verdict_to_pb,
 )
-from bagel.protocol.messages import DonorRate, PeerRate, Phase
+from bagel.protocol.messages import DonorRate, PeerRates, Phase
 from bagel.protocol.runspec import MAX_SYNC_DONORS
 
 # ---------------------------------------------------------------- proto -> domain
@@ -73,7 +73,7 @@ def report_event(worker_id: str, req: pb.ReportRoundRequest) -> ReportRound:
         audit=audit_from_pb(req.audit) if req.HasField("audit") else None,
         heldout_loss=req.heldout_loss if req.HasField("heldout_loss") else None,
         heldout_loss_base=req.heldout_loss_base if req.HasField("heldout_loss_base") else None,
-        peer_rates=tuple(PeerRate(r.worker_id, r.nbytes, r.ms) for r in req.peer_rates),
+        peer_rates=PeerRates.of((r.worker_id, r.nbytes, r.ms) for r in req.peer_rates),
     )
 
 

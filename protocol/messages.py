@@ -9,7 +9,7 @@ Mapping-valued fields hold plain dicts that must be treated as read-only.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -171,15 +171,37 @@ class PeerRate(NamedTuple):
     """What a contributor measured, as a reducer, of one peer's contribution to its part in
     an exchange (proto `PeerRate`): the payload's bytes and the time they took to arrive.
     The coordinator's estimate of the peer's uplink comes from what the others measured.
-
-    A named tuple, unlike the other messages: a report carries one per peer (an exchange of
-    k contributors makes k x (k - 1) of them), and the coordinator checks and reads them
-    column-wise (`zip(*rates)`), so they are built and read at C speed. It is the
-    (sender, bytes, ms) triple the data plane measures (`ExchangeResult.peer_rates`)."""
+    The (sender, bytes, ms) triple the data plane measures (`ExchangeResult.peer_rates`);
+    a report carries them column-wise (`PeerRates`)."""
 
     worker_id: str
     nbytes: int
     ms: int
+
+
+@fast_init
+@dataclass(frozen=True, slots=True)
+class PeerRates:
+    """The `PeerRate`s of one report, column by column: entry i is (worker_ids[i],
+    nbytes[i], ms[i]). Columns, not a tuple of entries: an exchange of k contributors makes
+    k x (k - 1) of them, which the coordinator checks and reads a column at a time in C
+    (`CoordinatorState`'s check, `Roster.observe_peer_rates`). Iterating gives the entries."""
+
+    worker_ids: tuple[str, ...] = ()
+    nbytes: tuple[int, ...] = ()
+    ms: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, entries: Iterable[tuple[str, int, int]]) -> PeerRates:
+        """The columns of (worker id, bytes, ms) entries."""
+        rows = tuple(entries)
+        return cls(tuple(r[0] for r in rows), tuple(r[1] for r in rows), tuple(r[2] for r in rows))
+
+    def __len__(self) -> int:
+        return len(self.worker_ids)
+
+    def __iter__(self) -> Iterator[PeerRate]:
+        return map(PeerRate, self.worker_ids, self.nbytes, self.ms)
 
 
 @fast_init

@@ -72,7 +72,7 @@ from bagel.coordinator.core.events import (
 from bagel.coordinator.core.guard import median
 from bagel.coordinator.core.policy import POLICIES
 from bagel.coordinator.core.records import CellRecord, CommitRecord, RoundRecord, RoundState, WorkerState
-from bagel.protocol.messages import Instruction, LocalState, Order, PeerAddress, PeerRate, Phase, Profile
+from bagel.protocol.messages import Instruction, LocalState, Order, PeerAddress, PeerRates, Phase, Profile
 
 from test_state_harness import GB, Harness, h, make_spec
 
@@ -530,10 +530,8 @@ class CoreMachine(RuleBasedStateMachine):
                     heldout_loss_base=None if heldout is None else base,
                     # what it timed of each sender, a different link per sender: later freezes
                     # give unequal part weights, which restarts must keep
-                    peer_rates=tuple(
-                        PeerRate(
-                            m.worker_id, 8 << 20, 250 + 50 * (hashlib.sha256(m.worker_id.encode()).digest()[0] % 40)
-                        )
+                    peer_rates=PeerRates.of(
+                        (m.worker_id, 8 << 20, 250 + 50 * (hashlib.sha256(m.worker_id.encode()).digest()[0] % 40))
                         for m in ins.contributors
                         if m.worker_id != wid
                     ),

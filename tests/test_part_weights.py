@@ -18,7 +18,7 @@ from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import dataplane_pb2 as dp
 from bagel.protocol.convert import member_from_pb, member_to_pb
 from bagel.protocol.identity import Identity
-from bagel.protocol.messages import Member, PeerAddress, PeerRate
+from bagel.protocol.messages import Member, PeerAddress, PeerRate, PeerRates
 from bagel.protocol.validation import ValidationError, validate_report_round
 from bagel.robust.aggregation import get_reducer
 from bagel.robust.evidence import (
@@ -109,9 +109,9 @@ def test_part_weights_follow_uplinks_clamped_around_the_median() -> None:
     assert (w["a"], w["b"], w["c"], w["d"]) == (1, 1, 4, 4)  # relayed a: 1; b clamped to 1/4, then / gcd
 
 
-def rates(**kw: float) -> tuple[PeerRate, ...]:
+def rates(**kw: float) -> PeerRates:
     """Peer rates of an 8 MiB contribution, each taking the given seconds."""
-    return tuple(PeerRate(x, 8 * MB, int(s * 1000)) for x, s in kw.items())
+    return PeerRates.of((x, 8 * MB, int(s * 1000)) for x, s in kw.items())
 
 
 def four(hz: Harness) -> None:
@@ -128,7 +128,13 @@ def test_the_uplink_estimate_comes_from_the_others_and_one_liar_cannot_move_it()
     hz.report("a", h(1), round=1, reduce_attempt=1, peer_rates=rates(b=1, c=1, d=8))
     hz.report("b", h(1), round=1, reduce_attempt=1, peer_rates=rates(a=1, c=1, d=8))
     hz.report("c", h(1), round=1, reduce_attempt=1, peer_rates=rates(a=1, b=1, d=8, nobody=1))
-    hz.report("d", h(1), round=1, reduce_attempt=1, peer_rates=(*rates(a=100, b=100, c=100), PeerRate("d", 8 * MB, 1)))
+    hz.report(
+        "d",
+        h(1),
+        round=1,
+        reduce_attempt=1,
+        peer_rates=PeerRates.of((*rates(a=100, b=100, c=100), PeerRate("d", 8 * MB, 1))),
+    )
     up = {x: roster.exchange_uplink(roster.workers[x]) for x in "abcd"}
     assert up["d"] == pytest.approx(3 * MB)  # the three honest observers
     assert up["a"] == up["b"] == up["c"] == pytest.approx(24 * MB)  # d's lie lies outside the median
@@ -142,7 +148,7 @@ def test_the_uplink_estimate_comes_from_the_others_and_one_liar_cannot_move_it()
         roster.workers["b"].uplink_seen.clear()
         roster.observe_peer_rates(roster.workers["a"], quad, rates(b=1))
         roster.observe_peer_rates(roster.workers["c"], quad, rates(b=1))
-        roster.observe_peer_rates(roster.workers["d"], quad, (liar,))
+        roster.observe_peer_rates(roster.workers["d"], quad, PeerRates.of((liar,)))
         assert roster.exchange_uplink(roster.workers["b"]) == pytest.approx(24 * MB)
     roster.workers["b"].uplink_seen.pop("c")  # two observers: a liar can only lower it
     assert roster.exchange_uplink(roster.workers["b"]) < 24 * MB
@@ -151,7 +157,7 @@ def test_the_uplink_estimate_comes_from_the_others_and_one_liar_cannot_move_it()
         roster.observe_peer_rates(roster.workers["d"], ("a", "b", "c", "d"), rates(a=1000))
     assert roster.exchange_uplink(roster.workers["a"]) == pytest.approx(24 * MB)
     # too short to be a bandwidth (latency): skipped
-    roster.observe_peer_rates(roster.workers["a"], quad, (PeerRate("b", 1000, 5000), PeerRate("c", 8 * MB, 50)))
+    roster.observe_peer_rates(roster.workers["a"], quad, PeerRates.of((("b", 1000, 5000), ("c", 8 * MB, 50))))
     assert roster.workers["b"].uplink_seen["a"] == roster.workers["c"].uplink_seen["a"] == pytest.approx(24 * MB)
     # a worker that is not a contributor of the exchange speaks of nobody
     roster.observe_peer_rates(roster.workers["a"], ("b", "c"), rates(b=1000))
@@ -202,7 +208,9 @@ def test_malformed_peer_rates_are_refused_and_change_nothing() -> None:
         tuple(PeerRate(f"x{i}", 1, 1) for i in range(257)),
     ):
         with pytest.raises(InvalidEvent, match="peer_rates"):
-            hz.report("a", h(1), round=1, reduce_attempt=1, peer_rates=bad)
+            hz.report("a", h(1), round=1, reduce_attempt=1, peer_rates=PeerRates.of(bad))
+    with pytest.raises(InvalidEvent, match="peer_rates: columns"):  # ragged columns
+        hz.report("a", h(1), round=1, reduce_attempt=1, peer_rates=PeerRates(("b", "c"), (1, 1), (1,)))
     assert hz.st.snapshot() == before
     assert not hz.st.roster.workers["b"].uplink_seen
     # the wire's own validation, with precise field names
@@ -210,7 +218,7 @@ def test_malformed_peer_rates_are_refused_and_change_nothing() -> None:
     ok = pb.ReportRoundRequest(cell_id=CELL, round=1, state_hash=h(1))
     ok.peer_rates.add(worker_id="b", nbytes=8 * MB, ms=1000)
     validate_report_round(ok, spec)
-    assert report_event("a", ok).peer_rates == (PeerRate("b", 8 * MB, 1000),)
+    assert report_event("a", ok).peer_rates == PeerRates.of([("b", 8 * MB, 1000)])
     cases = {
         "peer_rates[0].nbytes": {"worker_id": "b", "nbytes": -1, "ms": 1},
         "peer_rates[0].ms": {"worker_id": "b", "nbytes": 1, "ms": 1 << 62},

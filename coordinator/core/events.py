@@ -17,7 +17,7 @@ from bagel.protocol.messages import (
     LocalState,
     PartAudit,
     PeerAddress,
-    PeerRate,
+    PeerRates,
     Phase,
     Profile,
     Verdict,
@@ -76,7 +76,7 @@ class ReportRound:
     heldout_loss_base: float | None = None
     # what the reporter measured of each peer's contribution to the part it reduced
     # (`Roster.observe_peer_rates`: the others' measures of a member make its uplink estimate)
-    peer_rates: tuple[PeerRate, ...] = ()
+    peer_rates: PeerRates = PeerRates()
 
 
 @fast_init

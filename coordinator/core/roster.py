@@ -31,7 +31,7 @@ from bagel.coordinator.core.errors import Banned, InvalidEvent, UnknownWorker
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import WorkerState
 from bagel.coordinator.core.scheduler import Balance, Knobs, WorkerView, throughput_for
-from bagel.protocol.messages import Donor, DonorRate, PeerAddress, PeerRate
+from bagel.protocol.messages import Donor, DonorRate, PeerAddress, PeerRates
 from bagel.protocol.runspec import RunSpec
 
 # a donor's transfer to one joiner measures its uplink only when it is long enough
@@ -328,7 +328,7 @@ class Roster:
             d.uplink_measured = observed if prev <= 0 else (1 - a) * prev + a * observed
         self._release_donor(w, c)
 
-    def observe_peer_rates(self, w: Worker, contributors: Collection[str], rates: Iterable[PeerRate]) -> None:
+    def observe_peer_rates(self, w: Worker, contributors: Collection[str], rates: PeerRates) -> None:
         """Fold what contributor `w` measured, as a reducer, of its peers' contributions in one
         exchange over `contributors` (a round's `frozen` set, or any collection of ids) into
         those peers' exchange uplink estimates.
@@ -346,7 +346,7 @@ class Roster:
             return
         scale = max(1, len(members) - 1)
         workers = self.workers
-        for wid, nbytes, ms in rates:
+        for wid, nbytes, ms in zip(rates.worker_ids, rates.nbytes, rates.ms, strict=True):
             if ms < MIN_RATE_MS or nbytes < MIN_RATE_NBYTES or wid == me or wid not in members:
                 continue
             peer = workers.get(wid)

@@ -115,7 +115,7 @@ from bagel.coordinator.core.roster import Roster
 from bagel.coordinator.core.rounds import PATIENCE_DEADLINE, REDUCE_DEADLINE, TRAIN_DEADLINE, FrozenSet, Rounds
 from bagel.coordinator.core.scheduler import Balance, Knobs
 from bagel.protocol.grpc_options import RESTART_REATTACH_MS
-from bagel.protocol.messages import Instruction, LocalState, Order, PeerRate, Phase, Verdict
+from bagel.protocol.messages import Instruction, LocalState, Order, PeerRates, Phase, Verdict
 from bagel.protocol.runspec import RunSpec
 
 
@@ -124,40 +124,40 @@ def _finite(x: float) -> bool:
 
 
 MAX_PEER_RATES = 256  # entries in one report's peer_rates (an exchange has at most this many peers)
-_PEER_RATE, _STR, _INT = {PeerRate}, {str}, {int}
+_STR, _INT = {str}, {int}
 
 
-def _check_peer_rates(rates: tuple[PeerRate, ...]) -> None:
-    """Refuse a report whose peer rates are malformed, before anything changes: too many,
-    a peer named twice or by no name, or bytes and milliseconds that are not non-negative
-    integers. Entries naming a worker that was not a peer of the exchange are not an error
-    (`Roster.observe_peer_rates` skips them)."""
-    n = len(rates)
+def _check_peer_rates(rates: PeerRates) -> None:
+    """Refuse a report whose peer rates are malformed, before anything changes: columns of
+    different lengths, too many entries, a peer named twice or by no name, or bytes and
+    milliseconds that are not non-negative integers. Entries naming a worker that was not
+    a peer of the exchange are not an error (`Roster.observe_peer_rates` skips them)."""
+    ids, nbytes, ms = rates.worker_ids, rates.nbytes, rates.ms
+    n = len(ids)
+    if len(nbytes) != n or len(ms) != n:
+        raise InvalidEvent(f"peer_rates: columns of {n}, {len(nbytes)} and {len(ms)} entries")
     if n > MAX_PEER_RATES:
         raise InvalidEvent(f"peer_rates: {n} entries, at most {MAX_PEER_RATES}")
     if not n:
         return
-    if set(map(type, rates)) == _PEER_RATE:
-        # column-wise, in C: every name a distinct non-empty str, every figure an int >= 0;
-        # anything else goes to the loop below, which names the first offending entry
-        ids, nbytes, ms = zip(*rates, strict=True)
-        if (
-            set(map(type, ids)) == _STR
-            and all(ids)
-            and len(set(ids)) == n
-            and set(map(type, nbytes)) == _INT
-            and set(map(type, ms)) == _INT
-            and min(nbytes) >= 0
-            and min(ms) >= 0
-        ):
-            return
+    # a column at a time, in C: every name a distinct non-empty str, every figure an int >= 0;
+    # anything else goes to the loop below, which names the first offending entry
+    if (
+        set(map(type, ids)) == _STR
+        and all(ids)
+        and len(set(ids)) == n
+        and set(map(type, nbytes)) == _INT
+        and set(map(type, ms)) == _INT
+        and min(nbytes) >= 0
+        and min(ms) >= 0
+    ):
+        return
     seen: set[str] = set()
-    for i, r in enumerate(rates):
-        if not isinstance(r.worker_id, str) or not r.worker_id or r.worker_id in seen:
+    for i, (wid, nb, t) in enumerate(zip(ids, nbytes, ms, strict=True)):
+        if not isinstance(wid, str) or not wid or wid in seen:
             raise InvalidEvent(f"peer_rates[{i}].worker_id: empty, or named twice")
-        seen.add(r.worker_id)
-        for name in ("nbytes", "ms"):
-            x = getattr(r, name)
+        seen.add(wid)
+        for name, x in (("nbytes", nb), ("ms", t)):
             if type(x) is not int or x < 0:
                 raise InvalidEvent(f"peer_rates[{i}].{name}: must be an integer >= 0, got {x!r}")
 

@@ -61,7 +61,7 @@ import numpy as np
 
 from bagel.coordinator.core.errors import CoordinatorError
 from bagel.coordinator.core.events import CheckpointStored, LeaseExpired, Leave, ReportRound
-from bagel.protocol.messages import DonorRate, Instruction, LocalState, Order, PeerRate, Verdict
+from bagel.protocol.messages import DonorRate, Instruction, LocalState, Order, PeerRates, Verdict
 from bagel.sim.discrete import costmodel as cm
 from bagel.sim.discrete import population as popmod
 from bagel.sim.faults import Fault, FaultKind
@@ -140,6 +140,7 @@ def _mismatch(w: W, ins: Instruction, steps: int) -> str:
 
 
 _NOTHING: frozenset[tuple[str, int]] = frozenset()
+_NO_RATES = PeerRates()
 _NONE_MISSING: frozenset[tuple[str, int, int, int]] = frozenset()
 
 
@@ -323,9 +324,9 @@ class Exchange:
         self.peers = peers  # the contributors' workers, as they were at the freeze
         self.senders = senders  # those that send a payload (a catch-up contributor abstains)
         # the senders' ids, uplinks, latencies and positions, built at the first report
-        self._senders: tuple[list[str], np.ndarray, np.ndarray, dict[str, int]] | None = None
+        self._senders: tuple[tuple[str, ...], np.ndarray, np.ndarray, dict[str, int]] | None = None
 
-    def peer_rates(self, w: W) -> tuple[PeerRate, ...]:
+    def peer_rates(self, w: W) -> PeerRates:
         """What `w`, as the reducer of its part, measures of each other contributor's
         contribution, as the real data plane does (`ExchangeResult.peer_rates`): its part's
         bytes, over a stream that shares the sender's uplink and `w`'s downlink with the
@@ -338,26 +339,25 @@ class Exchange:
         n = self.parts.get(w.wid, 0.0)
         k = len(self.peers)
         if n <= 0 or k < 2:
-            return ()
+            return _NO_RATES
         cols = self._senders
         if cols is None:
             snd = [p for p in self.peers if p.wid in self.senders]
             cols = self._senders = (
-                [p.wid for p in snd],
+                tuple(p.wid for p in snd),
                 np.array([p.bw for p in snd], dtype=np.float64),
                 np.array([p.lat for p in snd], dtype=np.float64),
                 {p.wid: j for j, p in enumerate(snd)},
             )
         ids, bw, lat, index = cols
         if not ids:
-            return ()
+            return _NO_RATES
         rate = np.minimum(bw, w.bw) / (k - 1)
         ms = np.maximum(((lat + w.lat + n / rate) * 1000).astype(np.int64), 1).tolist()
-        nb = [int(n)] * len(ids)
         j = index.get(w.wid)
         if j is None:
-            return tuple(map(PeerRate, ids, nb, ms))
-        return tuple(map(PeerRate, ids[:j] + ids[j + 1 :], nb[1:], ms[:j] + ms[j + 1 :]))
+            return PeerRates(ids, (int(n),) * len(ids), tuple(ms))
+        return PeerRates(ids[:j] + ids[j + 1 :], (int(n),) * (len(ids) - 1), tuple(ms[:j] + ms[j + 1 :]))
 
 
 class Lockstep:
