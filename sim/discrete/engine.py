@@ -137,7 +137,7 @@ class EngineResult:
     workers: int
     hours: float
     events: int
-    core_calls: int
+    core_calls: int  # transitions of the coordinator core (`CoordinatorState.apply`)
     cells: tuple[str, ...]
     cell_targets: dict[str, float]
     cell_flops_per_sample: dict[str, float]
@@ -151,6 +151,7 @@ class EngineResult:
     steps_per_round: int
     throughput_spread: float  # p95 / p5 of achieved FLOP/s of the population
     overlap: str = "off"  # the run spec's [diloco] overlap as the workers ran it
+    core_queries: int = 0  # heartbeats answered by a read-only core query (`Engine._repeat_ready`)
 
 
 class Engine(WorkerBehaviour):
@@ -673,6 +674,7 @@ class Engine(WorkerBehaviour):
             steps_per_round=int(self.policy.core.inner_steps or self.spec.diloco.inner_steps),
             throughput_spread=spread,
             overlap="delayed" if self.overlap else "off",
+            core_queries=self.core_queries,
         )
 
 

@@ -96,6 +96,7 @@ def policy_summary(r: EngineResult, target_samples: float) -> dict[str, Any]:
         "steps_per_round": r.steps_per_round,
         "events": r.events,
         "core_calls": r.core_calls,
+        "core_queries": r.core_queries,
         "core_errors": dict(sorted(L.core_errors.items())),
         "abort_reasons": dict(sorted(L.abort_reasons.items(), key=lambda kv: -kv[1])),
         "faults": [{"at_s": t, "kind": k, "workers": n} for t, k, n in L.faults],
