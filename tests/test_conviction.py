@@ -15,7 +15,7 @@ from bagel.coordinator.core.events import Convicted
 from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
 from bagel.protocol.messages import Order, Verdict
 
-from test_state import freeze_all, start
+from test_state import freeze_all, reported_left_and_came_back, start
 from test_state_harness import Harness, h, make_spec
 
 CELL = "k0.r0"
@@ -101,16 +101,8 @@ def test_a_conviction_refreezes_another_exchange_its_worker_reported_in_and_then
     """A contributor that reported and left stays in its exchange's frozen set (its part was
     delivered). Convicted later for a lie in another exchange, it must leave that one too, as
     any ban does: the REDUCE names it no more and the round cannot commit with its bytes."""
-    from bagel.coordinator.core.events import Leave
-
     hz = Harness()
-    start(hz)
-    freeze_all(hz, "a", "b", "c")
-    first = hz.st.instruction_for("b").reduce_attempt
-    hz.report("a", h(1))
-    hz.apply(Leave("a"))
-    hz.reg("a")
-    assert {m.worker_id for m in hz.st.instruction_for("b").contributors} == {"a", "b", "c"}
+    first = reported_left_and_came_back(hz)
     # proven to have lied in an exchange that is no longer open (round 1, reduce attempt 9)
     hz.apply(Convicted("a", "c", CELL, 1, 1, first + 8, "verified evidence: an older exchange"))
     assert hz.store.workers["a"].state is WorkerState.BANNED

@@ -413,21 +413,28 @@ def test_a_contributor_that_leaves_after_reporting_keeps_its_budget_in_the_reduc
     assert restored(hz).instruction_for("b").contributors == before
 
 
-def test_a_ban_refreezes_an_exchange_its_worker_reported_in_and_then_left() -> None:
-    """A contributor that reported and left is dropped from the round but stays in the
-    frozen set (its part was delivered). Banned after it came back, it used to stay there:
-    the REDUCE kept naming it and the round could commit with its bytes. The ban now
-    re-freezes that exchange without it."""
+def reported_left_and_came_back(hz: Harness) -> int:
+    """a, b and c are frozen; `a` reports, leaves and registers again, still frozen in the
+    exchange (its part was delivered). Returns the exchange's reduce attempt."""
     from bagel.coordinator.core.events import Leave
 
-    hz = Harness()
     start(hz)
     freeze_all(hz, "a", "b", "c")
     first = hz.st.instruction_for("b").reduce_attempt
     hz.report("a", h(1))
     hz.apply(Leave("a"))
-    assert {m.worker_id for m in hz.st.instruction_for("b").contributors} == {"a", "b", "c"}
     hz.reg("a")
+    assert {m.worker_id for m in hz.st.instruction_for("b").contributors} == {"a", "b", "c"}
+    return first
+
+
+def test_a_ban_refreezes_an_exchange_its_worker_reported_in_and_then_left() -> None:
+    """A contributor that reported and left is dropped from the round but stays in the
+    frozen set (its part was delivered). Banned after it came back, it used to stay there:
+    the REDUCE kept naming it and the round could commit with its bytes. The ban now
+    re-freezes that exchange without it."""
+    hz = Harness()
+    first = reported_left_and_came_back(hz)
     roster = hz.st.roster
     roster.reputation(roster.workers["a"], -100.0, hz.now, "a lie found elsewhere")
     assert roster.workers["a"].state is WorkerState.BANNED

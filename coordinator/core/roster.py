@@ -330,7 +330,7 @@ class Roster:
 
     def observe_peer_rates(self, w: Worker, contributors: Collection[str], rates: PeerRates) -> None:
         """Fold what contributor `w` measured, as a reducer, of its peers' contributions in one
-        exchange over `contributors` (a round's `frozen` set, or any collection of ids) into
+        exchange over `contributors` (a round's `frozen` set: ids looked up per peer) into
         those peers' exchange uplink estimates.
 
         Only peers among `contributors` are read, never `w` itself (a worker's claims about
@@ -340,7 +340,7 @@ class Roster:
         uplink: the observation is the stream's rate x (k - 1). Each peer keeps one figure
         per observer (its latest), for the `MAX_UPLINK_OBSERVERS` most recent observers, so
         an observer that reports again replaces its own figure and cannot outvote others."""
-        members = contributors if isinstance(contributors, (dict, set, frozenset)) else frozenset(contributors)
+        members = contributors
         me = w.id
         if me not in members:
             return

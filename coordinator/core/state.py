@@ -896,7 +896,7 @@ class CoordinatorState:
 
     def _take_effects(self) -> tuple[Any, ...]:
         ch = self.changes
-        if not (ch.workers or ch.cells or ch.rounds or ch.commits):
+        if ch.empty():
             return ()
         workers = self.roster.workers
         if self.records:
