@@ -57,8 +57,10 @@ from bagel.coordinator.interceptor import AccusationLimited, NotAccepting
 from bagel.coordinator.metrics import Metrics, RunBook, commit_rate, worker_class
 from bagel.coordinator.ratelimit import RateLimiter
 from bagel.coordinator.runhistory import RunHistory
+from bagel.coordinator.watchers import InstructionWatchers
 from bagel.coordinator.writer import AsyncWriter
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.convert import instruction_to_pb
 from bagel.protocol.envelope import Verified, Verifier, wall_clock_ms
 from bagel.protocol.identity import worker_id_of
 from bagel.protocol.jointoken import operator_key_bytes
@@ -142,6 +144,9 @@ class CoordinatorApp:
         self.heartbeat_interval_ms = int(spec.schedule.heartbeat_s * 1000)
         self._counts_dirty = False
         self._cell_writes: dict[str, asyncio.Future[None]] = {}  # latest CellRecord batch per cell
+        self.watchers = InstructionWatchers()  # held WatchInstruction calls (`watch`)
+        # a held call waits at most a lease: the heartbeats, not the watch, keep a worker alive
+        self.watch_cap_ms = int(spec.schedule.lease_s * 1000)
         workers = state.snapshot().workers
         self.tally = WorkerTally(workers)
         # the run's story (log lines, the dashboard's events) and series, from the same effects
@@ -238,6 +243,7 @@ class CoordinatorApp:
             log.debug("audit counts after a report of %s: %s", event.worker_id, dict(sorted(audit.counts.items())))
         try:
             if outcome.effects:
+                self.watchers.notify(outcome.effects)  # they answer once the batch is durable
                 fut = self.writer.submit(outcome.effects, now)
                 self.metrics.store_writes.inc()
                 self._observe(outcome.effects)
@@ -250,15 +256,58 @@ class CoordinatorApp:
                 await asyncio.shield(fut)
             elif isinstance(event, Heartbeat):
                 ins = outcome.instruction
-                pending = self._cell_writes.get(ins.cell_id) if ins is not None and ins.cell_id else None
-                if pending is not None and not pending.done():
-                    await asyncio.shield(pending)
+                await self._cell_durable(ins.cell_id if ins is not None else "")
             else:
                 await self.writer.barrier()
         except Exception as e:
             self._die(e, "store write failed")
             raise NotAccepting("the coordinator's store failed; it is restarting") from e
         return outcome
+
+    async def _cell_durable(self, cell_id: str) -> None:
+        """Wait until the latest change of `cell_id` being written is durable: an answer
+        naming the cell never reveals a commit before a crash could lose it."""
+        pending = self._cell_writes.get(cell_id) if cell_id else None
+        if pending is not None and not pending.done():
+            await asyncio.shield(pending)
+
+    async def watch(self, worker_id: str, known_tag: int, wait_ms: int) -> tuple[pb.Instruction, bool]:
+        """`WatchInstruction`: the worker's instruction (with its tag) as soon as its tag
+        differs from `known_tag`, or when `wait_ms` (at most a lease) runs out; and whether
+        it differs. A read, like `CoordinatorState.instruction_for`: it changes nothing.
+
+        The call is held in `watchers`, woken by every transition whose records name the
+        worker or its instruction's cell (`InstructionWatchers.notify`). The event is
+        cleared before each read, so a change between the read and the wait is not lost.
+        A newer call of the same worker, or shutting down, answers it at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait_ms, self.watch_cap_ms) / 1000.0
+        held = None
+        try:
+            while True:
+                if not self.accepting:
+                    raise NotAccepting("the coordinator is shutting down")
+                if held is not None:
+                    held.event.clear()
+                ins = self.state.instruction_for(worker_id)  # UnknownWorker: NOT_FOUND
+                await self._cell_durable(ins.cell_id)
+                msg = instruction_to_pb(ins)
+                if msg.tag != known_tag:
+                    return msg, True
+                remaining = deadline - loop.time()
+                if remaining <= 0 or (held is not None and held.superseded) or self.watchers.closed:
+                    return msg, False
+                if held is None:
+                    held = self.watchers.arm(worker_id, ins.cell_id)
+                    continue  # read again once armed: nothing may change unseen in between
+                self.watchers.move(held, ins.cell_id)
+                try:
+                    await asyncio.wait_for(held.event.wait(), remaining)
+                except TimeoutError:
+                    pass
+        finally:
+            if held is not None:
+                self.watchers.disarm(held)
 
     async def accuse(self, accuser: str, req: pb.EvidenceRequest) -> Conviction:
         """Check evidence against a reducer (`bagel.robust.evidence.adjudicate`, off the event

@@ -10,7 +10,8 @@ once serving, and waits for SIGTERM/SIGINT
 `finally: handle.stop()` (torchrun and hivemind's run_dht do the same):
 
 1. health goes NOT_SERVING (load balancers and probes stop sending);
-2. the gRPC server stops accepting and gives in-flight calls `grace_s` to finish;
+2. held `WatchInstruction` long polls answer at once; the gRPC server stops accepting and
+   gives in-flight calls `grace_s` to finish;
 3. the tick task and the event log's task stop, the dashboard (if served) closes, the
    store writer drains (every acknowledged change is already durable; this flushes and
    closes SQLite);
@@ -193,6 +194,7 @@ class CoordinatorHandle:
         self._stopped = True
         try:
             await self.health.enter_graceful_shutdown()
+            self.app.watchers.close()  # held long polls answer now, not at the grace's end
             await self.server.stop(grace_s)
         finally:
             self.app.accepting = False

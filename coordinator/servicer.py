@@ -123,6 +123,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             lease_expires_unix_ms=out.lease_expires_ms or 0, instruction=wire.instruction_to_pb(out.instruction)
         )
 
+    async def WatchInstruction(
+        self, request: pb.SignedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.WatchInstructionResponse:
+        v = self.app.verify(request, "WatchInstruction")
+        msg: pb.WatchInstructionRequest = v.message
+        ins, changed = await self.app.watch(v.worker_id, msg.known_tag, msg.wait_ms)
+        return pb.WatchInstructionResponse(instruction=ins, changed=changed)
+
     async def ReportRound(self, request: pb.SignedRequest, context: grpc.aio.ServicerContext) -> pb.ReportRoundResponse:
         v = self.app.verify(request, "ReportRound")
         self.app.observe_report(v.worker_id, v.message)

@@ -175,7 +175,7 @@ class Donor(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., checkpoint_round: _Optional[int] = ..., expected_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class Instruction(_message.Message):
-    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt", "round_attempt", "donors")
+    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt", "round_attempt", "donors", "tag")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class Instruction(_message.Message):
     REDUCE_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     ROUND_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     DONORS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     order: Order
     cell_id: str
     round: int
@@ -202,7 +203,8 @@ class Instruction(_message.Message):
     reduce_attempt: int
     round_attempt: int
     donors: _containers.RepeatedCompositeFieldContainer[Donor]
-    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ..., donors: _Optional[_Iterable[_Union[Donor, _Mapping]]] = ...) -> None: ...
+    tag: int
+    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ..., donors: _Optional[_Iterable[_Union[Donor, _Mapping]]] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "profile", "peer", "local", "join_token", "pow_challenge", "pow_nonce")
@@ -265,6 +267,24 @@ class HeartbeatRequest(_message.Message):
     round_attempt: int
     donor_rates: _containers.RepeatedCompositeFieldContainer[DonorRate]
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., inner_step: _Optional[int] = ..., loss: _Optional[float] = ..., samples: _Optional[int] = ..., local: _Optional[_Union[LocalState, _Mapping]] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ..., donor_rates: _Optional[_Iterable[_Union[DonorRate, _Mapping]]] = ...) -> None: ...
+
+class WatchInstructionRequest(_message.Message):
+    __slots__ = ("header", "known_tag", "wait_ms")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_TAG_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    header: RequestHeader
+    known_tag: int
+    wait_ms: int
+    def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ..., known_tag: _Optional[int] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class WatchInstructionResponse(_message.Message):
+    __slots__ = ("instruction", "changed")
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    instruction: Instruction
+    changed: bool
+    def __init__(self, instruction: _Optional[_Union[Instruction, _Mapping]] = ..., changed: _Optional[bool] = ...) -> None: ...
 
 class DonorRate(_message.Message):
     __slots__ = ("worker_id", "nbytes", "ms")

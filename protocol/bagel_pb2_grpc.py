@@ -89,6 +89,11 @@ class CoordinatorStub:
                 request_serializer=bagel__pb2.SignedRequest.SerializeToString,
                 response_deserializer=bagel__pb2.DataShardChunk.FromString,
                 _registered_method=True)
+        self.WatchInstruction = channel.unary_unary(
+                '/bagel.v1.Coordinator/WatchInstruction',
+                request_serializer=bagel__pb2.SignedRequest.SerializeToString,
+                response_deserializer=bagel__pb2.WatchInstructionResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -173,6 +178,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchInstruction(self, request, context):
+        """payload: WatchInstructionRequest. A long poll and a read: answers the worker's current
+        instruction once its tag differs from `known_tag`, or when `wait_ms` runs out. It
+        changes no state (the heartbeat keeps the lease), so the worker may drop it any time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +244,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.FetchDataShard,
                     request_deserializer=bagel__pb2.SignedRequest.FromString,
                     response_serializer=bagel__pb2.DataShardChunk.SerializeToString,
+            ),
+            'WatchInstruction': grpc.unary_unary_rpc_method_handler(
+                    servicer.WatchInstruction,
+                    request_deserializer=bagel__pb2.SignedRequest.FromString,
+                    response_serializer=bagel__pb2.WatchInstructionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -529,6 +548,33 @@ class Coordinator:
             '/bagel.v1.Coordinator/FetchDataShard',
             bagel__pb2.SignedRequest.SerializeToString,
             bagel__pb2.DataShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchInstruction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/bagel.v1.Coordinator/WatchInstruction',
+            bagel__pb2.SignedRequest.SerializeToString,
+            bagel__pb2.WatchInstructionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -219,6 +219,15 @@ class CoordinatorClient:
         )
         return await self.call("Heartbeat", req, timeout_s=timeout_s)  # type: ignore[return-value]
 
+    async def watch_instruction(
+        self, known_tag: int, wait_ms: int, *, timeout_s: float | None = None
+    ) -> pb.WatchInstructionResponse:
+        """The current instruction once its tag differs from `known_tag`, or after `wait_ms`
+        (a long poll; a read). The call's own deadline is the hold plus the usual timeout."""
+        req = pb.WatchInstructionRequest(known_tag=known_tag, wait_ms=wait_ms)
+        deadline = timeout_s if timeout_s is not None else wait_ms / 1000.0 + self.timeout_s
+        return await self.call("WatchInstruction", req, timeout_s=deadline)  # type: ignore[return-value]
+
     async def report_round(
         self,
         *,

@@ -10,6 +10,7 @@ does not know becomes UNSPECIFIED.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from bagel.protocol import bagel_pb2 as pb
@@ -184,7 +185,27 @@ def member_to_pb(m: Member) -> pb.Member:
     )
 
 
+def instruction_tag(msg: pb.Instruction) -> int:
+    """64 bits of a BLAKE2b hash of the instruction's deterministic serialization, its own
+    `tag` field left out: the same instruction, the same tag (within one protobuf
+    runtime, which is all a long poll compares: the coordinator made both tags)."""
+    body = msg
+    if msg.tag:
+        body = pb.Instruction()
+        body.CopyFrom(msg)
+        body.ClearField("tag")
+    digest = hashlib.blake2b(body.SerializeToString(deterministic=True), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 def instruction_to_pb(ins: Instruction | None) -> pb.Instruction:
+    """The wire form of `ins` (None: a bare WAIT), with its `tag` set (`instruction_tag`)."""
+    out = _instruction_body(ins)
+    out.tag = instruction_tag(out)
+    return out
+
+
+def _instruction_body(ins: Instruction | None) -> pb.Instruction:
     if ins is None:
         return pb.Instruction(order=pb.ORDER_WAIT)
     out = pb.Instruction(

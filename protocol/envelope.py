@@ -67,6 +67,7 @@ PAYLOAD_TYPES: dict[str, type[Message]] = {
     "Accuse": pb.EvidenceRequest,
     "GetDataManifest": pb.DataManifestRequest,
     "FetchDataShard": pb.FetchDataShardRequest,
+    "WatchInstruction": pb.WatchInstructionRequest,
 }
 
 M = TypeVar("M", bound=Message)

@@ -225,6 +225,14 @@ def validate_heartbeat(req: pb.HeartbeatRequest, spec: RunSpec) -> None:
         _int(f"donor_rates[{i}].ms", d.ms, 0, MAX_DURATION_MS)
 
 
+MAX_WATCH_WAIT_MS = 60_000  # a longer hold is refused, not capped: no worker asks for one
+
+
+def validate_watch_instruction(req: pb.WatchInstructionRequest, spec: RunSpec) -> None:
+    """A hold of 0..MAX_WATCH_WAIT_MS; any 64-bit tag (an unknown one answers at once)."""
+    _int("wait_ms", req.wait_ms, 0, MAX_WATCH_WAIT_MS)
+
+
 def validate_report_round(req: pb.ReportRoundRequest, spec: RunSpec) -> None:
     """A successful report carries a hash; a failed one may not, and says why."""
     _cell("cell_id", req.cell_id, spec, required=True)
@@ -372,6 +380,7 @@ VALIDATORS: dict[str, Callable[[Any, RunSpec], None]] = {
     "Accuse": validate_evidence,
     "GetDataManifest": validate_data_manifest_request,
     "FetchDataShard": validate_fetch_data_shard,
+    "WatchInstruction": validate_watch_instruction,
 }
 
 

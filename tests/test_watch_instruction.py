@@ -1,0 +1,154 @@
+"""`WatchInstruction`: a held long poll answers as soon as the worker's instruction changes.
+
+A real coordinator on port 0 and raw signed clients (no worker loop: the test decides
+every message). Each watch asks for a hold of a minute, longer than a test may run, so a
+watch that answers during the test was woken (or answered at once), never timed out;
+nothing asserts how long anything took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from bagel.coordinator.daemon import CoordinatorHandle
+from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.client import CoordinatorClient
+from bagel.protocol.identity import Identity
+from bagel.protocol.validation import MAX_WATCH_WAIT_MS
+
+from simworkers import fake_peer_id
+from test_cluster import one_cell_spec, start
+
+pytestmark = pytest.mark.timeout(60)
+
+HOLD_MS = 60_000  # a minute: the lease below lets the coordinator hold it that long
+ANSWER_S = 20.0  # a woken watch answers well within this
+
+
+async def _members(tmp_path: Path, n: int = 2) -> tuple[CoordinatorHandle, list[CoordinatorClient], str]:
+    """A one-cell run with a lease of a minute and `n` registered workers, each told to
+    train round 1 (one IDLE heartbeat each)."""
+    h = await start(tmp_path, one_cell_spec(min_replicas=1, heartbeat_s=30.0, lease_s=60.0))
+    cell = h.spec.cell_ids[0]
+    profile = pb.WorkerProfile(
+        name="w",
+        device_kind="cpu",
+        device_name="test",
+        vram_bytes=16 << 30,
+        num_devices=1,
+        link_bandwidth_bytes_per_s=1e8,
+        samples_per_s={cell: 100.0},
+        software_version="test",
+    )
+    clients = []
+    for _ in range(n):
+        c = CoordinatorClient(f"127.0.0.1:{h.port}", Identity.generate(), h.spec.run.id, timeout_s=5.0)
+        await c.register(profile, pb.PeerAddress(peer_id=fake_peer_id(c.worker_id), maddrs=["/ip4/127.0.0.1/tcp/1"]))
+        clients.append(c)
+    for c in clients:
+        r = await c.heartbeat(pb.PHASE_IDLE)
+        assert r.instruction.order == pb.ORDER_TRAIN and r.instruction.round == 1
+    return h, clients, cell
+
+
+async def _ready(c: CoordinatorClient, cell: str) -> pb.Instruction:
+    ins = (await c.heartbeat(pb.PHASE_IDLE)).instruction
+    r = await c.heartbeat(
+        pb.PHASE_READY,
+        cell_id=cell,
+        round=1,
+        samples=16,
+        round_attempt=ins.round_attempt,
+        inner_step=ins.plan.inner_steps,
+    )
+    return r.instruction
+
+
+async def _close(h: CoordinatorHandle, clients: list[CoordinatorClient]) -> None:
+    for c in clients:
+        await c.close()
+    await h.stop()
+
+
+async def test_a_held_watch_answers_the_freeze_another_member_causes(tmp_path: Path) -> None:
+    h, (a, b), cell = await _members(tmp_path)
+    try:
+        held = await _ready(a, cell)
+        assert held.order == pb.ORDER_TRAIN, "one of two members ready: the round waits for the other"
+        watch = asyncio.create_task(a.watch_instruction(held.tag, HOLD_MS))
+        await asyncio.sleep(0.3)
+        assert not watch.done(), "nothing changed: the watch is held"
+        assert (await _ready(b, cell)).order == pb.ORDER_REDUCE  # the last READY freezes the round
+        got = await asyncio.wait_for(watch, ANSWER_S)
+        assert got.changed and got.instruction.order == pb.ORDER_REDUCE and got.instruction.round == 1
+        assert got.instruction.tag != held.tag
+        # the very instruction a heartbeat now answers, tag included
+        again = (await a.heartbeat(pb.PHASE_READY, cell_id=cell, round=1, samples=16)).instruction
+        assert again == got.instruction
+    finally:
+        await _close(h, [a, b])
+
+
+async def test_a_watch_whose_tag_is_not_the_current_one_answers_at_once(tmp_path: Path) -> None:
+    h, (a, b), cell = await _members(tmp_path)
+    try:
+        current = await _ready(a, cell)
+        before = h.state.snapshot()
+        got = await asyncio.wait_for(a.watch_instruction(current.tag ^ 1, HOLD_MS), ANSWER_S)
+        assert got.changed and got.instruction == current
+        assert h.state.snapshot() == before, "a watch is a read"
+    finally:
+        await _close(h, [a, b])
+
+
+async def test_a_newer_watch_of_the_same_worker_answers_the_older_one(tmp_path: Path) -> None:
+    h, (a, b), cell = await _members(tmp_path)
+    try:
+        current = await _ready(a, cell)
+        first = asyncio.create_task(a.watch_instruction(current.tag, HOLD_MS))
+        await asyncio.sleep(0.3)
+        second = asyncio.create_task(a.watch_instruction(current.tag, HOLD_MS))
+        got = await asyncio.wait_for(first, ANSWER_S)
+        assert not got.changed and got.instruction == current
+        await asyncio.sleep(0.3)
+        assert not second.done() and len(h.app.watchers) == 1, "one held watch per worker"
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+    finally:
+        await _close(h, [a, b])
+
+
+async def test_stopping_the_coordinator_answers_held_watches(tmp_path: Path) -> None:
+    h, (a, b), cell = await _members(tmp_path)
+    try:
+        current = await _ready(a, cell)
+        watch = asyncio.create_task(a.watch_instruction(current.tag, HOLD_MS))
+        await asyncio.sleep(0.3)
+        assert not watch.done()
+        stopping = asyncio.create_task(h.stop(grace_s=ANSWER_S))
+        got = await asyncio.wait_for(watch, ANSWER_S)
+        assert not got.changed and got.instruction == current
+        await stopping
+    finally:
+        await _close(h, [a, b])
+
+
+async def test_watch_refusals(tmp_path: Path) -> None:
+    h, (a, b), cell = await _members(tmp_path)
+    stranger = CoordinatorClient(f"127.0.0.1:{h.port}", Identity.generate(), h.spec.run.id, timeout_s=5.0)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stranger.watch_instruction(0, 1000)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        for wait_ms in (-1, MAX_WATCH_WAIT_MS + 1):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await a.watch_instruction(0, wait_ms, timeout_s=5.0)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, wait_ms
+        assert len(h.app.watchers) == 0
+    finally:
+        await stranger.close()
+        await _close(h, [a, b])
