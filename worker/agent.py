@@ -14,7 +14,8 @@
    - SYNC: fetch (cell, committed round) from the named donors over P2P (`statesync`), or
      the coordinator's checkpoint, and verify the committed hash; round 0 is built locally;
    - TRAIN: H inner steps in a thread (`trainer`), so the event loop keeps heartbeating;
-   - READY: heartbeat PHASE_READY with the samples (every ~250 ms while READY/REDUCING);
+   - READY: heartbeat PHASE_READY with the samples; the freeze arrives through the link's
+     held `WatchInstruction` (`link.py`), about a network latency after it happens;
    - REDUCE: pseudo-gradient (+ error feedback, codec) averaged over exactly the frozen
      contributors (`averaging`), outer Nesterov step (`diloco`), hash, ReportRound. A
      failed exchange is reported `failed=True` and the delta is kept for a re-freeze

@@ -16,9 +16,18 @@ heartbeat request, and hands it every instruction that comes back.
 - `register`: retried while the coordinator is down. The owner may ask for another
   Register right away (the first contact with a run: the profile needs the run spec the
   coordinator sends in its answer, see `Agent.registered`).
-- the heartbeat loop: its own task, every `heartbeat_interval`, every 250 ms while READY
-  or REDUCING (the freeze and the verdict arrive sooner), and at once when woken (a phase
-  change).
+- the heartbeat loop: its own task, every `heartbeat_interval`, and at once when woken (a
+  phase change). While the worker waits on the coordinator (IDLE, READY, REDUCING: for a
+  round to open, for the freeze, for the verdict), it holds a `WatchInstruction` long poll
+  between two heartbeats, with the tag of the last instruction it was answered: the
+  coordinator answers it as soon as that instruction changes, so the worker hears of a
+  freeze, a commit or an abort about one network latency after it happens instead of at
+  its next heartbeat, and heartbeats at once. While it trains or downloads it holds none:
+  a change then can wait for the next heartbeat, and 10,000 trainers holding watches would
+  double the signed requests the coordinator checks. The watch is a read: its answer is
+  dropped when any other call was answered, or is in flight, meanwhile (that answer may be
+  newer, and answers are processed in request order). A coordinator without the RPC is
+  polled every 250 ms instead while READY or REDUCING.
 """
 
 from __future__ import annotations
@@ -42,7 +51,10 @@ from bagel.worker.display import Display
 
 log = logging.getLogger(__name__)
 
-FAST_HEARTBEAT_S = 0.25  # while READY/REDUCING: the freeze and the verdict come sooner
+FAST_HEARTBEAT_S = 0.25  # without a watch, while READY/REDUCING: the freeze and the verdict come sooner
+MIN_HEARTBEAT_GAP_S = 0.05  # heartbeats never follow each other faster (a watch answered at once, twice)
+WATCH_MARGIN_S = 1.0  # how much later than its hold a watch's answer may still come
+WATCH_PHASES = (pb.PHASE_IDLE, pb.PHASE_READY, pb.PHASE_REDUCING)  # waiting on the coordinator
 RPC_TIMEOUT_S = 10.0
 RERESOLVE_AFTER_S = 3.0  # look the coordinator's DHT record up again after this long without it
 TLS_REFUSALS_BEFORE_GIVING_UP = 5  # answers of a server that is not the pinned one before giving up
@@ -87,6 +99,9 @@ class CoordinatorLink:
         self.down_since: float | None = None
         self._hb_wake = asyncio.Event()
         self._hb_task: asyncio.Task[None] | None = None
+        self.answers = 0  # calls answered so far (a watch's answer is dropped if this moved)
+        self.known_tag = 0  # the tag of the last instruction an answer carried
+        self.watching = True  # False once the coordinator says it has no WatchInstruction
         self.join_token = b""  # sent with every Register (permissioned runs)
 
     async def connect(self, dht: Any, record: CoordinatorRecord) -> bool:
@@ -151,6 +166,9 @@ class CoordinatorLink:
                         self.display.event("coordinator-unreachable", level="warning", message=str(e.code().name))
                     return None
                 raise
+            self.answers += 1
+            if isinstance(getattr(resp, "instruction", None), pb.Instruction):
+                self.known_tag = resp.instruction.tag
         if self.down_since is not None:
             self.down_since = None
             self.epoch += 1
@@ -241,7 +259,13 @@ class CoordinatorLink:
 
     async def _heartbeat_loop(self) -> None:
         failures = 0
+        loop = asyncio.get_running_loop()
+        last = -MIN_HEARTBEAT_GAP_S
         while True:
+            gap = last + MIN_HEARTBEAT_GAP_S - loop.time()
+            if gap > 0:
+                await asyncio.sleep(gap)
+            last = loop.time()
             # Cleared before the request is built, never after the answer: a phase change
             # while this heartbeat is in flight (or while its answer is handled, when an
             # instruction completes at once, e.g. a round trained ahead) wakes the next one
@@ -265,6 +289,9 @@ class CoordinatorLink:
             if resp is not None:
                 failures = 0
                 self.owner.on_instruction(resp.instruction)
+                if self.watching and req.phase in WATCH_PHASES:
+                    await self._watch_until_next(self.hb_interval_s)
+                    continue
                 delay = FAST_HEARTBEAT_S if req.phase in (pb.PHASE_READY, pb.PHASE_REDUCING) else self.hb_interval_s
             else:
                 failures += 1
@@ -275,3 +302,47 @@ class CoordinatorLink:
                 await asyncio.wait_for(self._hb_wake.wait(), delay)
             except TimeoutError:
                 pass
+
+    async def _watch_until_next(self, hold_s: float) -> None:
+        """Until the next heartbeat is due: `hold_s`, a wake (phase change), or a changed
+        instruction, whose answer is taken here when no other call was answered or is in
+        flight since the watch was sent (see the module docstring)."""
+        answers, tag = self.answers, self.known_tag
+        loop = asyncio.get_running_loop()
+        due = loop.time() + hold_s
+        watch = asyncio.create_task(self._watch_call(tag, hold_s), name="watch-instruction")
+        wake = asyncio.create_task(self._hb_wake.wait(), name="heartbeat-wake")
+        try:
+            done, _ = await asyncio.wait(
+                {watch, wake}, timeout=hold_s + WATCH_MARGIN_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if watch in done and wake not in done:
+                resp = self._watch_answer(watch)
+                if resp is None:  # no answer (refused, down): the heartbeat's own cadence
+                    try:
+                        await asyncio.wait_for(self._hb_wake.wait(), max(0.0, due - loop.time()))
+                    except TimeoutError:
+                        pass
+                elif resp.changed and self.answers == answers and not self.lock.locked():
+                    self.known_tag = resp.instruction.tag
+                    self.owner.on_instruction(resp.instruction)
+        finally:
+            for t in (watch, wake):
+                t.cancel()
+            await asyncio.gather(watch, wake, return_exceptions=True)
+
+    def _watch_answer(self, task: asyncio.Task[pb.WatchInstructionResponse]) -> pb.WatchInstructionResponse | None:
+        """The finished watch's answer, or None; UNIMPLEMENTED turns watching off."""
+        if task.cancelled():
+            return None
+        e = task.exception()
+        if e is None:
+            return task.result()
+        if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.watching = False  # an older coordinator: poll instead
+        elif not isinstance(e, grpc.aio.AioRpcError):
+            log.debug("instruction watch failed: %r", e)
+        return None
+
+    async def _watch_call(self, tag: int, hold_s: float) -> pb.WatchInstructionResponse:
+        return await self._current().watch_instruction(tag, int(hold_s * 1000))

@@ -96,8 +96,8 @@ ROUND_WAIT_S = 3.0
 """How long a request for a round newer than any the donor holds waits for `publish` to deliver it.
 
 The coordinator names the donor of round N once N commits there, but the donor publishes N
-only when it hears the verdict (its ReportRound answer, or the instruction on its next
-heartbeat, every 250 ms while it waits): a joiner can ask in between. Refused then, a joiner
+only when it hears the verdict (its ReportRound answer, or the changed instruction its held
+watch answers, see worker/link.py): a joiner can ask in between. Refused then, a joiner
 with no checkpoint to fall back to (`test_e2e`'s SIGKILLed worker) missed its sync and rejoined
 rounds late. A few heartbeats cover the gap; a donor that never gets there is refused after it.
 """
