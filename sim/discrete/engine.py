@@ -24,16 +24,23 @@ The heartbeat approximation (what makes 10,000 workers x 24 h affordable):
   * a phase change the core acts on (READY, IDLE after a sync) is sent at once, as the
     real worker does;
   * a change of the worker's instruction (another member's event opened, froze, committed
-    or aborted its round, or moved it) reaches the worker at its next periodic heartbeat:
-    each worker has a fixed heartbeat phase in [0, heartbeat_s), and the engine schedules
-    one heartbeat at the next tick of that phase after the change (exactly when the real
-    worker would have learned it). The engine reads the change off `Outcome.effects`
-    (rounds whose state, attempt or contributor set changed; workers that changed cell or
-    status: the core is built with `records=False`, so these are its live entities, read
-    at once, not frozen records). A member that is READY when its round freezes repeats
-    that READY at its next heartbeat to hear the REDUCE; in declared lease mode such a
-    heartbeat changes nothing in the core, so the engine reads the REDUCE with a query
-    instead (`_repeat_ready`; `EngineResult.core_calls` leaves these out);
+    or aborted its round, or moved it) reaches a worker that waits on the coordinator
+    (IDLE, READY, REDUCING) through its held watch (the real worker keeps a
+    `WatchInstruction` long poll open between heartbeats then, which the coordinator
+    answers when its instruction changes): one link latency after the change
+    (`W.watch_ms`), the worker heartbeats and acts on the answer. A worker that trains
+    or downloads hears it at its next periodic heartbeat (`_hear_change`). The
+    engine reads the change off `Outcome.effects` (rounds whose state, attempt or
+    contributor set changed; workers that changed cell or status: the core is built with
+    `records=False`, so these are its live entities, read at once, not frozen records).
+    A member that is READY when its round freezes repeats that READY to hear the REDUCE;
+    in declared lease mode such a heartbeat changes nothing in the core, so the engine
+    reads the REDUCE with a query instead (`_repeat_ready`; `EngineResult.core_calls`
+    leaves these out);
+  * what no change prompts goes at the worker's next periodic heartbeat: each worker has
+    a fixed heartbeat phase in [0, heartbeat_s), and `_poll_later` schedules one at the
+    next tick of that phase (a waiting worker's heartbeat, which may open its cell's next
+    round; a message refused as stale; contact regained after a cut or a SIGSTOP);
   * leases (`engine.lease_mode`):
     - "declared" (default): live workers send no lease-only heartbeats. When a worker
       dies, is cut off or stopped, the engine sends `LeaseExpired` at exactly the moment
@@ -95,6 +102,7 @@ from bagel.sim.discrete.workers import (
     DEPART,
     FAULT,
     HEAL,
+    IDLE,
     LEASE,
     OFF,
     POLL,
@@ -128,6 +136,8 @@ _SEQ, _SEQ_MASK = 64, (1 << 32) - 1
 _T = 96
 T0_MS = 1_767_225_600_000  # virtual epoch: 2026-01-01T00:00:00Z (the core works in unix ms)
 DECLARED_CORE_LEASE_S = 10_000_000.0  # declared lease mode: longer than any simulation
+# the activities whose heartbeat phase (IDLE, READY, REDUCING) holds a watch between beats
+WATCHING_ACTS = frozenset({IDLE, READY, REDUCE, WAITV})
 
 
 @dataclass(frozen=True)
@@ -267,6 +277,7 @@ class Engine(WorkerBehaviour):
         rate_r = w.rate_r = cm.samples_per_s(self.work, float(p.tflops[i]), ROUTER_CELL)
         w.bw = float(p.bandwidth_bytes_per_s[i])
         w.lat = float(p.latency_s[i])
+        w.watch_ms = max(1, int(w.lat * 1000))
         w.byz = bool(p.byzantine[i])
         w.spot = bool(p.spot[i])
         w.hb_phase = int(self.rng.integers(0, self.hb_ms))
@@ -512,7 +523,7 @@ class Engine(WorkerBehaviour):
                     and w.online
                     and (r.state is not WorkerState.ACTIVE or r.cell != self._believed_cell(w))
                 ):
-                    self._poll_later(w)
+                    self._hear_change(w)
 
     def _believed_cell(self, w: W) -> str:
         if w.key is not None and w.act in (TRAIN, READY, STALL):
@@ -523,7 +534,7 @@ class Engine(WorkerBehaviour):
 
     def _on_round_record(self, r: Round, caller: str) -> None:
         """A round changed: arm its deadline, settle the ledger, and make everyone whose
-        instruction changed hear it at their next heartbeat."""
+        instruction changed hear it (`_hear_change`)."""
         if r.freeze_by_ms and r.state in (RoundState.OPEN, RoundState.TRAINING):
             self._tick_at(r.freeze_by_ms - T0_MS)  # the core's wait for the last members ends then
         sig = (r.round, r.attempt, r.state, r.reduce_attempt)
@@ -553,7 +564,7 @@ class Engine(WorkerBehaviour):
             if wid != caller:
                 w = by.get(wid)
                 if w is not None and w.online:
-                    self._poll_later(w)
+                    self._hear_change(w)
 
     def _on_commit(self, c: CommitRecord) -> None:
         led = self.ledger
@@ -583,21 +594,36 @@ class Engine(WorkerBehaviour):
             self._tick_at(hold - T0_MS)
         # the commit changed the instruction of the cell's other workers too: one that held
         # or was fetching the state before it is now a round behind (SYNC, or a catch-up by
-        # the updates), and a real worker hears that at its next heartbeat
+        # the updates), and a real worker's held watch tells it so
         frozen = set(c.contributors)
         for wid in self.core.cell_workers(c.cell_id):
             w = by.get(wid)
             if w is not None and w.online and wid not in frozen:
-                self._poll_later(w)
+                self._hear_change(w)
 
     def _poll_later(self, w: W) -> None:
-        """The worker's next periodic heartbeat (fixed phase) delivers its new instruction."""
-        if w.poll:
-            return
-        w.poll = True
+        """The worker's next periodic heartbeat (fixed phase): what a worker that is not told
+        of a change sends anyway (it waits, it was refused, it is back in contact)."""
         hb = self.hb_ms
-        wait = (w.hb_phase - self.now) % hb or hb
-        self.push(self.now + wait, POLL, w.i, w.gen)
+        self._poll_at(w, self.now + ((w.hb_phase - self.now) % hb or hb))
+
+    def _hear_change(self, w: W) -> None:
+        """Another event changed the worker's instruction. A worker that waits on the
+        coordinator holds a watch, which answers one link latency later, and then it
+        heartbeats at once; one that trains or downloads holds none and hears it at its
+        next heartbeat (worker/link.py)."""
+        if w.act in WATCHING_ACTS:
+            self._poll_at(w, self.now + w.watch_ms)
+        else:
+            self._poll_later(w)
+
+    def _poll_at(self, w: W, t: int) -> None:
+        """A POLL (a heartbeat and its answer) at t, unless one is due by then already; a
+        later one still pending is superseded (`_on_poll` skips it)."""
+        if 0 <= w.poll_at <= t:
+            return
+        w.poll_at = t
+        self.push(t, POLL, w.i, w.gen)
 
     # ------------------------------------------------------------ activity accounting
 

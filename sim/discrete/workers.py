@@ -154,6 +154,7 @@ class W:
     rate_r: float  # samples/s on the router cell
     bw: float  # link bandwidth, bytes/s
     lat: float  # link latency, s
+    watch_ms: int  # how long a held watch's answer takes to reach it: its latency in ms, >= 1
     byz: bool
     spot: bool
     hb_phase: int  # ms offset of its periodic heartbeat in [0, heartbeat_ms)
@@ -193,7 +194,7 @@ class W:
         "own_s",
         "pending",
         "plan",
-        "poll",
+        "poll_at",
         "prev_local",
         "profile",
         "rate_e",
@@ -218,6 +219,7 @@ class W:
         "uploaded",
         "uploaded_fs",
         "waited",
+        "watch_ms",
         "wid",
     )
 
@@ -243,7 +245,7 @@ class W:
         self.job_kind = -1
         self.local = LocalState()
         self.prev_local = LocalState()
-        self.poll = False
+        self.poll_at = -1  # when its pending POLL is due (-1: none)
         self.renew_due = 0
         self.renew_armed = False
         self.cut = False  # partitioned from coordinator and peers
@@ -407,6 +409,7 @@ class WorkerBehaviour:
         def _register(self, w: W) -> Outcome | None: ...
         def _heartbeat(self, w: W) -> Outcome | None: ...
         def _poll_later(self, w: W) -> None: ...
+        def _hear_change(self, w: W) -> None: ...
         def _tick_at(self, t: int) -> None: ...
         def _set_act(self, w: W, act: int) -> None: ...
         @staticmethod
@@ -452,7 +455,7 @@ class WorkerBehaviour:
         self.online_count -= 1
         w.online = False
         w.gen += 1
-        w.poll = False
+        w.poll_at = -1
         w.renew_armed = False
         w.stopped = False
         w.report = None
@@ -973,9 +976,9 @@ class WorkerBehaviour:
     # ------------------------------------------------------------ heartbeats
 
     def _on_poll(self, w: W, token: int) -> None:
-        if token != w.gen:
-            return
-        w.poll = False
+        if token != w.gen or self.now != w.poll_at:
+            return  # of an earlier life, or superseded by an earlier poll
+        w.poll_at = -1
         if not w.online or w.cut or w.stopped:
             return
         if w.report is not None:
