@@ -168,3 +168,25 @@ def test_late_from_crosses_the_wire_and_a_bad_one_reads_as_none() -> None:
         p.plan.late_from = bad
         got = instruction_from_pb(pb.Instruction.FromString(p.SerializeToString()))
         assert got.plan is not None and got.plan.late_from == 0
+
+
+def test_a_member_that_claimed_no_throughput_sets_no_pace_for_a_late_joiner() -> None:
+    """A worker's first Register carries no throughput (it needs the run spec to measure,
+    then registers again, which drops it from its round). Planned at the default 1
+    sample/s, such a member made the round's estimate minutes long, and a late joiner sized
+    to that estimate kept the round waiting for minutes (seen in `make demo`: 148 s of a
+    round whose other member trained 6 s)."""
+    hz = Harness()
+    hz.reg("a")
+    hz.reg("p", speed=0.0)  # a first contact: no throughput yet
+    hz.hb("a")
+    r = hz.round()
+    assert r is not None and r.round == 1 and sorted(m.worker_id for m in r.members) == ["a", "p"]
+    hz.reg("j")  # as fast as a, and holding the base state (the initial one)
+    hz.advance(100)
+    hz.hb("j")
+    r = hz.round()
+    assert r is not None and [m.worker_id for m in r.late] == ["j"]
+    opening = {m.worker_id: m for m in r.members}
+    # a trains its budget in a few seconds; j, as fast and later, gets no more than that
+    assert 0 < r.late[0].max_samples <= opening["a"].max_samples

@@ -229,6 +229,22 @@ class Rounds:
         self.changes.round(r)
         self.changes.cell(c.id)
 
+    def _members_ready_by(self, c: Cell, r: Round) -> int:
+        """When the round's members still training are expected ready: the round's own
+        estimate (`ready_by_ms`, from its plan at open), or earlier when the opening members
+        that set it have since dropped out or are ready. Each opening member still training
+        counts its budget at its throughput; one that claimed no throughput (a worker's first
+        contact, made before it could measure; it registers again at once, which drops it)
+        sets no pace, and late joiners were sized to fit the estimate. So a late joiner is
+        never sized to keep the round waiting for a member that is gone or done."""
+        t = r.opened_ms
+        for x, plan in r.plans.items():
+            w = self.roster.workers.get(x)
+            if x in r.dropped or x in r.ready or x in r.late or w is None or not w.throughput:
+                continue
+            t = max(t, r.opened_ms + int(plan.max_samples / throughput_for(w.throughput, c.id) * 1000.0))
+        return min(r.ready_by_ms, t)
+
     def admit_late(self, c: Cell, r: Round, wid: str, now: int) -> bool:
         """`wid` holds c's committed state (the base of the round r in training) and is not
         a member: admit it with a share of the time left (`scheduler.plan_late_member`),
@@ -236,9 +252,10 @@ class Rounds:
         if r.state not in (RoundState.OPEN, RoundState.TRAINING) or wid in r.plans or wid not in c.synced:
             return False
         w = self.roster.workers[wid]
-        left_ms, round_ms = r.ready_by_ms - now, r.ready_by_ms - r.opened_ms
+        ready_by = self._members_ready_by(c, r)
+        left_ms, round_ms = ready_by - now, ready_by - r.opened_ms
         # a synced non-member heartbeats this every few seconds: refuse on time first, cheaply
-        too_late = left_ms < self.policy.late_join_min_share * round_ms
+        too_late = left_ms <= 0 or left_ms < self.policy.late_join_min_share * round_ms
         if w.state is WorkerState.BANNED or not self.policy.late_join or too_late:
             return False
         speeds = [throughput_for(self.roster.workers[x].throughput, c.id) for x in r.plans if x in self.roster.workers]
