@@ -299,6 +299,7 @@ class CoordinatorApp:
                     return msg, False
                 if held is None:
                     held = self.watchers.arm(worker_id, ins.cell_id)
+                    self.metrics.watches_held.set(len(self.watchers))
                     continue  # read again once armed: nothing may change unseen in between
                 self.watchers.move(held, ins.cell_id)
                 try:
@@ -308,6 +309,7 @@ class CoordinatorApp:
         finally:
             if held is not None:
                 self.watchers.disarm(held)
+                self.metrics.watches_held.set(len(self.watchers))
 
     async def accuse(self, accuser: str, req: pb.EvidenceRequest) -> Conviction:
         """Check evidence against a reducer (`bagel.robust.evidence.adjudicate`, off the event

@@ -12,6 +12,7 @@ Series:
 - `bagel_rpc_total{method,code}`                 counter: RPCs by gRPC status
 - `bagel_rejected_messages_total{reason}`        counter: refused requests, by reason
 - `bagel_store_writes_total`                     counter: durable SQLite transactions
+- `bagel_watches_held`                           gauge: `WatchInstruction` long polls held now
 - `bagel_event_loop_lag_seconds`                 histogram: how late the tick timer fired
   (the event loop was busy or stalled that long: every request waits behind it)
 - `bagel_gc_pause_seconds{generation}`           histogram: cyclic GC passes (`watch_gc`)
@@ -145,6 +146,7 @@ class Metrics:
         self.rpc_total = Counter("bagel_rpc", "Coordinator RPCs by status", ["method", "code"], registry=r)
         self.rejected = Counter("bagel_rejected_messages", "Requests refused, by reason", ["reason"], registry=r)
         self.store_writes = Counter("bagel_store_writes", "Durable SQLite transactions", registry=r)
+        self.watches_held = Gauge("bagel_watches_held", "WatchInstruction long polls held now", registry=r)
         self.loop_lag = Histogram(
             "bagel_event_loop_lag_seconds",
             "How late the coordinator's periodic timer fired (event loop busy or stalled)",

@@ -116,8 +116,14 @@ async def test_a_newer_watch_of_the_same_worker_answers_the_older_one(tmp_path: 
         assert not got.changed and got.instruction == current
         await asyncio.sleep(0.3)
         assert not second.done() and len(h.app.watchers) == 1, "one held watch per worker"
+        assert "bagel_watches_held 1.0" in h.metrics.text().splitlines()
         second.cancel()
         await asyncio.gather(second, return_exceptions=True)
+        for _ in range(100):  # the client's cancel reaches the handler, which lets go
+            if not len(h.app.watchers):
+                break
+            await asyncio.sleep(0.05)
+        assert len(h.app.watchers) == 0 and "bagel_watches_held 0.0" in h.metrics.text().splitlines()
     finally:
         await _close(h, [a, b])
 
