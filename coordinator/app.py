@@ -279,7 +279,8 @@ class CoordinatorApp:
         The call is held in `watchers`, woken by every transition whose records name the
         worker or its instruction's cell (`InstructionWatchers.notify`). The event is
         cleared before each read, so a change between the read and the wait is not lost.
-        A newer call of the same worker, or shutting down, answers it at once."""
+        A newer call of the same worker, or shutting down, answers it at once. An unknown
+        or banned worker is refused as its heartbeat would be."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait_ms, self.watch_cap_ms) / 1000.0
         held = None
@@ -289,7 +290,10 @@ class CoordinatorApp:
                     raise NotAccepting("the coordinator is shutting down")
                 if held is not None:
                     held.event.clear()
-                ins = self.state.instruction_for(worker_id)  # UnknownWorker: NOT_FOUND
+                # refused as a heartbeat is: NOT_FOUND when unknown, PERMISSION_DENIED when
+                # banned (a banned worker hears the refusal, not a LEAVE of its own)
+                self.state.roster.worker(worker_id)
+                ins = self.state.instruction_for(worker_id)
                 await self._cell_durable(ins.cell_id)
                 msg = instruction_to_pb(ins)
                 if msg.tag != known_tag:

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from bagel.coordinator.core.events import Convicted
 from bagel.coordinator.daemon import CoordinatorHandle
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient
@@ -139,6 +140,26 @@ async def test_stopping_the_coordinator_answers_held_watches(tmp_path: Path) -> 
         got = await asyncio.wait_for(watch, ANSWER_S)
         assert not got.changed and got.instruction == current
         await stopping
+    finally:
+        await _close(h, [a, b])
+
+
+async def test_a_worker_banned_while_its_watch_is_held_is_refused_as_its_heartbeat_would_be(tmp_path: Path) -> None:
+    """A banned worker hears PERMISSION_DENIED (final), whichever call asks: the watch
+    must not hand it a LEAVE instead, which a worker would take for an ordinary goodbye."""
+    h, (a, b), cell = await _members(tmp_path)
+    try:
+        current = await _ready(a, cell)
+        watch = asyncio.create_task(a.watch_instruction(current.tag, HOLD_MS))
+        await asyncio.sleep(0.3)
+        assert not watch.done()
+        await h.app.apply(Convicted(a.worker_id, b.worker_id, cell, 1, current.round_attempt, 0, "test: convicted"))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(watch, ANSWER_S)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await a.heartbeat(pb.PHASE_READY, cell_id=cell, round=1, samples=16)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         await _close(h, [a, b])
 
