@@ -37,7 +37,8 @@ from bagel.protocol.runspec import parse_spec  # noqa: E402
 
 from simworkers import (  # type: ignore[import-not-found]  # noqa: E402  (tests/ on the path)
     cluster_spec_text,
-    fake_peer_id,
+    sim_peer,
+    sim_profile,
     uniform_cells,
 )
 
@@ -50,18 +51,7 @@ async def measure(n: int) -> dict[str, Any]:
         )
         c = CoordinatorClient(f"127.0.0.1:{h.port}", Identity.generate(), spec.run.id, timeout_s=5.0)
         try:
-            profile = pb.WorkerProfile(
-                name="bench",
-                device_kind="cpu",
-                device_name="bench",
-                vram_bytes=16 << 30,
-                num_devices=1,
-                link_bandwidth_bytes_per_s=1e8,
-                samples_per_s={cid: 100.0 for cid in spec.cell_ids},
-                software_version="bench",
-            )
-            peer = pb.PeerAddress(peer_id=fake_peer_id(c.worker_id), maddrs=["/ip4/127.0.0.1/tcp/1"])
-            await c.register(profile, peer)
+            await c.register(sim_profile(spec.cell_ids, name="bench"), sim_peer(c.worker_id))
             await c.heartbeat(pb.PHASE_IDLE)
             app = h.app
             # one worker sends them all: its own rate limit is not what is measured

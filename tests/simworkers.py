@@ -76,6 +76,34 @@ def fake_peer_id(seed: str) -> str:
     return "12D3KooW" + "".join(out)
 
 
+def sim_profile(
+    cells: Sequence[str],
+    *,
+    name: str = "sim",
+    samples_per_s: float = 100.0,
+    vram_bytes: int = 16 << 30,
+    device_kind: str = "cpu",
+    device_name: str = "simulated",
+) -> pb.WorkerProfile:
+    """The profile a simulated worker registers: 100 MB/s, `samples_per_s` on every cell of
+    `cells` (none: a first contact, which has not measured yet)."""
+    return pb.WorkerProfile(
+        name=name,
+        device_kind=device_kind,
+        device_name=device_name,
+        vram_bytes=vram_bytes,
+        num_devices=1,
+        link_bandwidth_bytes_per_s=100e6,
+        samples_per_s={c: samples_per_s for c in cells},
+        software_version="sim",
+    )
+
+
+def sim_peer(worker_id: str) -> pb.PeerAddress:
+    """A simulated worker's peer address (nothing listens there)."""
+    return pb.PeerAddress(peer_id=fake_peer_id(worker_id), maddrs=["/ip4/127.0.0.1/tcp/1"])
+
+
 def sim_state(cell_id: str, round: int, prev_hash: str, contributors: Sequence[str]) -> dict[str, np.ndarray]:
     """The (tiny) cell state every honest contributor of a round ends with: a pure function
     of (cell, round, previous committed hash, contributors), so honest members agree, and
@@ -227,19 +255,17 @@ class SimWorker:
     # ------------------------------------------------------------------ protocol
 
     def _profile(self) -> pb.WorkerProfile:
-        return pb.WorkerProfile(
+        return sim_profile(
+            self.cells,
             name=self.name,
+            samples_per_s=self.samples_per_s,
+            vram_bytes=self.vram_bytes,
             device_kind=self.device_kind,
             device_name=self.device_name,
-            vram_bytes=self.vram_bytes,
-            num_devices=1,
-            link_bandwidth_bytes_per_s=100e6,
-            samples_per_s={c: self.samples_per_s for c in self.cells},
-            software_version="sim",
         )
 
     def _peer(self) -> pb.PeerAddress:
-        return pb.PeerAddress(peer_id=fake_peer_id(self.worker_id), maddrs=["/ip4/127.0.0.1/tcp/1"])
+        return sim_peer(self.worker_id)
 
     async def _register(self) -> None:
         resp = await self.client.register(self._profile(), self._peer(), local_to_pb(self.local))

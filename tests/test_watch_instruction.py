@@ -21,7 +21,7 @@ from bagel.protocol.client import CoordinatorClient
 from bagel.protocol.identity import Identity
 from bagel.protocol.validation import MAX_WATCH_WAIT_MS
 
-from simworkers import fake_peer_id
+from simworkers import sim_peer, sim_profile
 from test_cluster import one_cell_spec, start
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,20 +35,11 @@ async def _members(tmp_path: Path, n: int = 2) -> tuple[CoordinatorHandle, list[
     train round 1 (one IDLE heartbeat each)."""
     h = await start(tmp_path, one_cell_spec(min_replicas=1, heartbeat_s=30.0, lease_s=60.0))
     cell = h.spec.cell_ids[0]
-    profile = pb.WorkerProfile(
-        name="w",
-        device_kind="cpu",
-        device_name="test",
-        vram_bytes=16 << 30,
-        num_devices=1,
-        link_bandwidth_bytes_per_s=1e8,
-        samples_per_s={cell: 100.0},
-        software_version="test",
-    )
+    profile = sim_profile([cell])
     clients = []
     for _ in range(n):
         c = CoordinatorClient(f"127.0.0.1:{h.port}", Identity.generate(), h.spec.run.id, timeout_s=5.0)
-        await c.register(profile, pb.PeerAddress(peer_id=fake_peer_id(c.worker_id), maddrs=["/ip4/127.0.0.1/tcp/1"]))
+        await c.register(profile, sim_peer(c.worker_id))
         clients.append(c)
     for c in clients:
         r = await c.heartbeat(pb.PHASE_IDLE)
@@ -69,6 +60,15 @@ async def _ready(c: CoordinatorClient, cell: str) -> pb.Instruction:
     return r.instruction
 
 
+async def _held(c: CoordinatorClient, cell: str) -> tuple[pb.Instruction, asyncio.Task[pb.WatchInstructionResponse]]:
+    """`c` READY in round 1, and a watch of its current instruction, held (checked)."""
+    current = await _ready(c, cell)
+    watch = asyncio.create_task(c.watch_instruction(current.tag, HOLD_MS))
+    await asyncio.sleep(0.3)
+    assert not watch.done(), "nothing changed: the watch is held"
+    return current, watch
+
+
 async def _close(h: CoordinatorHandle, clients: list[CoordinatorClient]) -> None:
     for c in clients:
         await c.close()
@@ -78,11 +78,8 @@ async def _close(h: CoordinatorHandle, clients: list[CoordinatorClient]) -> None
 async def test_a_held_watch_answers_the_freeze_another_member_causes(tmp_path: Path) -> None:
     h, (a, b), cell = await _members(tmp_path)
     try:
-        held = await _ready(a, cell)
+        held, watch = await _held(a, cell)
         assert held.order == pb.ORDER_TRAIN, "one of two members ready: the round waits for the other"
-        watch = asyncio.create_task(a.watch_instruction(held.tag, HOLD_MS))
-        await asyncio.sleep(0.3)
-        assert not watch.done(), "nothing changed: the watch is held"
         assert (await _ready(b, cell)).order == pb.ORDER_REDUCE  # the last READY freezes the round
         got = await asyncio.wait_for(watch, ANSWER_S)
         assert got.changed and got.instruction.order == pb.ORDER_REDUCE and got.instruction.round == 1
@@ -132,10 +129,7 @@ async def test_a_newer_watch_of_the_same_worker_answers_the_older_one(tmp_path: 
 async def test_stopping_the_coordinator_answers_held_watches(tmp_path: Path) -> None:
     h, (a, b), cell = await _members(tmp_path)
     try:
-        current = await _ready(a, cell)
-        watch = asyncio.create_task(a.watch_instruction(current.tag, HOLD_MS))
-        await asyncio.sleep(0.3)
-        assert not watch.done()
+        current, watch = await _held(a, cell)
         stopping = asyncio.create_task(h.stop(grace_s=ANSWER_S))
         got = await asyncio.wait_for(watch, ANSWER_S)
         assert not got.changed and got.instruction == current
@@ -149,10 +143,7 @@ async def test_a_worker_banned_while_its_watch_is_held_is_refused_as_its_heartbe
     must not hand it a LEAVE instead, which a worker would take for an ordinary goodbye."""
     h, (a, b), cell = await _members(tmp_path)
     try:
-        current = await _ready(a, cell)
-        watch = asyncio.create_task(a.watch_instruction(current.tag, HOLD_MS))
-        await asyncio.sleep(0.3)
-        assert not watch.done()
+        current, watch = await _held(a, cell)
         await h.app.apply(Convicted(a.worker_id, b.worker_id, cell, 1, current.round_attempt, 0, "test: convicted"))
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await asyncio.wait_for(watch, ANSWER_S)
