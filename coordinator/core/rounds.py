@@ -252,11 +252,19 @@ class Rounds:
         if r.state not in (RoundState.OPEN, RoundState.TRAINING) or wid in r.plans or wid not in c.synced:
             return False
         w = self.roster.workers[wid]
+        share = self.policy.late_join_min_share
+        # a synced non-member heartbeats this every few seconds: refuse on time first, cheaply.
+        # Time left over the round's length only shrinks with an earlier expected freeze, so
+        # what is too late by the round's own estimate is too late by the members' (O(members))
+        if (
+            w.state is WorkerState.BANNED
+            or not self.policy.late_join
+            or r.ready_by_ms - now < share * (r.ready_by_ms - r.opened_ms)
+        ):
+            return False
         ready_by = self._members_ready_by(c, r)
         left_ms, round_ms = ready_by - now, ready_by - r.opened_ms
-        # a synced non-member heartbeats this every few seconds: refuse on time first, cheaply
-        too_late = left_ms <= 0 or left_ms < self.policy.late_join_min_share * round_ms
-        if w.state is WorkerState.BANNED or not self.policy.late_join or too_late:
+        if left_ms <= 0 or left_ms < share * round_ms:
             return False
         speeds = [throughput_for(self.roster.workers[x].throughput, c.id) for x in r.plans if x in self.roster.workers]
         plan = plan_late_member(
