@@ -20,6 +20,11 @@ hivemind's own `terminate()` could never stop it), SIGINT stays ignored as hivem
 (the parent decides how to stop), and the kernel sends the child SIGKILL when its parent
 dies, within `PARENT_POLL_S`, so even a SIGKILLed parent leaves no DHT node behind.
 
+A group signal can also kill the DHT child halfway through taking a file descriptor from
+its parent (every hivemind DHT call sends the child a future whose pipe travels by fd
+passing); the parent's handover thread would print that as a traceback although nothing in
+the parent failed. `quiet_handover_errors` turns it into one log line.
+
 The descendant scan reads /proc (Linux); elsewhere it finds nothing.
 """
 
@@ -28,12 +33,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Collection
+from types import TracebackType
+
+log = logging.getLogger(__name__)
 
 EXIT_STOP_TIMEOUT = 1  # the graceful stop ran past its bound
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -165,6 +174,42 @@ def prepare_child(poll_s: float = PARENT_POLL_S) -> None:
     threading.Thread(target=watch, name="bagel-parent-watch", daemon=True).start()
 
 
+_HANDOVER_FILE = os.path.join("multiprocessing", "resource_sharer.py")
+
+
+def _in_handover(tb: TracebackType | None) -> bool:
+    """Was the exception caught by multiprocessing's fd handover thread? (Its server loop
+    catches everything and hands it to sys.excepthook: the traceback starts in its frame.)"""
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(_HANDOVER_FILE)
+
+
+def quiet_handover_errors() -> None:
+    """Log one line, not a traceback, when a child dies while taking a file descriptor from
+    this process.
+
+    A pipe sent to another process through a multiprocessing connection (hivemind pickles
+    one into every DHT call it hands its DHT child) travels as a file descriptor: the
+    receiver connects back to a server thread of the sender (`multiprocessing.
+    resource_sharer`) to take it. When the receiver dies during that exchange (a signal to
+    the process group kills the DHT child at once, by design), the server thread passes
+    the connection error to `sys.excepthook`, which prints a traceback although nothing in
+    this process failed. Only a connection error (OSError, EOFError) caught by that thread
+    is turned into a log line; every other exception reaches the previous hook unchanged.
+    Installing it twice is a no-op."""
+    prev = sys.excepthook
+    if getattr(prev, "bagel_handover", False):
+        return
+
+    def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if issubclass(tp, (OSError, EOFError)) and _in_handover(tb):
+            log.info("a child process ended while taking a file descriptor from this one (%s): ignored", tp.__name__)
+            return
+        prev(tp, value, tb)
+
+    hook.bagel_handover = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
 class StopSignals:
     """SIGTERM/SIGINT on an asyncio loop: the first calls `on_first(signal name)` and arms a
     watchdog of `bound_s` seconds; the second (or the watchdog) ends the process at once
@@ -187,9 +232,13 @@ class StopSignals:
         self._watchdog: threading.Timer | None = None
 
     def install(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Handle the stop signals on `loop` (default: the running one). A signal to the
+        process group may kill the DHT child mid-handover, so this also installs
+        `quiet_handover_errors`."""
         self._loop = loop or asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
             self._loop.add_signal_handler(sig, self._on_signal, sig)
+        quiet_handover_errors()
 
     def remove(self, disarm: bool = True) -> None:
         """Take the handlers off the loop (it is about to close). Until the process ends, a
