@@ -86,7 +86,13 @@ class InstructionWatchers:
     def notify(self, effects: Iterable[object]) -> int:
         """Wake the calls a transition's records may concern: a changed worker's own, and
         every call whose instruction names a cell one of the records belongs to (a round,
-        a cell's committed state, a commit). Returns how many were woken."""
+        a cell's committed state, a commit). Returns how many were woken.
+
+        A record of no cell (a worker unassigned, registering into standby) wakes no one
+        but its own worker: an instruction that names no cell changes only with its own
+        worker's record, and waking every standby worker's call on each such record made
+        a registration storm quadratic (at 10,000 standby workers the coordinator spent
+        its time re-reading instructions that had not changed)."""
         woken = 0
         cells: set[str] = set()
         for rec in effects:
@@ -95,10 +101,11 @@ class InstructionWatchers:
                 if w is not None and not w.event.is_set():
                     w.event.set()
                     woken += 1
-                cells.add(rec.cell_id)
+                if rec.cell_id:
+                    cells.add(rec.cell_id)
             else:
                 cid = getattr(rec, "cell_id", None)
-                if isinstance(cid, str):
+                if isinstance(cid, str) and cid:
                     cells.add(cid)
         for cid in cells:
             for w in self._by_cell.get(cid, {}).values():

@@ -170,3 +170,29 @@ async def test_watch_refusals(tmp_path: Path) -> None:
     finally:
         await stranger.close()
         await _close(h, [a, b])
+
+
+def test_a_record_of_no_cell_wakes_only_its_own_worker() -> None:
+    """The bookkeeping alone: a registration into standby (a record of no cell) must not wake
+    every standby worker's call (that made a registration storm quadratic); a cell's record
+    wakes that cell's calls and no other's."""
+    from bagel.coordinator.core.records import CellRecord, WorkerRecord, WorkerState
+    from bagel.coordinator.watchers import InstructionWatchers
+    from bagel.protocol.messages import LocalState
+
+    def record(wid: str, cell: str) -> WorkerRecord:
+        return WorkerRecord(
+            wid, sim_profile(["c"]), sim_peer(wid), WorkerState.ACTIVE, cell, LocalState(), 0.0, {}, 0, 0
+        )
+
+    ws = InstructionWatchers()
+    standby = [ws.arm(f"s{i}", "") for i in range(3)]
+    member = ws.arm("m", "c")
+    other = ws.arm("o", "d")
+    assert ws.notify([record("new", "")]) == 0  # another worker registered into standby
+    assert not any(w.event.is_set() for w in [*standby, member, other])
+    assert ws.notify([record("s1", "")]) == 1 and standby[1].event.is_set()  # its own record
+    assert not standby[0].event.is_set() and not standby[2].event.is_set()
+    assert ws.notify([CellRecord("c", committed_round=1)]) == 1 and member.event.is_set()
+    assert not other.event.is_set()
+    assert ws.notify([record("x", "d")]) == 1 and other.event.is_set()  # a worker moved into d
