@@ -31,8 +31,20 @@ grpc.aio server on uvloop that answers every RPC of the service with a constant 
 reach on this machine; the coordinator's figures are read against it, because absolute
 rates on a shared 2-core machine drift from run to run.
 
+Held watches (`--watch`): each point is also measured with every worker holding a
+`WatchInstruction` long poll between its heartbeats, as the real worker does while it
+waits on the coordinator (IDLE, READY, REDUCING: every load worker's phase, since its
+training is instant): after each answered heartbeat it holds one watch until its next
+beat; a changed answer is acted on and heartbeated at once (outside the schedule), as
+`worker/link.py` does. So the coordinator holds about one call per worker, answers each
+at the next beat (a newer watch of the same worker releases the older) or on a change,
+and checks about two signed requests per worker per period instead of one. Reported
+next to the point without watches: the watches answered per second (`watch/s`, of which
+`changed`), the extra heartbeats they prompted, and the server's held-calls gauge
+(`bagel_watches_held`) at the end of the window.
+
     python bench/coordinator_load.py [--quick] [--workers 1000 5000 10000]
-        [--period-s 5] [--measure-s 30] [--no-baseline] [--json FILE]
+        [--period-s 5] [--measure-s 30] [--no-baseline] [--watch] [--json FILE]
 
 Target: 10k workers (2,000 heartbeats/s) at p99 <= 50 ms on 2 cores.
 """
@@ -160,6 +172,8 @@ class LoadWorker:
     local: Any = None  # the committed LocalState held (None: nothing)
     work: LoadWork | None = None
     missing: set[tuple[str, int, int, int]] = field(default_factory=set)
+    tag: int = 0  # Instruction.tag of the last instruction acted on
+    answers: int = 0  # calls answered so far (a watch's answer is dropped if this moved)
 
 
 class Fleet:
@@ -346,6 +360,7 @@ async def _generate(
     server_pid: int,
     max_inflight: int,
     metrics_url: str | None = None,
+    watch: bool = False,
 ) -> dict[str, Any]:
     import grpc
 
@@ -408,6 +423,8 @@ async def _generate(
         )
         signed = sign_request(fleet.sims[i].identity, req, run_id="loadrun", method="Register")
         resp = await stubs[i % CHANNELS].Register(signed, timeout=30)
+        fleet.sims[i].answers += 1
+        fleet.sims[i].tag = resp.instruction.tag
         fleet.act(i, resp.instruction)
 
     # Registration runs concurrently with the heartbeat schedule: a worker starts beating
@@ -450,6 +467,8 @@ async def _generate(
 
     latencies: list[float] = []
     sent = {"n": 0}
+    watched = {"answered": 0, "changed": 0, "extra_beats": 0}
+    hold_ms = max(1, int(period_s * 1000) - 100)  # until about the worker's next beat
 
     inflight = asyncio.Semaphore(max_inflight)
 
@@ -458,6 +477,34 @@ async def _generate(
             await beat_once(i)
         finally:
             inflight.release()
+
+    async def extra_beat(i: int) -> None:
+        await inflight.acquire()
+        if measuring["on"]:
+            watched["extra_beats"] += 1
+        await beat(i)
+
+    async def watch_once(i: int) -> None:
+        s = fleet.sims[i]
+        seen = s.answers
+        req = pb.WatchInstructionRequest(known_tag=s.tag, wait_ms=hold_ms)
+        try:
+            resp = await stubs[i % CHANNELS].WatchInstruction(
+                sign_request(s.identity, req, run_id="loadrun", method="WatchInstruction"),
+                timeout=hold_ms / 1000.0 + 10,
+            )
+        except grpc.aio.AioRpcError as e:
+            key = f"WatchInstruction:{e.code().name}"
+            errors[key] = errors.get(key, 0) + 1
+            return
+        if measuring["on"]:
+            watched["answered"] += 1
+            watched["changed"] += resp.changed
+        if resp.changed and s.answers == seen:  # else another answer came since: it is newer
+            s.answers += 1
+            s.tag = resp.instruction.tag
+            fleet.act(i, resp.instruction)
+            spawn(extra_beat(i))  # and heartbeat at once, as the real worker does
 
     async def beat_once(i: int) -> None:
         req = fleet.heartbeat(i)
@@ -474,7 +521,11 @@ async def _generate(
             return
         if measuring["on"]:
             latencies.append((time.perf_counter() - start) * 1000.0)
+        fleet.sims[i].answers += 1
+        fleet.sims[i].tag = resp.instruction.tag
         fleet.act(i, resp.instruction)
+        if watch:
+            spawn(watch_once(i))
 
     # fixed-rate schedule: each worker beats every period_s from a random phase; the
     # warm-up starts once every worker is registered, then the measurement window
@@ -531,8 +582,14 @@ async def _generate(
     gc.enable()
     for ch in channels:
         await ch.close()
+    per_s = 1.0 / measured_s if measured_s > 0 else 0.0
     return {
         "workers": n,
+        "watch": watch,
+        "watches_answered_per_s": watched["answered"] * per_s,
+        "watches_changed_per_s": watched["changed"] * per_s,
+        "extra_heartbeats_per_s": watched["extra_beats"] * per_s,
+        "watches_held_at_end": scrape1.get("bagel_watches_held", float("nan")),
         "heartbeats_per_s": answered / measured_s if measured_s > 0 else 0.0,
         "target_per_s": n / period_s,
         "sent_per_s": sent["n"] / measured_s if measured_s > 0 else 0.0,
@@ -567,11 +624,14 @@ def _generator_main(
     server_pid: int,
     max_inflight: int,
     metrics_url: str | None,
+    watch: bool,
     out: Any,
 ) -> None:
     import uvloop
 
-    out.put(uvloop.run(_generate(target, n, period_s, warmup_s, measure_s, server_pid, max_inflight, metrics_url)))
+    out.put(
+        uvloop.run(_generate(target, n, period_s, warmup_s, measure_s, server_pid, max_inflight, metrics_url, watch))
+    )
 
 
 # ---------------------------------------------------------------------------- baseline peer
@@ -616,6 +676,9 @@ def run_point(
     max_inflight: int = 256,
     server: str = "coordinator",
 ) -> dict[str, Any]:
+    """One point: `server` is "baseline" (the bare peer), "coordinator", or "coord+watch"
+    (the coordinator, every worker holding a watch between its beats)."""
+    watch = server == "coord+watch"
     spec = workdir / f"load-{n}.toml"
     spec.write_text(SPEC.format(lease_s=max(15.0, 3 * period_s), period_s=period_s))
     port = _free_port()
@@ -636,7 +699,7 @@ def run_point(
             "--run",
             str(spec),
             "--data-dir",
-            str(workdir / f"data-{n}"),
+            str(workdir / f"data-{server}-{n}"),
             "--listen",
             target,
             "--no-dht",
@@ -660,7 +723,7 @@ def run_point(
         q = ctx.Queue()
         gen = ctx.Process(
             target=_generator_main,
-            args=(target, n, period_s, warmup_s, measure_s, proc.pid, max_inflight, metrics_url, q),
+            args=(target, n, period_s, warmup_s, measure_s, proc.pid, max_inflight, metrics_url, watch, q),
         )
         gen.start()
         result = q.get(timeout=1800 + warmup_s + measure_s)
@@ -707,6 +770,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip the bare grpc.aio peer measured at each point",
     )
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="also measure each point with every worker holding a WatchInstruction between its beats",
+    )
     p.add_argument("--serve-baseline", metavar="HOST:PORT", help=argparse.SUPPRESS)
     p.add_argument(
         "--json", type=Path, default=None, metavar="FILE", help="write {'points': [...], 'baseline': [...]} to FILE"
@@ -726,14 +794,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{'server':>11} {'workers':>8} {'target/s':>9} {'hb/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} "
         f"{'gen lag ms':>10} "
         f"{'srv us/hb':>9} {'srv cores':>9} {'gen cores':>9} {'reg s':>6} {'srv>25ms':>8} {'srv gc2 ms':>10} "
-        f"{'gen stall':>9} {'gen gc ms':>9}  errors"
+        f"{'gen stall':>9} {'gen gc ms':>9} {'watch/s':>8} {'changed':>8} {'extra hb':>8} {'held':>6}  errors"
     )
+    servers = ["baseline"] if args.baseline else []
+    servers += ["coordinator"] + (["coord+watch"] if args.watch else [])
     with tempfile.TemporaryDirectory(prefix="bagel-load-") as tmp:
-        for n, server in [
-            (n, srv) for n in workers for srv in ["baseline", "coordinator"][0 if args.baseline else 1 :]
-        ]:
+        for n, server in [(n, srv) for n in workers for srv in servers]:
             r = run_point(n, args.period_s, warmup_s, measure_s, Path(tmp), args.max_inflight, server)
-            (points if server == "coordinator" else baseline).append(r)
+            (baseline if server == "baseline" else points).append(r)
+            w = r["watch"]
             print(
                 f"{server:>11} {r['workers']:>8} {r['target_per_s']:>9.0f} {r['heartbeats_per_s']:>9.1f} "
                 f"{r['p50_ms']:>8.2f} "
@@ -741,7 +810,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['server_cpu_us_per_hb']:>9.0f} {r['server_cpu_cores']:>9.2f} {r['generator_cpu_cores']:>9.2f} "
                 f"{r['register_s']:>6.1f} {r.get('server_lag_over_25ms', float('nan')):>8.0f} "
                 f"{r.get('server_full_gc_ms', float('nan')):>10.1f} {r['generator_lag_max_ms']:>9.1f} "
-                f"{r['generator_gc_ms']:>9.1f}  "
+                f"{r['generator_gc_ms']:>9.1f} "
+                f"{r['watches_answered_per_s'] if w else float('nan'):>8.1f} "
+                f"{r['watches_changed_per_s'] if w else float('nan'):>8.1f} "
+                f"{r['extra_heartbeats_per_s'] if w else float('nan'):>8.1f} "
+                f"{r['watches_held_at_end'] if w else float('nan'):>6.0f}  "
                 f"{r['errors'] or '-'}",
                 flush=True,
             )
