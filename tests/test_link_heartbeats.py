@@ -1,5 +1,6 @@
 """The worker's heartbeat loop (`worker/link.py`): a phase change is never left waiting
-for the interval, and a changed instruction its watch answers is taken at once.
+for the interval, a changed instruction its watch answers is taken at once (if it is the
+newest answer the worker has), and a held watch lives across heartbeats that change nothing.
 
 The link's coordinator client is replaced by a recorder (these tests are about the loop's
 timing of requests, not the RPC); the interval is a minute, so a heartbeat that waited for
@@ -19,7 +20,7 @@ from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo
 from bagel.worker.display import Display
-from bagel.worker.link import CoordinatorLink
+from bagel.worker.link import WATCH_HOLD_S, CoordinatorLink
 
 from simworkers import fake_peer_id
 
@@ -54,25 +55,41 @@ class _Owner:
 
 class _Client:
     """Records each heartbeat's phase; the first one is held until `release` is set.
-    Heartbeats answer an instruction tagged 1. A watch is held until the test sets
-    `watch_release` (answering `watch_answer`), as a coordinator holds it while nothing
-    changes; `on_watch` runs while it is held."""
+    Heartbeats answer an instruction tagged `hb_tag` (1). A watch is held until the test
+    answers it (`answer_watch`) or sets `watch_release` (answering `watch_answer`, then
+    and from then on), as a coordinator holds it while nothing changes."""
 
     def __init__(self) -> None:
         self.phases: list[int] = []
         self.in_flight = asyncio.Event()
         self.release = asyncio.Event()
         self.second = asyncio.Event()
+        self.hb_tag = 1
         self.watches: list[tuple[int, int]] = []  # (known_tag, wait_ms)
+        self.held: list[asyncio.Future[pb.WatchInstructionResponse]] = []  # one per watch, in order
+        self.cancelled: list[int] = []  # watches (by index) the link cancelled
         self.watching = asyncio.Event()
         self.watch_release = asyncio.Event()
         self.watch_answer = pb.WatchInstructionResponse()
 
     async def watch_instruction(self, known_tag: int, wait_ms: int) -> pb.WatchInstructionResponse:
+        k = len(self.watches)
         self.watches.append((known_tag, wait_ms))
+        fut: asyncio.Future[pb.WatchInstructionResponse] = asyncio.get_running_loop().create_future()
+        self.held.append(fut)
         self.watching.set()
-        await self.watch_release.wait()
-        return self.watch_answer
+        release = asyncio.ensure_future(self.watch_release.wait())
+        try:
+            await asyncio.wait({fut, release}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self.cancelled.append(k)
+            raise
+        finally:
+            release.cancel()
+        return fut.result() if fut.done() else self.watch_answer
+
+    def answer_watch(self, k: int, resp: pb.WatchInstructionResponse) -> None:
+        self.held[k].set_result(resp)
 
     async def call(self, name: str, req: pb.HeartbeatRequest) -> Any:
         assert name == "Heartbeat"
@@ -82,7 +99,15 @@ class _Client:
             await self.release.wait()
         else:
             self.second.set()
-        return SimpleNamespace(instruction=pb.Instruction(tag=1))
+        return SimpleNamespace(instruction=pb.Instruction(tag=self.hb_tag))
+
+
+async def _until(pred: Any, what: str) -> None:
+    for _ in range(int(WAIT_S / 0.01)):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _link(owner: _Owner, client: _Client) -> CoordinatorLink:
@@ -142,7 +167,7 @@ async def test_a_changed_instruction_from_the_watch_is_taken_and_heartbeated_at_
     link.start_heartbeats()
     try:
         await asyncio.wait_for(client.watching.wait(), WAIT_S)
-        assert client.watches == [(1, int(INTERVAL_S * 1000))]
+        assert client.watches == [(1, int(WATCH_HOLD_S * 1000))]
         assert not client.second.is_set(), "held: no heartbeat while nothing changed"
         freeze = pb.Instruction(order=pb.ORDER_REDUCE, round=1, tag=2)
         client.watch_answer = pb.WatchInstructionResponse(instruction=freeze, changed=True)
@@ -153,9 +178,10 @@ async def test_a_changed_instruction_from_the_watch_is_taken_and_heartbeated_at_
         await link.stop_heartbeats()
 
 
-async def test_a_watch_answer_is_dropped_when_another_call_was_answered_meanwhile() -> None:
-    """Answers are taken in request order: a report answered while the watch was held may
-    be newer than the watch's answer, so that answer is dropped (and a heartbeat asks again)."""
+async def test_a_watch_answer_that_came_while_another_call_was_in_flight_is_dropped() -> None:
+    """Answers are taken in the order they are the newest: one that came while a report was
+    on the wire may be older than that report's answer, so it is dropped, and the watch is
+    sent again with the tag the report's answer brought."""
     owner, client = _Owner(), _Client()
     owner.phase = pb.PHASE_REDUCING  # its report awaits the verdict
     link = _link(owner, client)
@@ -163,11 +189,59 @@ async def test_a_watch_answer_is_dropped_when_another_call_was_answered_meanwhil
     link.start_heartbeats()
     try:
         await asyncio.wait_for(client.watching.wait(), WAIT_S)
-        link.answers += 1  # what `rpc` counts when another call (a ReportRound) is answered
+        await link.lock.acquire()  # a ReportRound in flight
         stale = pb.Instruction(order=pb.ORDER_REDUCE, round=1, tag=2)
-        client.watch_answer = pb.WatchInstructionResponse(instruction=stale, changed=True)
-        client.watch_release.set()
-        await asyncio.wait_for(client.second.wait(), WAIT_S)
+        client.answer_watch(0, pb.WatchInstructionResponse(instruction=stale, changed=True))
+        await asyncio.sleep(0.1)  # the watch's answer comes while the report is on the wire
+        link.answers += 1  # what `rpc` does with the report's answer
+        link.known_tag = 3
+        link.lock.release()
+        await _until(lambda: len(client.watches) == 2, "the watch sent again")
+        assert client.watches[1][0] == 3
         assert stale not in owner.instructions
+        assert len(client.phases) == 1, "no heartbeat: nothing was taken"
+    finally:
+        await link.stop_heartbeats()
+
+
+async def test_a_watch_answer_that_came_after_another_answer_is_taken() -> None:
+    """An answer handled before the watch's came is older than it (one connection delivers
+    answers in the order they were written), so the watch's answer is taken."""
+    owner, client = _Owner(), _Client()
+    owner.phase = pb.PHASE_REDUCING
+    link = _link(owner, client)
+    client.release.set()
+    link.start_heartbeats()
+    try:
+        await asyncio.wait_for(client.watching.wait(), WAIT_S)
+        link.answers += 1  # a report answered while the watch was held, its instruction unchanged
+        commit = pb.Instruction(order=pb.ORDER_TRAIN, round=2, tag=2)
+        client.answer_watch(0, pb.WatchInstructionResponse(instruction=commit, changed=True))
+        await asyncio.wait_for(client.second.wait(), WAIT_S)
+        assert owner.instructions[1] == commit
+    finally:
+        await link.stop_heartbeats()
+
+
+async def test_a_held_watch_lives_across_heartbeats_until_an_answer_brings_another_instruction() -> None:
+    """A waiting worker does not send a watch with every heartbeat: the one it holds still
+    watches the instruction it follows. An answer with another instruction replaces it."""
+    owner, client = _Owner(), _Client()
+    owner.phase = pb.PHASE_READY
+    link = _link(owner, client)
+    client.release.set()
+    link.start_heartbeats()
+    try:
+        await asyncio.wait_for(client.watching.wait(), WAIT_S)
+        for n in (2, 3, 4):  # heartbeats whose answers change nothing
+            link.wake_heartbeat()
+            await _until(lambda n=n: len(client.phases) == n, f"heartbeat {n}")
+        await asyncio.sleep(0.1)
+        assert client.watches == [(1, int(WATCH_HOLD_S * 1000))] and client.cancelled == []
+        client.hb_tag = 5  # the next heartbeat's answer brings another instruction
+        link.wake_heartbeat()
+        await _until(lambda: len(client.watches) == 2, "a watch of the new instruction")
+        assert client.watches[1][0] == 5
+        await _until(lambda: client.cancelled == [0], "the old watch cancelled")
     finally:
         await link.stop_heartbeats()

@@ -19,15 +19,19 @@ heartbeat request, and hands it every instruction that comes back.
 - the heartbeat loop: its own task, every `heartbeat_interval`, and at once when woken (a
   phase change). While the worker waits on the coordinator (IDLE, READY, REDUCING: for a
   round to open, for the freeze, for the verdict), it holds a `WatchInstruction` long poll
-  between two heartbeats, with the tag of the last instruction it was answered: the
-  coordinator answers it as soon as that instruction changes, so the worker hears of a
-  freeze, a commit or an abort about one network latency after it happens instead of at
-  its next heartbeat, and heartbeats at once. While it trains or downloads it holds none:
-  a change then can wait for the next heartbeat, and 10,000 trainers holding watches would
-  double the signed requests the coordinator checks. The watch is a read: its answer is
-  dropped when any other call was answered, or is in flight, meanwhile (that answer may be
-  newer, and answers are processed in request order). A coordinator without the RPC is
-  polled every 250 ms instead while READY or REDUCING.
+  with the tag of the last instruction it was answered: the coordinator answers it as soon
+  as that instruction changes, so the worker hears of a freeze, a commit or an abort about
+  one network latency after it happens instead of at its next heartbeat, and heartbeats at
+  once. The watch lives across heartbeats: it is sent again only when it was answered (the
+  coordinator holds one at most a lease) or when an answer brought another instruction, so
+  a waiting worker adds about one signed request per lease, not one per heartbeat. While it
+  trains or downloads it holds none: a change then can wait for the next heartbeat, and
+  10,000 trainers holding watches would add to the signed requests the coordinator checks.
+  The watch is a read, and its answer is taken only if it is the newest the worker has: it
+  is dropped when it came while another call was in flight, or when another answer was
+  handled after it came (answers on one connection arrive in the order the coordinator
+  wrote them, so an answer that came before the watch's is older than it). A coordinator
+  without the RPC is polled every 250 ms instead while READY or REDUCING.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ log = logging.getLogger(__name__)
 
 FAST_HEARTBEAT_S = 0.25  # without a watch, while READY/REDUCING: the freeze and the verdict come sooner
 MIN_HEARTBEAT_GAP_S = 0.05  # heartbeats never follow each other faster (a watch answered at once, twice)
-WATCH_MARGIN_S = 1.0  # how much later than its hold a watch's answer may still come
+WATCH_HOLD_S = 60.0  # how long a watch asks to be held (the coordinator holds it at most a lease)
+WATCH_RESENDS = 2  # watches sent again between two heartbeats, at most (a lease is longer than an interval)
 WATCH_PHASES = (pb.PHASE_IDLE, pb.PHASE_READY, pb.PHASE_REDUCING)  # waiting on the coordinator
 RPC_TIMEOUT_S = 10.0
 RERESOLVE_AFTER_S = 3.0  # look the coordinator's DHT record up again after this long without it
@@ -99,9 +104,12 @@ class CoordinatorLink:
         self.down_since: float | None = None
         self._hb_wake = asyncio.Event()
         self._hb_task: asyncio.Task[None] | None = None
-        self.answers = 0  # calls answered so far (a watch's answer is dropped if this moved)
+        self.answers = 0  # calls answered so far (a watch's answer is dropped if this moved after it came)
         self.known_tag = 0  # the tag of the last instruction an answer carried
         self.watching = True  # False once the coordinator says it has no WatchInstruction
+        self._watch: asyncio.Task[pb.WatchInstructionResponse] | None = None  # the held watch
+        self._watch_tag = 0  # the tag it was sent with
+        self._watch_came: int | None = None  # `answers` when its answer came (None: a call was in flight)
         self.join_token = b""  # sent with every Register (permissioned runs)
 
     async def connect(self, dht: Any, record: CoordinatorRecord) -> bool:
@@ -252,6 +260,10 @@ class CoordinatorLink:
             self._hb_task.cancel()
             await asyncio.gather(self._hb_task, return_exceptions=True)
             self._hb_task = None
+        w, self._watch = self._watch, None
+        if w is not None:
+            w.cancel()
+            await asyncio.gather(w, return_exceptions=True)
 
     def wake_heartbeat(self) -> None:
         """Heartbeat now (the phase changed)."""
@@ -298,38 +310,76 @@ class CoordinatorLink:
                 self._hb_wake.clear()  # a failed call backs off, whatever changed meanwhile
                 await self.maybe_reresolve()
                 delay = min(self.hb_interval_s, backoff_delay_s(failures, base_s=0.2, max_s=self.hb_interval_s) + 0.1)
+            self._drop_watch()  # training, downloading, or no answer: no watch
             try:
                 await asyncio.wait_for(self._hb_wake.wait(), delay)
             except TimeoutError:
                 pass
 
+    def _arm_watch(self) -> None:
+        """Hold a watch of the instruction the worker follows now, unless one is held already."""
+        w = self._watch
+        if w is not None and not w.done() and self._watch_tag == self.known_tag:
+            return
+        self._drop_watch()
+        tag = self.known_tag
+        w = self._watch = asyncio.create_task(self._watch_call(tag, WATCH_HOLD_S), name="watch-instruction")
+        self._watch_tag, self._watch_came = tag, None
+        w.add_done_callback(self._watch_done)
+
+    def _watch_done(self, task: asyncio.Task[pb.WatchInstructionResponse]) -> None:
+        if task is self._watch:  # its answer is usable only if no call was in flight when it came
+            self._watch_came = None if self.lock.locked() else self.answers
+
+    def _drop_watch(self) -> None:
+        w, self._watch = self._watch, None
+        if w is not None:
+            if w.done():
+                self._watch_answer(w)  # (retrieves its error, if any)
+            else:
+                w.cancel()
+
     async def _watch_until_next(self, hold_s: float) -> None:
         """Until the next heartbeat is due: `hold_s`, a wake (phase change), or a changed
-        instruction, whose answer is taken here when no other call was answered or is in
-        flight since the watch was sent (see the module docstring)."""
-        answers, tag = self.answers, self.known_tag
+        instruction from the held watch, taken here if it is the newest answer the worker
+        has (see the module docstring). A watch answered without a usable change (its hold
+        ran out, or its answer was not the newest) is sent again at once, at most
+        `WATCH_RESENDS` times until the next heartbeat; one that failed is sent again after
+        the next heartbeat."""
         loop = asyncio.get_running_loop()
         due = loop.time() + hold_s
-        watch = asyncio.create_task(self._watch_call(tag, hold_s), name="watch-instruction")
+        self._arm_watch()
+        resends = 0
         wake = asyncio.create_task(self._hb_wake.wait(), name="heartbeat-wake")
         try:
-            done, _ = await asyncio.wait(
-                {watch, wake}, timeout=hold_s + WATCH_MARGIN_S, return_when=asyncio.FIRST_COMPLETED
-            )
-            if watch in done and wake not in done:
-                resp = self._watch_answer(watch)
-                if resp is None:  # no answer (refused, down): the heartbeat's own cadence
-                    try:
-                        await asyncio.wait_for(self._hb_wake.wait(), max(0.0, due - loop.time()))
-                    except TimeoutError:
-                        pass
-                elif resp.changed and self.answers == answers and not self.lock.locked():
+            while not wake.done():
+                left = due - loop.time()
+                w = self._watch
+                if left <= 0:
+                    return
+                if w is None:  # it failed, or was sent again too often: the heartbeat's own cadence
+                    await asyncio.wait({wake}, timeout=left)
+                    return
+                if not w.done():
+                    await asyncio.wait({wake, w}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                came, self._watch = self._watch_came, None
+                resp = self._watch_answer(w)
+                if resp is None:
+                    continue
+                if resp.changed and resp.instruction.tag != self.known_tag and came == self.answers:
                     self.known_tag = resp.instruction.tag
                     self.owner.on_instruction(resp.instruction)
+                    return  # and heartbeat at once
+                if self.watching and resends < WATCH_RESENDS:
+                    resends += 1
+                    if self.lock.locked():  # a call is in flight: watch what its answer brings
+                        async with self.lock:
+                            pass
+                    self._arm_watch()
         finally:
-            for t in (watch, wake):
-                t.cancel()
-            await asyncio.gather(watch, wake, return_exceptions=True)
+            wake.cancel()
+            await asyncio.gather(wake, return_exceptions=True)
 
     def _watch_answer(self, task: asyncio.Task[pb.WatchInstructionResponse]) -> pb.WatchInstructionResponse | None:
         """The finished watch's answer, or None; UNIMPLEMENTED turns watching off."""

@@ -26,8 +26,8 @@ The heartbeat approximation (what makes 10,000 workers x 24 h affordable):
   * a change of the worker's instruction (another member's event opened, froze, committed
     or aborted its round, or moved it) reaches a worker that waits on the coordinator
     (IDLE, READY, REDUCING) through its held watch (the real worker keeps a
-    `WatchInstruction` long poll open between heartbeats then, which the coordinator
-    answers when its instruction changes): one link latency after the change
+    `WatchInstruction` long poll open then, which the coordinator answers when its
+    instruction changes): one link latency after the change
     (`W.watch_ms`), the worker heartbeats and acts on the answer. A worker that trains
     or downloads hears it at its next periodic heartbeat (`_hear_change`). The
     engine reads the change off `Outcome.effects` (rounds whose state, attempt or
