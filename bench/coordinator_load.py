@@ -32,14 +32,15 @@ reach on this machine; the coordinator's figures are read against it, because ab
 rates on a shared 2-core machine drift from run to run.
 
 Held watches (`--watch`): each point is also measured with every worker holding a
-`WatchInstruction` long poll between its heartbeats, as the real worker does while it
-waits on the coordinator (IDLE, READY, REDUCING: every load worker's phase, since its
-training is instant): after each answered heartbeat it holds one watch until its next
-beat; a changed answer is acted on and heartbeated at once (outside the schedule), as
-`worker/link.py` does. So the coordinator holds about one call per worker, answers each
-at the next beat (a newer watch of the same worker releases the older) or on a change,
-and checks about two signed requests per worker per period instead of one. Reported
-next to the point without watches: the watches answered per second (`watch/s`, of which
+`WatchInstruction` long poll, as the real worker does while it waits on the coordinator
+(IDLE, READY, REDUCING: every load worker's phase, since its training is instant): an
+upper bound, since a real worker holds none while it trains. Each worker keeps one
+watch of the instruction it follows, across its beats: it is sent again when answered
+(the coordinator holds it at most a lease) or when a heartbeat's answer brings another
+instruction (the held one is cancelled). A changed answer that came while none of the
+worker's calls was in flight, and with no answer handled since, is acted on and
+heartbeated at once (outside the schedule), as `worker/link.py` does. Reported next to
+the point without watches: the watches answered per second (`watch/s`, of which
 `changed`), the extra heartbeats they prompted, and the server's held-calls gauge
 (`bagel_watches_held`) at the end of the window.
 
@@ -173,7 +174,10 @@ class LoadWorker:
     work: LoadWork | None = None
     missing: set[tuple[str, int, int, int]] = field(default_factory=set)
     tag: int = 0  # Instruction.tag of the last instruction acted on
-    answers: int = 0  # calls answered so far (a watch's answer is dropped if this moved)
+    answers: int = 0  # calls answered so far
+    inflight: int = 0  # calls on the wire now (a watch's answer that comes meanwhile is dropped)
+    watch: Any = None  # the held watch's task
+    watch_tag: int = 0  # the tag it was sent with
 
 
 class Fleet:
@@ -290,6 +294,7 @@ class Fleet:
         from bagel.worker import reconciler as rc
 
         s = self.sims[i]
+        s.inflight += 1
         req = pb.ReportRoundRequest(
             cell_id=w.cell_id,
             round=w.round,
@@ -308,7 +313,11 @@ class Fleet:
             self.errors[f"ReportRound:{e.code().name}"] = self.errors.get(f"ReportRound:{e.code().name}", 0) + 1
             w.reporting = False
             return
+        finally:
+            s.inflight -= 1
         w.reporting = False
+        s.answers += 1
+        s.tag = resp.instruction.tag
         for a in rc.decide_verdict(verdict_from_pb(resp.verdict), reported_outcome=True, current=s.work is w):
             if isinstance(a, rc.AdoptPending):
                 s.local, s.work = LocalState(w.cell_id, w.round, w.pending_hash or ""), None
@@ -468,7 +477,7 @@ async def _generate(
     latencies: list[float] = []
     sent = {"n": 0}
     watched = {"answered": 0, "changed": 0, "extra_beats": 0}
-    hold_ms = max(1, int(period_s * 1000) - 100)  # until about the worker's next beat
+    hold_ms = 60_000  # as the worker asks (the coordinator holds a watch at most a lease)
 
     inflight = asyncio.Semaphore(max_inflight)
 
@@ -484,10 +493,23 @@ async def _generate(
             watched["extra_beats"] += 1
         await beat(i)
 
-    async def watch_once(i: int) -> None:
+    def arm(i: int) -> None:
+        """Hold a watch of worker i's current instruction, unless one is held already."""
         s = fleet.sims[i]
-        seen = s.answers
-        req = pb.WatchInstructionRequest(known_tag=s.tag, wait_ms=hold_ms)
+        held = s.watch
+        if held is not None and not held.done():
+            if s.watch_tag == s.tag:
+                return
+            held.cancel()  # it watches an instruction the worker no longer follows
+        s.watch_tag = s.tag
+        s.watch = asyncio.get_running_loop().create_task(watch_once(i, s.tag))
+        tasks.add(s.watch)
+        s.watch.add_done_callback(tasks.discard)
+
+    async def watch_once(i: int, tag: int) -> None:
+        s = fleet.sims[i]
+        me = asyncio.current_task()
+        req = pb.WatchInstructionRequest(known_tag=tag, wait_ms=hold_ms)
         try:
             resp = await stubs[i % CHANNELS].WatchInstruction(
                 sign_request(s.identity, req, run_id="loadrun", method="WatchInstruction"),
@@ -496,19 +518,25 @@ async def _generate(
         except grpc.aio.AioRpcError as e:
             key = f"WatchInstruction:{e.code().name}"
             errors[key] = errors.get(key, 0) + 1
-            return
+            return  # the next heartbeat holds another
         if measuring["on"]:
             watched["answered"] += 1
             watched["changed"] += resp.changed
-        if resp.changed and s.answers == seen:  # else another answer came since: it is newer
+        if s.watch is not me:
+            return  # superseded meanwhile
+        s.watch = None
+        if resp.changed and resp.instruction.tag != s.tag and not s.inflight:
             s.answers += 1
             s.tag = resp.instruction.tag
             fleet.act(i, resp.instruction)
             spawn(extra_beat(i))  # and heartbeat at once, as the real worker does
+        else:
+            arm(i)  # its hold ran out, or its answer may be older than a call in flight
 
     async def beat_once(i: int) -> None:
         req = fleet.heartbeat(i)
         start = time.perf_counter()
+        fleet.sims[i].inflight += 1
         try:
             resp = await stubs[i % CHANNELS].Heartbeat(
                 sign_request(fleet.sims[i].identity, req, run_id="loadrun", method="Heartbeat"), timeout=10
@@ -519,13 +547,15 @@ async def _generate(
             if e.code() == grpc.StatusCode.NOT_FOUND:  # lease lost under load: re-register
                 spawn(reg(i))
             return
+        finally:
+            fleet.sims[i].inflight -= 1
         if measuring["on"]:
             latencies.append((time.perf_counter() - start) * 1000.0)
         fleet.sims[i].answers += 1
         fleet.sims[i].tag = resp.instruction.tag
         fleet.act(i, resp.instruction)
         if watch:
-            spawn(watch_once(i))
+            arm(i)
 
     # fixed-rate schedule: each worker beats every period_s from a random phase; the
     # warm-up starts once every worker is registered, then the measurement window
