@@ -96,9 +96,12 @@ def in_ns(lab: NetLab, node: str, *argv: str) -> None:
 
 @pytest.fixture
 def lab() -> Iterator[NetLab]:
-    with NetLab(tag="pt", homes=2, per_home=2, public=1) as bed:
+    # One tag per pytest worker: two tests of this module may run at once under xdist, and a
+    # bed's setup first removes whatever its tag left, so a shared tag tore down the other's bed.
+    tag = "pt" + os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
+    with NetLab(tag=tag, homes=2, per_home=2, public=1) as bed:
         yield bed
-    assert bed_namespaces("bagelnl-pt-") == []
+    assert bed_namespaces(bed.topology.prefix) == []
 
 
 # ---------------------------------------------------------------------------- the bed (root)
