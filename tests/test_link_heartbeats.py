@@ -10,7 +10,9 @@ it would miss the tests' few-second wait by far.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -119,6 +121,22 @@ def _link(owner: _Owner, client: _Client) -> CoordinatorLink:
     return link
 
 
+@contextlib.asynccontextmanager
+async def _waiting(phase: pb.Phase) -> AsyncIterator[tuple[_Owner, _Client, CoordinatorLink]]:
+    """A link whose worker waits on the coordinator in `phase`, its first heartbeat
+    answered and its first watch held; the heartbeats stop on the way out."""
+    owner, client = _Owner(), _Client()
+    owner.phase = phase
+    link = _link(owner, client)
+    client.release.set()
+    link.start_heartbeats()
+    try:
+        await asyncio.wait_for(client.watching.wait(), WAIT_S)
+        yield owner, client, link
+    finally:
+        await link.stop_heartbeats()
+
+
 @pytest.mark.parametrize("when", ["while the heartbeat is in flight", "while its answer is handled"])
 async def test_a_phase_change_during_a_heartbeat_is_sent_at_once(when: str) -> None:
     """The wake used to be cleared after the answer came back, so a READY reached while a
@@ -160,13 +178,7 @@ async def test_a_changed_instruction_from_the_watch_is_taken_and_heartbeated_at_
     """Between heartbeats a waiting worker holds a watch with the last answer's tag; a changed
     instruction it answers reaches the owner, and the next heartbeat goes at once (it says
     what the worker now does), not an interval later."""
-    owner, client = _Owner(), _Client()
-    owner.phase = pb.PHASE_READY  # waiting for the freeze
-    link = _link(owner, client)
-    client.release.set()
-    link.start_heartbeats()
-    try:
-        await asyncio.wait_for(client.watching.wait(), WAIT_S)
+    async with _waiting(pb.PHASE_READY) as (owner, client, link):  # waiting for the freeze
         assert client.watches == [(1, int(WATCH_HOLD_S * 1000))]
         assert not client.second.is_set(), "held: no heartbeat while nothing changed"
         freeze = pb.Instruction(order=pb.ORDER_REDUCE, round=1, tag=2)
@@ -174,21 +186,13 @@ async def test_a_changed_instruction_from_the_watch_is_taken_and_heartbeated_at_
         client.watch_release.set()
         await asyncio.wait_for(client.second.wait(), WAIT_S)
         assert owner.instructions[1] == freeze
-    finally:
-        await link.stop_heartbeats()
 
 
 async def test_a_watch_answer_that_came_while_another_call_was_in_flight_is_dropped() -> None:
     """Answers are taken in the order they are the newest: one that came while a report was
     on the wire may be older than that report's answer, so it is dropped, and the watch is
     sent again with the tag the report's answer brought."""
-    owner, client = _Owner(), _Client()
-    owner.phase = pb.PHASE_REDUCING  # its report awaits the verdict
-    link = _link(owner, client)
-    client.release.set()
-    link.start_heartbeats()
-    try:
-        await asyncio.wait_for(client.watching.wait(), WAIT_S)
+    async with _waiting(pb.PHASE_REDUCING) as (owner, client, link):  # its report awaits the verdict
         await link.lock.acquire()  # a ReportRound in flight
         stale = pb.Instruction(order=pb.ORDER_REDUCE, round=1, tag=2)
         client.answer_watch(0, pb.WatchInstructionResponse(instruction=stale, changed=True))
@@ -200,39 +204,23 @@ async def test_a_watch_answer_that_came_while_another_call_was_in_flight_is_drop
         assert client.watches[1][0] == 3
         assert stale not in owner.instructions
         assert len(client.phases) == 1, "no heartbeat: nothing was taken"
-    finally:
-        await link.stop_heartbeats()
 
 
 async def test_a_watch_answer_that_came_after_another_answer_is_taken() -> None:
     """An answer handled before the watch's came is older than it (one connection delivers
     answers in the order they were written), so the watch's answer is taken."""
-    owner, client = _Owner(), _Client()
-    owner.phase = pb.PHASE_REDUCING
-    link = _link(owner, client)
-    client.release.set()
-    link.start_heartbeats()
-    try:
-        await asyncio.wait_for(client.watching.wait(), WAIT_S)
+    async with _waiting(pb.PHASE_REDUCING) as (owner, client, link):
         link.answers += 1  # a report answered while the watch was held, its instruction unchanged
         commit = pb.Instruction(order=pb.ORDER_TRAIN, round=2, tag=2)
         client.answer_watch(0, pb.WatchInstructionResponse(instruction=commit, changed=True))
         await asyncio.wait_for(client.second.wait(), WAIT_S)
         assert owner.instructions[1] == commit
-    finally:
-        await link.stop_heartbeats()
 
 
 async def test_a_held_watch_lives_across_heartbeats_until_an_answer_brings_another_instruction() -> None:
     """A waiting worker does not send a watch with every heartbeat: the one it holds still
     watches the instruction it follows. An answer with another instruction replaces it."""
-    owner, client = _Owner(), _Client()
-    owner.phase = pb.PHASE_READY
-    link = _link(owner, client)
-    client.release.set()
-    link.start_heartbeats()
-    try:
-        await asyncio.wait_for(client.watching.wait(), WAIT_S)
+    async with _waiting(pb.PHASE_READY) as (owner, client, link):
         for n in (2, 3, 4):  # heartbeats whose answers change nothing
             link.wake_heartbeat()
             await _until(lambda n=n: len(client.phases) == n, f"heartbeat {n}")
@@ -243,5 +231,3 @@ async def test_a_held_watch_lives_across_heartbeats_until_an_answer_brings_anoth
         await _until(lambda: len(client.watches) == 2, "a watch of the new instruction")
         assert client.watches[1][0] == 5
         await _until(lambda: client.cancelled == [0], "the old watch cancelled")
-    finally:
-        await link.stop_heartbeats()
