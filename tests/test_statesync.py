@@ -20,6 +20,7 @@ from bagel.worker.statesync import (
     StateServer,
     StateSyncError,
     fetch_state,
+    linger,
     verify_state_bytes,
 )
 
@@ -191,8 +192,12 @@ async def test_a_round_newer_than_any_held_is_waited_for_briefly() -> None:
             await server.close()
 
 
-async def hostile_donor(donor: Peer, info: dp.StateInfo, chunks: list[bytes]) -> None:
-    """A donor that answers every request with the given StateInfo and chunks, whatever they are."""
+async def hostile_donor(donor: Peer, info: dp.StateInfo, chunks: list[bytes], *, hang_up: bool = False) -> None:
+    """A donor that answers every request with the given StateInfo and chunks, whatever they are.
+
+    It then waits for the joiner to close, as the real donor does (`linger`): closing at once
+    can make the libp2p daemon reset the stream before the last bytes leave, and the joiner
+    would then refuse a cut stream instead of what the case sent. hang_up: close at once."""
 
     async def handler(_info, reader, writer) -> None:
         try:
@@ -200,6 +205,8 @@ async def hostile_donor(donor: Peer, info: dp.StateInfo, chunks: list[bytes]) ->
             await write_message(writer, info)
             for c in chunks:
                 await write_frame(writer, c)
+            if not hang_up:
+                await linger(reader)
         finally:
             writer.close()
 
@@ -245,7 +252,7 @@ async def test_tampered_or_lying_donor_is_rejected() -> None:
         cases.append((info(), [data[:100]], "closed"))
 
         for inf, chunks, why in cases:
-            await hostile_donor(donor, inf, chunks)
+            await hostile_donor(donor, inf, chunks, hang_up=why == "closed")
             with pytest.raises(StateIntegrityError, match=why):
                 await fetch(joiner, donor, 3, want)
             await donor.p2p.remove_binary_stream_handler(STATE_PROTOCOL)

@@ -24,6 +24,7 @@ from bagel.worker.statesync import (
     StateServer,
     StateSyncError,
     fetch_state,
+    linger,
     piece_digests,
     piece_nbytes_for,
     split_pieces,
@@ -192,6 +193,7 @@ async def hostile(p: Peer, data: bytes, *, after: int, mode: str, release: async
                     await asyncio.wait_for(release.wait(), 30)
                 info.piece_sha256 = piece_digests(shown, piece)
                 await write_message(writer, info)
+                await linger(reader)
                 return
             end = min(total, req.offset + req.length)
             info.range_offset, info.range_nbytes = req.offset, end - req.offset
@@ -205,6 +207,7 @@ async def hostile(p: Peer, data: bytes, *, after: int, mode: str, release: async
                     chunk = bytes(b ^ 0xFF for b in chunk)
                 await write_frame(writer, chunk)
                 sent += len(chunk)
+            await linger(reader)  # as the real donor: closing at once may cut the last frame
         except (ConnectionError, OSError, TimeoutError):
             pass
         finally:
@@ -318,6 +321,7 @@ async def test_one_donor_and_old_donors_take_the_single_stream() -> None:
                                                              sha256=hashlib.sha256(data).hexdigest(),
                                                              chunk_nbytes=len(data)))  # fmt: skip
                     await write_frame(writer, data)
+                    await linger(reader)
                 except (ConnectionError, OSError):
                     pass
                 finally:
