@@ -1,6 +1,7 @@
 """The worker's heartbeat loop (`worker/link.py`): a phase change is never left waiting
 for the interval, a changed instruction its watch answers is taken at once (if it is the
 newest answer the worker has), and a held watch lives across heartbeats that change nothing.
+An outage the link noticed ends with the coordinator's next answer, a refusal included.
 
 The link's coordinator client is replaced by a recorder (these tests are about the loop's
 timing of requests, not the RPC); the interval is a minute, so a heartbeat that waited for
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 
 from bagel.protocol import bagel_pb2 as pb
@@ -231,3 +233,40 @@ async def test_a_held_watch_lives_across_heartbeats_until_an_answer_brings_anoth
         await _until(lambda: len(client.watches) == 2, "a watch of the new instruction")
         assert client.watches[1][0] == 5
         await _until(lambda: client.cancelled == [0], "the old watch cancelled")
+
+
+def _events(link: CoordinatorLink) -> list[str]:
+    import json
+
+    stream = link.display.stream
+    assert isinstance(stream, io.StringIO)
+    return [json.loads(line)["event"] for line in stream.getvalue().splitlines()]
+
+
+async def test_an_outage_ends_with_any_answer_a_refusal_too() -> None:
+    """After a partition the coordinator may answer NOT_FOUND (the worker's lease ran out
+    meanwhile): it is reachable again, so the outage is over then, not only once the
+    worker's registration is answered (which may take a while: admission, proof of work)."""
+    owner, client = _Owner(), _Client()
+    link = _link(owner, client)
+
+    def failing(code: grpc.StatusCode) -> Any:
+        async def call() -> Any:
+            raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="x")
+
+        return call
+
+    assert await link.rpc(failing(grpc.StatusCode.UNAVAILABLE)) is None
+    assert await link.rpc(failing(grpc.StatusCode.DEADLINE_EXCEEDED)) is None
+    assert _events(link) == ["coordinator-unreachable"] and link.down_since is not None and link.epoch == 0
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await link.rpc(failing(grpc.StatusCode.NOT_FOUND))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND  # still the caller's to handle (re-register)
+    assert _events(link) == ["coordinator-unreachable", "coordinator-back"]
+    assert link.down_since is None and link.epoch == 1
+    # answers while nothing was down change nothing
+    client.release.set()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await link.rpc(failing(grpc.StatusCode.PERMISSION_DENIED))
+    await link.rpc(lambda: client.call("Heartbeat", pb.HeartbeatRequest()))
+    assert _events(link) == ["coordinator-unreachable", "coordinator-back"] and link.epoch == 1

@@ -162,7 +162,7 @@ class CoordinatorLink:
     async def rpc(self, fn: Callable[[], Awaitable[Any]]) -> Any:
         """One coordinator call under the RPC lock. Returns None (after noting the outage)
         if it is unavailable; raises other errors (NOT_FOUND included: the caller
-        re-registers)."""
+        re-registers). Any answer ends an outage, a refusal too: the coordinator is back."""
         assert self.client is not None
         async with self.lock:
             try:
@@ -173,15 +173,20 @@ class CoordinatorLink:
                         self.down_since = time.monotonic()
                         self.display.event("coordinator-unreachable", level="warning", message=str(e.code().name))
                     return None
+                self._back()
                 raise
             self.answers += 1
             if isinstance(getattr(resp, "instruction", None), pb.Instruction):
                 self.known_tag = resp.instruction.tag
+        self._back()
+        return resp
+
+    def _back(self) -> None:
+        """The coordinator answered: if it had been unreachable, that outage is over."""
         if self.down_since is not None:
             self.down_since = None
             self.epoch += 1
             self.display.event("coordinator-back")
-        return resp
 
     async def maybe_reresolve(self) -> None:
         """After a few seconds without the coordinator, look its record up again (new endpoint?)."""
