@@ -11,7 +11,15 @@ What it measures, each part on the project's own code path:
    Three modes: fp32, bf16 autocast (what the worker's `InnerTrainer` uses on CUDA), and
    `torch.compile` of the model under bf16 autocast (its first steps, the compilation, are
    timed apart). Each: samples/s, ms/step, peak memory (`torch.cuda.max_memory_allocated`),
-   and VRAM headroom = the device's total memory - that peak.
+   and VRAM headroom = the device's total memory - that peak. Next to the peak, "sched est"
+   is what the coordinator's scheduler assumes the cell needs at this batch
+   (`models.experts.cell_memory_bytes`: STATE_COPIES float32 copies of the parameters plus
+   activations; a GPU gets the cell when that is at most 1 - `vram_headroom` of its memory),
+   and the JSON has the training data this script keeps on the device (`data_bytes`, in the
+   peak, not in the estimate). The worker keeps four copies on the device (weights, grads,
+   AdamW's two moments); the outer state, the round's starting weights and the
+   error-feedback residual are host tensors. So the estimate should exceed the peak less the
+   data, and by how much is what this figure shows on a real card.
 2. **diloco**: one DiLoCo round between two workers sharing the device: each trains H inner
    steps from the same committed state through the worker's `roundwork.train_round` (two
    threads at once, one `CellRuntime` each), then the two exchange and apply the outer
@@ -185,7 +193,7 @@ def part(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def train_mode(spec: Any, device: torch.device, sz: dict[str, Any], mode: str) -> dict[str, Any]:
     """One mode's training steps on the cell: samples/s, ms/step, peak memory, headroom."""
-    from bagel.models.experts import cell_task
+    from bagel.models.experts import cell_memory_bytes, cell_task
 
     task = cell_task(spec, CELL)
     model = task.build_model().to(device)
@@ -225,6 +233,9 @@ def train_mode(spec: Any, device: torch.device, sz: dict[str, Any], mode: str) -
         "samples_per_s": batch * sz["steps"] / dt,
         "warmup_s": warmup_s,  # compile: the compilation is in here
         "loss": sum(losses) / len(losses),
+        # the scheduler's VRAM figure for this cell at this batch, to hold against the peak
+        "sched_estimate_bytes": cell_memory_bytes(spec, CELL, batch),
+        "data_bytes": sum(t.numel() * t.element_size() for t in (x_all, y_all)),
         **memory(device),
     }
 
@@ -484,8 +495,8 @@ def table(r: dict[str, Any]) -> str:
         lines.append("GPU PART UNVERIFIED: no CUDA device; this is the CPU part at tiny sizes (fp32 only).")
     lines += [
         "",
-        f"{'train':10} {'status':8} {'samples/s':>10} {'ms/step':>9} {'peak mem':>11} {'headroom':>11} "
-        f"{'warm-up s':>9}",
+        f"{'train':10} {'status':8} {'samples/s':>10} {'ms/step':>9} {'peak mem':>11} {'sched est':>11} "
+        f"{'headroom':>11} {'warm-up s':>9}",
     ]
     for mode, t in r["train"].items():
         if t["status"] != "ok":
@@ -493,7 +504,7 @@ def table(r: dict[str, Any]) -> str:
             continue
         lines.append(
             f"{mode:10} {'ok':8} {t['samples_per_s']:10.1f} {t['step_ms']:9.2f} {gib(t['peak_mem_bytes']):>11} "
-            f"{gib(t['headroom_bytes']):>11} {t['warmup_s']:9.1f}"
+            f"{gib(t['sched_estimate_bytes']):>11} {gib(t['headroom_bytes']):>11} {t['warmup_s']:9.1f}"
         )
     d = r["diloco"]
     lines.append("")

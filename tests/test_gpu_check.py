@@ -48,6 +48,9 @@ def test_the_cpu_part_measures_every_part_and_says_the_gpu_is_unverified(tmp_pat
     assert fp32["status"] == "ok", fp32
     for v in numbers(fp32, "samples_per_s", "step_ms", "loss", "params", "warmup_s", "peak_rss_bytes"):
         assert math.isfinite(v) and v > 0
+    # the scheduler's figure for the cell: at least its parameters' float32 weights, grads and moments
+    est, data = numbers(fp32, "sched_estimate_bytes", "data_bytes")
+    assert est > 4 * 4 * fp32["params"] and data > 0
     assert fp32["peak_mem_bytes"] is None and fp32["headroom_bytes"] is None  # CUDA memory: not on CPU
     for mode in ("bf16", "compile"):
         assert r["train"][mode]["status"] == "skipped" and r["train"][mode]["why"]
