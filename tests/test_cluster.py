@@ -365,7 +365,26 @@ async def test_a_joiner_that_syncs_while_a_round_trains_is_admitted_into_it_over
     assert joiner.worker_id in c.contributors and joiner.worker_id not in rounds[(c.round, c.attempt)].catch_up
     # from the next round on it is an opening member with a full share
     nxt = [r for r in rounds.values() if r.round == late_round.round + 1]
-    assert nxt and joiner.worker_id in {m.worker_id for m in nxt[-1].members}
+    # what the joiner and that round show, should this ever fail (it did once, on a loaded CI run)
+    why = {
+        "next": [
+            (
+                r.attempt,
+                r.state.value,
+                [m.worker_id for m in r.members],
+                [m.worker_id for m in r.late],
+                list(r.catch_up),
+            )
+            for r in nxt
+        ],
+        "joiner": joiner.worker_id,
+        "registrations": joiner.stats.registrations,
+        "verdicts": joiner.stats.verdicts[-4:],
+        "sync_orders": joiner.stats.sync_orders,
+        "trained": joiner.stats.rounds_trained[-4:],
+        "errors": joiner.stats.errors[-4:],
+    }
+    assert nxt and joiner.worker_id in {m.worker_id for m in nxt[-1].members}, why
     # never told to resync or that a round aborted (a report before the quorum is PENDING)
     ok = (pb.VERDICT_COMMITTED, pb.VERDICT_PENDING)
     assert not joiner.stats.errors and all(v in ok for _, _, v in joiner.stats.verdicts), joiner.stats.verdicts
