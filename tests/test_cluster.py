@@ -331,7 +331,9 @@ async def test_a_joiner_that_syncs_while_a_round_trains_is_admitted_into_it_over
     the committed state in 0.3 s, and is admitted into the round in flight
     (`RoundRecord.late`) with a smaller budget than the members; that round commits with its
     samples, and it trains every round after it as an opening member."""
-    text = one_cell_spec(min_replicas=1, heartbeat_s=0.2)
+    # a 6 s lease (not 2 s): the test is about admission, and a loaded machine can stall this
+    # process's event loop, which runs the coordinator and all three workers, for a second or two
+    text = one_cell_spec(min_replicas=1, heartbeat_s=0.2, lease_s=6.0)
     h = await start(tmp_path, text)
     target = f"127.0.0.1:{h.port}"
     speed = {"samples_per_s": 8.0, "reduce_s": 0.1}  # 16 samples each: a 2 s round
