@@ -278,11 +278,16 @@ def test_chaos_netlab_end_to_end(tmp_path: Path) -> None:
         assert not w["unexpected_exits"], json.dumps(w["unexpected_exits"])
         assert '"reachability": "relayed"' in (out / "logs" / f"w{w['index']}-1.log").read_text()
     # the cell stood still while home1 was cut (its last worker may not train alone) and
-    # trained on after the heal
+    # trained on after the heal. One commit may still fall inside the cut: that of the round
+    # in flight when it began, if its exchange had finished (the cut members' parts were
+    # delivered, so once their leases run out the remaining report decides:
+    # `Rounds.drop_member`). No later round may.
     cut = s["faults"][0]
-    times = [t for t, _round, _loss in s["loss_per_cell"]["k0.r0"]]
-    assert not any(cut["at_s"] + 1.0 < t < cut["end_s"] for t in times), (cut, times)
-    assert any(t > cut["end_s"] for t in times), (cut, times)
+    commits = s["loss_per_cell"]["k0.r0"]  # (seconds, round, loss)
+    before = max((r for t, r, _loss in commits if t <= cut["at_s"] + 1.0), default=0)
+    during = [r for t, r, _loss in commits if cut["at_s"] + 1.0 < t < cut["end_s"]]
+    assert during in ([], [before + 1]), (cut, commits)
+    assert any(t > cut["end_s"] for t, _round, _loss in commits), (cut, commits)
     assert "## Network test bed" in (out / "summary.md").read_text()
 
 
