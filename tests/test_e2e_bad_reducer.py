@@ -78,18 +78,24 @@ def test_a_doctored_averaged_part_is_not_applied_and_its_reducer_is_banned_on_ve
     # it joined the cell mid-round: either way it reduces one part); its lie is only in what it returns
     assert s.events("bad", "ready") or s.events("bad", "catch-up")
     assert not s.events("bad", "train-failed")
-    # every honest worker refused to apply the round whose part the bad worker reduced
+    # every honest worker refused to apply the round whose part the bad worker reduced, or was
+    # handed the exchange re-frozen without it before its own check of that part ended: the
+    # first refusal convicts the reducer, and the coordinator re-freezes the others at once
     failures = {n: [e for e in s.events(n, "exchange-failed") if f"primary {bad}" in e["message"]] for n in honest}
+    doctored = {(e["round"], e["reduce_attempt"]) for evs in failures.values() for e in evs}
+    assert doctored, "no honest worker refused the doctored part"
     for n, evs in failures.items():
-        assert evs, f"{n} never refused the doctored part"
         assert all("the round is not applied" in e["message"] for e in evs)
+        if not evs:
+            moved_on = {(e["round"], e["reduce_attempt"] - 1) for e in s.events(n, "exchange")}
+            assert doctored & moved_on, f"{n} neither refused the doctored part nor was re-frozen past it"
     accused = [e for n in honest for e in s.events(n, "accused")]
     assert any(e["convicted"] == bad and "verified evidence" in e["reason"] for e in accused), accused
 
     # nothing was adopted from a failed exchange: each honest worker's state after the failed
     # round is the next commit it agreed to, reached from the last committed hash
     for n in honest:
-        failed_rounds = {e["round"] for e in failures[n]}
+        failed_rounds = {r for r, _attempt in doctored}
         commits = s.commits(n)
         for r in failed_rounds:
             if r in commits:  # committed later, after the re-freeze without the bad worker
