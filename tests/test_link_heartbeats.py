@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
@@ -236,8 +237,6 @@ async def test_a_held_watch_lives_across_heartbeats_until_an_answer_brings_anoth
 
 
 def _events(link: CoordinatorLink) -> list[str]:
-    import json
-
     stream = link.display.stream
     assert isinstance(stream, io.StringIO)
     return [json.loads(line)["event"] for line in stream.getvalue().splitlines()]

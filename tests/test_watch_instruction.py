@@ -15,10 +15,13 @@ import grpc
 import pytest
 
 from bagel.coordinator.core.events import Convicted
+from bagel.coordinator.core.records import CellRecord, WorkerRecord, WorkerState
 from bagel.coordinator.daemon import CoordinatorHandle
+from bagel.coordinator.watchers import InstructionWatchers
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import CoordinatorClient
 from bagel.protocol.identity import Identity
+from bagel.protocol.messages import LocalState
 from bagel.protocol.validation import MAX_WATCH_WAIT_MS
 
 from simworkers import sim_peer, sim_profile
@@ -176,9 +179,6 @@ def test_a_record_of_no_cell_wakes_only_its_own_worker() -> None:
     """The bookkeeping alone: a registration into standby (a record of no cell) must not wake
     every standby worker's call (that made a registration storm quadratic); a cell's record
     wakes that cell's calls and no other's."""
-    from bagel.coordinator.core.records import CellRecord, WorkerRecord, WorkerState
-    from bagel.coordinator.watchers import InstructionWatchers
-    from bagel.protocol.messages import LocalState
 
     def record(wid: str, cell: str) -> WorkerRecord:
         return WorkerRecord(
