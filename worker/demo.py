@@ -72,7 +72,7 @@ class _Stop:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from bagel.protocol.runspec import SpecError, load_spec
-    from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup
+    from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup, stop_all
 
     try:
         spec = load_spec(args.run)
@@ -119,11 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 out / "coordinator" / "coordinator.key",
             )
             print("\nstopping the workers (they finish or abandon their round and leave)...", flush=True)
-            for w, _ in workers:
-                if w.alive():
-                    w.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
-            for w, _ in workers:
-                w.stop(timeout_s=60)
+            stop_all([w for w, _ in workers], timeout_s=60.0)
             final_status = _status_or_none(
                 coord.endpoint, coord.tls_fingerprint, out / "coordinator" / "coordinator.key"
             )

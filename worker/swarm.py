@@ -74,13 +74,18 @@ class Managed:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
 
+    def terminate(self) -> None:
+        """SIGTERM the leader (its graceful stop), without waiting."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM the leader, wait up to timeout_s, then SIGKILL the group. Returns the exit code."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -220,16 +225,33 @@ def _env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def cleanup(procs: list[Managed]) -> Iterator[list[Managed]]:
-    """Stop every process in `procs` (also ones appended later) on exit, whatever happens."""
+def cleanup(procs: list[Managed], timeout_s: float = 15.0) -> Iterator[list[Managed]]:
+    """Stop every process in `procs` (also ones appended later) on exit, whatever happens:
+    the workers all at once, then the coordinators (a worker's graceful leave may still
+    talk to its coordinator). Each stage waits at most `timeout_s` in all, not per process:
+    a worker's leave can take its whole `--leave-grace-s`, and ten of them one after the
+    other held a teardown for minutes."""
     try:
         yield procs
     finally:
-        for p in reversed(procs):
-            if p.alive():
-                p.stop(timeout_s=15.0)
-            else:
-                p.kill()  # the leader is gone; its group may not be
+        workers = [p for p in procs if not isinstance(p, CoordinatorProc)]
+        stop_all(workers, timeout_s)
+        stop_all([p for p in procs if isinstance(p, CoordinatorProc)], timeout_s)
+
+
+def stop_all(procs: Sequence[Managed], timeout_s: float) -> None:
+    """SIGTERM every live leader at once, wait for them under one deadline of `timeout_s`,
+    then SIGKILL every group (what is left of it: a DHT child, a p2p daemon)."""
+    for p in procs:
+        if p.alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        if p.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        p.kill()
 
 
 def get_status(endpoint: str, timeout_s: float = 5.0, *, tls_fingerprint: str = "", key: Path | None = None) -> Any:
