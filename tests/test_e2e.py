@@ -304,6 +304,28 @@ def test_three_workers_commit_bit_identical_rounds(swarm: Swarm):
     assert_real_round_metrics(s.workers["a"].events("metrics")[0]["url"], coord_metrics)
     stop_all_workers(s)
     assert_time_accounted(s, names)
+    assert_no_place_while_profiling(s, names)
+
+
+def assert_no_place_while_profiling(s: Swarm, names: list[str]) -> None:
+    """A worker's first contact only learns the spec, and measuring its speed takes a while:
+    it steps aside meanwhile, so no round opens with it as a member before it has measured
+    (its `profile` event) and registered again."""
+    from bagel.coordinator.store import Store
+
+    store = Store.open_readonly(s.root / "coord")
+    try:
+        records = store.round_records()
+    finally:
+        store.close()
+    assert records
+    for n in names:
+        w = s.workers[n]
+        wid = w.events("identity")[0]["worker_id"]
+        measured_ms = w.events("profile")[0]["ts"] * 1000.0 - 5.0  # the log's ts has ms resolution
+        for r in records:
+            if any(m.worker_id == wid for m in r.members):
+                assert r.opened_ms >= measured_ms, f"{n} was planned into {r.cell_id} round {r.round} while profiling"
 
 
 def assert_time_accounted(s: Swarm, names: list[str]) -> None:

@@ -170,18 +170,22 @@ def test_late_from_crosses_the_wire_and_a_bad_one_reads_as_none() -> None:
         assert got.plan is not None and got.plan.late_from == 0
 
 
-def test_a_member_that_claimed_no_throughput_sets_no_pace_for_a_late_joiner() -> None:
-    """A worker's first Register carries no throughput (it needs the run spec to measure,
-    then registers again, which drops it from its round). Planned at the default 1
-    sample/s, such a member made the round's estimate minutes long, and a late joiner sized
-    to that estimate kept the round waiting for minutes (seen in `make demo`: 148 s of a
-    round whose other member trained 6 s)."""
+def test_a_worker_that_claims_no_throughput_waits_on_standby_and_sets_no_pace() -> None:
+    """A worker's first Register carries no throughput: it needs the run spec to measure,
+    which takes seconds to minutes, then registers again. Placed, it would be an opening
+    member of its cell's next round while it measures: planned at the default 1 sample/s,
+    it made the round's estimate minutes long, and a late joiner sized to that estimate
+    kept the round waiting (seen in `make demo`: 148 s of a round whose other member
+    trained 6 s); and the round waited for it until its lease ran out. It waits on
+    standby instead, and its second Register places it."""
     hz = Harness()
     hz.reg("a")
-    hz.reg("p", speed=0.0)  # a first contact: no throughput yet
+    first = hz.reg("p", speed=0.0)  # a first contact: no throughput yet
+    assert first.instruction is not None and first.instruction.order is Order.WAIT
+    assert first.instruction.cell_id == "" and "not measured" in first.instruction.reason
     hz.hb("a")
     r = hz.round()
-    assert r is not None and r.round == 1 and sorted(m.worker_id for m in r.members) == ["a", "p"]
+    assert r is not None and r.round == 1 and [m.worker_id for m in r.members] == ["a"]
     hz.reg("j")  # as fast as a, and holding the base state (the initial one)
     hz.advance(100)
     hz.hb("j")
@@ -190,3 +194,6 @@ def test_a_member_that_claimed_no_throughput_sets_no_pace_for_a_late_joiner() ->
     opening = {m.worker_id: m for m in r.members}
     # a trains its budget in a few seconds; j, as fast and later, gets no more than that
     assert 0 < r.late[0].max_samples <= opening["a"].max_samples
+    assert hz.st.roster.workers["p"].cell == ""  # a rebalance did not place it either
+    again = hz.reg("p")  # measured: placed
+    assert again.instruction is not None and again.instruction.cell_id != ""

@@ -519,7 +519,9 @@ class Roster:
         destinations x moves)."""
         b, m = self.balance, self.knobs.candidates
         if self.standby and any(b.count[c] < self.knobs.max_replicas for c in b.active):
-            for wid in list(itertools.islice(self.standby, m)):
+            # a worker with no measured speed waits until it registers again with one
+            measured = (wid for wid in self.standby if self.workers[wid].throughput)
+            for wid in list(itertools.islice(measured, m)):
                 w = self.workers[wid]
                 self.changes.ops += 1
                 cid = b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)

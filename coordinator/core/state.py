@@ -123,6 +123,7 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+UNMEASURED_REASON = "standby: this worker has not measured its speed yet; it registers again with it"
 MAX_PEER_RATES = 256  # entries in one report's peer_rates (an exchange has at most this many peers)
 _STR, _INT = {str}, {int}
 
@@ -470,7 +471,11 @@ class CoordinatorState:
         w.local = ev.local
         w.phase, w.round, w.inner_step = Phase.UNSPECIFIED, 0, 0
         self.roster.activate(w, now)
-        cid = self.roster.place(w)
+        # a worker that claims no speed at all has not measured yet (the agent's first
+        # Register, made to learn the spec): placed, it would hold a place in its cell's next
+        # round while it measures, and the round would wait for it until its lease ran out.
+        # It waits on standby until it registers again with its speeds.
+        cid = self.roster.place(w) if w.throughput else ""
         if cid:
             self.roster.assign(w, cid, now)
         else:
@@ -814,6 +819,8 @@ class CoordinatorState:
         if w.state is WorkerState.BANNED:
             return Instruction(Order.LEAVE, reason=w.reason)
         if not w.cell:
+            if not w.throughput:
+                return Instruction(Order.WAIT, reason=UNMEASURED_REASON)
             return Instruction(Order.WAIT, reason="standby: no cell with room fits this worker now")
         c = self._cells[w.cell]
         upload = c.uploader == w.id and c.upload_round == c.committed_round and c.checkpoint_round < c.upload_round
