@@ -243,6 +243,22 @@ def test_profile_measures_throughput_and_caps_memory(tmp_path: Path, monkeypatch
     prof = measure("me", cpu, [("c1", _Tiny), ("c2", _Tiny)], max_vram_gb=1.0, num_devices=2, uplink_mbps=80)
     assert set(prof.samples_per_s) == {"c1", "c2"} and all(v > 0 for v in prof.samples_per_s.values())
     assert prof.vram_bytes == 1 << 30 and prof.link_bandwidth_bytes_per_s == 10e6 and prof.num_devices == 2
+    # cells of one model are measured once and share the figure; another model is measured too
+    built: list[str] = []
+
+    def counted(cell: str):  # noqa: ANN202
+        def make() -> _Tiny:
+            built.append(cell)
+            return _Tiny()
+
+        return make
+
+    cells = ["k0.r0", "k0.r1", "k1.r0", "router"]
+    same = {"k0.r0": "dit", "k0.r1": "dit", "k1.r0": "dit", "router": "router"}
+    grouped = measure("me", cpu, [(c, counted(c)) for c in cells], same_model=same)
+    assert built == ["k0.r0", "router"]
+    sps = grouped.samples_per_s
+    assert set(sps) == set(cells) and sps["k0.r0"] == sps["k0.r1"] == sps["k1.r0"] > 0 and sps["router"] > 0
     # the cache: same key -> the same profile back; another key or an old entry -> None
     import dataclasses
     import time

@@ -662,7 +662,7 @@ class Agent:
     async def _measure_profile(self) -> None:
         """Benchmark every cell of the run, or reuse this worker's recent measurement (a
         restart after a crash should not spend its first seconds re-benchmarking)."""
-        from bagel.models.experts import cell_task
+        from bagel.models.experts import cell_config, cell_task
 
         spec = self.spec
         assert spec is not None
@@ -694,6 +694,7 @@ class Agent:
                 throttle=self.cfg.throttle,
                 num_devices=self.ctx.world_size,
                 uplink_mbps=self.cfg.uplink_mbps,
+                same_model={c: cell_config(spec, c) for c in spec.cell_ids},
             )
             body = {"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(self.profile)}
             await asyncio.to_thread(atomic_write, cache, json.dumps(body).encode())
