@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bagel.coordinator.core.policy import BAGEL, DILOCO_WAIT_ALL
-from bagel.coordinator.core.records import MemberPlan, RoundState
+from bagel.coordinator.core.records import MemberPlan, RoundState, WorkerState
 from bagel.coordinator.core.scheduler import LATE_JOIN_MARGIN, plan_late_member
 from bagel.models.data import shard
 from bagel.protocol import bagel_pb2 as pb
@@ -195,5 +195,9 @@ def test_a_worker_that_claims_no_throughput_waits_on_standby_and_sets_no_pace() 
     # a trains its budget in a few seconds; j, as fast and later, gets no more than that
     assert 0 < r.late[0].max_samples <= opening["a"].max_samples
     assert hz.st.roster.workers["p"].cell == ""  # a rebalance did not place it either
+    # silent while it measures, it is not lost when an ordinary lease would have run out
+    hz.advance(int(hz.spec.schedule.lease_s * 1000) * 3)
+    hz.tick()
+    assert hz.st.roster.workers["p"].state is WorkerState.ACTIVE
     again = hz.reg("p")  # measured: placed
     assert again.instruction is not None and again.instruction.cell_id != ""

@@ -123,6 +123,8 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+# the lease of a worker that registered without its speeds (measuring them: seconds to minutes)
+MEASURING_LEASE_MS = 300_000
 UNMEASURED_REASON = "standby: this worker has not measured its speed yet; it registers again with it"
 MAX_PEER_RATES = 256  # entries in one report's peer_rates (an exchange has at most this many peers)
 _STR, _INT = {str}, {int}
@@ -476,6 +478,10 @@ class CoordinatorState:
         # round while it measures, and the round would wait for it until its lease ran out.
         # It waits on standby until it registers again with its speeds.
         cid = self.roster.place(w) if w.throughput else ""
+        if not w.throughput:
+            # it sends nothing while it measures: a lease that outlasts the measurement keeps
+            # it from being reported lost (and counted as a lease expiry) at every first contact
+            w.lease_ms = now + max(self.roster.lease_ms, MEASURING_LEASE_MS)
         if cid:
             self.roster.assign(w, cid, now)
         else:
