@@ -21,6 +21,7 @@ from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol import bagel_pb2_grpc as pb_grpc
 from bagel.protocol.envelope import sign_request
 from bagel.protocol.identity import Identity
+from bagel.protocol.runspec import parse_spec
 
 from daemonproc import DaemonProcess, free_port
 from simworkers import cluster_spec_text, start_workers, stop_workers
@@ -85,7 +86,8 @@ async def test_sigkill_mid_round_loses_no_commit_and_rounds_continue(tmp_path: P
     try:
         first.wait_line("listening:", timeout_s=120)
         # ~0.5 s of "training" per round, so rounds are open most of the time
-        workers = await start_workers(target, "crashrun", 20, cells=(), samples_per_s=16.0)
+        cells = parse_spec(spec_path.read_text()).cell_ids  # each worker claims a speed on every cell
+        workers = await start_workers(target, "crashrun", 20, cells=cells, samples_per_s=16.0)
         st = await wait_status(
             target, lambda s: sum(c.committed_round for c in s.cells) >= 8, 90, "8 commits before the crash"
         )

@@ -127,11 +127,12 @@ async def test_daemon_exits_non_zero_on_a_core_bug_and_restarts_from_sqlite(tmp_
     target = f"127.0.0.1:{free_port()}"
     args = ("--listen", target, "--no-dht", "--insecure", "--tick-ms", "50", "--log-level", "WARNING")
     buggy = DaemonProcess(spec_path, data, *args, launcher=(str(launcher),))
+    cells = parse_spec(spec_path.read_text()).cell_ids  # each worker claims a speed on every cell
     healthy: DaemonProcess | None = None
     workers = []
     try:
         buggy.wait_line("listening:", timeout_s=120)
-        workers = await start_workers(target, "faultrun", 6, cells=(), samples_per_s=16.0)
+        workers = await start_workers(target, "faultrun", 6, cells=cells, samples_per_s=16.0)
         code = await asyncio.to_thread(buggy.wait, 120.0)
         assert code == 1, f"the daemon exited with {code}"
         log = "\n".join(buggy.stderr)
@@ -151,7 +152,7 @@ async def test_daemon_exits_non_zero_on_a_core_bug_and_restarts_from_sqlite(tmp_
         served = {c.cell_id: c.committed_round for c in st.cells if c.committed_round}
         assert served == durable, (served, durable)
         # and the run goes on from there: workers attach and commit again
-        workers = await start_workers(target, "faultrun", 6, cells=(), samples_per_s=16.0)
+        workers = await start_workers(target, "faultrun", 6, cells=cells, samples_per_s=16.0)
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             st = await _status(target)

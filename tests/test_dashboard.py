@@ -67,7 +67,7 @@ async def test_dashboard_http_surface(tmp_path: Path) -> None:
     try:
         url = h.dashboard.url
         assert url.startswith("http://127.0.0.1:")
-        workers = await start_workers(f"127.0.0.1:{h.port}", "dashhttp", 1, cells=())
+        workers = await start_workers(f"127.0.0.1:{h.port}", "dashhttp", 1, cells=spec.cell_ids)
         status, headers, body = await asyncio.to_thread(http, url)
         assert status == 200 and b'<script src="/static/dashboard.js"' in body
         assert (
@@ -128,6 +128,7 @@ async def test_dashboard_shows_a_live_run_in_chromium(tmp_path: Path) -> None:
 
     spec_path = tmp_path / "dash.toml"
     spec_path.write_text(cluster_spec_text("dashrun", lease_s=4.0, heartbeat_s=0.3, min_round_s=1.0))
+    cells = parse_spec(spec_path.read_text()).cell_ids  # the workers claim a speed on each
     target = f"127.0.0.1:{free_port()}"
     dash_port = free_port()
     daemon = DaemonProcess(
@@ -149,7 +150,7 @@ async def test_dashboard_shows_a_live_run_in_chromium(tmp_path: Path) -> None:
             try:
                 assert url == f"http://127.0.0.1:{dash_port}/"
                 # two workers on five cells: three cells get no member, and the story must say so
-                workers = await start_workers(target, "dashrun", 2, cells=(), samples_per_s=64.0)
+                workers = await start_workers(target, "dashrun", 2, cells=cells, samples_per_s=64.0)
                 page = await browser.new_page(viewport={"width": 1400, "height": 1100})
 
                 async def until(condition: str, what: str) -> None:
@@ -185,7 +186,7 @@ async def test_dashboard_shows_a_live_run_in_chromium(tmp_path: Path) -> None:
                     "a new commit, its event and the goodput line",
                 )
                 # a worker joins, another leaves: both show up without a reload
-                extra = SimWorker(target, "dashrun", name="late-joiner", samples_per_s=64.0, seed=7)
+                extra = SimWorker(target, "dashrun", name="late-joiner", samples_per_s=64.0, cells=cells, seed=7)
                 extra.start()
                 await until(
                     f"""() => document.querySelector('#workers tr[data-worker-id="{extra.worker_id}"]') !== null
