@@ -201,3 +201,7 @@ def test_a_worker_that_claims_no_throughput_waits_on_standby_and_sets_no_pace() 
     assert hz.st.roster.workers["p"].state is WorkerState.ACTIVE
     again = hz.reg("p")  # measured: placed
     assert again.instruction is not None and again.instruction.cell_id != ""
+    # and from then on its lease is an ordinary one: silent past it, it is lost
+    hz.advance(int(hz.spec.schedule.lease_s * 1000) + 1)
+    hz.tick()
+    assert hz.st.roster.workers["p"].state is WorkerState.LOST

@@ -172,7 +172,10 @@ class Roster:
         self.active += 1
         self.balance.add_reference(w.profile.samples_per_s)
         self.renew(w, now)
-        if not w.lease_entry:
+        # the heap holds one live entry per worker and looks again when it pops (a renewal
+        # only moves the lease later); a lease that now ends sooner than that entry (a
+        # worker that registered while measuring and is back with its speeds) needs its own
+        if not w.lease_entry or w.lease_ms < w.lease_entry:
             self._push_lease(w)
 
     def place(self, w: Worker) -> str:
