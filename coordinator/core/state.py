@@ -480,7 +480,7 @@ class CoordinatorState:
         cid = self.roster.place(w) if w.throughput else ""
         if not w.throughput:
             # it sends nothing while it measures: a lease that outlasts the measurement keeps
-            # it from being reported lost (and counted as a lease expiry) at every first contact
+            # it from being reported lost (status, metrics, event feed) at every first contact
             w.lease_ms = now + max(self.roster.lease_ms, MEASURING_LEASE_MS)  # later: the heap looks again
         if cid:
             self.roster.assign(w, cid, now)
