@@ -91,15 +91,33 @@ class CoordinatorClient:
         self.spec_hash = spec_hash
         self.timeout_s = timeout_s
         self.tls_fingerprint = tls.fingerprint if isinstance(tls, PinnedTLS) else ""
-        if tls is None:
-            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
-        elif isinstance(tls, PinnedTLS):
-            options = channel_options() + tls.channel_options()
-            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options)
-        else:
-            creds = grpc.ssl_channel_credentials(root_certificates=tls) if isinstance(tls, bytes) else tls
-            self._channel = grpc.aio.secure_channel(target, creds, options=channel_options())
+        self._tls = tls
+        self._channel = self._open_channel()
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+
+    def _open_channel(self) -> grpc.aio.Channel:
+        tls, target = self._tls, self.target
+        if tls is None:
+            return grpc.aio.insecure_channel(target, options=channel_options())
+        if isinstance(tls, PinnedTLS):
+            return grpc.aio.secure_channel(target, tls.credentials(), options=channel_options() + tls.channel_options())
+        creds = grpc.ssl_channel_credentials(root_certificates=tls) if isinstance(tls, bytes) else tls
+        return grpc.aio.secure_channel(target, creds, options=channel_options())
+
+    def redial(self) -> grpc.aio.Channel:
+        """Send every later call over a new channel to the same target, with the same
+        credentials (a pinned certificate stays pinned), and hand back the old one for the
+        caller to close once its calls are over.
+
+        A connection that went quiet through a network cut can stay stuck after the cut
+        heals: TCP backs its retransmissions off, and a NAT that dropped its mapping drops
+        everything sent on it. gRPC notices only when a keepalive ping goes unanswered
+        (`CLIENT_KEEPALIVE_TIME_MS` + `CLIENT_KEEPALIVE_TIMEOUT_MS`, 40 s); a new channel
+        dials a new connection at once."""
+        old = self._channel
+        self._channel = self._open_channel()
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        return old
 
     @classmethod
     async def connect(

@@ -173,6 +173,21 @@ async def test_unary_rpcs_are_signed_and_accepted(server, client):
     assert {w for _, w in servicer.seen} == {client.worker_id}
 
 
+async def test_redial_moves_later_calls_to_a_new_connection(server, client):
+    """A redial opens a new channel to the same target (a new TCP connection), later calls
+    go over it, and a call already on the old one still gets its answer before it closes."""
+    servicer, _ = server
+    # a call started on the old channel (grpc.aio sends it when the call object is made)
+    in_flight = client._stub.Heartbeat(client.sign("Heartbeat", pb.HeartbeatRequest(phase=pb.PHASE_IDLE)), timeout=5)
+    old = client.redial()
+    assert old is not client._channel
+    await client.heartbeat(pb.PHASE_IDLE)
+    assert (await in_flight).instruction is not None
+    await old.close(grace=5.0)
+    await client.heartbeat(pb.PHASE_IDLE)  # the new connection is unaffected by the old one closing
+    assert [m for m, _ in servicer.seen] == ["Heartbeat"] * 3
+
+
 async def test_repeated_calls_use_fresh_nonces(client):
     for _ in range(5):  # a reused nonce would be refused as a replay
         await client.heartbeat(pb.PHASE_IDLE)

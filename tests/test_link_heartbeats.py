@@ -25,7 +25,7 @@ from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.identity import Identity
 from bagel.protocol.joinstring import JoinInfo
 from bagel.worker.display import Display
-from bagel.worker.link import WATCH_HOLD_S, CoordinatorLink
+from bagel.worker.link import REDIAL_AFTER_S, RPC_TIMEOUT_S, WATCH_HOLD_S, CoordinatorLink
 
 from simworkers import fake_peer_id
 
@@ -269,3 +269,42 @@ async def test_an_outage_ends_with_any_answer_a_refusal_too() -> None:
         await link.rpc(failing(grpc.StatusCode.PERMISSION_DENIED))
     await link.rpc(lambda: client.call("Heartbeat", pb.HeartbeatRequest()))
     assert _events(link) == ["coordinator-unreachable", "coordinator-back"] and link.epoch == 1
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.closed_with: list[float | None] = []
+
+    async def close(self, grace: float | None = None) -> None:
+        self.closed_with.append(grace)
+
+
+class _Redialing:
+    """A client that counts redials, each handing back the channel it replaced."""
+
+    def __init__(self) -> None:
+        self.old: list[_Channel] = []
+
+    def redial(self) -> _Channel:
+        self.old.append(_Channel())
+        return self.old[-1]
+
+
+async def test_a_long_outage_redials_at_most_once_per_interval_and_the_old_channels_close() -> None:
+    """A connection can stay stuck after a network cut heals (TCP backoff, a NAT that lost
+    its mapping): after `REDIAL_AFTER_S` without an answer the link dials a new one, then
+    at most once per `REDIAL_AFTER_S` while the outage lasts, and none once it is over."""
+    owner, client = _Owner(), _Redialing()
+    link = _link(owner, client)  # type: ignore[arg-type]
+    t0 = 1000.0
+    assert not link.maybe_redial(t0)  # no outage
+    link.down_since = t0
+    assert not link.maybe_redial(t0 + REDIAL_AFTER_S - 0.1)
+    assert link.maybe_redial(t0 + REDIAL_AFTER_S)
+    assert not link.maybe_redial(t0 + REDIAL_AFTER_S + 1.0)  # not again so soon
+    assert link.maybe_redial(t0 + 2 * REDIAL_AFTER_S)
+    assert len(client.old) == 2
+    await _until(lambda: all(c.closed_with for c in client.old), "the replaced channels to close")
+    assert all(c.closed_with == [RPC_TIMEOUT_S + 1.0] for c in client.old)  # after their calls' deadline
+    link.down_since = None  # the coordinator answered
+    assert not link.maybe_redial(t0 + 10 * REDIAL_AFTER_S)

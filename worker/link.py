@@ -11,8 +11,10 @@ heartbeat request, and hands it every instruction that comes back.
   requests were made (an old heartbeat answer can never overtake a newer ReportRound
   answer); UNAVAILABLE / DEADLINE_EXCEEDED mark the coordinator down (the caller retries
   with full-jitter backoff, and after a few seconds the DHT record is looked up again in
-  case the coordinator moved); `epoch` counts the returns, so a report answered before an
-  outage can be sent again after it. NOT_FOUND means "register again" (with our LocalState).
+  case the coordinator moved, and after `REDIAL_AFTER_S` a new connection is dialed to
+  it: one stuck after a network cut is otherwise noticed only by keepalive, in 40 s);
+  `epoch` counts the returns, so a report answered before an outage can be sent again
+  after it. NOT_FOUND means "register again" (with our LocalState).
 - `register`: retried while the coordinator is down. The owner may ask for another
   Register right away (the first contact with a run: the profile needs the run spec the
   coordinator sends in its answer, see `Agent.registered`).
@@ -62,6 +64,7 @@ WATCH_RESENDS = 2  # watches sent again between two heartbeats, at most (a lease
 WATCH_PHASES = (pb.PHASE_IDLE, pb.PHASE_READY, pb.PHASE_REDUCING)  # waiting on the coordinator
 RPC_TIMEOUT_S = 10.0
 RERESOLVE_AFTER_S = 3.0  # look the coordinator's DHT record up again after this long without it
+REDIAL_AFTER_S = 8.0  # a new connection to the same endpoint after this long without it, and as often
 TLS_REFUSALS_BEFORE_GIVING_UP = 5  # answers of a server that is not the pinned one before giving up
 
 
@@ -102,6 +105,8 @@ class CoordinatorLink:
         self.hb_interval_s = 2.0
         self.epoch = 0  # bumps whenever the coordinator answers again after failing
         self.down_since: float | None = None
+        self._redialed = 0.0  # when the client last dialed a new connection (`maybe_redial`)
+        self._old_channels: dict[asyncio.Task[None], Any] = {}  # closing, once their calls are over
         self._hb_wake = asyncio.Event()
         self._hb_task: asyncio.Task[None] | None = None
         self.answers = 0  # calls answered so far (a watch's answer is dropped if this moved after it came)
@@ -154,6 +159,12 @@ class CoordinatorLink:
         )
 
     async def close(self) -> None:
+        old = dict(self._old_channels)  # channels left by a redial: closed now, not later
+        for task in old:
+            task.cancel()
+        await asyncio.gather(*old, return_exceptions=True)
+        for channel in old.values():
+            await channel.close()
         if self.client is not None:
             await self.client.close()
 
@@ -189,9 +200,11 @@ class CoordinatorLink:
             self.display.event("coordinator-back")
 
     async def maybe_reresolve(self) -> None:
-        """After a few seconds without the coordinator, look its record up again (new endpoint?)."""
+        """After a few seconds without the coordinator, look its record up again (new endpoint?);
+        after a few more, dial a new connection to it (`maybe_redial`)."""
         if self.down_since is None or time.monotonic() - self.down_since < RERESOLVE_AFTER_S or self.client is None:
             return
+        self.maybe_redial(time.monotonic())
         try:
             record, _ = await lookup_coordinator(self.dht, self.join)
         except Exception as e:  # noqa: BLE001  (the DHT may be unreachable too; try later)
@@ -208,6 +221,23 @@ class CoordinatorLink:
             old = self.client
             self.client = client
             await old.close()
+
+    def maybe_redial(self, now: float) -> bool:
+        """While the coordinator has not answered for `REDIAL_AFTER_S`, move the client to a
+        new connection, at most once per `REDIAL_AFTER_S` (`CoordinatorClient.redial`: a
+        connection stuck after a network cut is otherwise noticed only by keepalive, 40 s).
+        The old channel is closed once the calls still on it have had their deadline."""
+        if self.down_since is None or self.client is None:
+            return False
+        if now - self.down_since < REDIAL_AFTER_S or now - self._redialed < REDIAL_AFTER_S:
+            return False
+        self._redialed = now
+        old = self.client.redial()
+        task = asyncio.ensure_future(old.close(grace=RPC_TIMEOUT_S + 1.0))
+        self._old_channels[task] = old
+        task.add_done_callback(lambda t: self._old_channels.pop(t, None))
+        self.display.event("coordinator-redial", level="warning", message="a new connection to the coordinator")
+        return True
 
     async def _sleep(self, s: float) -> None:
         try:
