@@ -117,7 +117,9 @@ class Roster:
         self.changes = changes
         self.lease_ms = int(spec.schedule.lease_s * 1000)
         self.workers: dict[str, Worker] = {}
-        self.standby: dict[str, None] = {}  # active workers with no cell (ordered set)
+        # active workers with no cell that a repair may place (ordered set); one that has not
+        # measured its speed yet (no throughput) is in no queue until it registers again
+        self.standby: dict[str, None] = {}
         self.active = 0
         self.leases: list[tuple[int, str]] = []  # (expiry, worker) heap, lazily deleted
 
@@ -522,9 +524,7 @@ class Roster:
         destinations x moves)."""
         b, m = self.balance, self.knobs.candidates
         if self.standby and any(b.count[c] < self.knobs.max_replicas for c in b.active):
-            # a worker with no measured speed waits until it registers again with one
-            measured = (wid for wid in self.standby if self.workers[wid].throughput)
-            for wid in list(itertools.islice(measured, m)):
+            for wid in list(itertools.islice(self.standby, m)):
                 w = self.workers[wid]
                 self.changes.ops += 1
                 cid = b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)

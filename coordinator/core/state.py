@@ -322,7 +322,7 @@ class CoordinatorState:
         return True
 
     def counts(self) -> dict[str, int]:
-        """Active, standby and per-state worker counts (for metrics)."""
+        """Active, standby (measured, waiting for a cell) and per-state worker counts."""
         out = Counter(w.state.value for w in self.roster.workers.values())
         return {"standby": len(self.roster.standby), **out}
 
@@ -400,7 +400,7 @@ class CoordinatorState:
             if cid:
                 st._cell_or_value_error(cid)
                 st.roster.assign(w, cid, now_ms, restoring=True)
-            else:
+            elif w.throughput:  # (one still measuring registers again)
                 st.roster.standby[w.id] = None
         for rrec in rounds:
             if rrec.state.terminal:
@@ -476,15 +476,17 @@ class CoordinatorState:
         # a worker that claims no speed at all has not measured yet (the agent's first
         # Register, made to learn the spec): placed, it would hold a place in its cell's next
         # round while it measures, and the round would wait for it until its lease ran out.
-        # It waits on standby until it registers again with its speeds.
-        cid = self.roster.place(w) if w.throughput else ""
-        if not w.throughput:
-            # it sends nothing while it measures: a lease that outlasts the measurement keeps
-            # it from being reported lost (status, metrics, event feed) at every first contact
+        # It waits without a cell, in no placement queue, until it registers again with its
+        # speeds; it sends nothing meanwhile, so a lease that outlasts the measurement keeps
+        # it from being reported lost (status, metrics, event feed) at every first contact.
+        cid = ""
+        if w.throughput:
+            cid = self.roster.place(w)
+        else:
             w.lease_ms = now + max(self.roster.lease_ms, MEASURING_LEASE_MS)  # later: the heap looks again
         if cid:
             self.roster.assign(w, cid, now)
-        else:
+        elif w.throughput:
             self.roster.standby[w.id] = None
         self.changes.worker(w.id)
         # balance moves only while the newcomer's cell is untrained (free moves; see _rebalance)
