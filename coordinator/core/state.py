@@ -322,9 +322,12 @@ class CoordinatorState:
         return True
 
     def counts(self) -> dict[str, int]:
-        """Active, standby (measured, waiting for a cell) and per-state worker counts."""
-        out = Counter(w.state.value for w in self.roster.workers.values())
-        return {"standby": len(self.roster.standby), **out}
+        """Per-state worker counts, and standby: active workers without a cell (those still
+        measuring their speed included, as in the shell's tally; `roster.standby` is only the
+        placement queue)."""
+        ws = self.roster.workers.values()
+        out = Counter(w.state.value for w in ws)
+        return {"standby": sum(1 for w in ws if w.state is WorkerState.ACTIVE and not w.cell), **out}
 
     def cell_view(self, cell_id: str) -> tuple[CellRecord, RoundRecord | None, tuple[str, ...]]:
         """A cell's record, its open round's record and its assigned workers (status pages)."""
