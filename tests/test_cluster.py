@@ -152,12 +152,17 @@ async def test_member_with_another_hash_is_resynced(tmp_path: Path) -> None:
     liar.start()
     try:
         # the liar hears it either as VERDICT_RESYNC (its report came after the commit) or,
-        # having got PENDING, as ORDER_SYNC in its next instruction
-        await wait_for(
-            lambda: liar.stats.reports > 0 and len(liar.stats.sync_orders) > 0,
-            45,
-            "the liar reports and is ordered to SYNC",
-        )
+        # having got PENDING, as ORDER_SYNC in its next instruction, to a round no older than
+        # the one it reported: the sync orders of its join (the same order, to older rounds)
+        # say nothing of its lie
+        def caught() -> bool:
+            reported = [r for _c, r, _v in liar.stats.verdicts]
+            if not reported:
+                return False
+            resynced = any(v == pb.VERDICT_RESYNC for _c, _r, v in liar.stats.verdicts)
+            return resynced or any(cr >= min(reported) for _c, cr, _why in liar.stats.sync_orders)
+
+        await wait_for(caught, 45, "the liar reports and is ordered to SYNC after its report")
         print("liar verdicts", liar.stats.verdicts, "syncs", liar.stats.sync_orders)
         assert any(v == pb.VERDICT_COMMITTED for w in honest for _c, _r, v in w.stats.verdicts)
         # the liar's reputation dropped; the honest ones' did not
