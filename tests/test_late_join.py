@@ -205,3 +205,21 @@ def test_a_worker_that_claims_no_throughput_waits_on_standby_and_sets_no_pace() 
     hz.advance(int(hz.spec.schedule.lease_s * 1000) + 1)
     hz.tick()
     assert hz.st.roster.workers["p"].state is WorkerState.LOST
+
+
+def test_a_measuring_worker_that_heartbeats_holds_the_runs_lease_from_then_on() -> None:
+    """The measuring lease covers a worker that sends nothing while it measures. Any
+    message renews the run's lease instead, which ends sooner: once such a worker has sent
+    one and then falls silent, it is lost one ordinary lease later, not at the end of the
+    measuring lease."""
+    hz = Harness()
+    hz.reg("a")
+    hz.reg("p", speed=0.0)
+    lease_ms = int(hz.spec.schedule.lease_s * 1000)
+    hz.advance(2 * lease_ms)  # silent past an ordinary lease: still active, measuring
+    hz.tick()
+    assert hz.st.roster.workers["p"].state is WorkerState.ACTIVE
+    hz.hb("p")
+    hz.advance(lease_ms + 1)
+    hz.tick()
+    assert hz.st.roster.workers["p"].state is WorkerState.LOST

@@ -117,8 +117,7 @@ class Roster:
         self.changes = changes
         self.lease_ms = int(spec.schedule.lease_s * 1000)
         self.workers: dict[str, Worker] = {}
-        # active workers with no cell that a repair may place (ordered set); one that has not
-        # measured its speed yet (no throughput) is in no queue until it registers again
+        # active workers with no cell that a repair may place (ordered set; see `wait`)
         self.standby: dict[str, None] = {}
         self.active = 0
         self.leases: list[tuple[int, str]] = []  # (expiry, worker) heap, lazily deleted
@@ -143,7 +142,10 @@ class Roster:
     # ---------------------------------------------------------------- leases
 
     def renew(self, w: Worker, now: int) -> int:
+        """The run's lease from `now` (every message of an active worker renews it)."""
         w.lease_ms = now + self.lease_ms
+        if w.lease_ms < w.lease_entry:
+            self._push_lease(w)  # sooner than its heap entry: a worker that measured (below)
         return w.lease_ms
 
     def _push_lease(self, w: Worker) -> None:
@@ -170,15 +172,27 @@ class Roster:
 
     # ---------------------------------------------------------------- attach / detach
 
-    def activate(self, w: Worker, now: int) -> None:
+    def activate(self, w: Worker, now: int, *, lease_ms: int = 0) -> None:
+        """Count `w` in, with the run's lease or a longer `lease_ms`: a worker that has not
+        measured its speed yet sends nothing while it measures (seconds to minutes).
+
+        The heap holds one live entry per worker and looks again when it pops, so a lease
+        that moves later needs no new entry; one that ends sooner than the worker's entry
+        (the run's lease after a measuring one, at the next Register or message) gets its
+        own, here or in `renew`."""
         self.active += 1
         self.balance.add_reference(w.profile.samples_per_s)
         self.renew(w, now)
-        # the heap holds one live entry per worker and looks again when it pops (a renewal
-        # only moves the lease later); a lease that now ends sooner than that entry (a
-        # worker that registered while measuring and is back with its speeds) needs its own
-        if not w.lease_entry or w.lease_ms < w.lease_entry:
+        if lease_ms > self.lease_ms:
+            w.lease_ms = now + lease_ms
+        if not w.lease_entry:
             self._push_lease(w)
+
+    def wait(self, w: Worker) -> None:
+        """`w` (active, without a cell) waits for a place: in the placement queue once it has
+        measured its speed; one that has not is placed when it registers again with it."""
+        if w.throughput:
+            self.standby[w.id] = None
 
     def place(self, w: Worker) -> str:
         """A returning worker goes back to the cell whose committed state it holds (if it

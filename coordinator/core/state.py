@@ -403,8 +403,8 @@ class CoordinatorState:
             if cid:
                 st._cell_or_value_error(cid)
                 st.roster.assign(w, cid, now_ms, restoring=True)
-            elif w.throughput:  # (one still measuring registers again)
-                st.roster.standby[w.id] = None
+            else:
+                st.roster.wait(w)
         for rrec in rounds:
             if rrec.state.terminal:
                 continue
@@ -475,22 +475,18 @@ class CoordinatorState:
             w.throughput = {c: float(v) for c, v in p.samples_per_s.items() if v > 0}
         w.local = ev.local
         w.phase, w.round, w.inner_step = Phase.UNSPECIFIED, 0, 0
-        self.roster.activate(w, now)
         # a worker that claims no speed at all has not measured yet (the agent's first
         # Register, made to learn the spec): placed, it would hold a place in its cell's next
         # round while it measures, and the round would wait for it until its lease ran out.
         # It waits without a cell, in no placement queue, until it registers again with its
         # speeds; it sends nothing meanwhile, so a lease that outlasts the measurement keeps
         # it from being reported lost (status, metrics, event feed) at every first contact.
-        cid = ""
-        if w.throughput:
-            cid = self.roster.place(w)
-        else:
-            w.lease_ms = now + max(self.roster.lease_ms, MEASURING_LEASE_MS)  # later: the heap looks again
+        self.roster.activate(w, now, lease_ms=0 if w.throughput else MEASURING_LEASE_MS)
+        cid = self.roster.place(w) if w.throughput else ""
         if cid:
             self.roster.assign(w, cid, now)
-        elif w.throughput:
-            self.roster.standby[w.id] = None
+        else:
+            self.roster.wait(w)
         self.changes.worker(w.id)
         # balance moves only while the newcomer's cell is untrained (free moves; see _rebalance)
         self.roster.rebalance(now, balance=bool(cid) and self._cells[cid].committed_round == 0)
@@ -507,7 +503,7 @@ class CoordinatorState:
         if min(ev.round, ev.inner_step, ev.samples, ev.reduce_attempt, ev.round_attempt, ev.local.committed_round) < 0:
             raise InvalidEvent("round, inner_step, samples, attempts and local.committed_round must be >= 0")
         # ---- mutate (from here on nothing raises)
-        w.lease_ms = now + self.roster.lease_ms
+        self.roster.renew(w, now)
         w.phase, w.round, w.inner_step, w.loss = phase, ev.round, ev.inner_step, ev.loss
         c = self._cells.get(w.cell) if w.cell else None
         if c is not None and ev.donor_rates:
