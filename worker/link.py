@@ -17,7 +17,9 @@ heartbeat request, and hands it every instruction that comes back.
   after it. NOT_FOUND means "register again" (with our LocalState).
 - `register`: retried while the coordinator is down. The owner may ask for another
   Register right away (the first contact with a run: the profile needs the run spec the
-  coordinator sends in its answer, see `Agent.registered`).
+  coordinator sends in its answer, see `Agent.registered`). While it measures its speed
+  for that second Register, the link heartbeats IDLE, so the coordinator holds it by the
+  run's lease, not by the longer one of a worker that sends nothing meanwhile.
 - the heartbeat loop: its own task, every `heartbeat_interval`, and at once when woken (a
   phase change). While the worker waits on the coordinator (IDLE, READY, REDUCING: for a
   round to open, for the freeze, for the verdict), it holds a `WatchInstruction` long poll
@@ -257,8 +259,10 @@ class CoordinatorLink:
         """Register (retrying while the coordinator is down); False if stopped meanwhile."""
         assert self.client is not None
         attempt = 0
+        known = False  # the coordinator holds this worker (answered a Register that asked for another)
         while not self.stop.is_set():
-            profile, peer, local = await self.owner.hello()
+            hello = self.owner.hello()
+            profile, peer, local = await (self._keeping_alive(hello) if known else hello)
             try:
                 resp = await self.rpc(functools.partial(self._register_call, profile, peer, local))
             except grpc.aio.AioRpcError as e:
@@ -272,7 +276,31 @@ class CoordinatorLink:
             self.hb_interval_s = max(0.05, resp.heartbeat_interval_ms / 1000.0) if resp.heartbeat_interval_ms else 2.0
             if await self.owner.registered(resp):
                 return True
+            known = True
         return False
+
+    async def _keeping_alive(self, hello: Awaitable[tuple[pb.WorkerProfile, pb.PeerAddress, pb.LocalState]]) -> Any:
+        """Await `hello` (measuring the worker's speed: seconds to minutes) while
+        heartbeating IDLE at the coordinator's interval. The coordinator then holds the
+        worker by the run's lease instead of the longer lease of a worker that sends
+        nothing while it measures, so one that dies while measuring is lost as soon as
+        any other. Its answers are not taken: the Register that follows brings the
+        instruction, and says what is wrong if anything is."""
+        beat = asyncio.create_task(self._idle_heartbeats(), name="measuring-heartbeat")
+        try:
+            return await hello
+        finally:
+            beat.cancel()
+            await asyncio.gather(beat, return_exceptions=True)
+
+    async def _idle_heartbeats(self) -> None:
+        while True:  # the first at once: from then on the run's lease holds
+            req = pb.HeartbeatRequest(phase=pb.PHASE_IDLE, local=self.owner.heartbeat_request().local)
+            try:
+                await self.rpc(functools.partial(self._heartbeat_call, req))
+            except grpc.aio.AioRpcError as e:  # e.g. NOT_FOUND: the Register after measuring fixes it
+                log.debug("heartbeat while measuring refused: %s", e.code().name)
+            await asyncio.sleep(self.hb_interval_s)
 
     def _current(self) -> CoordinatorClient:
         assert self.client is not None

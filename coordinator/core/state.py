@@ -123,7 +123,9 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-# the lease of a worker that registered without its speeds (measuring them: seconds to minutes)
+# the lease of a worker that registered without its speeds (measuring them: seconds to
+# minutes) until its first message; this project's worker heartbeats while it measures, and
+# its first heartbeat brings it back to the run's lease (`Roster.renew`)
 MEASURING_LEASE_MS = 300_000
 UNMEASURED_REASON = "standby: this worker has not measured its speed yet; it registers again with it"
 MAX_PEER_RATES = 256  # entries in one report's peer_rates (an exchange has at most this many peers)
