@@ -19,6 +19,7 @@ import contextlib
 import functools
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from bagel.protocol.joinstring import make_join_string, parse_join_string
 from bagel.protocol.shutdown import descendants, exit_code_for
 from bagel.worker.agent import stop_bound_s as worker_bound_s
 
-from daemonproc import ForkLauncher, free_port
+from daemonproc import ForkLauncher
 from simworkers import cluster_spec_text, fake_peer_id
 
 GRACE_S = 2.0
@@ -114,6 +115,13 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
     coord_cases = [case(case_name(*c), serve(case_name(*c)), c[3] == 2) for c in CASES if c[0] == "coordinator"]
     coord_cases.append(case("host", serve("host"), False))
+    # The waiting worker's bootstrap peer: a port bound for the whole matrix and never
+    # listening, so a dial to it is refused at once. A port only found free could be handed
+    # to another test's listener meanwhile, which accepts the dial and never answers
+    # libp2p's handshake: every try then ends on the DHT start's 60 s timeout instead (seen
+    # in a fresh-clone run: four tries in a row, none naming the coordinator).
+    dead_port = socket.socket()
+    dead_port.bind(("127.0.0.1", 0))
     t0 = time.monotonic()
     coords = ForkLauncher.start("coordinator", coord_cases, HOLD_S)
     workers: ForkLauncher | None = None
@@ -134,7 +142,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             argv += ["--dht-listen", "/ip4/127.0.0.1/tcp/0", "--device", "cpu"]
             worker_cases.append(case(name, argv, c[3] == 2))
         # and one whose coordinator is down: nothing listens at its bootstrap peer
-        dead = [f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{fake_peer_id('dead')}"]
+        dead = [f"/ip4/127.0.0.1/tcp/{dead_port.getsockname()[1]}/p2p/{fake_peer_id('dead')}"]
         down = make_join_string("sigrun", Identity.generate().public_key, dead, "")
         argv = ["join", down, "--data-dir", str(root / "waiting.data"), "--dht-listen", "/ip4/127.0.0.1/tcp/0"]
         worker_cases.append(case("waiting", [*argv, "--device", "cpu"], False))
@@ -206,6 +214,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         coords.close()
         if workers is not None:
             workers.close()
+        dead_port.close()
 
 
 @pytest.mark.slow
