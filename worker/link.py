@@ -70,10 +70,13 @@ REDIAL_AFTER_S = 8.0  # a new connection to the same endpoint after this long wi
 TLS_REFUSALS_BEFORE_GIVING_UP = 5  # answers of a server that is not the pinned one before giving up
 
 
+_Hello = tuple[pb.WorkerProfile, pb.PeerAddress, pb.LocalState]  # what a Register carries (`LinkOwner.hello`)
+
+
 class LinkOwner(Protocol):
     """What the link needs from the worker it serves."""
 
-    async def hello(self) -> tuple[pb.WorkerProfile, pb.PeerAddress, pb.LocalState]:
+    async def hello(self) -> _Hello:
         """The profile, peer address and LocalState a Register carries now."""
         ...
 
@@ -279,7 +282,7 @@ class CoordinatorLink:
             known = True
         return False
 
-    async def _keeping_alive(self, hello: Awaitable[tuple[pb.WorkerProfile, pb.PeerAddress, pb.LocalState]]) -> Any:
+    async def _keeping_alive(self, hello: Awaitable[_Hello]) -> _Hello:
         """Await `hello` (measuring the worker's speed: seconds to minutes) while
         heartbeating IDLE at the coordinator's interval. The coordinator then holds the
         worker by the run's lease instead of the longer lease of a worker that sends

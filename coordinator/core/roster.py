@@ -174,7 +174,7 @@ class Roster:
 
     def activate(self, w: Worker, now: int, *, lease_ms: int = 0) -> None:
         """Count `w` in, with the run's lease or a longer `lease_ms`: a worker that has not
-        measured its speed yet sends nothing while it measures (seconds to minutes).
+        measured its speed yet may send nothing while it measures (seconds to minutes).
 
         The heap holds one live entry per worker and looks again when it pops, so a lease
         that moves later needs no new entry; one that ends sooner than the worker's entry

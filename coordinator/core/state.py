@@ -481,8 +481,10 @@ class CoordinatorState:
         # Register, made to learn the spec): placed, it would hold a place in its cell's next
         # round while it measures, and the round would wait for it until its lease ran out.
         # It waits without a cell, in no placement queue, until it registers again with its
-        # speeds; it sends nothing meanwhile, so a lease that outlasts the measurement keeps
-        # it from being reported lost (status, metrics, event feed) at every first contact.
+        # speeds. Until its first message it holds a lease that outlasts the measurement, so
+        # a worker that sends nothing while it measures is not reported lost (status,
+        # metrics, event feed) at every first contact; this project's worker heartbeats
+        # meanwhile, and its first heartbeat brings it to the run's lease.
         self.roster.activate(w, now, lease_ms=0 if w.throughput else MEASURING_LEASE_MS)
         cid = self.roster.place(w) if w.throughput else ""
         if cid:
