@@ -4,9 +4,13 @@ The pure core takes `CellConfig(cell_id, memory_bytes, target_share, payload_byt
 module derives them from the run spec:
 
 - **memory_bytes**: `bagel.models.experts.cell_memory_bytes` (closed form: parameters x the
-  float32 copies a training cell keeps, plus activations) at the spec's
-  `diloco.max_micro_batch`. The largest micro-batch the scheduler may hand out is the
-  conservative choice: a cell that "fits" must fit whatever batch shape the member gets.
+  float32 copies a training cell keeps, plus activations) at a micro-batch of one sample,
+  the least a member can be given: a cell fits a card that holds that.
+- **sample_bytes**: the activations of one more sample (`activation_bytes` is linear in the
+  micro-batch), so the planner gives each member the largest micro-batch its own memory
+  holds, up to `diloco.max_micro_batch` (`scheduler.micro_batch_cap`): a 24 GiB card
+  trains a large expert at a small micro-batch with more accumulation, an 80 GiB one at
+  the run's largest, for the same per-step batch.
 - **payload_bytes**: the encoded size of one pseudo-gradient (parameter count through the
   run's codec's exact `encoded_nbytes`), for the communication-time estimate.
 - **target_share**: proportional to cluster size x timestep-range mass. Ranges are
@@ -56,7 +60,7 @@ def _param_count(spec: RunSpec, cell_id: str) -> int:
 def cell_configs(spec: RunSpec, *, sizes: Sequence[int] | None = None, fallback: bool = True) -> list[CellConfig]:
     """CellConfigs of every cell of the run (see the module docstring)."""
     from bagel.compression import get_codec
-    from bagel.models.experts import cell_memory_bytes
+    from bagel.models.experts import activation_bytes, cell_config, cell_memory_bytes
 
     if sizes is None:
         try:
@@ -70,9 +74,18 @@ def cell_configs(spec: RunSpec, *, sizes: Sequence[int] | None = None, fallback:
     codec = get_codec(spec.diloco.codec)
     out = []
     for cell in spec.cell_ids:
-        memory = cell_memory_bytes(spec, cell, spec.diloco.max_micro_batch)
+        memory = cell_memory_bytes(spec, cell, 1)
+        sample = activation_bytes(cell_config(spec, cell), 1)
         payload = codec.encoded_nbytes(_param_count(spec, cell))
-        out.append(CellConfig(cell_id=cell, memory_bytes=memory, target_share=targets[cell], payload_bytes=payload))
+        out.append(
+            CellConfig(
+                cell_id=cell,
+                memory_bytes=memory,
+                target_share=targets[cell],
+                payload_bytes=payload,
+                sample_bytes=sample,
+            )
+        )
     return out
 
 
@@ -83,6 +96,7 @@ def configs_to_json(configs: Sequence[CellConfig]) -> list[dict[str, object]]:
             "memory_bytes": c.memory_bytes,
             "target_share": c.target_share,
             "payload_bytes": c.payload_bytes,
+            "sample_bytes": c.sample_bytes,
         }
         for c in configs
     ]
@@ -98,6 +112,8 @@ def configs_from_json(spec: RunSpec, data: object) -> list[CellConfig]:
             memory_bytes=int(d["memory_bytes"]),
             target_share=float(d["target_share"]),
             payload_bytes=int(d["payload_bytes"]),
+            # absent from configs stored before it: their memory_bytes is at the run's largest micro-batch
+            sample_bytes=int(d.get("sample_bytes", 0)),
         )
         for d in data
         if isinstance(d, Mapping)

@@ -12,7 +12,7 @@ import pytest
 
 from bagel.coordinator.core.events import Leave
 from bagel.coordinator.core.policy import BAGEL, DILOCO_WAIT_ALL, SYNC_DP, Policy, get_policy
-from bagel.coordinator.core.records import RoundState, WorkerState
+from bagel.coordinator.core.records import CellConfig, RoundState, WorkerState
 from bagel.coordinator.core.scheduler import (
     Balance,
     Knobs,
@@ -22,6 +22,8 @@ from bagel.coordinator.core.scheduler import (
     batch_shape,
     compute_shares,
     fits,
+    micro_batch_cap,
+    plan_late_member,
     plan_round,
     predict_comm_ms,
     reputation_weight,
@@ -426,3 +428,62 @@ def test_with_overlap_a_newcomer_gets_the_share_of_time_the_head_started_members
     capped = split([3.0, 3.0, 0.0])
     assert capped["m2"] / capped["m0"] == pytest.approx(1 - MAX_HEAD_START, abs=0.02)
     assert split([0.0, 0.0, 0.0]) == split([0.7, 0.7, 0.7])  # the same share for all: no change
+
+
+def test_micro_batch_cap_is_the_largest_micro_batch_the_memory_holds() -> None:
+    # 10 GB with one sample, 1 GB per further sample, a 24 GB card less 20%: 19.2 GB usable
+    cap = micro_batch_cap(24 * GB, 10 * GB, GB, 0.2, 64)
+    assert cap == 10
+    assert 10 * GB + (cap - 1) * GB <= 24 * GB * 0.8 < 10 * GB + cap * GB
+    assert micro_batch_cap(80 * GB, 10 * GB, GB, 0.2, 32) == 32  # the run's largest bounds it
+    assert micro_batch_cap(int(12.5 * GB), 10 * GB, GB, 0.2, 32) == 1  # fits with one sample only
+    assert micro_batch_cap(24 * GB, 10 * GB, 0, 0.2, 32) == 32  # sized at the largest already
+    # the cap agrees with `fits` on what one more sample would need
+    for vram_gb in range(13, 60):
+        c = micro_batch_cap(vram_gb * GB, 10 * GB, GB, 0.2, 64)
+        assert fits(vram_gb * GB, 10 * GB + (c - 1) * GB, 0.2)
+        assert c == 64 or not fits(vram_gb * GB, 10 * GB + c * GB, 0.2)
+
+
+def test_a_member_is_planned_at_the_micro_batch_its_memory_holds_for_the_same_batch() -> None:
+    from bagel.protocol.messages import PeerAddress
+
+    spec = make_spec(group_batch=600, max_micro_batch=32)
+    capped = [PlanMember(f"m{i}", PeerAddress(f"p{i}"), 100.0, 50e6, 0.0, cap) for i, cap in enumerate([4, 0, 64])]
+    free = [PlanMember(f"m{i}", PeerAddress(f"p{i}"), 100.0, 50e6) for i in range(3)]
+    p, q = plan_round(capped, spec, T0, BAGEL, 1), plan_round(free, spec, T0, BAGEL, 1)
+    got = {m.worker_id: m for m in p.members}
+    assert got["m0"].micro_batch <= 4 and got["m1"].micro_batch <= 32 and got["m2"].micro_batch <= 32
+    # the same step batch split: each is rounded up to whole micro-batches, so the budgets
+    # differ by less than one micro-batch per inner step
+    for a, b in zip(p.members, q.members, strict=True):
+        assert abs(a.max_samples - b.max_samples) < max(a.micro_batch, b.micro_batch) * p.inner_steps
+    assert got["m1"] == next(m for m in q.members if m.worker_id == "m1")
+    late = plan_late_member(100.0, [100.0], 10, 60_000, 60_000, "x", PeerAddress("px"), spec, BAGEL, 2)
+    assert late is not None and late.micro_batch <= 2 and late.micro_batch * late.grad_accum > 2
+
+
+def test_a_card_that_holds_the_cell_at_a_small_micro_batch_trains_it_there() -> None:
+    """A DiT-XL/2-sized expert (18.4 GB with one sample, 0.78 GB per further sample): a 24 GB
+    card fits it at a small micro-batch and is planned at that, an 80 GB card at the run's
+    largest. Sized at the largest micro-batch instead (no sample_bytes: 42.5 GB), the
+    24 GB card is given no cell."""
+    spec = make_spec(group_batch=512, max_micro_batch=32)
+    per_sample = int(0.78 * GB)
+    cell = spec.cell_ids[0]
+    cells = [CellConfig(cell, int(18.4 * GB), 1.0, payload_bytes=25_000_000, sample_bytes=per_sample)]
+    hz = Harness(spec, cells=cells)
+    hz.reg("a", vram_gb=24)
+    hz.reg("b", vram_gb=80)
+    hz.hb("a")
+    r = hz.round()
+    assert r is not None and [m.worker_id for m in r.members] == ["a", "b"]
+    plans = {m.worker_id: m for m in r.members}
+    small = micro_batch_cap(24 * GB, int(18.4 * GB), per_sample, 0.2, 32)
+    assert 1 <= small < 32 and plans["a"].micro_batch <= small and plans["b"].micro_batch > small
+    used = int(18.4 * GB) + (plans["a"].micro_batch - 1) * per_sample
+    assert fits(24 * GB, used, 0.2)
+    assert plans["a"].micro_batch * plans["a"].grad_accum >= 256 - 1  # its half of the step batch
+    whole = [CellConfig(cell, int(18.4 * GB) + 31 * per_sample, 1.0, payload_bytes=25_000_000)]
+    hz2 = Harness(spec, cells=whole)
+    assert hz2.reg("a", vram_gb=24).instruction.cell_id == ""

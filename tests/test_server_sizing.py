@@ -37,8 +37,13 @@ def test_cell_configs_of_the_example_run() -> None:
     configs = sizing.cell_configs(spec)
     assert [c.cell_id for c in configs] == list(spec.cell_ids)
     by = {c.cell_id: c for c in configs}
-    # memory is the models' closed form at the largest micro-batch the plan may give
-    assert by["k0.r0"].memory_bytes == cell_memory_bytes(spec, "k0.r0", spec.diloco.max_micro_batch)
+    # memory is the models' closed form at one sample, and each further sample adds
+    # sample_bytes: at the largest micro-batch the plan may give, the closed form again
+    mb = spec.diloco.max_micro_batch
+    assert mb > 1
+    assert by["k0.r0"].memory_bytes == cell_memory_bytes(spec, "k0.r0", 1)
+    assert by["k0.r0"].sample_bytes > 0
+    assert by["k0.r0"].memory_bytes + (mb - 1) * by["k0.r0"].sample_bytes == cell_memory_bytes(spec, "k0.r0", mb)
     assert by["router"].memory_bytes < by["k0.r0"].memory_bytes
     assert all(c.payload_bytes > 0 for c in configs)
     # the digits clusters are not equal in size, and the targets follow the manifest
@@ -46,6 +51,9 @@ def test_cell_configs_of_the_example_run() -> None:
     assert sum(sizes) > 0 and by["k0.r0"].target_share / by["k1.r0"].target_share == pytest.approx(sizes[0] / sizes[1])
     # stored and loaded back unchanged; another spec's cells are refused
     assert sizing.configs_from_json(spec, sizing.configs_to_json(configs)) == configs
+    # configs stored before sample_bytes existed load as sized at the largest micro-batch (0)
+    old = [{k: v for k, v in d.items() if k != "sample_bytes"} for d in sizing.configs_to_json(configs)]
+    assert all(c.sample_bytes == 0 for c in sizing.configs_from_json(spec, old))
     other = parse_spec(cluster_spec_text().replace("clusters = 2", "clusters = 3"))
     with pytest.raises(ValueError):
         sizing.configs_from_json(other, sizing.configs_to_json(configs))

@@ -200,12 +200,19 @@ class Snapshot:
 class CellConfig:
     """What the shell computes per cell, once, from the spec and the models.
 
-    memory_bytes: params + grads + optimizer + outer state + one micro-batch (VRAM fit);
+    memory_bytes: params + grads + optimizer + outer state + a micro-batch of `sample_bytes`
+    > 0 ? one sample : the largest the run allows (what must fit the VRAM);
     target_share: the cell's share of total compute (normalised by the core);
-    payload_bytes: bytes of one encoded pseudo-gradient (for the communication estimate).
+    payload_bytes: bytes of one encoded pseudo-gradient (for the communication estimate);
+    sample_bytes: activation memory per sample of a micro-batch. With it, each member's
+    micro-batch is as large as its own memory allows (`scheduler.micro_batch_cap`), so a
+    card that fits the cell at a small micro-batch trains it with more accumulation; 0
+    (configs stored before it existed, the simulator's) sizes every member at the run's
+    `diloco.max_micro_batch`.
     """
 
     cell_id: str
     memory_bytes: int
     target_share: float = 1.0
     payload_bytes: int = 0  # 0 = unknown: memory_bytes // 16 is used
+    sample_bytes: int = 0

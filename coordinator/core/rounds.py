@@ -69,6 +69,7 @@ from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
 from bagel.coordinator.core.roster import CellSpeeds, Roster
 from bagel.coordinator.core.scheduler import (
     PlanMember,
+    micro_batch_cap,
     part_weights,
     plan_late_member,
     plan_round,
@@ -205,7 +206,16 @@ class Rounds:
         for wid in ids:
             w = self.roster.workers[wid]
             bw = w.profile.link_bandwidth_bytes_per_s
-            members.append(PlanMember(wid, w.peer, speeds[wid], bw, head if wid in ahead else 0.0))
+            members.append(
+                PlanMember(
+                    wid,
+                    w.peer,
+                    speeds[wid],
+                    bw,
+                    head if wid in ahead else 0.0,
+                    self._micro_cap(c, w.profile.vram_bytes),
+                )
+            )
         payload = c.config.payload_bytes or c.config.memory_bytes // 16
         plan = plan_round(members, self.spec, now, self.policy, payload)
         c.round_attempt += 1
@@ -228,6 +238,17 @@ class Rounds:
         self.push_deadline(r.deadline_ms, r, TRAIN_DEADLINE)
         self.changes.round(r)
         self.changes.cell(c.id)
+
+    def _micro_cap(self, c: Cell, vram_bytes: int) -> int:
+        """The largest micro-batch a worker with `vram_bytes` is planned with in c."""
+        cfg = c.config
+        return micro_batch_cap(
+            vram_bytes,
+            cfg.memory_bytes,
+            cfg.sample_bytes,
+            self.roster.knobs.vram_headroom,
+            self.spec.diloco.max_micro_batch,
+        )
 
     def _members_ready_by(self, c: Cell, r: Round) -> int:
         """When the round's members still training are expected ready: the round's own
@@ -277,6 +298,7 @@ class Rounds:
             w.peer,
             self.spec,
             self.policy,
+            self._micro_cap(c, w.profile.vram_bytes),
         )
         if plan is None:
             return False

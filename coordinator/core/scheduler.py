@@ -4,8 +4,9 @@ Pure code (no I/O, no clock, no randomness), used unchanged by the daemon, throu
 `CoordinatorState`, and by the simulator. What it decides:
 
 - **Fit.** A worker may train a cell only if the cell's memory (params, grads, optimizer,
-  outer state and one micro-batch; computed by the shell) fits its VRAM with
-  `schedule.vram_headroom` to spare.
+  outer state and the smallest micro-batch; computed by the shell) fits its VRAM with
+  `schedule.vram_headroom` to spare; each member's micro-batch is then the largest its
+  memory holds (`micro_batch_cap`), up to `diloco.max_micro_batch`.
 - **Balance.** Each cell has a target share of total compute. A worker's compute in cell c
   is its throughput there divided by the cell's reference throughput (the mean over known
   workers), so a 4090 counts the same on a big expert and on the small router; it is
@@ -151,6 +152,20 @@ def part_weights(
 def fits(vram_bytes: int, memory_bytes: int, headroom: float) -> bool:
     """A cell fits a worker when its memory needs at most (1 - headroom) of the VRAM."""
     return memory_bytes <= vram_bytes * (1.0 - headroom)
+
+
+def micro_batch_cap(
+    vram_bytes: int, memory_bytes: int, sample_bytes: int, headroom: float, max_micro_batch: int
+) -> int:
+    """The largest micro-batch a worker's memory holds in a cell it fits: `memory_bytes`
+    holds one sample's activations, each further sample adds `sample_bytes`, and the whole
+    stays within (1 - headroom) of the VRAM, as `fits` asks; at most `max_micro_batch`, at
+    least 1. With `sample_bytes` 0 (the cell's memory was sized at `max_micro_batch`)
+    it is `max_micro_batch`. The per-step batch is unchanged: the rest is accumulated."""
+    if sample_bytes <= 0:
+        return max_micro_batch
+    room = vram_bytes * (1.0 - headroom) - memory_bytes
+    return max(1, min(max_micro_batch, 1 + int(room // sample_bytes)))
 
 
 def throughput_for(throughput: Mapping[str, float], cell_id: str) -> float:
@@ -907,6 +922,8 @@ class PlanMember:
     # with overlap: the share of this round the member is expected to have trained already,
     # ahead, during the last exchange (0 for a member that took no part in it)
     head_start: float = 0.0
+    # the largest micro-batch its memory holds in this cell (`micro_batch_cap`); 0: the run's
+    max_micro_batch: int = 0
 
 
 MAX_HEAD_START = 0.9
@@ -990,7 +1007,8 @@ def plan_round(
     The group's per-step batch (`diloco.group_batch`) is split in proportion to throughput
     (each member's clamped by `plausible_speeds` first)
     (or equally under `batch_split="equal"`); each member's step batch becomes
-    micro_batch x grad_accum with micro_batch <= `diloco.max_micro_batch`. Its sample budget
+    micro_batch x grad_accum with micro_batch <= the member's `max_micro_batch` (the
+    largest its memory holds) and <= `diloco.max_micro_batch`. Its sample budget
     (`max_samples`) is that times H. Deadline = now + max(min_round_s, predicted compute
     (the slowest member) x slack + predicted communication).
 
@@ -1016,7 +1034,9 @@ def plan_round(
     plans: list[MemberPlan] = []
     compute_s = ready_s = 0.0
     for m, b, s, f in zip(ms, batches, speeds, left, strict=True):
-        micro, accum = batch_shape(b, spec.diloco.max_micro_batch)
+        micro, accum = batch_shape(
+            b, min(m.max_micro_batch or spec.diloco.max_micro_batch, spec.diloco.max_micro_batch)
+        )
         samples = micro * accum * h
         plans.append(MemberPlan(m.worker_id, m.peer, micro, accum, samples))
         compute_s = max(compute_s, samples / s)
@@ -1042,6 +1062,7 @@ def plan_late_member(
     peer: PeerAddress,
     spec: RunSpec,
     policy: Policy,
+    max_micro_batch: int = 0,
 ) -> MemberPlan | None:
     """The plan of a worker that came to hold a round's base state while the round trains
     (`Rounds.admit_late`): the same H inner steps with a per-step batch sized to what it
@@ -1049,7 +1070,8 @@ def plan_late_member(
     of it, its speed clamped as the members' are), so it contributes a sample-weighted
     partial round instead of idling until the next one. None when it does not pay: late
     join off (`Policy.late_join`), less than `late_join_min_share` of the round's
-    `round_ms` left, or less than one sample per inner step."""
+    `round_ms` left, or less than one sample per inner step. Its micro-batch is at most
+    `max_micro_batch` (its memory's, `micro_batch_cap`; 0: the run's)."""
     if not policy.late_join or policy.batch_split != "proportional" or left_ms <= 0 or round_ms <= 0:
         return None
     if left_ms < policy.late_join_min_share * round_ms:
@@ -1063,5 +1085,5 @@ def plan_late_member(
     batch = int(clamped * left_ms / 1000.0 * LATE_JOIN_MARGIN / inner_steps)
     if batch < 1:
         return None
-    micro, accum = batch_shape(batch, spec.diloco.max_micro_batch)
+    micro, accum = batch_shape(batch, min(max_micro_batch or spec.diloco.max_micro_batch, spec.diloco.max_micro_batch))
     return MemberPlan(worker_id, peer, micro, accum, micro * accum * inner_steps)
