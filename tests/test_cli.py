@@ -172,6 +172,19 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
         text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
         assert 'bagel_rpc_latency_seconds_count{method="Register"} 1.0' in text
 
+        # a worker whose memory holds none of the run's cells says so in one line (exit 2)
+        # once the spec tells it what the cells need, instead of running out of memory measuring
+        small = subprocess.run(
+            [sys.executable, "-m", "bagel.worker", "join", join, "--data-dir", str(tmp_path / "small")]
+            + ["--dht-listen", "/ip4/127.0.0.1/tcp/0", "--max-vram-gb", "0.001", "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert small.returncode == 2, small.stderr
+        assert len(small.stderr.strip().splitlines()) == 1 and "Traceback" not in small.stderr, small.stderr
+        assert "holds none of the run's cells" in small.stderr and "--max-vram-gb" in small.stderr, small.stderr
+
         # a second daemon on the same data dir is refused
         second = run_cli(
             "serve", "--run", str(spec_path), "--data-dir", str(data), "--listen", "127.0.0.1:0", "--no-dht"

@@ -21,8 +21,6 @@ from bagel.coordinator.core.scheduler import (
     assign,
     batch_shape,
     compute_shares,
-    fits,
-    micro_batch_cap,
     plan_late_member,
     plan_round,
     predict_comm_ms,
@@ -30,6 +28,7 @@ from bagel.coordinator.core.scheduler import (
     split_batch,
     throughput_for,
 )
+from bagel.protocol.cellmemory import fits, micro_batch_cap
 from bagel.protocol.messages import Order
 
 from test_state_harness import GB, T0, Harness, h, make_cells, make_spec

@@ -19,7 +19,14 @@ from bagel.worker import cli
 from bagel.worker.diloco import CellState
 from bagel.worker.display import Display, human_bytes
 from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore
-from bagel.worker.profile import benchmark_cell, cached_profile, measure, memory_bytes
+from bagel.worker.profile import (
+    BENCH_MICRO_BATCH,
+    bench_micro_batches,
+    benchmark_cell,
+    cached_profile,
+    measure,
+    memory_bytes,
+)
 from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, claimed, corrupt, fresh_feedback
 
 
@@ -229,6 +236,57 @@ class _Tiny:
 
     def loss(self, model, x, y, generator):
         return ((model(x) - y) ** 2).mean()
+
+
+class _Sized(_Tiny):
+    """A task that records the micro-batch each training step sees."""
+
+    def __init__(self, seen: list[int]) -> None:
+        self.seen = seen
+
+    def loss(self, model, x, y, generator):
+        self.seen.append(int(x.shape[0]))
+        return super().loss(model, x, y, generator)
+
+
+def test_each_cell_is_measured_at_the_micro_batch_the_coordinator_plans_and_one_that_does_not_fit_is_not():
+    seen: dict[str, list[int]] = {"big": [], "small": [], "none": []}
+    mbs = {"big": 2, "small": 8, "none": 0}
+    prof = measure("me", torch.device("cpu"), [(c, lambda c=c: _Sized(seen[c])) for c in mbs], micro_batches=mbs)
+    assert set(prof.samples_per_s) == {"big", "small"} and all(v > 0 for v in prof.samples_per_s.values())
+    assert seen["big"] and set(seen["big"]) == {2}
+    assert seen["small"] and set(seen["small"]) == {8}
+    assert seen["none"] == []  # never built, never stepped
+
+
+def test_bench_micro_batches_follow_the_coordinators_rule_on_a_dit_xl_run():
+    """A DiT-XL/2 expert needs 19.7 GB with one sample and 0.83 GB for each further one: a
+    24 GiB card measures it at the micro-batch the coordinator plans it at (2), a 16 GiB
+    card not at all, an 80 GiB card at BENCH_MICRO_BATCH; the small router fits them all."""
+    from bagel.coordinator import sizing
+    from bagel.protocol.cellmemory import fits, micro_batch_cap
+    from bagel.protocol.runspec import parse_spec
+
+    spec = parse_spec(
+        '[run]\nid = "xl"\n[model]\narch = "dit"\npreset = "XL/2"\nimage_size = 32\nchannels = 3\n'
+        "num_classes = 10\n[data]\nclusters = 2\n[cells]\ntimestep_ranges = 1\nrouter = true\n"
+        "[diloco]\nmax_micro_batch = 32\n"
+    )
+    gib = 1 << 30
+    assert bench_micro_batches(spec, 24 * gib) == {"k0.r0": 2, "k1.r0": 2, "router": BENCH_MICRO_BATCH}
+    assert bench_micro_batches(spec, 16 * gib) == {"k0.r0": 0, "k1.r0": 0, "router": BENCH_MICRO_BATCH}
+    assert bench_micro_batches(spec, 80 * gib)["k0.r0"] == min(32, BENCH_MICRO_BATCH)
+    # the coordinator's sizing of the same run agrees: the cells it gives a card, at the same micro-batch
+    configs = sizing.cell_configs(spec, sizes=[1, 1])
+    h = spec.schedule.vram_headroom
+    for vram in (16 * gib, 24 * gib, 40 * gib, 80 * gib):
+        mine = bench_micro_batches(spec, vram)
+        for c in configs:
+            if not fits(vram, c.memory_bytes, h):
+                assert mine[c.cell_id] == 0
+            else:
+                planned = micro_batch_cap(vram, c.memory_bytes, c.sample_bytes, h, spec.diloco.max_micro_batch)
+                assert mine[c.cell_id] == min(BENCH_MICRO_BATCH, planned) > 0
 
 
 def test_profile_measures_throughput_and_caps_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

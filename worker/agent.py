@@ -59,6 +59,7 @@ import grpc
 
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.client import SpecMismatch
+from bagel.protocol.clierrors import UsageError
 from bagel.protocol.convert import instruction_from_pb
 from bagel.protocol.discovery import (
     BootstrapUnreachable,
@@ -84,7 +85,14 @@ from bagel.worker.link import CoordinatorLink
 from bagel.worker.localstate import LocalStore, atomic_write
 from bagel.worker.metrics import WorkerMetrics
 from bagel.worker.orders import Orders
-from bagel.worker.profile import DEFAULT_UPLINK_MBPS, MeasuredProfile, cached_profile, measure
+from bagel.worker.profile import (
+    DEFAULT_UPLINK_MBPS,
+    MeasuredProfile,
+    bench_micro_batches,
+    cached_profile,
+    measure,
+    memory_bytes,
+)
 from bagel.worker.roundwork import BAD_REDUCER_SCALE, LIAR_SAMPLES_PER_S, ddp_follower
 from bagel.worker.stopping import StopBudget, in_daemon_thread
 from bagel.worker.trainer import pick_device
@@ -625,7 +633,7 @@ class Agent:
     def _profile_pb(self) -> pb.WorkerProfile:
         p = self.profile
         if p is None:  # before the spec is known: everything but the per-cell throughput
-            from bagel.worker.profile import device_name, memory_bytes
+            from bagel.worker.profile import device_name
 
             return pb.WorkerProfile(
                 name=self.name,
@@ -677,6 +685,10 @@ class Agent:
         }
         self.profile = cached_profile(cache, key, self.name)
         if self.profile is None:
+            vram = memory_bytes(self.device, self.cfg.max_vram_gb)
+            micro_batches = bench_micro_batches(spec, vram)
+            if not any(micro_batches.values()):
+                raise UsageError(self._holds_no_cell(spec, vram))
             self.display.update(phase="profiling")
             tasks: list[tuple[str, Any]]
             if self.datafetch is not None:  # no data yet: time the step on zeros of the right shape
@@ -695,6 +707,7 @@ class Agent:
                 num_devices=self.ctx.world_size,
                 uplink_mbps=self.cfg.uplink_mbps,
                 same_model={c: cell_config(spec, c) for c in spec.cell_ids},
+                micro_batches=micro_batches,
             )
             body = {"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(self.profile)}
             await asyncio.to_thread(atomic_write, cache, json.dumps(body).encode())
@@ -704,6 +717,23 @@ class Agent:
             device=self.profile.device_name,
             vram_gb=round(self.profile.vram_bytes / 2**30, 1),
             samples_per_s=sps,
+        )
+
+    def _holds_no_cell(self, spec: RunSpec, vram_bytes: int) -> str:
+        from bagel.models.experts import cell_memory_bytes
+
+        need = min(cell_memory_bytes(spec, c, 1) for c in spec.cell_ids)
+        what = "free RAM" if self.device.type == "cpu" else "memory"
+        capped = ", capped by --max-vram-gb" if self.cfg.max_vram_gb is not None else ""
+
+        def size(n: int) -> str:
+            return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+        return (
+            f"this {self.device.type} worker's {what} ({size(vram_bytes)}{capped}) holds none of the "
+            f"run's cells: the smallest needs {size(need)} with a micro-batch of one, and the run keeps "
+            f"{spec.schedule.vram_headroom:.0%} of a worker's memory free (schedule.vram_headroom); join with a "
+            "device that has more"
         )
 
     def _prefetch_data(self, spec: RunSpec) -> None:

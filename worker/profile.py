@@ -9,7 +9,12 @@ memory, so these numbers come from a measurement, not a guess:
 - samples/s per cell: a short benchmark of the real inner step (`InnerTrainer`, same loss,
   same autocast, the `--throttle` sleep included) on a few micro-batches, after one warmup
   step; a worker with N ranks reports N x its rank-0 figure; cells of one model config
-  (all the experts of a run) share one measurement;
+  (all the experts of a run) share one measurement. The micro-batch is the one the
+  coordinator will plan this worker at (`bench_micro_batches`: what its memory holds, by
+  the coordinator's own rule in `bagel.protocol.cellmemory`, at most `BENCH_MICRO_BATCH`),
+  so a card that holds a large expert only at a small micro-batch does not run out of
+  memory measuring it; a cell its memory does not hold is not measured (the coordinator
+  gives it no such cell);
 - uplink bandwidth: measuring a real uplink needs a peer on the far side, and on loopback
   it would say gigabytes per second, which is no estimate of anything. We report
   `--uplink-mbps` (default 100 Mbit/s, a conservative figure for a home fibre/cable
@@ -26,11 +31,15 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bagel.protocol.cellmemory import fits, micro_batch_cap
 from bagel.worker.trainer import CellTaskLike, InnerPlan, InnerTrainer, RoundKey
+
+if TYPE_CHECKING:
+    from bagel.protocol.runspec import RunSpec
 
 DEFAULT_UPLINK_MBPS = 100.0
 BENCH_MICRO_BATCH = 32
@@ -116,6 +125,25 @@ def benchmark_cell(
     return res.samples / max(elapsed, 1e-9)
 
 
+def bench_micro_batches(spec: RunSpec, vram_bytes: int) -> dict[str, int]:
+    """{cell: the micro-batch to measure it at}: the largest the coordinator plans a worker
+    with `vram_bytes` at (`micro_batch_cap` over the cell's memory with one sample and each
+    further sample's activations, as `coordinator/sizing.py` sizes them), at most
+    `BENCH_MICRO_BATCH`; 0 for a cell that does not fit this memory at all."""
+    from bagel.models.experts import activation_bytes, cell_config, cell_memory_bytes
+
+    h, top = spec.schedule.vram_headroom, spec.diloco.max_micro_batch
+    out = {}
+    for c in spec.cell_ids:
+        one = cell_memory_bytes(spec, c, 1)
+        if not fits(vram_bytes, one, h):
+            out[c] = 0
+            continue
+        cap = micro_batch_cap(vram_bytes, one, activation_bytes(cell_config(spec, c), 1), h, top)
+        out[c] = min(BENCH_MICRO_BATCH, cap)
+    return out
+
+
 def measure(
     name: str,
     device: torch.device,
@@ -126,6 +154,7 @@ def measure(
     num_devices: int = 1,
     uplink_mbps: float = DEFAULT_UPLINK_MBPS,
     same_model: Mapping[str, Hashable] | None = None,
+    micro_batches: Mapping[str, int] | None = None,
 ) -> MeasuredProfile:
     """Profile this worker for every (cell_id, task factory) given.
 
@@ -133,15 +162,22 @@ def measure(
     have the run's one shape); cells with equal keys are measured once and share the
     figure. A run of 256 expert cells of one architecture then costs one measurement
     instead of 256, and its experts are not ranked by the noise between measurements.
+    `micro_batches` (`bench_micro_batches`) gives the micro-batch to measure each cell at;
+    a cell at 0 is not measured and gets no figure. Without it, every cell is measured at
+    `BENCH_MICRO_BATCH`.
     """
     if uplink_mbps <= 0:
         raise ValueError(f"--uplink-mbps must be positive, got {uplink_mbps}")
     measured: dict[Hashable, float] = {}
     sps: dict[str, float] = {}
     for cell, make in tasks:
-        key: Hashable = same_model[cell] if same_model is not None and cell in same_model else ("cell", cell)
+        mb = BENCH_MICRO_BATCH if micro_batches is None else micro_batches.get(cell, BENCH_MICRO_BATCH)
+        if mb <= 0:
+            continue
+        model: Hashable = same_model[cell] if same_model is not None and cell in same_model else ("cell", cell)
+        key = (model, mb)
         if key not in measured:
-            measured[key] = benchmark_cell(make(), device, throttle=throttle) * num_devices
+            measured[key] = benchmark_cell(make(), device, throttle=throttle, micro_batch=mb) * num_devices
         sps[cell] = measured[key]
     return MeasuredProfile(
         name=name,

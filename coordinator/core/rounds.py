@@ -69,13 +69,13 @@ from bagel.coordinator.core.records import CommitRecord, RoundState, WorkerState
 from bagel.coordinator.core.roster import CellSpeeds, Roster
 from bagel.coordinator.core.scheduler import (
     PlanMember,
-    micro_batch_cap,
     part_weights,
     plan_late_member,
     plan_round,
     reduce_nothing,
     throughput_for,
 )
+from bagel.protocol.cellmemory import micro_batch_cap
 from bagel.protocol.messages import FrozenMember, Reachability, frozen_member
 from bagel.protocol.runspec import RunSpec
 

@@ -45,6 +45,7 @@ import numpy as np
 
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import MemberPlan
+from bagel.protocol.cellmemory import fits
 from bagel.protocol.fastinit import fast_init
 from bagel.protocol.messages import PeerAddress
 from bagel.protocol.runspec import RunSpec, parse_cell
@@ -147,25 +148,6 @@ def part_weights(
     for x in active:
         out[x] //= g
     return out
-
-
-def fits(vram_bytes: int, memory_bytes: int, headroom: float) -> bool:
-    """A cell fits a worker when its memory needs at most (1 - headroom) of the VRAM."""
-    return memory_bytes <= vram_bytes * (1.0 - headroom)
-
-
-def micro_batch_cap(
-    vram_bytes: int, memory_bytes: int, sample_bytes: int, headroom: float, max_micro_batch: int
-) -> int:
-    """The largest micro-batch a worker's memory holds in a cell it fits: `memory_bytes`
-    holds one sample's activations, each further sample adds `sample_bytes`, and the whole
-    stays within (1 - headroom) of the VRAM, as `fits` asks; at most `max_micro_batch`, at
-    least 1. With `sample_bytes` 0 (the cell's memory was sized at `max_micro_batch`)
-    it is `max_micro_batch`. The per-step batch is unchanged: the rest is accumulated."""
-    if sample_bytes <= 0:
-        return max_micro_batch
-    room = vram_bytes * (1.0 - headroom) - memory_bytes
-    return max(1, min(max_micro_batch, 1 + int(room // sample_bytes)))
 
 
 def throughput_for(throughput: Mapping[str, float], cell_id: str) -> float:
