@@ -8,7 +8,7 @@ module derives them from the run spec:
   the least a member can be given: a cell fits a card that holds that.
 - **sample_bytes**: the activations of one more sample (`activation_bytes` is linear in the
   micro-batch), so the planner gives each member the largest micro-batch its own memory
-  holds, up to `diloco.max_micro_batch` (`scheduler.micro_batch_cap`): a 24 GiB card
+  holds, up to `diloco.max_micro_batch` (`protocol/cellmemory.py`): a 24 GiB card
   trains a large expert at a small micro-batch with more accumulation, an 80 GiB one at
   the run's largest, for the same per-step batch.
 - **payload_bytes**: the encoded size of one pseudo-gradient (parameter count through the

@@ -200,12 +200,12 @@ class Snapshot:
 class CellConfig:
     """What the shell computes per cell, once, from the spec and the models.
 
-    memory_bytes: params + grads + optimizer + outer state + a micro-batch of `sample_bytes`
-    > 0 ? one sample : the largest the run allows (what must fit the VRAM);
+    memory_bytes: params + grads + optimizer + outer state + the activations of one sample
+    (of the run's largest micro-batch where `sample_bytes` is 0): what must fit the VRAM;
     target_share: the cell's share of total compute (normalised by the core);
     payload_bytes: bytes of one encoded pseudo-gradient (for the communication estimate);
     sample_bytes: activation memory per sample of a micro-batch. With it, each member's
-    micro-batch is as large as its own memory allows (`scheduler.micro_batch_cap`), so a
+    micro-batch is as large as its own memory allows (`protocol.cellmemory.micro_batch_cap`), so a
     card that fits the cell at a small micro-batch trains it with more accumulation; 0
     (configs stored before it existed, the simulator's) sizes every member at the run's
     `diloco.max_micro_batch`.
