@@ -60,7 +60,7 @@ def _param_count(spec: RunSpec, cell_id: str) -> int:
 def cell_configs(spec: RunSpec, *, sizes: Sequence[int] | None = None, fallback: bool = True) -> list[CellConfig]:
     """CellConfigs of every cell of the run (see the module docstring)."""
     from bagel.compression import get_codec
-    from bagel.models.experts import activation_bytes, cell_config, cell_memory_bytes
+    from bagel.models.experts import cell_memory_sizes
 
     if sizes is None:
         try:
@@ -74,8 +74,7 @@ def cell_configs(spec: RunSpec, *, sizes: Sequence[int] | None = None, fallback:
     codec = get_codec(spec.diloco.codec)
     out = []
     for cell in spec.cell_ids:
-        memory = cell_memory_bytes(spec, cell, 1)
-        sample = activation_bytes(cell_config(spec, cell), 1)
+        memory, sample = cell_memory_sizes(spec, cell)
         payload = codec.encoded_nbytes(_param_count(spec, cell))
         out.append(
             CellConfig(

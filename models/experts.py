@@ -164,6 +164,14 @@ def cell_memory_bytes(spec: RunSpec, cell_id: str, micro_batch: int) -> int:
     return copies * BYTES_PER_FLOAT * _count(cfg) + activation_bytes(cfg, micro_batch)
 
 
+def cell_memory_sizes(spec: RunSpec, cell_id: str) -> tuple[int, int]:
+    """(a cell's training memory with a micro-batch of one sample, what each further sample
+    adds): the activations are linear in the micro-batch, so `cell_memory_bytes` at m is
+    first + (m - 1) x second. What the coordinator sizes a cell by (`coordinator/sizing.py`)
+    and the worker measures by (`worker/profile.py`), through `bagel.protocol.cellmemory`."""
+    return cell_memory_bytes(spec, cell_id, 1), activation_bytes(cell_config(spec, cell_id), 1)
+
+
 @dataclass(frozen=True)
 class CellTask:
     """Everything one cell needs to train and be evaluated. Build with `cell_task`."""

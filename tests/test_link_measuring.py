@@ -31,7 +31,8 @@ from simworkers import cluster_spec_text, fake_peer_id, uniform_cells
 pytestmark = pytest.mark.timeout(60)
 
 # a 3 s lease: the coordinator and the worker share this process's event loop, which a
-# loaded machine can stall for a second or two; 300 s is the lease this change replaces
+# loaded machine can stall for a second or two; a worker that sends nothing while it
+# measures keeps the 300 s measuring lease instead
 LEASE_S = 3.0
 HEARTBEAT_S = 0.3
 RUN = "mrun"

@@ -130,17 +130,15 @@ def bench_micro_batches(spec: RunSpec, vram_bytes: int) -> dict[str, int]:
     with `vram_bytes` at (`micro_batch_cap` over the cell's memory with one sample and each
     further sample's activations, as `coordinator/sizing.py` sizes them), at most
     `BENCH_MICRO_BATCH`; 0 for a cell that does not fit this memory at all."""
-    from bagel.models.experts import activation_bytes, cell_config, cell_memory_bytes
+    from bagel.models.experts import cell_memory_sizes
 
     h, top = spec.schedule.vram_headroom, spec.diloco.max_micro_batch
     out = {}
     for c in spec.cell_ids:
-        one = cell_memory_bytes(spec, c, 1)
-        if not fits(vram_bytes, one, h):
-            out[c] = 0
-            continue
-        cap = micro_batch_cap(vram_bytes, one, activation_bytes(cell_config(spec, c), 1), h, top)
-        out[c] = min(BENCH_MICRO_BATCH, cap)
+        one, sample = cell_memory_sizes(spec, c)
+        out[c] = (
+            min(BENCH_MICRO_BATCH, micro_batch_cap(vram_bytes, one, sample, h, top)) if fits(vram_bytes, one, h) else 0
+        )
     return out
 
 

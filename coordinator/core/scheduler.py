@@ -949,6 +949,12 @@ def batch_shape(batch: int, max_micro_batch: int) -> tuple[int, int]:
     return micro, accum
 
 
+def _micro_limit(member_cap: int, spec: RunSpec) -> int:
+    """A member's micro-batch limit: its memory's cap (0: none known), within the run's."""
+    top = spec.diloco.max_micro_batch
+    return min(member_cap, top) if member_cap > 0 else top
+
+
 def predict_comm_ms(payload_bytes: int, bandwidths: Sequence[float], policy: Policy) -> int:
     """Butterfly all-reduce (reduce-scatter + all-gather): each member moves about
     2 (n-1)/n payloads each way, limited by the slowest link, plus a fixed overhead."""
@@ -1016,9 +1022,7 @@ def plan_round(
     plans: list[MemberPlan] = []
     compute_s = ready_s = 0.0
     for m, b, s, f in zip(ms, batches, speeds, left, strict=True):
-        micro, accum = batch_shape(
-            b, min(m.max_micro_batch or spec.diloco.max_micro_batch, spec.diloco.max_micro_batch)
-        )
+        micro, accum = batch_shape(b, _micro_limit(m.max_micro_batch, spec))
         samples = micro * accum * h
         plans.append(MemberPlan(m.worker_id, m.peer, micro, accum, samples))
         compute_s = max(compute_s, samples / s)
@@ -1067,5 +1071,5 @@ def plan_late_member(
     batch = int(clamped * left_ms / 1000.0 * LATE_JOIN_MARGIN / inner_steps)
     if batch < 1:
         return None
-    micro, accum = batch_shape(batch, min(max_micro_batch or spec.diloco.max_micro_batch, spec.diloco.max_micro_batch))
+    micro, accum = batch_shape(batch, _micro_limit(max_micro_batch, spec))
     return MemberPlan(worker_id, peer, micro, accum, micro * accum * inner_steps)
