@@ -13,10 +13,18 @@ setup + call + teardown of every item: past its timeout plus a grace it prints e
 thread's stack, kills the item's child processes (which unblocks threads waiting on
 their pipes), and if that does not free it, interrupts the session so pytest still
 prints its report.
+
+Stale hivemind sockets. hivemind's libp2p daemon and its client listen on unix sockets
+named /tmp/hivemind-p2pd-*.sock and /tmp/hivemind-p2pclient-*.sock, which a graceful
+shutdown removes. Many tests SIGKILL a coordinator or a worker on purpose (or in teardown),
+which leaves the two files behind: about a hundred a run. At the end of the session the
+controller removes the ones created during it that no live socket is bound to, in any
+network namespace (the test bed's namespaces have their own view of bound sockets).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -92,9 +100,60 @@ def no_leaked_processes():
         pytest.fail(f"test leaked child processes: {sorted(leaked)}")
 
 
+_HIVEMIND_SOCKETS = "hivemind-p2p*.sock"
+
+
+def _bound_unix_paths() -> set[str]:
+    """Paths of bound unix sockets, over every network namespace a live process is in
+    (/proc/net/unix lists only the reader's namespace)."""
+    seen: set[int] = set()
+    out: set[str] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ns = os.stat(entry / "ns" / "net").st_ino
+            if ns in seen:
+                continue
+            lines = (entry / "net" / "unix").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        seen.add(ns)
+        for line in lines:
+            fields = line.split()
+            if len(fields) >= 8:
+                out.add(fields[7])
+    return out
+
+
+def _remove_stale_sockets(since: float) -> int:
+    """Remove the hivemind sockets created at or after `since` that nothing is bound to."""
+    tmp = Path("/tmp")
+    try:
+        found = [p for p in tmp.glob(_HIVEMIND_SOCKETS) if p.lstat().st_mtime >= since]
+    except OSError:
+        return 0
+    if not found:
+        return 0
+    bound = _bound_unix_paths()
+    removed = 0
+    for p in found:
+        if str(p) not in bound:
+            with contextlib.suppress(OSError):
+                p.unlink()
+                removed += 1
+    return removed
+
+
+def pytest_sessionstart(session):
+    session.config._bagel_started_at = time.time() - 1.0  # file times may lag the clock a little
+
+
 def pytest_sessionfinish(session, exitstatus):
     # torch_shm_manager is left alone: it exits by itself once this process is gone.
     _kill(_children(os.getpid()))
+    if not hasattr(session.config, "workerinput"):  # the controller: every test process is done
+        _remove_stale_sockets(session.config._bagel_started_at)
 
 
 def _item_timeout_s(item: pytest.Item) -> float:
