@@ -175,7 +175,7 @@ class Donor(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., peer: _Optional[_Union[PeerAddress, _Mapping]] = ..., checkpoint_round: _Optional[int] = ..., expected_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class Instruction(_message.Message):
-    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt", "round_attempt", "donors", "tag")
+    __slots__ = ("order", "cell_id", "round", "committed_round", "committed_hash", "plan", "contributors", "donor", "upload_checkpoint", "reason", "reduce_attempt", "round_attempt", "donors", "tag", "reduce_deadline_unix_ms")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class Instruction(_message.Message):
     ROUND_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     DONORS_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     order: Order
     cell_id: str
     round: int
@@ -204,7 +205,8 @@ class Instruction(_message.Message):
     round_attempt: int
     donors: _containers.RepeatedCompositeFieldContainer[Donor]
     tag: int
-    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ..., donors: _Optional[_Iterable[_Union[Donor, _Mapping]]] = ..., tag: _Optional[int] = ...) -> None: ...
+    reduce_deadline_unix_ms: int
+    def __init__(self, order: _Optional[_Union[Order, str]] = ..., cell_id: _Optional[str] = ..., round: _Optional[int] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., plan: _Optional[_Union[RoundPlan, _Mapping]] = ..., contributors: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., donor: _Optional[_Union[Donor, _Mapping]] = ..., upload_checkpoint: _Optional[bool] = ..., reason: _Optional[str] = ..., reduce_attempt: _Optional[int] = ..., round_attempt: _Optional[int] = ..., donors: _Optional[_Iterable[_Union[Donor, _Mapping]]] = ..., tag: _Optional[int] = ..., reduce_deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("header", "profile", "peer", "local", "join_token", "pow_challenge", "pow_nonce")

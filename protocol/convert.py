@@ -128,6 +128,7 @@ def instruction_from_pb(p: pb.Instruction) -> Instruction:
         reason=p.reason,
         reduce_attempt=p.reduce_attempt,
         round_attempt=p.round_attempt,
+        reduce_deadline_unix_ms=p.reduce_deadline_unix_ms,
     )
 
 
@@ -218,6 +219,7 @@ def _instruction_body(ins: Instruction | None) -> pb.Instruction:
         reason=ins.reason,
         reduce_attempt=ins.reduce_attempt,
         round_attempt=ins.round_attempt,
+        reduce_deadline_unix_ms=ins.reduce_deadline_unix_ms,
     )
     if ins.plan is not None:
         p = ins.plan

@@ -222,6 +222,7 @@ class Instruction:
     reason: str = ""
     reduce_attempt: int = 0  # REDUCE: bumps whenever a contributor set is (re-)frozen
     round_attempt: int = 0  # TRAIN/REDUCE: bumps when an aborted round is re-run
+    reduce_deadline_unix_ms: int = 0  # REDUCE: when the coordinator gives up on the exchange (0: not said)
 
 
 @dataclass(frozen=True, slots=True)

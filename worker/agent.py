@@ -131,7 +131,9 @@ class AgentConfig:
     uplink_mbps: float = DEFAULT_UPLINK_MBPS
     byzantine: str = ""  # "" or one of roundwork.BYZANTINE_MODES (fault injection)
     dht_listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    reduce_timeout_s: float = 60.0  # safety net; the coordinator re-freezes or aborts sooner
+    # at most this long an exchange (None: until the coordinator's reduce deadline for it,
+    # `roundwork.exchange_timeout_s`)
+    reduce_timeout_s: float | None = None
     # a graceful leave waits at most this long for a running exchange: below the 30 s that
     # torchrun, systemd and Kubernetes give a SIGTERMed process before they SIGKILL it
     leave_grace_s: float = 15.0
@@ -430,7 +432,9 @@ class Agent:
         deadline = loop.time() + self.cfg.leave_grace_s
         if w is not None and w.reduce_task is not None and not w.reduce_task.done():
             self.display.event("leaving", message="finishing the running exchange first")
-            grace = min(self.cfg.reduce_timeout_s, self.cfg.leave_grace_s)
+            grace = self.cfg.leave_grace_s
+            if self.cfg.reduce_timeout_s is not None:
+                grace = min(self.cfg.reduce_timeout_s, grace)
             # asyncio.wait: the exchange is not cancelled by the wait; drop_work cancels it below
             await self._stop_step("the running exchange", asyncio.wait({w.reduce_task}), grace)
         self.orders.drop_work("leaving")

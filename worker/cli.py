@@ -92,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--quiet", action="store_true", help="print only warnings and errors")
     out.add_argument("--log-json", action="store_true", help="print one JSON object per event line (for scripts)")
     j.add_argument(
-        "--reduce-timeout-s", type=float, default=60.0, help="give up an exchange after this many seconds (default: 60)"
+        "--reduce-timeout-s",
+        type=float,
+        default=None,
+        help="give up an exchange after at most this many seconds (default: at the coordinator's deadline for it)",
     )
     j.add_argument(
         "--leave-grace-s",
@@ -159,7 +162,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         raise ValueError(f"--max-vram-gb must be positive, got {args.max_vram_gb}")
     if args.uplink_mbps <= 0:
         raise ValueError(f"--uplink-mbps must be positive, got {args.uplink_mbps}")
-    if args.reduce_timeout_s <= 0:
+    if args.reduce_timeout_s is not None and args.reduce_timeout_s <= 0:
         raise ValueError(f"--reduce-timeout-s must be positive, got {args.reduce_timeout_s}")
     if not 0 < args.sync_timeout_s <= 86400:
         raise ValueError(f"--sync-timeout-s must be in (0, 86400] seconds, got {args.sync_timeout_s}")

@@ -80,6 +80,7 @@ from bagel.worker.roundwork import (
     claimed,
     corrupt,
     eager_start,
+    exchange_timeout_s,
     fresh_feedback,
     reduce_round,
     train_ahead,
@@ -670,7 +671,7 @@ class Orders:
                 w,
                 i,
                 ef,
-                self.cfg.reduce_timeout_s,
+                exchange_timeout_s(i, time.time(), self.cfg.reduce_timeout_s),
                 base_hash=held.state_hash,
             )
             if w.catch_up or not spec.diloco.error_feedback:

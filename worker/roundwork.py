@@ -27,7 +27,8 @@ import torch
 from bagel.compression import ErrorFeedback
 from bagel.models.data import shard
 from bagel.protocol.convert import part_weight_from_wire
-from bagel.protocol.messages import PartAudit
+from bagel.protocol.envelope import DEFAULT_MAX_CLOCK_SKEW_S
+from bagel.protocol.messages import Instruction, PartAudit
 from bagel.protocol.runspec import parse_spec
 from bagel.robust import attacks
 from bagel.worker import ddp
@@ -65,6 +66,15 @@ BYZANTINE_SCALE = 100.0
 # budget-liar: what it claims (its profile's samples/s, and x this many samples done in 1/this of the time)
 LIAR_SAMPLES_PER_S = 1e9
 LIAR_FACTOR = 10
+# How long a worker's exchange may run (`exchange_timeout_s`): until the coordinator's
+# reduce deadline for the attempt plus the clock skew the coordinator accepts on signed
+# requests, so a worker whose clock runs ahead does not give up an exchange the
+# coordinator still waits for; 60 s where the coordinator names no deadline (an older
+# one); never less than a second, nor more than a day whatever the coordinator says.
+DEFAULT_REDUCE_TIMEOUT_S = 60.0
+REDUCE_DEADLINE_GRACE_S = DEFAULT_MAX_CLOCK_SKEW_S
+MIN_REDUCE_TIMEOUT_S = 1.0
+MAX_REDUCE_TIMEOUT_S = 86400.0
 
 
 @dataclass
@@ -315,6 +325,23 @@ def fresh_feedback(residuals: Mapping[str, torch.Tensor]) -> ErrorFeedback:
     for k, r in residuals.items():
         ef.update(k, r, torch.zeros_like(r))
     return ef
+
+
+def exchange_timeout_s(i: Instruction, now_unix_s: float, cap_s: float | None = None) -> float:
+    """Seconds this worker gives the exchange `i` orders before it gives up on it.
+
+    The coordinator sizes each exchange's deadline from the links, the lease and what the
+    cell's exchanges really took (`coordinator/core/rounds.py`, `Rounds.reduce_span_ms`):
+    a large model's exchange over home uplinks takes minutes, which no fixed timeout on
+    the worker fits. So the worker follows that deadline (plus `REDUCE_DEADLINE_GRACE_S`);
+    `cap_s` (`--reduce-timeout-s`) bounds it where the operator set one."""
+    if i.reduce_deadline_unix_ms > 0:
+        t = i.reduce_deadline_unix_ms / 1000.0 - now_unix_s + REDUCE_DEADLINE_GRACE_S
+    else:
+        t = DEFAULT_REDUCE_TIMEOUT_S
+    if cap_s is not None:
+        t = min(t, cap_s)
+    return min(MAX_REDUCE_TIMEOUT_S, max(MIN_REDUCE_TIMEOUT_S, t))
 
 
 async def reduce_round(

@@ -391,6 +391,8 @@ class Cell:
         "donor_load",
         "awaiting",
         "hold_until_ms",
+        "exchange_ms",
+        "reduce_overruns",
     )
 
     def __init__(self, config: CellConfig) -> None:
@@ -419,6 +421,11 @@ class Cell:
         # until when the next round waits for them (`Rounds.hold_next_round`)
         self.awaiting: dict[str, None] = {}
         self.hold_until_ms = 0
+        # volatile: how long the last committed exchange took (freeze to commit), and how
+        # many exchange attempts in a row since ran past their deadline
+        # (`Rounds.reduce_span_ms`); a restarted coordinator starts again from the prediction
+        self.exchange_ms = 0
+        self.reduce_overruns = 0
 
     def holds_committed(self, local: LocalState) -> bool:
         """Does a worker with this LocalState hold the cell's committed state?

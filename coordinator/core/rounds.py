@@ -103,6 +103,11 @@ _LEGAL = frozenset(
 )
 
 TRAIN_DEADLINE, REDUCE_DEADLINE, HOLD_DEADLINE, PATIENCE_DEADLINE = "train", "reduce", "hold", "patience"
+# An exchange's deadline follows what the cell's exchanges really take: at least this many
+# times the last committed one (freeze to commit), and doubled after each attempt in a row
+# that ran past its deadline, up to this many doublings (`Rounds.reduce_span_ms`).
+EXCHANGE_MARGIN = 2
+MAX_OVERRUN_DOUBLINGS = 4
 _count = operator.itemgetter(1)
 
 
@@ -177,6 +182,7 @@ class Rounds:
                 # a quorum the guard was still waiting on is judged with the reports there are
                 and self.evaluate(c, r, now, final=True) is None
             ):
+                c.reduce_overruns += 1
                 self.abort(c, r, now, f"reduce deadline of attempt {ra} passed")
 
     # ---------------------------------------------------------------- lifecycle
@@ -440,10 +446,7 @@ class Rounds:
         self.change_state(c, r, RoundState.REDUCING, now)
         r.frozen_ms = now
         r.clear_reports()
-        # give up once the exchange had its predicted time (with slack) and a lost
-        # contributor had time to be noticed and the survivors re-frozen
-        span = max(self.min_round_ms, int(r.predicted_comm_ms * self.slack)) + self.lease_ms
-        r.reduce_deadline_ms = now + span
+        r.reduce_deadline_ms = now + self.reduce_span_ms(c, r)
         self.push_deadline(r.reduce_deadline_ms, r, REDUCE_DEADLINE)
         for wid in r.plans:  # live members left out (catch_up off) sit out: movable again
             if wid not in r.frozen and wid not in r.dropped and wid in c.workers:
@@ -530,6 +533,23 @@ class Rounds:
             return RoundState.ABORTED
         return None
 
+    def reduce_span_ms(self, c: Cell, r: Round) -> int:
+        """How long an exchange attempt of c may take before the coordinator gives up on it.
+
+        The prediction (the slowest link's transfer, with slack) plus a lease, so that a lost
+        contributor has time to be noticed and the survivors re-frozen. The prediction
+        knows the links but not the members' CPUs: encoding, the robust reduction in
+        float64 and the outer step can take longer than the transfer (a 33 M-parameter
+        cell on two CPU workers never committed a round with the prediction alone). So
+        the span is also at least EXCHANGE_MARGIN x the cell's last committed exchange,
+        and it doubles after each attempt in a row that ran past its deadline (up to
+        MAX_OVERRUN_DOUBLINGS times), as a retransmission timer backs off, until one
+        commits. A contributor that died still ends the attempt sooner: its failed or
+        missing reports make the quorum impossible or it loses its lease."""
+        span = max(self.min_round_ms, int(r.predicted_comm_ms * self.slack)) + self.lease_ms
+        span = max(span, EXCHANGE_MARGIN * c.exchange_ms)
+        return span << min(c.reduce_overruns, MAX_OVERRUN_DOUBLINGS)
+
     def commit(self, c: Cell, r: Round, state_hash: str, now: int) -> None:
         reports = r.reports
         agreeing = tuple(sorted(x for x, e in reports.items() if not e.failed and e.state_hash == state_hash))
@@ -546,6 +566,9 @@ class Rounds:
         c.samples_committed += samples
         c.last_loss = loss
         c.round_attempt = c.reduce_attempt = 0
+        if r.frozen_ms:
+            c.exchange_ms = max(0, now - r.frozen_ms)
+        c.reduce_overruns = 0
         c.commits.append(commit)
         self.last_committed[c.id] = r
         self.changes.commit(commit)

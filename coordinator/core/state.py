@@ -852,6 +852,7 @@ class CoordinatorState:
                     reason=why,
                     reduce_attempt=r.reduce_attempt,
                     round_attempt=r.attempt,
+                    reduce_deadline_unix_ms=r.reduce_deadline_ms,
                 )
             if r.state is not RoundState.REDUCING and r.is_live_member(w.id):
                 return Instruction(
