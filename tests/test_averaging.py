@@ -7,7 +7,9 @@ codec's bound AND end bit-identical. Plus weights, failures, validation and byte
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -654,3 +656,48 @@ async def test_a_member_that_reduces_nothing_gets_an_empty_part_and_replicas_sta
         # one shadow that is not itself and S/3 x 2 for its averaged part = 5S/3; reducing nothing,
         # its two halves go to their primaries and the one shadow that is not itself = 3S/2
         assert sent[2] < 0.95 * sent[1], sent
+
+
+async def test_a_finished_exchange_keeps_no_reference_to_the_rounds_state() -> None:
+    """A data plane keeps its last few exchanges so that a contributor whose stream broke can
+    fetch its result, but not the loss audit's closure, which holds the round's committed
+    state and this worker's delta (`roundwork.loss_probe`): kept, four exchanges held about
+    16 float32 copies of a cell's parameters on every worker (bench/worker_memory.py)."""
+
+    class RoundState:  # stands for what the probe closes over
+        pass
+
+    async with peers(3) as ps:
+        cs = [p.contributor() for p in ps]
+        refs: list[weakref.ref] = []
+        coros = []
+        for i, p in enumerate(ps):
+            state = RoundState()
+            refs.append(weakref.ref(state))
+
+            def probe(start: int, parts, state=state):  # noqa: ANN001
+                assert state is not None
+                return {s: (0.0, 0.0) for s in parts}
+
+            coros.append(
+                p.plane.all_reduce(
+                    worker_id=p.worker_id,
+                    cell_id=CELL,
+                    round=1,
+                    round_attempt=1,
+                    reduce_attempt=1,
+                    contributors=cs,
+                    delta=make_delta(i),
+                    weight=1.0,
+                    codec="fp32",
+                    timeout_s=30.0,
+                    audit_blocks=4,
+                    loss_probe=probe,
+                )
+            )
+        del state, probe
+        results = await asyncio.wait_for(asyncio.gather(*coros), 60)
+        assert all(r.audit for r in results)  # the probes ran
+        assert all(p.plane._finished for p in ps)  # the exchanges are kept ...
+        gc.collect()
+        assert [r() for r in refs] == [None, None, None]  # ... without the round's state

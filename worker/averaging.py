@@ -463,6 +463,11 @@ class DataPlane:
                 session.fail("the exchange ended at this reducer before its part was reduced")
             self._sessions.pop(key, None)
             if not cancelled:
+                # kept only so a contributor whose stream broke can fetch our result: the
+                # loss audit's closure holds the round's committed state and our delta (four
+                # copies of the parameters), which four kept exchanges would hold on to
+                for session in sessions.values():
+                    session.loss_probe = None
                 self._finished[key] = sessions
             while len(self._finished) > _FINISHED_KEPT:
                 self._finished.popitem(last=False)
