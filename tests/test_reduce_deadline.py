@@ -3,7 +3,7 @@ follow the coordinator's deadline instead of a fixed timeout of their own.
 
 The coordinator predicts an exchange from the links alone; the members' CPUs (encoding,
 the robust reduction in float64, the outer step) can make it take longer. Before, such a
-cell aborted every attempt at the same deadline and never committed (a 33 M-parameter
+cell aborted every attempt at the same deadline and never committed (a 32.5 M-parameter
 cell on two CPU workers, `bench/worker_memory.py`), and a worker gave up any exchange
 after 60 s, which a large model over home uplinks never fits. Now the deadline doubles
 after each attempt that ran past it, is at least twice the last committed exchange, and

@@ -539,7 +539,7 @@ class Rounds:
         The prediction (the slowest link's transfer, with slack) plus a lease, so that a lost
         contributor has time to be noticed and the survivors re-frozen. The prediction
         knows the links but not the members' CPUs: encoding, the robust reduction in
-        float64 and the outer step can take longer than the transfer (a 33 M-parameter
+        float64 and the outer step can take longer than the transfer (a 32.5 M-parameter
         cell on two CPU workers never committed a round with the prediction alone). So
         the span is also at least EXCHANGE_MARGIN x the cell's last committed exchange,
         and it doubles after each attempt in a row that ran past its deadline (up to
