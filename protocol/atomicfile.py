@@ -9,17 +9,29 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` atomically: temp file, fsync, replace, fsync the directory."""
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    atomic_write_with(path, write)
+
+
+def atomic_write_with(path: Path, write: Callable[[str], object]) -> None:
+    """Like `atomic_write`, but `write(tmp_path)` writes the file itself: for a writer that
+    streams to a path (safetensors' `save_file`) without first building the bytes in memory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:

@@ -58,6 +58,7 @@ from typing import Any
 import grpc
 
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.atomicfile import atomic_write
 from bagel.protocol.client import SpecMismatch
 from bagel.protocol.clierrors import UsageError
 from bagel.protocol.convert import instruction_from_pb
@@ -82,7 +83,7 @@ from bagel.protocol.validation import MAX_REACHABILITY_DETAIL_CHARS
 from bagel.worker import ddp, reachability, reconciler, waiting
 from bagel.worker.display import Display
 from bagel.worker.link import CoordinatorLink
-from bagel.worker.localstate import LocalStore, atomic_write
+from bagel.worker.localstate import LocalStore
 from bagel.worker.metrics import WorkerMetrics
 from bagel.worker.orders import Orders
 from bagel.worker.profile import (

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
-from bagel.protocol.atomicfile import atomic_write  # re-exported for agent/session
+from bagel.protocol.atomicfile import atomic_write_with
 from bagel.worker.diloco import STATE_DTYPES, CellState, StateFormatError
 
 _FORMAT = "bagel-local-v1"
@@ -65,7 +65,9 @@ class LocalStore:
             "committed_round": str(cp.committed_round),
             "state_hash": cp.state_hash,
         }
-        atomic_write(self.path, st_save(tensors, metadata=meta))
+        # safetensors' save_file writes from the tensors' own memory: no serialised copy of the
+        # whole state is built next to the one held
+        atomic_write_with(self.path, lambda tmp: st_save_file(tensors, tmp, metadata=meta))
 
     def load(self) -> LocalCheckpoint | None:
         """The saved state, or None if there is none. Raises LocalStateError if unusable."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ import grpc
 import torch
 
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.atomicfile import atomic_write_with
 from bagel.protocol.client import backoff_delay_s
 from bagel.protocol.convert import verdict_from_pb
 from bagel.protocol.messages import Instruction, LocalState
@@ -55,7 +57,7 @@ from bagel.worker.diloco import CellState, OuterConfig, state_dtype
 from bagel.worker.display import Display
 from bagel.worker.heldout import HeldoutProbe
 from bagel.worker.link import CoordinatorLink
-from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore, atomic_write
+from bagel.worker.localstate import LocalCheckpoint, LocalStateError, LocalStore
 from bagel.worker.metrics import TRAINING_FIELDS, WorkerMetrics, round_metrics
 from bagel.worker.reconciler import (
     AdoptPending,
@@ -374,7 +376,9 @@ class Orders:
             self.stateserver.withdraw()
             if rnd:
                 # a worker that caught up by updates serves them in turn
-                self.stateserver.publish(cell, rnd, state, updates=updates, keep_updates=spec.sync.catch_up_rounds)
+                self.stateserver.publish(
+                    cell, rnd, state, updates=updates, keep_updates=spec.sync.catch_up_rounds, state_hash=h
+                )
             # what it measured of each donor (reported to the coordinator with its heartbeats)
             dr = self.donor_rates
             measured = {n: {"bytes": b, "ms": ms} for n, b, ms in dr[2]} if dr and dr[:2] == (cell, rnd) else {}
@@ -837,7 +841,9 @@ class Orders:
         keep = spec.sync.catch_up_rounds if spec is not None else 0
         # the last few states per cell, and the updates that led to them (a catch-up applies the same)
         updates = (out.update,) if out.update is not None else ()
-        self.stateserver.publish(w.cell_id, w.round, out.state, updates=updates, keep_updates=keep)
+        self.stateserver.publish(
+            w.cell_id, w.round, out.state, updates=updates, keep_updates=keep, state_hash=out.state_hash
+        )
         self.display.update(committed=w.round, step=0)
         event = {
             "cell": w.cell_id,
@@ -892,7 +898,8 @@ class Orders:
             await asyncio.to_thread(store.save, cp)
             if self.cfg.keep_round_history:
                 hist = store.path.parent / "history" / f"{cp.cell_id}.r{cp.committed_round}.safetensors"
-                await asyncio.to_thread(atomic_write, hist, store.path.read_bytes())
+                src = store.path
+                await asyncio.to_thread(atomic_write_with, hist, lambda tmp: shutil.copyfile(src, tmp))
         if event:
             self.display.event(event, **(fields or {}))
 

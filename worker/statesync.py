@@ -8,7 +8,9 @@ donor streams its committed state as a safetensors file (weights "w.*", outer mo
 and, where the run keeps one, the average of the committed weights "ema.*") in bounded chunks
 (`protocol/dataplane.proto`: StateRequest, StateInfo, then data frames). The file holds the
 state in the run's state dtype (`[sync] state_dtype`: fp32, or bf16/fp16 at half the bytes),
-the exact bytes every member holds and hashes, so the joiner applies what it verified.
+the exact bytes every member holds and hashes, so the joiner applies what it verified. The
+donor reads the file straight from its committed tensors (`worker/statefile.py`), so a
+state it serves costs it no serialised copy.
 
 With several donors (`fetch_state_from_donors`) the joiner downloads byte ranges of the one
 file from all of them at once. Every donor serializes the same committed state to the same
@@ -84,6 +86,7 @@ from bagel.worker.catchup import (
 from bagel.worker.diloco import CellState, OuterConfig, StateFormatError
 from bagel.worker.framing import FrameError, read_frame, read_message, write_frame, write_message
 from bagel.worker.parts import Codec, Layout
+from bagel.worker.statefile import StateFile
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -201,8 +204,7 @@ class SyncedState:
 class _Entry:
     committed_round: int
     state_hash: str
-    data: bytes
-    sha256: str
+    file: StateFile  # read from the committed state's own tensors, never serialised whole
 
 
 _NO_STATES: Mapping[int, _Entry] = {}  # what a cell with no state held reads as
@@ -256,8 +258,8 @@ class StateServer:
         self.max_waiting = max_waiting
         self._states: dict[str, OrderedDict[int, _Entry]] = {}
         self._updates: dict[str, OrderedDict[int, CommittedUpdate]] = {}  # by round, oldest first
-        # piece digests of a held state, computed (off the loop) on its first pieces_only request
-        self._digests: dict[tuple[str, int, str], asyncio.Future[bytes]] = {}
+        # (sha256, piece digests) of a held state's file, computed off the loop on its first request
+        self._digests: dict[tuple[str, int, str], asyncio.Future[tuple[str, bytes]]] = {}
         self._changed = asyncio.Event()  # set (and replaced) whenever _states changes
         self._slots = asyncio.Semaphore(max_concurrent)
         self._started = False
@@ -289,19 +291,25 @@ class StateServer:
         *,
         updates: Sequence[CommittedUpdate] = (),
         keep_updates: int = DEFAULT_KEEP_UPDATES,
+        state_hash: str | None = None,
     ) -> str:
         """Offer `state` as the committed state of (cell, round); returns its state hash.
+
+        The state is held, not copied: it must not be changed in place afterwards (a
+        committed state never is). Its file's sha256 and piece digests are computed in a
+        thread on the first request for it, so publishing costs no pass over the tensors
+        when the caller gives `state_hash` (the hash it already computed of this state).
 
         updates: committed updates of this cell to serve too (the one that gave this state,
         and any before it that the caller applied), of rounds up to this one; the cell's
         last `keep_updates` (0 to MAX_CATCH_UP_ROUNDS; 0 keeps none) are kept."""
-        data = state.to_safetensors()
-        entry = _Entry(committed_round, state.state_hash(), data, hashlib.sha256(data).hexdigest())
+        file = StateFile(state)
+        entry = _Entry(committed_round, state_hash or state.state_hash(), file)
         per_cell = self._states.setdefault(cell_id, OrderedDict())
         per_cell[committed_round] = entry
         while len(per_cell) > self.keep:
             per_cell.popitem(last=False)
-        self._keep_updates(cell_id, committed_round, updates, keep_updates, len(data))
+        self._keep_updates(cell_id, committed_round, updates, keep_updates, file.nbytes)
         self._wake_waiters()
         return entry.state_hash
 
@@ -396,12 +404,12 @@ class StateServer:
             )
         return entry
 
-    async def _pieces(self, cell_id: str, entry: _Entry) -> bytes:
-        """The piece digests of a held state, computed once (in a thread) and shared."""
-        key = (cell_id, entry.committed_round, entry.sha256)
+    async def _digest(self, cell_id: str, entry: _Entry) -> tuple[str, bytes]:
+        """(sha256, piece digests) of a held state's file, computed once (in a thread) and shared."""
+        key = (cell_id, entry.committed_round, entry.state_hash)
         fut = self._digests.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(asyncio.to_thread(piece_digests, entry.data, piece_nbytes_for(len(entry.data))))
+            fut = asyncio.ensure_future(asyncio.to_thread(entry.file.digests, piece_nbytes_for(entry.file.nbytes)))
             self._digests[key] = fut
         return await asyncio.shield(fut)  # a request that ends does not cancel it for the others
 
@@ -429,7 +437,7 @@ class StateServer:
                 reason = f"{req.cell_id} round {req.committed_round} is not held here"
             elif req.state_hash and req.state_hash != entry.state_hash:
                 reason = "our state of that round has a different hash"
-            elif ranged and (reason := self._range_refusal(req, len(entry.data))):
+            elif ranged and (reason := self._range_refusal(req, entry.file.nbytes)):
                 status = dp.STATUS_REJECTED
             elif self._slots.locked():
                 reason = "busy serving other joiners"
@@ -440,29 +448,29 @@ class StateServer:
                 return
             assert entry is not None
             async with self._slots:
-                total = len(entry.data)
+                total = entry.file.nbytes
                 start, end = 0, total
+                sha256, pieces = await self._digest(req.cell_id, entry)
                 out = dp.StateInfo(
                     status=dp.STATUS_OK,
                     cell_id=req.cell_id,
                     committed_round=entry.committed_round,
                     state_hash=entry.state_hash,
                     total_nbytes=total,
-                    sha256=entry.sha256,
+                    sha256=sha256,
                     chunk_nbytes=self.chunk_nbytes,
                 )
                 if ranged:
                     out.piece_nbytes = piece_nbytes_for(total)
                     if req.pieces_only:
-                        out.piece_sha256 = await self._pieces(req.cell_id, entry)
+                        out.piece_sha256 = pieces
                         start = end = 0
                     else:
                         start, end = req.offset, min(total, req.offset + req.length)
                     out.range_offset, out.range_nbytes = start, end - start
                 await write_message(writer, out)
-                view = memoryview(entry.data)
-                for at in range(start, end, self.chunk_nbytes):
-                    n = await write_frame(writer, view[at : min(end, at + self.chunk_nbytes)])
+                for chunk in entry.file.chunks(start, end, self.chunk_nbytes):
+                    n = await write_frame(writer, chunk)
                     self.bytes_served += n  # not `+= await`: concurrent streams would lose counts
             await linger(reader)
         except (FrameError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
