@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -195,13 +195,13 @@ class Reducer(ABC):
     ) -> list[int]:
         """The direction check (see `screen`): the parts of `kept` whose cosine to the kept
         parts' coordinate-wise median is at least min_cosine; the others go to `excluded`."""
-        ref = torch.stack([parts[i].to(torch.float64) for i in kept]).median(dim=0).values
+        ref = columnwise_median(stacked64([parts[i] for i in kept]))
         ref_norm = exact_norm(ref)
         if ref_norm == 0.0:  # no direction to compare with (most coordinates' median is 0)
             return kept
         out = []
         for i in kept:
-            cos = exact_sum(parts[i].to(torch.float64) * ref) / (norms[i] * ref_norm) if norms[i] > 0 else 0.0
+            cos = _exact_dot(parts[i].reshape(-1), ref) / (norms[i] * ref_norm) if norms[i] > 0 else 0.0
             if cos < self.min_cosine:
                 excluded.append(
                     (
@@ -227,26 +227,105 @@ class Reducer(ABC):
         return self.params().text()
 
 
+_BLOCK = 1 << 16
+"""Elements per block where a rule works through a part piece by piece (a power of two, so
+`exact_sum`'s tree never pairs elements of two blocks before each block is one node)."""
+
+
 def exact_sum(x: torch.Tensor) -> float:
     """sum(x) of a float64 vector by a fixed pairwise tree of elementwise adds.
 
     Two machines must get the same bits (a part's primary and shadow reducers, and the
     coordinator checking them, compare digests): torch's own reductions pick their
     summation order by the vector width the CPU offers at run time, elementwise IEEE adds
-    do not depend on it. O(n) work in log2(n) passes.
+    do not depend on it. O(n) work in log2(n) passes. Each pass adds neighbours in pairs;
+    a pass over an odd count adds +0.0 to the last one (as if a zero were appended).
     """
     x = x.reshape(-1).to(torch.float64)
     while x.numel() > 1:
-        if x.numel() % 2:
-            x = torch.cat([x, x.new_zeros(1)])
-        x = x[0::2] + x[1::2]
+        x = _pairs(x)
     return float(x[0]) if x.numel() else 0.0
 
 
+def _pairs(x: torch.Tensor) -> torch.Tensor:
+    """One pass of `exact_sum`'s tree: x[0] + x[1], x[2] + x[3], ... and x[-1] + 0.0 when the
+    count is odd (written into one new vector of half the size, not through a padded copy)."""
+    m = x.numel()
+    half = m // 2
+    out = torch.empty((m + 1) // 2, dtype=torch.float64)
+    torch.add(x[0 : 2 * half : 2], x[1 : 2 * half : 2], out=out[:half])
+    if m % 2:
+        out[half:] = x[m - 1 :] + 0.0
+    return out
+
+
+def _tree(x: torch.Tensor, levels: int) -> float:
+    """`levels` passes of the tree over a block of at most 2**levels elements: its one node at
+    that level of the whole vector's tree (a pass over a lone node adds +0.0 to it, as the
+    whole vector's pass does when the block is its odd last node)."""
+    for _ in range(levels):
+        x = _pairs(x)
+    return float(x[0])
+
+
+def blockwise_exact_sum(numel: int, block: Callable[[int, int], torch.Tensor]) -> float:
+    """`exact_sum` of a float64 vector of `numel` elements given block by block: `block(a, b)`
+    returns elements [a, b). The same bits as `exact_sum` of the whole vector, holding one
+    block at a time: with blocks of 2**k elements aligned at multiples of 2**k, the first k
+    passes of the tree over the whole vector only add elements of the same block (and an
+    odd count's +0.0 falls on the last block, which then is the odd last node at the same
+    passes), so each block's node at pass k is its own `_tree`, and the rest of the tree
+    runs over those nodes."""
+    if numel <= _BLOCK:
+        return exact_sum(block(0, numel)) if numel else 0.0
+    levels = _BLOCK.bit_length() - 1
+    nodes = [_tree(block(a, min(numel, a + _BLOCK)).reshape(-1), levels) for a in range(0, numel, _BLOCK)]
+    return exact_sum(torch.tensor(nodes, dtype=torch.float64))
+
+
 def exact_norm(x: torch.Tensor) -> float:
-    """||x||_2 with `exact_sum`, so it is the same on every machine."""
-    x = x.to(torch.float64)
-    return math.sqrt(exact_sum(x * x))
+    """||x||_2 with `exact_sum`, so it is the same on every machine (block by block: no
+    float64 copy of the whole vector)."""
+    flat = x.reshape(-1)
+
+    def squares(a: int, b: int) -> torch.Tensor:
+        blk = flat[a:b].to(torch.float64)
+        return blk * blk
+
+    return math.sqrt(blockwise_exact_sum(flat.numel(), squares))
+
+
+def exact_distance(x: torch.Tensor, y: torch.Tensor) -> float:
+    """||x - y||_2, exactly `exact_norm(x - y)` for float64 vectors, without the difference's copy."""
+
+    def squares(a: int, b: int) -> torch.Tensor:
+        d = x[a:b] - y[a:b]
+        return d * d
+
+    return math.sqrt(blockwise_exact_sum(x.numel(), squares))
+
+
+def columnwise_median(x: torch.Tensor) -> torch.Tensor:
+    """x.median(dim=0).values of an (n, d) matrix, a block of columns at a time: each column's
+    median is a selection within the column, so the values are the same, without the whole
+    (n, d) index matrix torch also returns."""
+    out = torch.empty(x.shape[1], dtype=x.dtype)
+    for a in range(0, x.shape[1], _BLOCK):
+        out[a : a + _BLOCK] = x[:, a : a + _BLOCK].median(dim=0).values
+    return out
+
+
+def stacked64(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts as the rows of one float64 (n, d) matrix: one copy of each, not a list and a stack."""
+    out = torch.empty((len(parts), parts[0].numel()), dtype=torch.float64)
+    for i, p in enumerate(parts):
+        out[i] = p.reshape(-1)
+    return out
+
+
+def _exact_dot(p: torch.Tensor, ref: torch.Tensor) -> float:
+    """exact_sum(p.to(float64) * ref) for a vector p and a float64 vector ref, block by block."""
+    return blockwise_exact_sum(p.numel(), lambda a, b: p[a:b].to(torch.float64) * ref[a:b])
 
 
 def _check(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
@@ -295,8 +374,16 @@ class TrimmedMean(Reducer):
 
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
-        n = len(parts)
-        x = torch.stack([p.to(torch.float64) for p in parts])  # (n, d)
+        x = stacked64(parts)  # (n, d)
+        out = torch.empty(x.shape[1], dtype=torch.float32)
+        # column by column (a block at a time: the sort's values and indices for a block only)
+        for a in range(0, x.shape[1], _BLOCK):
+            out[a : a + _BLOCK] = self._columns(x[:, a : a + _BLOCK], w)
+        return out
+
+    def _columns(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The rule on a block of columns (every column is reduced on its own)."""
+        n = x.shape[0]
         if n <= 2:  # nothing to trim: the coordinate-wise median, unweighted (the midpoint of two)
             return (x.sum(dim=0) / n).to(torch.float32)
         b = self.trimmed(n)
@@ -338,24 +425,30 @@ class CenteredClip(Reducer):
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
         w = w / math.fsum(w.tolist())
-        x = [p.to(torch.float64) for p in parts]
+        # The parts in float64, once (the rows of one matrix). Every vector operation below
+        # is elementwise, done a block at a time where it would otherwise make a temporary
+        # the size of the part, and every sum is `exact_sum`'s tree: the same bits as the
+        # whole-vector form (tests/test_reducers.py checks it against that form).
+        x = stacked64(parts)
         # Robust start: the coordinate-wise (lower) median; a mean would be dragged by outliers.
-        v = torch.stack(x).median(dim=0).values
+        v = columnwise_median(x)
         if self.tau is not None:
             tau = self.tau
         else:
-            dists = sorted(exact_norm(xi - v) for xi in x)
+            dists = sorted(exact_distance(xi, v) for xi in x)
             tau = self.rel * dists[(len(dists) - 1) // 2]
             if tau <= 0:  # most parts sit on the median already: it is the answer
                 return v.to(torch.float32)
+        d = v.numel()
+        step = torch.empty_like(v)
         for _ in range(self.iters):
-            step = torch.zeros_like(v)
+            step.zero_()
             for xi, wi in zip(x, w.tolist(), strict=True):
-                diff = xi - v
-                norm = exact_norm(diff)
-                scale = 1.0 if norm <= tau else tau / norm
-                step += diff * (wi * scale)
-            v = v + step
+                norm = exact_distance(xi, v)
+                c = wi * (1.0 if norm <= tau else tau / norm)
+                for a in range(0, d, _BLOCK):
+                    step[a : a + _BLOCK] += (xi[a : a + _BLOCK] - v[a : a + _BLOCK]) * c
+            v += step
             if exact_norm(step) <= self.eps * (1.0 + exact_norm(v)):
                 break
         return v.to(torch.float32)
@@ -377,8 +470,12 @@ __all__ = [
     "DIRECTION_REASON",
     "ZERO_REASON",
     "CenteredClip",
+    "blockwise_exact_sum",
+    "columnwise_median",
+    "exact_distance",
     "exact_norm",
     "exact_sum",
+    "stacked64",
     "PartRejected",
     "Reducer",
     "ReducerSpecError",

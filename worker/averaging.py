@@ -228,6 +228,10 @@ class DataPlane:
         self._latest: dict[str, tuple[int, int, int]] = {}  # cell -> newest (round, round_attempt, reduce_attempt)
         self._session_added = asyncio.Condition()
         self._pending = 0
+        # One reduction computed at a time (a verified exchange gives each worker two parts,
+        # its primary and a shadow): each holds its contributions in float64 and the rule's
+        # vectors, several times the part, and two at once doubled a worker's peak memory.
+        self._compute_slot = asyncio.Semaphore(1)
         # Whether to dial peers' circuit-relay addresses. A directly reachable worker leaves them
         # out: a relayed peer dials it directly, and the daemon does not replace a relayed
         # connection with a direct one once it has one (go-libp2p's Connect is a no-op then).
@@ -387,6 +391,7 @@ class DataPlane:
                 role=dp.EVIDENCE_ROLE_PRIMARY if verified else dp.EVIDENCE_ROLE_UNSPECIFIED,
                 identity=ident,
                 doctor=self.doctor,
+                compute_slot=self._compute_slot,
             )
         }
         if verified:
@@ -403,6 +408,7 @@ class DataPlane:
                 reduce_deadline,
                 role=dp.EVIDENCE_ROLE_SHADOW,
                 identity=ident,
+                compute_slot=self._compute_slot,
             )
         sessions[index].audit_blocks = audit_blocks  # the audit of the part we reduce as its primary
         sessions[index].loss_probe = loss_probe
@@ -507,7 +513,8 @@ class DataPlane:
         for j, (_, reply) in replies.items():
             weights[j] = reply.total_weight
             excluded += [Exclusion(j, e.sender, e.reason) for e in reply.excluded]
-        averaged = layout.unflatten(torch.cat([parts[j] for j in range(k)]))
+        # views of the one averaged vector (the outer step only reads them)
+        averaged = layout.unflatten(torch.cat([parts[j] for j in range(k)]), copy=False)
         pending = [s for s in sessions.values() if s.replies_pending]
         if pending:
             try:

@@ -127,6 +127,9 @@ class Reduction:
     role: int = dp.EVIDENCE_ROLE_UNSPECIFIED  # PRIMARY / SHADOW in a verified exchange
     identity: Identity | None = None  # signs our receipt (verified exchanges)
     doctor: float = 0.0  # fault injection (--byzantine bad-reducer): scale our result by this, and sign it
+    # the worker's one slot for computing a reduction (`DataPlane`): a part's float64
+    # temporaries are several times its size, so a primary and a shadow take turns
+    compute_slot: asyncio.Semaphore | None = None
     accepted: dict[str, PartInput] = field(default_factory=dict)
     headers: dict[str, dp.ContributionHeader] = field(default_factory=dict)  # the signed header of each sender
     digests: dict[str, bytes] = field(default_factory=dict)
@@ -303,7 +306,11 @@ class Reduction:
             raise ExchangeTimeout(missing, f"at our part {self.index}") from None
         payload = b""
         try:
-            res = await asyncio.to_thread(self._compute)
+            if self.compute_slot is None:
+                res = await asyncio.to_thread(self._compute)
+            else:
+                async with self.compute_slot:
+                    res = await asyncio.to_thread(self._compute)
         except NoValidContribution:
             self.fail(f"no valid contribution to part {self.index}: {self.excluded}")
         else:
