@@ -62,7 +62,7 @@ def run(spec: Any, cell: str, rounds: int, h: int, resume_at: int, variant: str)
         ef = fresh_feedback(residuals)
         c = prepare_contribution(delta, codec, 1, ("bench", rnd), weight=float(res.samples), error_feedback=ef)
         gen = torch.Generator().manual_seed(rnd)
-        avg = c.layout.unflatten(decode(reduce_part(codec, reducer, c.decoded, [float(res.samples)], gen)))
+        avg = c.layout.unflatten(decode(reduce_part(codec, reducer, [c.decoded(0)], [float(res.samples)], gen)))
         c.commit_error_feedback(ef)
         residuals = {n: r for n in delta if (r := ef.residual(n)) is not None}
         new = state.clone()

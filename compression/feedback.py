@@ -42,6 +42,27 @@ class ErrorFeedback:
             )
         return torch.add(t.detach().to(device=r.device, dtype=torch.float32), r)
 
+    def compensate_into(self, key: Hashable, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``t + residual(key)`` (``t`` if none yet) as float32 into ``out``, a CPU vector of
+        t's size: `compensate` without a new tensor (the same elementwise add)."""
+        r = self._residuals.get(key)
+        if r is None:
+            out.copy_(t.detach().reshape(-1))
+            return
+        if r.shape != t.shape:
+            raise ValueError(
+                f"error feedback for {key!r}: tensor shape {tuple(t.shape)} != residual shape {tuple(r.shape)}"
+            )
+        torch.add(t.detach().to(device=r.device, dtype=torch.float32).reshape(-1), r.reshape(-1), out=out)
+
+    def store(self, key: Hashable, residual: torch.Tensor) -> None:
+        """Keep ``residual`` (float32) as the residual of ``key``: held, not copied, so the caller
+        must not change it in place afterwards (nothing here does: `compensate` and
+        `compensate_into` read it, `update` and `store` replace it)."""
+        if residual.dtype != torch.float32:
+            raise ValueError(f"error feedback for {key!r}: a residual is float32, not {residual.dtype}")
+        self._residuals[key] = residual.detach()
+
     def update(self, key: Hashable, compensated: torch.Tensor, decoded: torch.Tensor) -> None:
         """Store ``compensated - decoded`` as the residual of ``key``."""
         if compensated.shape != decoded.shape:

@@ -138,7 +138,7 @@ async def test_three_peers_bit_identical_and_within_codec_bound_for_every_codec(
                 buf = reduce_part(
                     codec,
                     get_reducer("mean"),
-                    [c.decoded[j] for c in contribs.values()],
+                    [c.decoded(j) for c in contribs.values()],
                     [weights[w] for w in contribs],
                     gen,
                 )
@@ -648,7 +648,7 @@ async def test_a_member_that_reduces_nothing_gets_an_empty_part_and_replicas_sta
             if s == e:
                 continue
             gen = part_generator(RUN_ID, CELL, 2, 1, 1, "result", j)
-            buf = reduce_part(codec, get_reducer("mean"), [c.decoded[j] for c in contribs.values()], [1.0] * 3, gen)
+            buf = reduce_part(codec, get_reducer("mean"), [c.decoded(j) for c in contribs.values()], [1.0] * 3, gen)
             pieces.append(decode_part(codec, buf, e - s))
         got = layout.flatten(results[plain[0].worker_id].averaged)
         assert torch.equal(got, torch.cat(pieces))

@@ -124,7 +124,7 @@ def run_pipeline() -> tuple[CellState, dict[str, ErrorFeedback], list[dict]]:
         pieces = []
         for j, (s, e) in enumerate(bounds):
             gen = part_generator("golden", "k0.r0", rnd, 1, 1, "result", j)
-            buf = reduce_part(codec, reducer, [contribs[m].decoded[j] for m in MEMBERS], weights, gen)
+            buf = reduce_part(codec, reducer, [contribs[m].decoded(j) for m in MEMBERS], weights, gen)
             pieces.append(decode_part(codec, buf, e - s))
         averaged = layout.unflatten(torch.cat(pieces))
         for m in MEMBERS:

@@ -56,6 +56,8 @@ class LocalStore:
     def save(self, cp: LocalCheckpoint) -> None:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in cp.state.to_flat().items()}
         for k, v in cp.residuals.items():
+            # views of one vector (`parts.Contribution`): safetensors writes tensors that share
+            # a storage without overlapping (tests/test_contribution.py saves and loads them)
             tensors[f"e.{k}"] = v.detach().to("cpu", torch.float32).contiguous()
         meta = {
             "format": _FORMAT,

@@ -35,7 +35,6 @@ __all__ = [
     "Contributor",
     "Layout",
     "decode_part",
-    "encode_parts",
     "group_digest",
     "part_bounds",
     "part_generator",
@@ -86,12 +85,14 @@ class Layout:
             raise ValueError(f"tensor names differ from the layout: {sorted(set(tensors) ^ set(self.names))}")
         return torch.cat([tensors[n].detach().to("cpu", torch.float32).reshape(-1) for n in self.names])
 
-    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    def unflatten(self, flat: torch.Tensor, *, copy: bool = True) -> dict[str, torch.Tensor]:
+        """The tensors of a flat vector by name: copies, or with `copy=False` views of it."""
         if flat.numel() != self.total:
             raise ValueError(f"flat vector has {flat.numel()} elements, layout has {self.total}")
         out, start = {}, 0
         for name, shape, n in zip(self.names, self.shapes, self.numels, strict=True):
-            out[name] = flat[start : start + n].reshape(shape).clone()
+            view = flat[start : start + n].reshape(shape)
+            out[name] = view.clone() if copy else view
             start += n
         return out
 
@@ -126,50 +127,38 @@ def split_of(contributors: Sequence[Contributor], total: int) -> list[tuple[int,
     return part_bounds(total, len(frozen), skipped_positions(frozen), part_weights_of(frozen))
 
 
-def encode_parts(
-    codec: Codec, flat: torch.Tensor, bounds: list[tuple[int, int]], gen_key: tuple, abstained: str
-) -> tuple[list[bytes], list[torch.Tensor]]:
-    """Encode every part of our (compensated) delta and decode it back, as the reducers will."""
-    payloads: list[bytes] = []
-    decoded: list[torch.Tensor] = []
-    for j, (s, e) in enumerate(bounds):
-        if abstained or s == e:
-            payloads.append(b"")
-            decoded.append(torch.zeros(e - s))
-            continue
-        buf = codec.encode(flat[s:e], generator=part_generator(*gen_key, j))
-        payloads.append(buf)
-        decoded.append(decode_part(codec, buf, e - s))
-    return payloads, decoded
-
-
 @dataclass
 class Contribution:
-    """Our side of one exchange before a byte is sent: the parts we encode, and what reducers will decode."""
+    """Our side of one exchange before a byte is sent: the parts we encode, and what the codec dropped.
+
+    It holds one vector the size of the delta, the residual, not the compensated delta, its
+    flat copy and the decoded parts besides: a reducer decodes our part from the payload,
+    and the residual is all error feedback keeps."""
 
     layout: Layout
     bounds: list[tuple[int, int]]
-    compensated: dict[str, torch.Tensor]  # delta + error-feedback residual, float32 CPU
-    flat: torch.Tensor  # compensated, flattened
+    codec: Codec
     payloads: list[bytes]  # one codec frame per part (b"" for an empty part or when abstaining)
-    decoded: list[torch.Tensor]  # decode(payload) per part: exactly what the reducers aggregate
     abstained: str  # non-empty: we send nothing (non-finite delta or no samples), and why
+    # compensated - decode(payload), flattened: what the codec dropped (zeros when abstaining,
+    # so a non-finite delta is not carried into the next round)
+    residual_flat: torch.Tensor
+
+    def decoded(self, j: int) -> torch.Tensor:
+        """decode(payload) of part j: exactly what its reducers aggregate (zeros for an empty one)."""
+        s, e = self.bounds[j]
+        if not self.payloads[j]:
+            return torch.zeros(e - s)
+        return decode_part(self.codec, self.payloads[j], e - s)
 
     def residual(self) -> dict[str, torch.Tensor]:
-        """compensated - decode(encode(compensated)): what the codec dropped (zeros when abstaining)."""
-        if self.abstained:
-            return {n: torch.zeros(s) for n, s in zip(self.layout.names, self.layout.shapes, strict=True)}
-        return self.layout.unflatten(self.flat - torch.cat(self.decoded))
+        """The residual by tensor name: views of `residual_flat`, not copies (never change them in place)."""
+        return self.layout.unflatten(self.residual_flat, copy=False)
 
     def commit_error_feedback(self, error_feedback: Any) -> None:
-        """Store the new residual per tensor name (`ErrorFeedback.update`); call only after success."""
-        if self.abstained:  # what we "sent" was nothing: start over rather than carry a non-finite residual
-            for n, shape in zip(self.layout.names, self.layout.shapes, strict=True):
-                error_feedback.update(n, torch.zeros(shape), torch.zeros(shape))
-            return
-        decoded = self.layout.unflatten(torch.cat(self.decoded))
-        for n in self.layout.names:
-            error_feedback.update(n, self.compensated[n], decoded[n])
+        """Store the new residual per tensor name (`ErrorFeedback.store`); call only after success."""
+        for n, r in self.residual().items():
+            error_feedback.store(n, r)
 
 
 def prepare_contribution(
@@ -183,23 +172,42 @@ def prepare_contribution(
     skip: Collection[int] = (),
     weights: Sequence[int] | None = None,
 ) -> Contribution:
-    """Compensate with the error-feedback residual, flatten, split, encode and decode every part.
+    """Compensate with the error-feedback residual, flatten, split, encode every part, and keep
+    what the codec dropped.
+
+    One float32 vector the size of the delta is made: the compensated delta is written into
+    it tensor by tensor, each part is encoded from it, and then the part's decoded values
+    are subtracted from it in place, so it ends as the residual (the same elementwise adds
+    and subtractions as compensating and subtracting tensor by tensor).
 
     Pure: the residual is not stored here (`Contribution.commit_error_feedback` does that once
     the exchange succeeded, so a failed attempt leaves the worker's feedback untouched).
     """
     layout = Layout.of(delta)
-    compensated = {
-        n: (error_feedback.compensate(n, t) if error_feedback is not None else t).detach().to("cpu", torch.float32)
-        for n, t in delta.items()
-    }
-    flat = layout.flatten(compensated)
+    flat = torch.empty(layout.total, dtype=torch.float32)
+    start = 0
+    for n, numel in zip(layout.names, layout.numels, strict=True):
+        out = flat[start : start + numel]
+        if error_feedback is not None:
+            error_feedback.compensate_into(n, delta[n], out)
+        else:
+            out.copy_(delta[n].detach().reshape(-1))
+        start += numel
     finite = bool(torch.isfinite(flat).all())
     abstained = "" if finite and weight > 0 else ("non-finite delta" if not finite else "no samples")
     # `skip`: positions that reduce no part; `weights`: the parts' relative sizes (None: equal)
     bounds = part_bounds(layout.total, num_parts, skip, weights)
-    payloads, decoded = encode_parts(codec, flat, bounds, gen_key, abstained)
-    return Contribution(layout, bounds, compensated, flat, payloads, decoded, abstained)
+    payloads: list[bytes] = []
+    for j, (s, e) in enumerate(bounds):
+        if abstained or s == e:
+            payloads.append(b"")
+            continue
+        buf = codec.encode(flat[s:e], generator=part_generator(*gen_key, j))
+        payloads.append(buf)
+        flat[s:e] -= decode_part(codec, buf, e - s)  # the part becomes its residual
+    if abstained:
+        flat.zero_()
+    return Contribution(layout, bounds, codec, payloads, abstained, flat)
 
 
 def reduce_part(

@@ -320,10 +320,12 @@ def follow_round(ctx: ddp.DistContext, rt: CellRuntime, cmd: Mapping[str, Any]) 
 
 
 def fresh_feedback(residuals: Mapping[str, torch.Tensor]) -> ErrorFeedback:
-    """An ErrorFeedback holding the committed residuals; a failed attempt never touches them."""
+    """An ErrorFeedback holding the committed residuals (the same tensors, not copies: the
+    feedback replaces a residual, it never changes one in place); a failed attempt never
+    touches them."""
     ef = ErrorFeedback()
     for k, r in residuals.items():
-        ef.update(k, r, torch.zeros_like(r))
+        ef.store(k, r.float())
     return ef
 
 
