@@ -16,10 +16,11 @@ data) is the same for both presets, so the difference of the peaks, less the dif
 of the estimated activations, divided by the difference of the parameter bytes, is the
 number of float32 parameter copies a worker holds at its peak: on a CPU worker every
 copy is in the same memory, the four the training device holds (weights, gradients,
-AdamW's two moments) and the ones kept on the host (the committed weights and outer
-momentum, the round's new state, the error-feedback residual, the contribution's
-compensated, flattened and decoded vectors, the parts it reduces in float64, the averaged
-update, the state it serves to joiners, the loss audit's model). The table sets that
+AdamW's two moments) and the ones kept on the host (the committed weights, outer momentum
+and average, the round's new state, the delta and the contribution's residual, the parts
+it reduces in float64, the averaged update, the previous round's state kept for joiners,
+the loss audit's model; `bench/exchange_memory.py` takes the exchange's share apart). The
+table sets that
 against STATE_COPIES. Then, for the larger preset, where each worker's memory went (from
 its `--log-json` events and the sampled trace): before it built a model, while it measured
 its speed, the most while training and while exchanging, and what it held after each
