@@ -81,6 +81,67 @@ async def test_round_trip_in_chunks_with_hash_verification() -> None:
             await server.close()
 
 
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_superseded_state_is_kept_while_it_is_asked_for_then_dropped() -> None:
+    """A state a newer round has superseded is kept `superseded_s` after that round's
+    publication and after every request for it, so a joiner's download in progress goes on,
+    and dropped once nobody asks for it: the donor does not hold a stale copy of the
+    parameters until its next commit."""
+    clock = Clock()
+    async with peers(2) as (donor, joiner):
+        server = StateServer(donor.p2p, RUN_ID, chunk_nbytes=1000, superseded_s=30.0, clock=clock)
+        await server.start()
+        try:
+            five = server.publish(CELL, 5, committed_state(0))
+            server.publish(CELL, 6, committed_state(1))
+            assert server.held_rounds(CELL) == (5, 6)
+            clock.now += 29.0
+            server.drop_superseded()
+            assert server.held_rounds(CELL) == (5, 6)
+            assert (await fetch(joiner, donor, 5, five)).state_hash == five  # asked for: 30 s more
+            clock.now += 29.0  # 58 s after round 6, 29 s after the request
+            server.drop_superseded()
+            assert server.held_rounds(CELL) == (5, 6)
+            clock.now += 1.5
+            server.drop_superseded()
+            assert server.held_rounds(CELL) == (6,)
+            with pytest.raises(StateNotAvailable, match=f"{CELL} round 5 is not held here"):
+                await fetch(joiner, donor, 5, five)
+            # the newest is never dropped, however long nobody asks
+            clock.now += 1e6
+            server.drop_superseded()
+            assert server.held_rounds(CELL) == (6,)
+        finally:
+            await server.close()
+
+        # on the running loop, a timer drops it without another publication or request
+        server = StateServer(donor.p2p, RUN_ID, superseded_s=0.05)
+        await server.start()
+        try:
+            server.publish(CELL, 5, committed_state(0))
+            server.publish(CELL, 6, committed_state(1))
+            await asyncio.wait_for(until(lambda: server.held_rounds(CELL) == (6,)), 30)
+        finally:
+            await server.close()
+
+        # superseded_s=None: kept as long as `keep` allows
+        server = StateServer(None, RUN_ID, superseded_s=None, clock=clock)  # type: ignore[arg-type]
+        server.publish(CELL, 5, committed_state(0))
+        server.publish(CELL, 6, committed_state(1))
+        clock.now += 1e6
+        server.drop_superseded()
+        assert server.held_rounds(CELL) == (5, 6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 async def test_a_half_precision_state_downloads_losslessly(dtype: torch.dtype) -> None:
     """A run whose committed state lives on the bf16 / fp16 grid (`[sync] state_dtype`): the

@@ -38,7 +38,9 @@ and pieces) fail that check, and the next group of donors (if any announced anot
 is tried; a sync that no group completes fails, and the caller falls back to the
 coordinator's checkpoint, so a liar never corrupts the joiner.
 The donor keeps its last few committed states per cell, so a joiner one round behind can
-still be served. A joiner can also be a moment ahead: the coordinator names a donor as soon
+still be served; a state that a newer round has superseded is dropped once nobody has asked
+for it for `SUPERSEDED_S` (each is several copies of the parameters, held through the next
+exchange otherwise). A joiner can also be a moment ahead: the coordinator names a donor as soon
 as a round commits, but the donor adopts that round only when it hears the verdict, so a
 request for a round newer than any the donor holds waits briefly for it (`ROUND_WAIT_S`).
 
@@ -116,6 +118,15 @@ CATCH_UP_STALL_S = 8.0
 # of the download it would replace (`--sync-timeout-s`), as it fetches fewer bytes than that
 CATCH_UP_TIMEOUT_S = 120.0
 DEFAULT_KEEP_UPDATES = SyncSection().catch_up_rounds  # the run spec's default
+SUPERSEDED_S = 2 * STALL_S
+"""How long a donor keeps a committed state after a newer round of its cell is published,
+counted from then and from the start and end of every request for it since.
+
+A joiner asks for the round the coordinator named, which a moment later may no longer be
+the donor's newest: kept this long, such a request, and every range request of a download
+in progress (each comes well within `STALL_S` of the last, or the joiner drops the donor),
+is still served. Kept longer, the state costs the donor its weights, momentum and average
+until its next commit, its exchange's peak included, for nobody."""
 
 
 LINGER_S = 15.0
@@ -233,6 +244,10 @@ class StateServer:
     `withdraw` must be called on the event loop's thread (the agent calls them from its
     coroutines): they change what the waiting requests look up, and wake them, unlocked.
 
+    At most `keep` states per cell are held, and one superseded by a newer round only for
+    `superseded_s` after that round's publication and after every request for it (None: as
+    long as `keep` allows; `SUPERSEDED_S` says why).
+
     Committed updates (`publish(..., updates=)`) are kept per cell for the last
     `keep_updates` rounds, and in bytes at most the size of the newest state's file (so
     they never cost more memory than one more copy of the state); the oldest go first.
@@ -248,15 +263,20 @@ class StateServer:
         max_concurrent: int = 4,
         round_wait_s: float = ROUND_WAIT_S,
         max_waiting: int = MAX_WAITING,
+        superseded_s: float | None = SUPERSEDED_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if not 0 < chunk_nbytes <= MAX_CHUNK_NBYTES:
             raise ValueError(f"chunk_nbytes must be in (0, {MAX_CHUNK_NBYTES}]")
-        if round_wait_s < 0 or max_waiting < 0:
-            raise ValueError("round_wait_s and max_waiting must be >= 0")
+        if round_wait_s < 0 or max_waiting < 0 or (superseded_s is not None and superseded_s < 0):
+            raise ValueError("round_wait_s, max_waiting and superseded_s must be >= 0")
         self.p2p, self.run_id = p2p, run_id
         self.chunk_nbytes, self.keep, self.round_wait_s = chunk_nbytes, keep, round_wait_s
-        self.max_waiting = max_waiting
+        self.max_waiting, self.superseded_s, self.clock = max_waiting, superseded_s, clock
         self._states: dict[str, OrderedDict[int, _Entry]] = {}
+        # (cell, round) of a superseded state -> monotonic time from which it may be dropped
+        self._drop_after: dict[tuple[str, int], float] = {}
+        self._sweep: asyncio.TimerHandle | None = None
         self._updates: dict[str, OrderedDict[int, CommittedUpdate]] = {}  # by round, oldest first
         # (sha256, piece digests) of a held state's file, computed off the loop on its first request
         self._digests: dict[tuple[str, int, str], asyncio.Future[tuple[str, bytes]]] = {}
@@ -274,6 +294,9 @@ class StateServer:
             self._started = True
 
     async def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         if self._started:
             self._started = False
             self._wake_waiters()  # they are refused: nothing will be published for them now
@@ -309,9 +332,52 @@ class StateServer:
         per_cell[committed_round] = entry
         while len(per_cell) > self.keep:
             per_cell.popitem(last=False)
+        if self.superseded_s is not None:
+            newest = max(per_cell)
+            for held in per_cell:
+                if held != newest:
+                    self._drop_after.setdefault((cell_id, held), self.clock() + self.superseded_s)
         self._keep_updates(cell_id, committed_round, updates, keep_updates, file.nbytes)
-        self._wake_waiters()
+        self.drop_superseded()
         return entry.state_hash
+
+    def _asked(self, cell_id: str, committed_round: int) -> None:
+        """A request for (cell, round) starts or ends: a superseded state is kept `superseded_s` more."""
+        key = (cell_id, committed_round)
+        if key in self._drop_after and self.superseded_s is not None:
+            self._drop_after[key] = max(self._drop_after[key], self.clock() + self.superseded_s)
+
+    def held_rounds(self, cell_id: str) -> tuple[int, ...]:
+        """The rounds of `cell_id` whose committed state is held, oldest first."""
+        return tuple(self._states.get(cell_id, _NO_STATES))
+
+    def drop_superseded(self) -> None:
+        """Drop the superseded states nobody asked for within `superseded_s`, and look again
+        when the next of the others is due (a timer on the running loop, if there is one;
+        else at the next publication)."""
+        self._sweep_due()
+        self._wake_waiters()  # forget the dropped states' piece digests
+
+    def _sweep_due(self) -> None:
+        now = self.clock()
+        for key, due in list(self._drop_after.items()):
+            per_cell = self._states.get(key[0])
+            if per_cell is None or key[1] not in per_cell:
+                del self._drop_after[key]  # evicted by `keep`, or withdrawn
+            elif due <= now:
+                del per_cell[key[1]]
+                del self._drop_after[key]
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        if not self._drop_after:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # published outside a loop (a unit test): swept at the next publication
+            return
+        wait = max(0.0, min(self._drop_after.values()) - now)
+        self._sweep = loop.call_later(wait, self.drop_superseded)
 
     def _keep_updates(
         self, cell_id: str, committed_round: int, updates: Sequence[CommittedUpdate], keep: int, max_nbytes: int
@@ -340,7 +406,7 @@ class StateServer:
         else:
             self._states.pop(cell_id, None)
             self._updates.pop(cell_id, None)
-        self._wake_waiters()  # a withdrawn cell's waiting requests are refused now
+        self.drop_superseded()  # forgets what was withdrawn; its waiting requests are refused now
 
     def _wake_waiters(self) -> None:
         """Wake every request waiting in `_lookup`; each looks again at what is held now
@@ -425,11 +491,14 @@ class StateServer:
         return ""
 
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        entry: _Entry | None = None
         try:
             req, _ = await asyncio.wait_for(read_message(reader, dp.StateRequest), 10.0)
             ranged = bool(req.offset or req.length or req.pieces_only)
             # the run first: another run's request must not wait for one of our rounds
             entry = await self._lookup(req.cell_id, req.committed_round) if req.run_id == self.run_id else None
+            if entry is not None:
+                self._asked(req.cell_id, entry.committed_round)
             status = dp.STATUS_NOT_AVAILABLE
             if req.run_id != self.run_id:
                 reason = f"wrong run {req.run_id!r}"
@@ -476,6 +545,8 @@ class StateServer:
         except (FrameError, ConnectionError, OSError, asyncio.IncompleteReadError, TimeoutError) as e:
             log.debug("state stream from %s ended: %s", info.peer_id, e)
         finally:
+            if entry is not None:  # the joiner's next range request comes after this one
+                self._asked(req.cell_id, entry.committed_round)
             writer.close()
 
     async def _on_updates_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
