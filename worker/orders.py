@@ -283,7 +283,7 @@ class Orders:
             w = self.work
             assert w is not None
             w.report_epoch = self.link.epoch
-            w.reduce_task = self.host.spawn(self._report(w), "re-report")
+            self._spawn_exchange(w, self._report(w), "re-report")
         elif isinstance(a, ReportMissing):
             self.missing_reported.add((a.cell_id, a.round, a.round_attempt, a.reduce_attempt))
             self.host.spawn(self._report_missing(a), "report-missing")
@@ -502,7 +502,7 @@ class Orders:
             late=0 < i.plan.late_from <= member_index,
             ahead_steps=ahead.result.steps if ahead is not None and ahead.result is not None else 0,
         )
-        w.task = self.train_task = self.host.spawn(self._train(w, rt, reset, ahead), "train")
+        self.train_task = self.host.spawn(self._train(w, rt, reset, ahead), "train")
         self.link.wake_heartbeat()
         return True
 
@@ -588,9 +588,25 @@ class Orders:
         self.display.event(
             "exchange", cell=w.cell_id, round=w.round, reduce_attempt=a.reduce_attempt, catch_up=w.catch_up
         )
-        w.reduce_task = self.host.spawn(self._reduce(w, i), "reduce")
+        self._spawn_exchange(w, self._reduce(w, i), "reduce")
         self._maybe_train_ahead(w)
         self.link.wake_heartbeat()
+
+    def _spawn_exchange(self, w: RoundWork, coro: Coroutine[Any, Any, None], name: str) -> None:
+        """Run `coro` (w's exchange, or its report) as `w.reduce_task`, which reads None once it ended.
+
+        The coroutine's frames hold `w`; a task that ends in an exception (cancelled when its
+        attempt is aborted, most often) holds them through the exception's traceback, and `w`
+        holding the task would close that cycle: the exchange's contribution, decoded parts
+        and round state would then stay in memory until Python's cyclic collector ran."""
+        task = self.host.spawn(coro, name)
+        w.reduce_task = task
+
+        def forget(t: asyncio.Task[Any]) -> None:
+            if w.reduce_task is t:
+                w.reduce_task = None
+
+        task.add_done_callback(forget)
 
     # ------------------------------------------------------------------ training ahead (overlap)
 
@@ -622,7 +638,7 @@ class Orders:
         # from the eager estimate of the coming outer step, with our own honest pseudo-gradient
         own = self._last_delta if self.cfg.byzantine and self._last_delta is not None else w.delta
         cfg = OuterConfig.from_spec(spec.diloco, spec.ema)
-        a.task = self.train_task = self.host.spawn(self._train_ahead(a, rt, self.held.state, own, cfg), "train-ahead")
+        self.train_task = self.host.spawn(self._train_ahead(a, rt, self.held.state, own, cfg), "train-ahead")
 
     async def _train_ahead(
         self, a: AheadRun, rt: CellRuntime, base: CellState, own: dict[str, torch.Tensor], cfg: OuterConfig

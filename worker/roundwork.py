@@ -109,7 +109,6 @@ class RoundWork:
     plan: InnerPlan
     deadline_unix_ms: int
     stop: threading.Event = field(default_factory=threading.Event)
-    task: asyncio.Task | None = None
     inner_step: int = 0
     last_loss: float = 0.0
     result: TrainResult | None = None
@@ -176,7 +175,6 @@ class AheadRun:
 
     guess: RoundWork
     base_round: int  # the round whose exchange the steps overlap
-    task: asyncio.Task | None = None
     start: dict[str, torch.Tensor] | None = None  # where the steps started, float32 on CPU
     result: TrainResult | None = None
 
