@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,7 +27,7 @@ from bagel.worker.roundwork import RoundWork
 from bagel.worker.trainer import InnerPlan, TrainResult
 
 from dataplane_peers import peers, torch_shm_manager  # noqa: F401 (autouse fixture)
-from test_statesync_updates import CELL, base_state, close, worker
+from test_statesync_updates import CELL, base_state, close, reduce_order, worker
 
 
 async def _until(cond: Any) -> None:
@@ -51,16 +50,7 @@ async def test_an_abandoned_exchange_frees_its_contribution_without_the_cyclic_c
     async with peers(3) as ps:
         state = base_state()
         members = [(p, await worker(p, state, 4)) for p in ps[:2]]  # the third never contributes
-        contributors = [p.contributor() for p in ps]
-        order = SimpleNamespace(
-            reduce_attempt=1,
-            reduce_deadline_unix_ms=0,
-            contributors=[
-                SimpleNamespace(worker_id=c.worker_id, peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
-                                max_samples=c.max_samples, no_reduce=False, part_weight=0)
-                for c in contributors
-            ],
-        )  # fmt: skip
+        order = reduce_order(list(ps))
         works = []
         for i, (_, o) in enumerate(members):
             w = RoundWork(CELL, 5, 1, i, 3, InnerPlan(1, 1, 1), 0)

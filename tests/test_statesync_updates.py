@@ -115,18 +115,23 @@ async def worker(p: Peer, held: CellState | None, rnd: int, spec: Any = SPEC) ->
     return o
 
 
-async def commit_round(members: list[tuple[Peer, Orders]], rnd: int, spec: Any = SPEC) -> list[ReduceOutcome]:
-    """Round `rnd` committed as the workers commit it: a real exchange among the members
-    (`reduce_round`, what `Orders._reduce` runs), then `Orders.commit` of its outcome."""
-    contributors = [p.contributor() for p, _ in members]
-    order = SimpleNamespace(
+def reduce_order(members: list[Peer]) -> SimpleNamespace:
+    """The REDUCE instruction's fields an exchange reads: attempt 1 among these members, no deadline."""
+    return SimpleNamespace(
         reduce_attempt=1,
+        reduce_deadline_unix_ms=0,
         contributors=[
             SimpleNamespace(worker_id=c.worker_id, peer=SimpleNamespace(peer_id=c.peer_id, maddrs=list(c.maddrs)),
                             max_samples=c.max_samples, no_reduce=False, part_weight=0)
-            for c in contributors
+            for c in (p.contributor() for p in members)
         ],
     )  # fmt: skip
+
+
+async def commit_round(members: list[tuple[Peer, Orders]], rnd: int, spec: Any = SPEC) -> list[ReduceOutcome]:
+    """Round `rnd` committed as the workers commit it: a real exchange among the members
+    (`reduce_round`, what `Orders._reduce` runs), then `Orders.commit` of its outcome."""
+    order = reduce_order([p for p, _ in members])
     works = []
     for i, (_, o) in enumerate(members):
         assert o.held is not None
