@@ -125,7 +125,3 @@ class StateFile:
                 piece.update(s)
             pieces += piece.digest()
         return whole.hexdigest(), bytes(pieces)
-
-    def to_bytes(self) -> bytes:
-        """The whole file (a copy)."""
-        return b"".join(self.slices(0, self.nbytes))
