@@ -490,6 +490,7 @@ class CoordinatorApp:
                 reputation=w.reputation,
                 samples_per_s=float(w.throughput.get(w.cell_id, 0.0)) if w.cell_id else 0.0,
                 vram_bytes=w.profile.vram_bytes,
+                host_memory_bytes=w.profile.host_memory_bytes,
                 rounds_contributed=w.rounds_contributed,
                 reachability=int(w.profile.reachability),
                 reachability_detail=w.profile.reachability_detail,

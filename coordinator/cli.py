@@ -439,6 +439,7 @@ def status_from_store(data_dir: Path, rounds: int = 10) -> dict[str, Any]:
                 reputation=w.reputation,
                 samples_per_s=float(w.throughput.get(w.cell_id, 0.0)) if w.cell_id else 0.0,
                 vram_bytes=w.profile.vram_bytes,
+                host_memory_bytes=w.profile.host_memory_bytes,
                 rounds_contributed=w.rounds_contributed,
             )
         for state, n in counts.items():
@@ -562,7 +563,19 @@ def _render(doc: dict[str, Any]) -> None:
         )
     console.print(cells)
     workers = Table(title=f"workers ({len(doc['workers'])})")
-    for col in ("worker", "name", "state", "cell", "phase", "heartbeat", "samples/s", "vram GiB", "rep", "rounds"):
+    for col in (
+        "worker",
+        "name",
+        "state",
+        "cell",
+        "phase",
+        "heartbeat",
+        "samples/s",
+        "vram GiB",
+        "RAM GiB",
+        "rep",
+        "rounds",
+    ):
         workers.add_column(col)
     for w in doc["workers"][:200]:
         workers.add_row(
@@ -574,6 +587,7 @@ def _render(doc: dict[str, Any]) -> None:
             _age(w["heartbeat_age_s"]),
             f"{w['samples_per_s']:.1f}",
             f"{w['vram_bytes'] / 2**30:.1f}",
+            f"{w['host_memory_bytes'] / 2**30:.1f}" if w.get("host_memory_bytes") else DASH,
             f"{w['reputation']:.2f}",
             str(w["rounds_contributed"]),
         )

@@ -4,8 +4,11 @@ The pure core takes `CellConfig(cell_id, memory_bytes, target_share, payload_byt
 module derives them from the run spec:
 
 - **memory_bytes**: `bagel.models.experts.cell_memory_bytes` (closed form: parameters x the
-  float32 copies a training cell keeps, plus activations) at a micro-batch of one sample,
-  the least a member can be given: a cell fits a card that holds that.
+  float32 copies training keeps on the device, plus activations) at a micro-batch of one
+  sample, the least a member can be given: a cell fits a card that holds that.
+- **host_bytes**: `bagel.models.experts.cell_host_bytes`, what a worker holds on the host
+  besides (committed states, the exchange's working copies): a GPU worker's RAM must hold
+  it, and a CPU worker's RAM must hold both.
 - **sample_bytes**: the activations of one more sample (`activation_bytes` is linear in the
   micro-batch), so the planner gives each member the largest micro-batch its own memory
   holds, up to `diloco.max_micro_batch` (`protocol/cellmemory.py`): a 24 GiB card
@@ -74,7 +77,7 @@ def cell_configs(spec: RunSpec, *, sizes: Sequence[int] | None = None, fallback:
     codec = get_codec(spec.diloco.codec)
     out = []
     for cell in spec.cell_ids:
-        memory, sample = cell_memory_sizes(spec, cell)
+        memory, sample, host = cell_memory_sizes(spec, cell)
         payload = codec.encoded_nbytes(_param_count(spec, cell))
         out.append(
             CellConfig(
@@ -83,6 +86,7 @@ def cell_configs(spec: RunSpec, *, sizes: Sequence[int] | None = None, fallback:
                 target_share=targets[cell],
                 payload_bytes=payload,
                 sample_bytes=sample,
+                host_bytes=host,
             )
         )
     return out
@@ -96,6 +100,7 @@ def configs_to_json(configs: Sequence[CellConfig]) -> list[dict[str, object]]:
             "target_share": c.target_share,
             "payload_bytes": c.payload_bytes,
             "sample_bytes": c.sample_bytes,
+            "host_bytes": c.host_bytes,
         }
         for c in configs
     ]
@@ -113,6 +118,9 @@ def configs_from_json(spec: RunSpec, data: object) -> list[CellConfig]:
             payload_bytes=int(d["payload_bytes"]),
             # absent from configs stored before it: their memory_bytes is at the run's largest micro-batch
             sample_bytes=int(d.get("sample_bytes", 0)),
+            # absent from configs stored before it: their memory_bytes counts the host's copies
+            # too (seven float32 copies on the device), and the host is not checked
+            host_bytes=int(d.get("host_bytes", 0)),
         )
         for d in data
         if isinstance(d, Mapping)

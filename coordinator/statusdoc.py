@@ -51,6 +51,7 @@ def worker_doc(
         "reputation": float(w.reputation),
         "samples_per_s": float(w.samples_per_s),
         "vram_bytes": int(w.vram_bytes),
+        "host_memory_bytes": int(w.host_memory_bytes),
         "rounds_contributed": int(w.rounds_contributed),
         "lease_expires_unix_ms": lease_ms,
         "heartbeat_age_s": None if heartbeat_ms is None else max(0.0, (now_ms - heartbeat_ms) / 1000.0),

@@ -35,9 +35,21 @@ ModelConfig = dit.DiTConfig | unet.UNetConfig | router.RouterConfig
 # probability that an expert's training label is replaced by the null label (CFG training);
 # DiT uses 0.1 as well.
 LABEL_DROPOUT = 0.1
-# float32 copies of the parameter vector a training cell holds: weights, gradients, AdamW's
-# two moments, the outer optimizer's global weights and momentum, the error-feedback residual.
-STATE_COPIES = 7
+# float32 copies of the parameter vector on the training device: the weights, their
+# gradients and AdamW's two moments (on a CPU worker the device is the host).
+DEVICE_COPIES = 4
+# What a worker holds on the host besides, counted from the worker's code and measured
+# (`bench/worker_memory.py`, `bench/exchange_memory.py`; README, "What a worker really holds"):
+# - committed states, each its weights and outer momentum (and average with `[ema]`) in the
+#   run's `[sync] state_dtype`: the committed one, the new one the outer step builds until
+#   the round's verdict, and the previous one, kept for joiners one round behind for
+#   `worker.statesync.SUPERSEDED_S` after a commit;
+HOST_STATES = 3
+# - float32 working copies: the reducers' loss-audit model (1); the pseudo-gradient, the
+#   error-feedback residual and the averaged update (3); the reduction of a part in
+#   float64 with its decoded inputs (about 7 in a group of two, and about as many in larger
+#   groups, whose parts are smaller but more).
+HOST_WORK_COPIES = 11
 BYTES_PER_FLOAT = 4
 EVAL_BATCH = 256
 
@@ -156,20 +168,41 @@ def cell_state_schema(spec: RunSpec, cell_id: str) -> dict[str, tuple[str, tuple
 
 
 def cell_memory_bytes(spec: RunSpec, cell_id: str, micro_batch: int) -> int:
-    """Training memory of a cell: STATE_COPIES (+1 with `[ema]`) x params x 4 bytes + activations (closed form)."""
+    """A cell's training memory on the device (closed form): DEVICE_COPIES x params x 4
+    bytes plus the activations of a micro-batch. What must fit the card (a CPU worker: its
+    RAM, with `cell_host_bytes` beside it)."""
     if micro_batch < 1:
         raise ValueError(f"micro_batch must be at least 1, got {micro_batch}")
     cfg = cell_config(spec, cell_id)
-    copies = STATE_COPIES + (1 if spec.ema.decay > 0 else 0)  # the average of the committed weights
-    return copies * BYTES_PER_FLOAT * _count(cfg) + activation_bytes(cfg, micro_batch)
+    return DEVICE_COPIES * BYTES_PER_FLOAT * _count(cfg) + activation_bytes(cfg, micro_batch)
 
 
-def cell_memory_sizes(spec: RunSpec, cell_id: str) -> tuple[int, int]:
-    """(a cell's training memory with a micro-batch of one sample, what each further sample
-    adds): the activations are linear in the micro-batch, so `cell_memory_bytes` at m is
-    first + (m - 1) x second. What the coordinator sizes a cell by (`coordinator/sizing.py`)
-    and the worker measures by (`worker/profile.py`), through `bagel.protocol.cellmemory`."""
-    return cell_memory_bytes(spec, cell_id, 1), activation_bytes(cell_config(spec, cell_id), 1)
+def cell_host_bytes(spec: RunSpec, cell_id: str) -> int:
+    """What a worker of the cell holds on the host besides the device's share (closed form):
+    HOST_STATES committed states (weights and momentum, and the average with `[ema]`, in
+    the run's `[sync] state_dtype`) plus HOST_WORK_COPIES float32 copies of the parameters.
+    It does not depend on the micro-batch. On a GPU worker it must fit the host's RAM; on a
+    CPU worker the device is the host, so it adds to `cell_memory_bytes`."""
+    from bagel.protocol.runspec import STATE_DTYPE_NBYTES
+
+    n = _count(cell_config(spec, cell_id))
+    tensors = 3 if spec.ema.decay > 0 else 2
+    return (
+        HOST_STATES * tensors * STATE_DTYPE_NBYTES[spec.sync.state_dtype] * n + HOST_WORK_COPIES * BYTES_PER_FLOAT * n
+    )
+
+
+def cell_memory_sizes(spec: RunSpec, cell_id: str) -> tuple[int, int, int]:
+    """(a cell's device memory with a micro-batch of one sample, what each further sample
+    adds, its host memory): the activations are linear in the micro-batch, so
+    `cell_memory_bytes` at m is first + (m - 1) x second. What the coordinator sizes a cell
+    by (`coordinator/sizing.py`) and the worker measures by (`worker/profile.py`), through
+    `bagel.protocol.cellmemory`."""
+    return (
+        cell_memory_bytes(spec, cell_id, 1),
+        activation_bytes(cell_config(spec, cell_id), 1),
+        cell_host_bytes(spec, cell_id),
+    )
 
 
 @dataclass(frozen=True)

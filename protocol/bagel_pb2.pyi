@@ -92,7 +92,7 @@ class PeerAddress(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., maddrs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerProfile(_message.Message):
-    __slots__ = ("name", "device_kind", "device_name", "vram_bytes", "num_devices", "link_bandwidth_bytes_per_s", "samples_per_s", "software_version", "reachability", "reachability_detail")
+    __slots__ = ("name", "device_kind", "device_name", "vram_bytes", "num_devices", "link_bandwidth_bytes_per_s", "samples_per_s", "software_version", "host_memory_bytes", "reachability", "reachability_detail")
     class SamplesPerSEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class WorkerProfile(_message.Message):
     LINK_BANDWIDTH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     SOFTWARE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_DETAIL_FIELD_NUMBER: _ClassVar[int]
     name: str
@@ -118,9 +119,10 @@ class WorkerProfile(_message.Message):
     link_bandwidth_bytes_per_s: float
     samples_per_s: _containers.ScalarMap[str, float]
     software_version: str
+    host_memory_bytes: int
     reachability: PeerReachability
     reachability_detail: str
-    def __init__(self, name: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., vram_bytes: _Optional[int] = ..., num_devices: _Optional[int] = ..., link_bandwidth_bytes_per_s: _Optional[float] = ..., samples_per_s: _Optional[_Mapping[str, float]] = ..., software_version: _Optional[str] = ..., reachability: _Optional[_Union[PeerReachability, str]] = ..., reachability_detail: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., vram_bytes: _Optional[int] = ..., num_devices: _Optional[int] = ..., link_bandwidth_bytes_per_s: _Optional[float] = ..., samples_per_s: _Optional[_Mapping[str, float]] = ..., software_version: _Optional[str] = ..., host_memory_bytes: _Optional[int] = ..., reachability: _Optional[_Union[PeerReachability, str]] = ..., reachability_detail: _Optional[str] = ...) -> None: ...
 
 class LocalState(_message.Message):
     __slots__ = ("cell_id", "committed_round", "state_hash")
@@ -445,7 +447,7 @@ class StatusAuthRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[RequestHeader, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "name", "state", "cell_id", "phase", "lease_expires_unix_ms", "reputation", "samples_per_s", "vram_bytes", "rounds_contributed", "last_heartbeat_unix_ms", "reachability", "reachability_detail")
+    __slots__ = ("worker_id", "name", "state", "cell_id", "phase", "lease_expires_unix_ms", "reputation", "samples_per_s", "vram_bytes", "rounds_contributed", "host_memory_bytes", "last_heartbeat_unix_ms", "reachability", "reachability_detail")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +458,7 @@ class WorkerStatus(_message.Message):
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     VRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -469,10 +472,11 @@ class WorkerStatus(_message.Message):
     samples_per_s: float
     vram_bytes: int
     rounds_contributed: int
+    host_memory_bytes: int
     last_heartbeat_unix_ms: int
     reachability: PeerReachability
     reachability_detail: str
-    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., cell_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., lease_expires_unix_ms: _Optional[int] = ..., reputation: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., vram_bytes: _Optional[int] = ..., rounds_contributed: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., reachability: _Optional[_Union[PeerReachability, str]] = ..., reachability_detail: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., cell_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., lease_expires_unix_ms: _Optional[int] = ..., reputation: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., vram_bytes: _Optional[int] = ..., rounds_contributed: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., reachability: _Optional[_Union[PeerReachability, str]] = ..., reachability_detail: _Optional[str] = ...) -> None: ...
 
 class CellStatus(_message.Message):
     __slots__ = ("cell_id", "kind", "round", "round_state", "committed_round", "committed_hash", "members", "target_share", "actual_share", "last_loss", "latest_checkpoint_round", "samples_committed", "sample_target", "samples_per_s", "last_commit_unix_ms")

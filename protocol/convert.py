@@ -51,6 +51,7 @@ def profile_from_pb(p: pb.WorkerProfile) -> Profile:
         software_version=p.software_version,
         reachability=Reachability(p.reachability) if p.reachability in _REACHABILITIES else Reachability.UNKNOWN,
         reachability_detail=p.reachability_detail,
+        host_memory_bytes=p.host_memory_bytes,
     )
 
 

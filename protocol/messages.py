@@ -78,6 +78,7 @@ class Profile:
     software_version: str = ""
     reachability: Reachability = Reachability.UNKNOWN
     reachability_detail: str = ""
+    host_memory_bytes: int = 0  # RAM beside a separate device (0: not declared)
 
 
 @fast_init

@@ -166,6 +166,7 @@ def _profile(field: str, profile: pb.WorkerProfile, spec: RunSpec) -> None:
         raise ValidationError(f"{field}.device_kind", f"must be one of {sorted(DEVICE_KINDS)}")
     _text(f"{field}.device_name", profile.device_name, MAX_DEVICE_NAME_CHARS)
     _int(f"{field}.vram_bytes", profile.vram_bytes, 0, MAX_VRAM_BYTES)
+    _int(f"{field}.host_memory_bytes", profile.host_memory_bytes, 0, MAX_VRAM_BYTES)
     _int(f"{field}.num_devices", profile.num_devices, 0, MAX_DEVICES)
     _float(f"{field}.link_bandwidth_bytes_per_s", profile.link_bandwidth_bytes_per_s, 0.0, MAX_BANDWIDTH_BYTES_PER_S)
     cells = _cells_of(spec)

@@ -28,7 +28,7 @@ from bagel.coordinator.core.scheduler import (
     split_batch,
     throughput_for,
 )
-from bagel.protocol.cellmemory import fits, micro_batch_cap
+from bagel.protocol.cellmemory import MemoryBudget, fits, micro_batch_cap
 from bagel.protocol.messages import Order
 
 from test_state_harness import GB, T0, Harness, h, make_cells, make_spec
@@ -58,7 +58,7 @@ UNIT = 20.0  # samples/s of speed 1.0 on an expert cell; the router is 5x cheape
 
 def fleet_views() -> list[WorkerView]:
     return [
-        WorkerView(f"w{i:02d}", v * GB, {c: s * UNIT * (5 if c == ROUTER else 1) for c in CELL_MEMORY})
+        WorkerView(f"w{i:02d}", MemoryBudget(v * GB), {c: s * UNIT * (5 if c == ROUTER else 1) for c in CELL_MEMORY})
         for i, (v, s) in enumerate(FLEET)
     ]
 
@@ -76,8 +76,8 @@ def max_rel_error(shares: dict[str, float], targets: dict[str, float]) -> float:
 
 
 def test_fit_and_helpers() -> None:
-    assert fits(12 * GB, 9 * GB, 0.2) and not fits(8 * GB, 9 * GB, 0.2)
-    assert fits(10 * GB, 8 * GB, 0.2) and not fits(10 * GB, 8 * GB + 1, 0.2)
+    assert fits(MemoryBudget(12 * GB), 9 * GB, 0, 0.2) and not fits(MemoryBudget(8 * GB), 9 * GB, 0, 0.2)
+    assert fits(MemoryBudget(10 * GB), 8 * GB, 0, 0.2) and not fits(MemoryBudget(10 * GB), 8 * GB + 1, 0, 0.2)
     assert throughput_for({"a": 10.0, "b": 30.0}, "a") == 10.0
     assert throughput_for({"a": 10.0, "b": 30.0}, "c") == 20.0  # unmeasured: the mean
     assert throughput_for({}, "c") == 1.0
@@ -153,7 +153,7 @@ def test_assign_a_heterogeneous_fleet_from_scratch() -> None:
     for w in views:
         c = a[w.worker_id]
         assert c, f"{w.worker_id} left idle"
-        assert fits(w.vram_bytes, CELL_MEMORY[c], 0.2), f"{w.worker_id} ({w.vram_bytes >> 30} GB) got {c}"
+        assert fits(w.budget, CELL_MEMORY[c], 0, 0.2), f"{w.worker_id} ({w.budget.device_bytes >> 30} GB) got {c}"
     assert a["w00"] == a["w01"] == ROUTER  # small cards are router-only
     shares = compute_shares(views, a, CELL_MEMORY, TARGETS, knobs)
     assert max_rel_error(shares, norm(TARGETS)) <= 0.15, shares
@@ -166,7 +166,7 @@ def test_assign_keeps_a_balanced_assignment() -> None:
     views = fleet_views()
     first = assign(views, CELL_MEMORY, TARGETS, knobs)
     again = assign(
-        [WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=first[v.worker_id]) for v in views],
+        [WorkerView(v.worker_id, v.budget, v.throughput, cell_id=first[v.worker_id]) for v in views],
         CELL_MEMORY,
         TARGETS,
         knobs,
@@ -180,32 +180,30 @@ def test_assign_after_departure_moves_only_what_is_needed() -> None:
     first = assign(views, CELL_MEMORY, TARGETS, knobs)
     for gone in [v.worker_id for v in views]:
         rest = [
-            WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=first[v.worker_id])
+            WorkerView(v.worker_id, v.budget, v.throughput, cell_id=first[v.worker_id])
             for v in views
             if v.worker_id != gone
         ]
         after = assign(rest, CELL_MEMORY, TARGETS, knobs)
         moved = [w for w in after if after[w] != first[w]]
-        scratch = assign(
-            [WorkerView(v.worker_id, v.vram_bytes, v.throughput) for v in rest], CELL_MEMORY, TARGETS, knobs
-        )
+        scratch = assign([WorkerView(v.worker_id, v.budget, v.throughput) for v in rest], CELL_MEMORY, TARGETS, knobs)
         assert len(moved) <= 3, (gone, moved)
         assert len(moved) <= sum(1 for w in scratch if scratch[w] != first[w])
         for w in moved:  # a sticky worker moves only from a cell over target to one under it
-            assert fits(next(v.vram_bytes for v in rest if v.worker_id == w), CELL_MEMORY[after[w]], 0.2)
+            assert fits(next(v.budget for v in rest if v.worker_id == w), CELL_MEMORY[after[w]], 0, 0.2)
 
 
 def test_min_and_max_replicas() -> None:
     knobs = Knobs(min_replicas=2, max_replicas=3)
     # all the compute in one fast worker, 9 others slow: balance alone would pile slow ones up
-    views = [WorkerView("fast", 80 * GB, {c: 1000.0 for c in CELL_MEMORY})] + [
-        WorkerView(f"s{i}", 24 * GB, {c: 10.0 for c in CELL_MEMORY}) for i in range(9)
+    views = [WorkerView("fast", MemoryBudget(80 * GB), {c: 1000.0 for c in CELL_MEMORY})] + [
+        WorkerView(f"s{i}", MemoryBudget(24 * GB), {c: 10.0 for c in CELL_MEMORY}) for i in range(9)
     ]
     a = assign(views, CELL_MEMORY, TARGETS, knobs)
     counts = {c: sum(1 for v in a.values() if v == c) for c in CELL_MEMORY}
     assert min(counts.values()) >= 2 and max(counts.values()) <= 3
     # more workers than max_replicas x cells: the rest stand by
-    many = [WorkerView(f"x{i}", 24 * GB, {c: 10.0 for c in CELL_MEMORY}) for i in range(20)]
+    many = [WorkerView(f"x{i}", MemoryBudget(24 * GB), {c: 10.0 for c in CELL_MEMORY}) for i in range(20)]
     b = assign(many, CELL_MEMORY, TARGETS, knobs)
     assert sum(1 for v in b.values() if v) == 15 and sum(1 for v in b.values() if not v) == 5
     # too few workers for min_replicas everywhere: every cell still gets one first
@@ -220,9 +218,9 @@ def test_reputation_lowers_weight_in_balance() -> None:
 
     def fleet(rep: float) -> list[WorkerView]:
         return [
-            WorkerView("g1", 24 * GB, {c: 10.0 for c in mem}),
-            WorkerView("g2", 24 * GB, {c: 10.0 for c in mem}),
-            WorkerView("big", 24 * GB, {c: 20.0 for c in mem}, reputation=rep),
+            WorkerView("g1", MemoryBudget(24 * GB), {c: 10.0 for c in mem}),
+            WorkerView("g2", MemoryBudget(24 * GB), {c: 10.0 for c in mem}),
+            WorkerView("big", MemoryBudget(24 * GB), {c: 20.0 for c in mem}, reputation=rep),
         ]
 
     trusted = assign(fleet(0.0), mem, tgt, knobs)
@@ -342,7 +340,9 @@ def test_heterogeneous_fleet_through_the_core(seed: int) -> None:
     after = {w: rec.cell_id for w, rec in hz.store.workers.items() if rec.state is WorkerState.ACTIVE}
     moved = sorted(w for w in after if after[w] != before[w])
     # a from-scratch plan of the same 11 workers would move many more
-    views = [WorkerView(w, FLEET[int(w[1:])][0] * GB, {c: speed_of(w, c) for c in CELL_MEMORY}) for w in after]
+    views = [
+        WorkerView(w, MemoryBudget(FLEET[int(w[1:])][0] * GB), {c: speed_of(w, c) for c in CELL_MEMORY}) for w in after
+    ]
     scratch = assign(views, CELL_MEMORY, TARGETS, Knobs(min_replicas=2, max_replicas=4))
     churn = sum(1 for w in after if scratch[w] != before[w])
     assert 1 <= len(moved) <= 4 and len(moved) < churn, (moved, churn)
@@ -378,14 +378,15 @@ def test_sticky_workers_do_not_move_within_stickiness() -> None:
     bal = Balance(mem, {"a": 1.0, "b": 1.0}, knobs)
     speeds = [10.0, 10.0, 10.0, 10.0, 10.0, 10.0, 5.0]
     views = [
-        WorkerView(f"w{i}", 24 * GB, {"a": s, "b": s}, cell_id="a" if i < 4 else "b") for i, s in enumerate(speeds)
+        WorkerView(f"w{i}", MemoryBudget(24 * GB), {"a": s, "b": s}, cell_id="a" if i < 4 else "b")
+        for i, s in enumerate(speeds)
     ]
     for v in views:
         bal.add_reference(v.throughput)
         bal.add(v.cell_id, v.throughput["a"])
     # a holds 40 (ratio 1.23), b 25 (0.77): the gap 0.46 is under the stickiness 0.5
     assert bal.best_move(views) is None
-    free = [WorkerView(v.worker_id, v.vram_bytes, v.throughput, cell_id=v.cell_id, sticky=False) for v in views]
+    free = [WorkerView(v.worker_id, v.budget, v.throughput, cell_id=v.cell_id, sticky=False) for v in views]
     move = bal.best_move(free)  # ... but a worker that holds nothing yet may move
     assert move is not None and move[0][1:] == ("a", "b")
 
@@ -431,17 +432,76 @@ def test_with_overlap_a_newcomer_gets_the_share_of_time_the_head_started_members
 
 def test_micro_batch_cap_is_the_largest_micro_batch_the_memory_holds() -> None:
     # 10 GB with one sample, 1 GB per further sample, a 24 GB card less 20%: 19.2 GB usable
-    cap = micro_batch_cap(24 * GB, 10 * GB, GB, 0.2, 64)
+    cap = micro_batch_cap(MemoryBudget(24 * GB), 10 * GB, GB, 0, 0.2, 64)
     assert cap == 10
     assert 10 * GB + (cap - 1) * GB <= 24 * GB * 0.8 < 10 * GB + cap * GB
-    assert micro_batch_cap(80 * GB, 10 * GB, GB, 0.2, 32) == 32  # the run's largest bounds it
-    assert micro_batch_cap(int(12.5 * GB), 10 * GB, GB, 0.2, 32) == 1  # fits with one sample only
-    assert micro_batch_cap(24 * GB, 10 * GB, 0, 0.2, 32) == 32  # sized at the largest already
+    assert micro_batch_cap(MemoryBudget(80 * GB), 10 * GB, GB, 0, 0.2, 32) == 32  # the run's largest bounds it
+    assert micro_batch_cap(MemoryBudget(int(12.5 * GB)), 10 * GB, GB, 0, 0.2, 32) == 1  # fits with one sample only
+    assert micro_batch_cap(MemoryBudget(24 * GB), 10 * GB, 0, 0, 0.2, 32) == 32  # sized at the largest already
     # the cap agrees with `fits` on what one more sample would need
     for vram_gb in range(13, 60):
-        c = micro_batch_cap(vram_gb * GB, 10 * GB, GB, 0.2, 64)
-        assert fits(vram_gb * GB, 10 * GB + (c - 1) * GB, 0.2)
-        assert c == 64 or not fits(vram_gb * GB, 10 * GB + c * GB, 0.2)
+        c = micro_batch_cap(MemoryBudget(vram_gb * GB), 10 * GB, GB, 0, 0.2, 64)
+        assert fits(MemoryBudget(vram_gb * GB), 10 * GB + (c - 1) * GB, 0, 0.2)
+        assert c == 64 or not fits(MemoryBudget(vram_gb * GB), 10 * GB + c * GB, 0, 0.2)
+
+
+def test_the_fit_reads_the_host_beside_a_card_and_one_pool_on_a_cpu() -> None:
+    # a cell of 9 GB on the device with one sample, 1 GB per further sample, 20 GB on the host
+    dev, host = 9 * GB, 20 * GB
+    assert fits(MemoryBudget(24 * GB, 32 * GB), dev, host, 0.2)  # 20 <= 25.6
+    assert not fits(MemoryBudget(24 * GB, 24 * GB), dev, host, 0.2)  # 20 > 19.2: the host is short
+    assert fits(MemoryBudget(24 * GB), dev, host, 0.2)  # no host declared: not checked
+    assert not fits(MemoryBudget(8 * GB, 256 * GB), dev, host, 0.2)  # the card is short
+    # a CPU worker: training and the host's copies come out of one RAM
+    assert not fits(MemoryBudget(32 * GB, 0, True), dev, host, 0.2)  # 29 > 25.6
+    assert fits(MemoryBudget(37 * GB, 0, True), dev, host, 0.2)  # 29 <= 29.6
+    assert MemoryBudget.of("cpu", 32 * GB, 64 * GB) == MemoryBudget(32 * GB, 0, True)
+    assert MemoryBudget.of("cuda", 24 * GB, 64 * GB) == MemoryBudget(24 * GB, 64 * GB, False)
+    # the micro-batch: the host's share takes room only from a shared pool
+    assert micro_batch_cap(MemoryBudget(24 * GB, 32 * GB), dev, GB, host, 0.2, 64) == 11  # 9 + 10 <= 19.2
+    assert micro_batch_cap(MemoryBudget(40 * GB, 0, True), dev, GB, host, 0.2, 64) == 4  # 9 + 3 + 20 <= 32
+    for ram_gb in range(37, 80):
+        b = MemoryBudget(ram_gb * GB, 0, True)
+        c = micro_batch_cap(b, dev, GB, host, 0.2, 64)
+        assert fits(b, dev + (c - 1) * GB, host, 0.2)
+        assert c == 64 or not fits(b, dev + c * GB, host, 0.2)
+
+
+def test_a_worker_whose_host_cannot_hold_an_expert_is_given_the_router_or_nothing() -> None:
+    """Through the core: the experts keep 20 GB on the host, the router 1 GB. Cards of 24 GB
+    beside 16 GB of free RAM train only the router, beside 64 GB an expert; a CPU worker
+    with 24 GB of RAM only the router; one that declares no host RAM (an older worker) is
+    placed by its card alone; a worker that registers again with more RAM is placed by it."""
+    spec = make_spec(clusters=2, ranges=2, router=True)
+    assert set(spec.cell_ids) == {*EXPERTS, ROUTER}
+    cells = [
+        CellConfig(
+            c,
+            2 * GB if c == ROUTER else 9 * GB,
+            0.2 if c == ROUTER else 1.0,
+            1 << 20,
+            0,
+            GB if c == ROUTER else 20 * GB,
+        )
+        for c in spec.cell_ids
+    ]
+    hz = Harness(spec, cells=cells)
+    assert hz.reg("small-ram", host_gb=16).instruction.cell_id == ROUTER
+    assert hz.reg("big-ram", host_gb=64).instruction.cell_id in EXPERTS
+    assert hz.reg("cpu", vram_gb=24, device_kind="cpu").instruction.cell_id == ROUTER
+    assert hz.reg("old", host_gb=0).instruction.cell_id in EXPERTS
+    assert hz.st.roster.workers["small-ram"].budget == MemoryBudget(24 * GB, 16 * GB, False)
+    assert hz.reg("small-ram", host_gb=64).instruction.cell_id in EXPERTS
+    assert hz.st.roster.workers["small-ram"].budget == MemoryBudget(24 * GB, 64 * GB, False)
+    # the same rule in `assign`, over a whole population
+    views = [
+        WorkerView("a", MemoryBudget(24 * GB, 16 * GB), {c: 10.0 for c in CELL_MEMORY}),
+        WorkerView("b", MemoryBudget(24 * GB, 64 * GB), {c: 10.0 for c in CELL_MEMORY}),
+        WorkerView("c", MemoryBudget(24 * GB, 0, True), {c: 10.0 for c in CELL_MEMORY}),
+    ]
+    host = {**{c: 20 * GB for c in EXPERTS}, ROUTER: GB}
+    got = assign(views, CELL_MEMORY, TARGETS, Knobs(min_replicas=1), cell_host=host)
+    assert got["a"] == ROUTER and got["b"] in EXPERTS and got["c"] == ROUTER
 
 
 def test_a_member_is_planned_at_the_micro_batch_its_memory_holds_for_the_same_batch() -> None:
@@ -478,10 +538,10 @@ def test_a_card_that_holds_the_cell_at_a_small_micro_batch_trains_it_there() -> 
     r = hz.round()
     assert r is not None and [m.worker_id for m in r.members] == ["a", "b"]
     plans = {m.worker_id: m for m in r.members}
-    small = micro_batch_cap(24 * GB, int(18.4 * GB), per_sample, 0.2, 32)
+    small = micro_batch_cap(MemoryBudget(24 * GB), int(18.4 * GB), per_sample, 0, 0.2, 32)
     assert 1 <= small < 32 and plans["a"].micro_batch <= small and plans["b"].micro_batch > small
     used = int(18.4 * GB) + (plans["a"].micro_batch - 1) * per_sample
-    assert fits(24 * GB, used, 0.2)
+    assert fits(MemoryBudget(24 * GB), used, 0, 0.2)
     assert plans["a"].micro_batch * plans["a"].grad_accum >= 256 - 1  # its half of the step batch
     whole = [CellConfig(cell, int(18.4 * GB) + 31 * per_sample, 1.0, payload_bytes=25_000_000)]
     hz2 = Harness(spec, cells=whole)

@@ -75,14 +75,23 @@ def make_cells(
     return out
 
 
-def profile(spec: RunSpec, vram_gb: float = 24, speed: float = 100.0, bw: float = 50e6) -> Profile:
-    """A worker `speed` samples/s on an expert cell and 5x that on the router."""
+def profile(
+    spec: RunSpec,
+    vram_gb: float = 24,
+    speed: float = 100.0,
+    bw: float = 50e6,
+    host_gb: float = 0.0,
+    device_kind: str = "cuda",
+) -> Profile:
+    """A worker `speed` samples/s on an expert cell and 5x that on the router (host_gb 0:
+    declares no host RAM)."""
     return Profile(
         name="t",
-        device_kind="cuda",
+        device_kind=device_kind,
         vram_bytes=int(vram_gb * GB),
         link_bandwidth_bytes_per_s=bw,
         samples_per_s={c: speed * (5.0 if c == ROUTER_CELL else 1.0) for c in spec.cell_ids},
+        host_memory_bytes=int(host_gb * GB),
     )
 
 
@@ -164,12 +173,18 @@ class Harness:
         return out
 
     def reg(
-        self, wid: str, vram_gb: float = 24, speed: float = 100.0, local: LocalState | None = None, bw: float = 50e6
+        self,
+        wid: str,
+        vram_gb: float = 24,
+        speed: float = 100.0,
+        local: LocalState | None = None,
+        bw: float = 50e6,
+        **mem: Any,  # host_gb, device_kind: see `profile`
     ) -> Outcome:
         return self.apply(
             Register(
                 wid,
-                profile(self.spec, vram_gb, speed, bw),
+                profile(self.spec, vram_gb, speed, bw, **mem),
                 PeerAddress(f"peer-{wid}", ("/ip4/127.0.0.1/tcp/1",)),
                 local or LocalState(),
             )

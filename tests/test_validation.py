@@ -29,6 +29,7 @@ def good_register() -> pb.RegisterRequest:
             device_kind="cuda",
             device_name="RTX 4090",
             vram_bytes=24 << 30,
+            host_memory_bytes=64 << 30,
             num_devices=1,
             link_bandwidth_bytes_per_s=1e8,
             samples_per_s={"k0.r0": 1200.0, "router": 5000.0},
@@ -111,6 +112,8 @@ BAD = [
     ("Register", "profile.device_name", "g" * 129, "profile.device_name"),
     ("Register", "profile.vram_bytes", -1, "profile.vram_bytes"),
     ("Register", "profile.vram_bytes", 1 << 51, "profile.vram_bytes"),
+    ("Register", "profile.host_memory_bytes", -1, "profile.host_memory_bytes"),
+    ("Register", "profile.host_memory_bytes", 1 << 51, "profile.host_memory_bytes"),
     ("Register", "profile.num_devices", -2, "profile.num_devices"),
     ("Register", "profile.link_bandwidth_bytes_per_s", NAN, "profile.link_bandwidth_bytes_per_s"),
     ("Register", "profile.link_bandwidth_bytes_per_s", -5.0, "profile.link_bandwidth_bytes_per_s"),
@@ -194,6 +197,18 @@ def test_bad_field_is_named(method, path, value, field):
     assert err.value.field == field
     assert err.value.reason
     assert str(err.value).startswith(field)
+
+
+def test_a_register_carries_the_declared_memory_into_the_core():
+    from bagel.coordinator.translate import register_event
+    from bagel.protocol.cellmemory import MemoryBudget
+
+    ev = register_event("w", good_register())
+    assert (ev.profile.vram_bytes, ev.profile.host_memory_bytes) == (24 << 30, 64 << 30)
+    prof = ev.profile
+    assert MemoryBudget.of(prof.device_kind, prof.vram_bytes, prof.host_memory_bytes) == MemoryBudget(
+        24 << 30, 64 << 30
+    )
 
 
 def test_register_requires_profile_and_peer():

@@ -14,6 +14,7 @@ from torch import nn
 
 import bagel.worker.profile as profile_module
 from bagel.protocol import bagel_pb2 as pb
+from bagel.protocol.cellmemory import MemoryBudget
 from bagel.protocol.convert import instruction_from_pb
 from bagel.worker import cli
 from bagel.worker.diloco import CellState
@@ -24,7 +25,9 @@ from bagel.worker.profile import (
     bench_micro_batches,
     benchmark_cell,
     cached_profile,
+    host_memory_bytes,
     measure,
+    memory_budget,
     memory_bytes,
 )
 from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, claimed, corrupt, fresh_feedback
@@ -260,11 +263,13 @@ def test_each_cell_is_measured_at_the_micro_batch_the_coordinator_plans_and_one_
 
 
 def test_bench_micro_batches_follow_the_coordinators_rule_on_a_dit_xl_run():
-    """A DiT-XL/2 expert needs 19.7 GB with one sample and 0.83 GB for each further one: a
-    24 GiB card measures it at the micro-batch the coordinator plans it at (2), a 16 GiB
-    card not at all, an 80 GiB card at BENCH_MICRO_BATCH; the small router fits them all."""
+    """A DiT-XL/2 expert needs 10.8 GiB on the card with one sample and 0.78 GiB for each
+    further one, and 42.7 GiB on the host beside it: a 24 GiB card measures it at the
+    micro-batch the coordinator plans it at (11) when its host has the RAM (or declares
+    none), not at all beside 32 GiB of free RAM; a 12 GiB card not at all; on a CPU worker
+    training and the host's share come out of one RAM. The small router fits them all."""
     from bagel.coordinator import sizing
-    from bagel.protocol.cellmemory import fits, micro_batch_cap
+    from bagel.protocol.cellmemory import MemoryBudget, fits, micro_batch_cap
     from bagel.protocol.runspec import parse_spec
 
     spec = parse_spec(
@@ -273,19 +278,33 @@ def test_bench_micro_batches_follow_the_coordinators_rule_on_a_dit_xl_run():
         "[diloco]\nmax_micro_batch = 32\n"
     )
     gib = 1 << 30
-    assert bench_micro_batches(spec, 24 * gib) == {"k0.r0": 2, "k1.r0": 2, "router": BENCH_MICRO_BATCH}
-    assert bench_micro_batches(spec, 16 * gib) == {"k0.r0": 0, "k1.r0": 0, "router": BENCH_MICRO_BATCH}
-    assert bench_micro_batches(spec, 80 * gib)["k0.r0"] == min(32, BENCH_MICRO_BATCH)
-    # the coordinator's sizing of the same run agrees: the cells it gives a card, at the same micro-batch
+    r = BENCH_MICRO_BATCH
+    assert bench_micro_batches(spec, MemoryBudget(24 * gib)) == {"k0.r0": 11, "k1.r0": 11, "router": r}
+    assert bench_micro_batches(spec, MemoryBudget(24 * gib, 64 * gib)) == {"k0.r0": 11, "k1.r0": 11, "router": r}
+    assert bench_micro_batches(spec, MemoryBudget(24 * gib, 32 * gib)) == {"k0.r0": 0, "k1.r0": 0, "router": r}
+    assert bench_micro_batches(spec, MemoryBudget(12 * gib, 64 * gib)) == {"k0.r0": 0, "k1.r0": 0, "router": r}
+    assert bench_micro_batches(spec, MemoryBudget(64 * gib, 0, True)) == {"k0.r0": 0, "k1.r0": 0, "router": r}
+    assert bench_micro_batches(spec, MemoryBudget(80 * gib, 0, True))["k0.r0"] == 14
+    assert bench_micro_batches(spec, MemoryBudget(80 * gib, 128 * gib))["k0.r0"] == min(32, r)
+    # the coordinator's sizing of the same run agrees: the cells it gives a worker, at the same micro-batch
     configs = sizing.cell_configs(spec, sizes=[1, 1])
     h = spec.schedule.vram_headroom
-    for vram in (16 * gib, 24 * gib, 40 * gib, 80 * gib):
-        mine = bench_micro_batches(spec, vram)
+    for budget in (
+        MemoryBudget(16 * gib),
+        MemoryBudget(24 * gib, 32 * gib),
+        MemoryBudget(24 * gib, 64 * gib),
+        MemoryBudget(40 * gib, 60 * gib),
+        MemoryBudget(80 * gib, 128 * gib),
+        MemoryBudget(70 * gib, 0, True),
+        MemoryBudget(96 * gib, 0, True),
+    ):
+        mine = bench_micro_batches(spec, budget)
         for c in configs:
-            if not fits(vram, c.memory_bytes, h):
+            if not fits(budget, c.memory_bytes, c.host_bytes, h):
                 assert mine[c.cell_id] == 0
             else:
-                planned = micro_batch_cap(vram, c.memory_bytes, c.sample_bytes, h, spec.diloco.max_micro_batch)
+                top = spec.diloco.max_micro_batch
+                planned = micro_batch_cap(budget, c.memory_bytes, c.sample_bytes, c.host_bytes, h, top)
                 assert mine[c.cell_id] == min(BENCH_MICRO_BATCH, planned) > 0
 
 
@@ -297,10 +316,17 @@ def test_profile_measures_throughput_and_caps_memory(tmp_path: Path, monkeypatch
     assert memory_bytes(cpu) == 8 << 30 and memory_bytes(cpu, 1e9) == 8 << 30
     with pytest.raises(ValueError):
         memory_bytes(cpu, -1)
+    # the host's RAM: the same MemAvailable, capped by --max-ram-gb; on a CPU it caps the device too
+    assert host_memory_bytes() == 8 << 30 and host_memory_bytes(2.0) == 2 << 30
+    assert memory_bytes(cpu, None, 2.0) == 2 << 30 and memory_bytes(cpu, 4.0, 2.0) == 2 << 30
+    with pytest.raises(ValueError):
+        host_memory_bytes(0.0)
+    assert memory_budget(cpu, None, 2.0) == MemoryBudget(2 << 30, 0, True)  # one pool
     assert benchmark_cell(_Tiny(), cpu, micro_batch=8, steps=2) > 0
     prof = measure("me", cpu, [("c1", _Tiny), ("c2", _Tiny)], max_vram_gb=1.0, num_devices=2, uplink_mbps=80)
     assert set(prof.samples_per_s) == {"c1", "c2"} and all(v > 0 for v in prof.samples_per_s.values())
     assert prof.vram_bytes == 1 << 30 and prof.link_bandwidth_bytes_per_s == 10e6 and prof.num_devices == 2
+    assert prof.host_memory_bytes == 8 << 30 and prof.budget == MemoryBudget(1 << 30, 0, True)
     # cells of one model are measured once and share the figure; another model is measured too
     built: list[str] = []
 
@@ -398,3 +424,33 @@ async def test_waiting_retry_shows_each_failure_and_stops_on_request() -> None:
             await waiting.retry(broken, what="d", hint="h", retryable=(ConnectionError,), display=display, stop=stop)
     finally:
         waiting.FIRST_DELAY_S = saved
+
+
+def test_a_worker_that_holds_no_cell_says_which_memory_in_one_line():
+    """The card, the host beside it, or a CPU's one RAM: the line names the one that is short."""
+    from types import SimpleNamespace
+
+    from bagel.protocol.runspec import parse_spec
+    from bagel.worker.agent import Agent
+
+    spec = parse_spec(
+        '[run]\nid = "xl"\n[model]\narch = "dit"\npreset = "XL/2"\nimage_size = 32\nchannels = 3\n'
+        "num_classes = 10\n[data]\nclusters = 1\n[cells]\ntimestep_ranges = 1\nrouter = false\n"
+    )
+    gib = 1 << 30
+
+    def line(kind: str, budget: MemoryBudget, **caps: float) -> str:
+        me = SimpleNamespace(
+            device=torch.device(kind), cfg=SimpleNamespace(max_vram_gb=caps.get("vram"), max_ram_gb=caps.get("ram"))
+        )
+        assert not any(bench_micro_batches(spec, budget).values())
+        text = Agent._holds_no_cell(me, spec, budget)  # type: ignore[arg-type]
+        assert "\n" not in text
+        return text
+
+    card = line("cuda", MemoryBudget(8 * gib, 128 * gib), vram=8)
+    assert "worker's memory (8.0 GiB, capped by --max-vram-gb)" in card and "10.8 GiB" in card
+    host = line("cuda", MemoryBudget(24 * gib, 32 * gib))
+    assert "host's free RAM (32.0 GiB)" in host and "42.7 GiB on the host" in host
+    cpu = line("cpu", MemoryBudget(40 * gib, 0, True), ram=40)
+    assert "cpu worker's free RAM (40.0 GiB, capped by --max-ram-gb)" in cpu and "53.5 GiB" in cpu

@@ -59,6 +59,7 @@ import grpc
 
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.atomicfile import atomic_write
+from bagel.protocol.cellmemory import MemoryBudget, fits
 from bagel.protocol.client import SpecMismatch
 from bagel.protocol.clierrors import UsageError
 from bagel.protocol.convert import instruction_from_pb
@@ -91,7 +92,9 @@ from bagel.worker.profile import (
     MeasuredProfile,
     bench_micro_batches,
     cached_profile,
+    host_memory_bytes,
     measure,
+    memory_budget,
     memory_bytes,
 )
 from bagel.worker.roundwork import BAD_REDUCER_SCALE, LIAR_SAMPLES_PER_S, ddp_follower
@@ -127,6 +130,7 @@ class AgentConfig:
     data_dir: Path
     device: str = "auto"
     max_vram_gb: float | None = None
+    max_ram_gb: float | None = None
     name: str = ""
     throttle: float = 1.0
     uplink_mbps: float = DEFAULT_UPLINK_MBPS
@@ -644,7 +648,8 @@ class Agent:
                 name=self.name,
                 device_kind=self.device.type,
                 device_name=device_name(self.device),
-                vram_bytes=memory_bytes(self.device, self.cfg.max_vram_gb),
+                vram_bytes=memory_bytes(self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb),
+                host_memory_bytes=host_memory_bytes(self.cfg.max_ram_gb),
                 num_devices=self.ctx.world_size,
                 link_bandwidth_bytes_per_s=self.cfg.uplink_mbps * 1e6 / 8,
                 software_version=SOFTWARE_VERSION,
@@ -662,6 +667,7 @@ class Agent:
                 else p.samples_per_s
             ),
             software_version=SOFTWARE_VERSION,
+            host_memory_bytes=p.host_memory_bytes,
             reachability=f"PEER_REACHABILITY_{self.reach.kind.name}" if self.reach is not None else None,
             reachability_detail=self.reach.detail[:MAX_REACHABILITY_DETAIL_CHARS] if self.reach is not None else "",
         )
@@ -686,14 +692,17 @@ class Agent:
             "throttle": self.cfg.throttle,
             "world": self.ctx.world_size,
             "max_vram_gb": self.cfg.max_vram_gb,
+            "max_ram_gb": self.cfg.max_ram_gb,
             "uplink_mbps": self.cfg.uplink_mbps,
         }
         self.profile = cached_profile(cache, key, self.name)
+        if self.profile is not None:  # the host's free RAM is read again: it changes
+            self.profile.host_memory_bytes = host_memory_bytes(self.cfg.max_ram_gb)
         if self.profile is None:
-            vram = memory_bytes(self.device, self.cfg.max_vram_gb)
-            micro_batches = bench_micro_batches(spec, vram)
+            budget = memory_budget(self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
+            micro_batches = bench_micro_batches(spec, budget)
             if not any(micro_batches.values()):
-                raise UsageError(self._holds_no_cell(spec, vram))
+                raise UsageError(self._holds_no_cell(spec, budget))
             self.display.update(phase="profiling")
             tasks: list[tuple[str, Any]]
             if self.datafetch is not None:  # no data yet: time the step on zeros of the right shape
@@ -708,6 +717,7 @@ class Agent:
                 self.device,
                 tasks,
                 max_vram_gb=self.cfg.max_vram_gb,
+                max_ram_gb=self.cfg.max_ram_gb,
                 throttle=self.cfg.throttle,
                 num_devices=self.ctx.world_size,
                 uplink_mbps=self.cfg.uplink_mbps,
@@ -721,24 +731,45 @@ class Agent:
             "profile",
             device=self.profile.device_name,
             vram_gb=round(self.profile.vram_bytes / 2**30, 1),
+            ram_gb=round(self.profile.host_memory_bytes / 2**30, 1),
             samples_per_s=sps,
         )
 
-    def _holds_no_cell(self, spec: RunSpec, vram_bytes: int) -> str:
-        from bagel.models.experts import cell_memory_bytes
+    def _holds_no_cell(self, spec: RunSpec, budget: MemoryBudget) -> str:
+        """One line: which memory holds none of the run's cells, and what the smallest needs."""
+        from bagel.models.experts import cell_memory_sizes
 
-        need = min(cell_memory_bytes(spec, c, 1) for c in spec.cell_ids)
-        what = "free RAM" if self.device.type == "cpu" else "memory"
-        capped = ", capped by --max-vram-gb" if self.cfg.max_vram_gb is not None else ""
+        sizes = [cell_memory_sizes(spec, c) for c in spec.cell_ids]
+        h = spec.schedule.vram_headroom
 
         def size(n: int) -> str:
             return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
+        keep = f"and the run keeps {h:.0%} of a worker's memory free (schedule.vram_headroom)"
+        if budget.shared:  # a CPU worker: training and the host's copies share its RAM
+            need = min(one + host for one, _, host in sizes)
+            flags = (("--max-vram-gb", self.cfg.max_vram_gb), ("--max-ram-gb", self.cfg.max_ram_gb))
+            caps = " and ".join(f for f, v in flags if v is not None)
+            capped = f", capped by {caps}" if caps else ""
+            return (
+                f"this cpu worker's free RAM ({size(budget.device_bytes)}{capped}) holds none of the run's cells: "
+                f"the smallest needs {size(need)} with a micro-batch of one (training, and the committed states and "
+                f"the exchange beside it), {keep}; free some RAM or join with a machine that has more"
+            )
+        if not any(fits(MemoryBudget(budget.device_bytes), one, host, h) for one, _, host in sizes):
+            need = min(one for one, _, _ in sizes)
+            capped = ", capped by --max-vram-gb" if self.cfg.max_vram_gb is not None else ""
+            return (
+                f"this {self.device.type} worker's memory ({size(budget.device_bytes)}{capped}) holds none of the "
+                f"run's cells: the smallest needs {size(need)} with a micro-batch of one, {keep}; join with a "
+                "device that has more"
+            )
+        need = min(host for one, _, host in sizes if fits(MemoryBudget(budget.device_bytes), one, host, h))
+        capped = ", capped by --max-ram-gb" if self.cfg.max_ram_gb is not None else ""
         return (
-            f"this {self.device.type} worker's {what} ({size(vram_bytes)}{capped}) holds none of the "
-            f"run's cells: the smallest needs {size(need)} with a micro-batch of one, and the run keeps "
-            f"{spec.schedule.vram_headroom:.0%} of a worker's memory free (schedule.vram_headroom); join with a "
-            "device that has more"
+            f"this {self.device.type} worker's card holds a cell but its host's free RAM ({size(budget.host_bytes)}"
+            f"{capped}) does not: the smallest such cell keeps {size(need)} on the host (committed states and the "
+            f"exchange's working copies), {keep}; free some RAM or join with a machine that has more"
         )
 
     def _prefetch_data(self, spec: RunSpec) -> None:

@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument(
         "--max-vram-gb", type=float, default=None, help="use at most this much accelerator memory, GiB (default: all)"
     )
+    j.add_argument(
+        "--max-ram-gb",
+        type=float,
+        default=None,
+        help="use at most this much of the host's RAM, GiB (default: what is available at start)",
+    )
     j.add_argument("--name", default="", help="a display name for the operator's status view (default: host-pid)")
     j.add_argument(
         "--throttle",
@@ -160,6 +166,8 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         raise ValueError(f"--throttle must be >= 1, got {args.throttle}")
     if args.max_vram_gb is not None and args.max_vram_gb <= 0:
         raise ValueError(f"--max-vram-gb must be positive, got {args.max_vram_gb}")
+    if args.max_ram_gb is not None and args.max_ram_gb <= 0:
+        raise ValueError(f"--max-ram-gb must be positive, got {args.max_ram_gb}")
     if args.uplink_mbps <= 0:
         raise ValueError(f"--uplink-mbps must be positive, got {args.uplink_mbps}")
     if args.reduce_timeout_s is not None and args.reduce_timeout_s <= 0:
@@ -197,6 +205,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201 - AgentConfig, i
         data_dir=args.data_dir or default_data_dir(),
         device=args.device,
         max_vram_gb=args.max_vram_gb,
+        max_ram_gb=args.max_ram_gb,
         name=args.name,
         throttle=args.throttle,
         uplink_mbps=uplink,

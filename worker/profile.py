@@ -5,7 +5,10 @@ memory, so these numbers come from a measurement, not a guess:
 
 - device and name: from torch (`cuda:N` or the CPU);
 - memory: the GPU's total memory, or on CPU the `MemAvailable` of /proc/meminfo; capped by
-  `--max-vram-gb` so a volunteer can keep part of the card for themselves;
+  `--max-vram-gb` so a volunteer can keep part of the card for themselves; and the host's
+  RAM beside a card (`MemAvailable`, capped by `--max-ram-gb`), which holds the committed
+  states and the exchange's working copies (`bagel.protocol.cellmemory`). Read at each
+  start, not cached: what else the machine runs changes it;
 - samples/s per cell: a short benchmark of the real inner step (`InnerTrainer`, same loss,
   same autocast, the `--throttle` sleep included) on a few micro-batches, after one warmup
   step; a worker with N ranks reports N x its rank-0 figure; cells of one model config
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bagel.protocol.cellmemory import fits, micro_batch_cap
+from bagel.protocol.cellmemory import MemoryBudget, fits, micro_batch_cap
 from bagel.worker.trainer import CellTaskLike, InnerPlan, InnerTrainer, RoundKey
 
 if TYPE_CHECKING:
@@ -59,6 +62,11 @@ class MeasuredProfile:
     num_devices: int
     link_bandwidth_bytes_per_s: float
     samples_per_s: dict[str, float] = field(default_factory=dict)
+    host_memory_bytes: int = 0  # RAM beside the device (on CPU: the same as vram_bytes)
+
+    @property
+    def budget(self) -> MemoryBudget:
+        return MemoryBudget.of(self.device_kind, self.vram_bytes, self.host_memory_bytes)
 
 
 def device_name(device: torch.device) -> str:
@@ -74,17 +82,34 @@ def device_name(device: torch.device) -> str:
     return "cpu"
 
 
-def memory_bytes(device: torch.device, max_vram_gb: float | None = None) -> int:
-    """Usable accelerator memory (or RAM on CPU), capped by `max_vram_gb` if given."""
+def memory_bytes(device: torch.device, max_vram_gb: float | None = None, max_ram_gb: float | None = None) -> int:
+    """Usable accelerator memory (or RAM on CPU: `host_memory_bytes`), capped by
+    `max_vram_gb` if given."""
     if device.type == "cuda":
         total = int(torch.cuda.get_device_properties(device).total_memory)
     else:
-        total = _mem_available()
-    if max_vram_gb is not None:
-        if max_vram_gb <= 0:
-            raise ValueError(f"--max-vram-gb must be positive, got {max_vram_gb}")
-        total = min(total, int(max_vram_gb * (1 << 30)))
-    return total
+        total = host_memory_bytes(max_ram_gb)
+    return _capped(total, max_vram_gb, "--max-vram-gb")
+
+
+def host_memory_bytes(max_ram_gb: float | None = None) -> int:
+    """The host RAM this worker may take: `MemAvailable` now, capped by `max_ram_gb` if given."""
+    return _capped(_mem_available(), max_ram_gb, "--max-ram-gb")
+
+
+def memory_budget(
+    device: torch.device, max_vram_gb: float | None = None, max_ram_gb: float | None = None
+) -> MemoryBudget:
+    """What this worker declares of its memory (`WorkerProfile.vram_bytes` and `host_memory_bytes`)."""
+    return MemoryBudget.of(device.type, memory_bytes(device, max_vram_gb, max_ram_gb), host_memory_bytes(max_ram_gb))
+
+
+def _capped(total: int, cap_gb: float | None, flag: str) -> int:
+    if cap_gb is None:
+        return total
+    if cap_gb <= 0:
+        raise ValueError(f"{flag} must be positive, got {cap_gb}")
+    return min(total, int(cap_gb * (1 << 30)))
 
 
 def _mem_available() -> int:
@@ -125,19 +150,21 @@ def benchmark_cell(
     return res.samples / max(elapsed, 1e-9)
 
 
-def bench_micro_batches(spec: RunSpec, vram_bytes: int) -> dict[str, int]:
+def bench_micro_batches(spec: RunSpec, budget: MemoryBudget) -> dict[str, int]:
     """{cell: the micro-batch to measure it at}: the largest the coordinator plans a worker
-    with `vram_bytes` at (`micro_batch_cap` over the cell's memory with one sample and each
-    further sample's activations, as `coordinator/sizing.py` sizes them), at most
-    `BENCH_MICRO_BATCH`; 0 for a cell that does not fit this memory at all."""
+    with memory `budget` at (`micro_batch_cap` over the cell's memory with one sample, each
+    further sample's activations and the host's share, as `coordinator/sizing.py` sizes
+    them), at most `BENCH_MICRO_BATCH`; 0 for a cell that does not fit this memory at all."""
     from bagel.models.experts import cell_memory_sizes
 
     h, top = spec.schedule.vram_headroom, spec.diloco.max_micro_batch
     out = {}
     for c in spec.cell_ids:
-        one, sample = cell_memory_sizes(spec, c)
+        one, sample, host = cell_memory_sizes(spec, c)
         out[c] = (
-            min(BENCH_MICRO_BATCH, micro_batch_cap(vram_bytes, one, sample, h, top)) if fits(vram_bytes, one, h) else 0
+            min(BENCH_MICRO_BATCH, micro_batch_cap(budget, one, sample, host, h, top))
+            if fits(budget, one, host, h)
+            else 0
         )
     return out
 
@@ -148,6 +175,7 @@ def measure(
     tasks: Iterable[tuple[str, Callable[[], CellTaskLike]]],
     *,
     max_vram_gb: float | None = None,
+    max_ram_gb: float | None = None,
     throttle: float = 1.0,
     num_devices: int = 1,
     uplink_mbps: float = DEFAULT_UPLINK_MBPS,
@@ -181,10 +209,11 @@ def measure(
         name=name,
         device_kind=device.type,
         device_name=device_name(device),
-        vram_bytes=memory_bytes(device, max_vram_gb),
+        vram_bytes=memory_bytes(device, max_vram_gb, max_ram_gb),
         num_devices=num_devices,
         link_bandwidth_bytes_per_s=uplink_mbps * 1e6 / 8,
         samples_per_s=sps,
+        host_memory_bytes=host_memory_bytes(max_ram_gb),
     )
 
 

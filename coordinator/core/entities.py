@@ -24,6 +24,7 @@ from bagel.coordinator.core.records import (
     WorkerRecord,
     WorkerState,
 )
+from bagel.protocol.cellmemory import MemoryBudget
 from bagel.protocol.messages import LocalState, Member, PeerAddress, Phase, Profile, RoundPlan
 
 # commits kept per cell in memory (to verify checkpoint uploads); the store keeps them all.
@@ -34,6 +35,7 @@ class Worker:
     __slots__ = (
         "id",
         "profile",
+        "budget",
         "peer",
         "state",
         "cell",
@@ -58,7 +60,7 @@ class Worker:
 
     def __init__(self, worker_id: str, profile: Profile, peer: PeerAddress, now_ms: int) -> None:
         self.id = worker_id
-        self.profile = profile
+        self.set_profile(profile)
         self.peer = peer
         self.state = WorkerState.ACTIVE
         self.cell = ""
@@ -82,6 +84,11 @@ class Worker:
         # recent MAX_UPLINK_OBSERVERS observers; see Roster.observe_peer_rates); soft state
         self.uplink_seen: dict[str, float] = {}
         self.raw = 0.0  # its weighted throughput as counted in the scheduler's Balance
+
+    def set_profile(self, profile: Profile) -> None:
+        """Take a (new) profile, and the memory budget the scheduler reads from it."""
+        self.profile = profile
+        self.budget = MemoryBudget.of(profile.device_kind, profile.vram_bytes, profile.host_memory_bytes)
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(

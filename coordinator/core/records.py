@@ -200,15 +200,20 @@ class Snapshot:
 class CellConfig:
     """What the shell computes per cell, once, from the spec and the models.
 
-    memory_bytes: params + grads + optimizer + outer state + the activations of one sample
-    (of the run's largest micro-batch where `sample_bytes` is 0): what must fit the VRAM;
+    memory_bytes: what training holds on the device (weights, gradients, AdamW's moments)
+    with the activations of one sample (of the run's largest micro-batch where
+    `sample_bytes` is 0): what must fit the VRAM;
     target_share: the cell's share of total compute (normalised by the core);
     payload_bytes: bytes of one encoded pseudo-gradient (for the communication estimate);
     sample_bytes: activation memory per sample of a micro-batch. With it, each member's
     micro-batch is as large as its own memory allows (`protocol.cellmemory.micro_batch_cap`), so a
     card that fits the cell at a small micro-batch trains it with more accumulation; 0
     (configs stored before it existed, the simulator's) sizes every member at the run's
-    `diloco.max_micro_batch`.
+    `diloco.max_micro_batch`;
+    host_bytes: what a worker holds on the host besides (committed states, the exchange's
+    working copies): what must fit a GPU worker's RAM, and adds to a CPU worker's device
+    share; 0 (configs stored before it existed, the simulator's) is not checked.
+    The rule is `bagel.protocol.cellmemory.fits`.
     """
 
     cell_id: str
@@ -216,3 +221,4 @@ class CellConfig:
     target_share: float = 1.0
     payload_bytes: int = 0  # 0 = unknown: memory_bytes // 16 is used
     sample_bytes: int = 0
+    host_bytes: int = 0

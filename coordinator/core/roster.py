@@ -203,11 +203,11 @@ class Roster:
             h is not None
             and h.committed_round > 0
             and h.holds_committed(w.local)
-            and h.id in b.eligible(w.profile.vram_bytes)
+            and h.id in b.eligible(w.budget)
             and b.count[h.id] < self.knobs.max_replicas
         ):
             return h.id
-        return b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)
+        return b.best_cell(w.budget, w.throughput, w.reputation)
 
     def assign(self, w: Worker, cid: str, now: int, *, restoring: bool = False) -> None:
         c = self.cells[cid]
@@ -541,7 +541,7 @@ class Roster:
             for wid in list(itertools.islice(self.standby, m)):
                 w = self.workers[wid]
                 self.changes.ops += 1
-                cid = b.best_cell(w.profile.vram_bytes, w.throughput, w.reputation)
+                cid = b.best_cell(w.budget, w.throughput, w.reputation)
                 if cid:
                     self.assign(w, cid, now)
         if not self.policy.rebalance:
@@ -598,7 +598,7 @@ class Roster:
                 # one's, or another's while it downloads this one) would pay a download
                 yield WorkerView(
                     wid,
-                    w.profile.vram_bytes,
+                    w.budget,
                     w.throughput,
                     w.reputation,
                     cid,

@@ -75,7 +75,7 @@ from bagel.coordinator.core.scheduler import (
     reduce_nothing,
     throughput_for,
 )
-from bagel.protocol.cellmemory import micro_batch_cap
+from bagel.protocol.cellmemory import MemoryBudget, micro_batch_cap
 from bagel.protocol.messages import FrozenMember, Reachability, frozen_member
 from bagel.protocol.runspec import RunSpec
 
@@ -219,7 +219,7 @@ class Rounds:
                     speeds[wid],
                     bw,
                     head if wid in ahead else 0.0,
-                    self._micro_cap(c, w.profile.vram_bytes),
+                    self._micro_cap(c, w.budget),
                 )
             )
         payload = c.config.payload_bytes or c.config.memory_bytes // 16
@@ -245,13 +245,14 @@ class Rounds:
         self.changes.round(r)
         self.changes.cell(c.id)
 
-    def _micro_cap(self, c: Cell, vram_bytes: int) -> int:
-        """The largest micro-batch a worker with `vram_bytes` is planned with in c."""
+    def _micro_cap(self, c: Cell, budget: MemoryBudget) -> int:
+        """The largest micro-batch a worker with memory `budget` is planned with in c."""
         cfg = c.config
         return micro_batch_cap(
-            vram_bytes,
+            budget,
             cfg.memory_bytes,
             cfg.sample_bytes,
+            cfg.host_bytes,
             self.roster.knobs.vram_headroom,
             self.spec.diloco.max_micro_batch,
         )
@@ -304,7 +305,7 @@ class Rounds:
             w.peer,
             self.spec,
             self.policy,
-            self._micro_cap(c, w.profile.vram_bytes),
+            self._micro_cap(c, w.budget),
         )
         if plan is None:
             return False

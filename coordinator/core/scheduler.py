@@ -3,10 +3,12 @@
 Pure code (no I/O, no clock, no randomness), used unchanged by the daemon, through
 `CoordinatorState`, and by the simulator. What it decides:
 
-- **Fit.** A worker may train a cell only if the cell's memory (params, grads, optimizer,
-  outer state and the smallest micro-batch; computed by the shell) fits its VRAM with
-  `schedule.vram_headroom` to spare; each member's micro-batch is then the largest its
-  memory holds (`micro_batch_cap`), up to `diloco.max_micro_batch`.
+- **Fit.** A worker may train a cell only if the cell's memory fits its declared budget
+  with `schedule.vram_headroom` to spare (`bagel.protocol.cellmemory.fits`): on the device
+  the weights, gradients, optimizer and the smallest micro-batch, on the host the
+  committed states and the exchange's working copies (computed by the shell; on a CPU
+  worker both in its RAM); each member's micro-batch is then the largest its memory holds
+  (`micro_batch_cap`), up to `diloco.max_micro_batch`.
 - **Balance.** Each cell has a target share of total compute. A worker's compute in cell c
   is its throughput there divided by the cell's reference throughput (the mean over known
   workers), so a 4090 counts the same on a big expert and on the small router; it is
@@ -45,7 +47,7 @@ import numpy as np
 
 from bagel.coordinator.core.policy import Policy
 from bagel.coordinator.core.records import MemberPlan
-from bagel.protocol.cellmemory import fits
+from bagel.protocol.cellmemory import MemoryBudget, fits
 from bagel.protocol.fastinit import fast_init
 from bagel.protocol.messages import PeerAddress
 from bagel.protocol.runspec import RunSpec, parse_cell
@@ -62,7 +64,7 @@ class WorkerView:
     """What the scheduler knows of a worker."""
 
     worker_id: str
-    vram_bytes: int
+    budget: MemoryBudget  # its declared memory (`bagel.protocol.cellmemory`)
     throughput: Mapping[str, float]  # samples/s estimate by cell id
     reputation: float = 0.0
     cell_id: str = ""  # current cell ("" = none)
@@ -208,7 +210,15 @@ class Balance:
     times per transition, and recomputing them each time made a repair O(cells^2).
     """
 
-    def __init__(self, cell_memory: Mapping[str, int], cell_targets: Mapping[str, float], knobs: Knobs) -> None:
+    def __init__(
+        self,
+        cell_memory: Mapping[str, int],
+        cell_targets: Mapping[str, float],
+        knobs: Knobs,
+        cell_host: Mapping[str, int] | None = None,
+    ) -> None:
+        """`cell_memory`: each cell's device memory with a micro-batch of one, `cell_host`
+        its host memory (absent: 0), as `bagel.protocol.cellmemory.fits` reads them."""
         for c in cell_targets:
             if c not in cell_memory:
                 raise ValueError(f"target for unknown cell {c!r}")
@@ -217,6 +227,7 @@ class Balance:
             raise ValueError("cell_targets: at least one cell needs a positive target")
         self.knobs = knobs
         self.memory = dict(cell_memory)
+        self.host = {c: int((cell_host or {}).get(c, 0)) for c in cell_memory}
         self.cells = tuple(cell_memory)
         self.target = {c: max(0.0, cell_targets.get(c, 0.0)) / total for c in self.cells}
         self.active = tuple(c for c in self.cells if self.target[c] > 0)
@@ -225,11 +236,11 @@ class Balance:
         # per cell, in cell order: the sum and count of the known workers' rates (references)
         self._ref_sum = np.zeros(len(self.cells), dtype=np.float64)
         self._ref_n = np.zeros(len(self.cells), dtype=np.int64)
-        # eligible cells by VRAM, memoised: populations have few distinct VRAM sizes.
-        self._eligible: dict[int, tuple[str, ...]] = {}
-        self._eligible_set: dict[int, frozenset[str]] = {}
-        self._eligible_idx: dict[int, np.ndarray] = {}  # positions of eligible(vram) in self.cells
-        self._fit_mask: dict[int, np.ndarray] = {}  # eligible(vram) as a mask over self.active
+        # eligible cells by memory budget, memoised: populations have few distinct budgets.
+        self._eligible: dict[MemoryBudget, tuple[str, ...]] = {}
+        self._eligible_set: dict[MemoryBudget, frozenset[str]] = {}
+        self._eligible_idx: dict[MemoryBudget, np.ndarray] = {}  # positions of eligible(budget) in self.cells
+        self._fit_mask: dict[MemoryBudget, np.ndarray] = {}  # eligible(budget) as a mask over self.active
         self._index = {c: i for i, c in enumerate(self.cells)}
         self._target_arr = np.array([self.target[c] for c in self.cells], dtype=np.float64)
         # the same over the active cells (a view when every cell is active), and their ids
@@ -316,27 +327,27 @@ class Balance:
         self.placed -= 1
         self._cache = None
 
-    def eligible_set(self, vram_bytes: int) -> frozenset[str]:
-        got = self._eligible_set.get(vram_bytes)
+    def eligible_set(self, budget: MemoryBudget) -> frozenset[str]:
+        got = self._eligible_set.get(budget)
         if got is None:
-            got = self._eligible_set[vram_bytes] = frozenset(self.eligible(vram_bytes))
+            got = self._eligible_set[budget] = frozenset(self.eligible(budget))
         return got
 
-    def _fit_active(self, vram_bytes: int) -> np.ndarray:
-        """Boolean mask over `active`: does the cell fit `vram_bytes`? (memoised)"""
-        got = self._fit_mask.get(vram_bytes)
+    def _fit_active(self, budget: MemoryBudget) -> np.ndarray:
+        """Boolean mask over `active`: does the cell fit `budget`? (memoised)"""
+        got = self._fit_mask.get(budget)
         if got is None:
-            fit = self.eligible_set(vram_bytes)
-            got = self._fit_mask[vram_bytes] = np.array([c in fit for c in self.active], dtype=bool)
+            fit = self.eligible_set(budget)
+            got = self._fit_mask[budget] = np.array([c in fit for c in self.active], dtype=bool)
         return got
 
-    def eligible(self, vram_bytes: int) -> tuple[str, ...]:
-        got = self._eligible.get(vram_bytes)
+    def eligible(self, budget: MemoryBudget) -> tuple[str, ...]:
+        got = self._eligible.get(budget)
         if got is None:
             h = self.knobs.vram_headroom
-            got = tuple(c for c in self.active if fits(vram_bytes, self.memory[c], h))
-            self._eligible[vram_bytes] = got
-            self._eligible_idx[vram_bytes] = np.array([self._index[c] for c in got], dtype=np.intp)
+            got = tuple(c for c in self.active if fits(budget, self.memory[c], self.host[c], h))
+            self._eligible[budget] = got
+            self._eligible_idx[budget] = np.array([self._index[c] for c in got], dtype=np.intp)
         return got
 
     # ---- measures
@@ -398,7 +409,7 @@ class Balance:
 
     # ---- decisions
 
-    def best_cell(self, vram_bytes: int, throughput: Mapping[str, float], reputation: float) -> str:
+    def best_cell(self, budget: MemoryBudget, throughput: Mapping[str, float], reputation: float) -> str:
         """The cell a newcomer should join ("" = none fits or all are full): the least
         (replica deficit, Phi) after it joins, ties to the first eligible cell.
 
@@ -408,10 +419,10 @@ class Balance:
         """
         _, total, s_sum, _ = self._stats()
         d = self._derived()
-        el = self.eligible(vram_bytes)
+        el = self.eligible(budget)
         if not el:
             return ""
-        idx = self._eligible_idx[vram_bytes]
+        idx = self._eligible_idx[budget]
         rw = reputation_weight(reputation, self.knobs.ban_reputation)
         max_r = self.knobs.max_replicas
         m_after = min(self.knobs.min_replicas, (self.placed + 1) // max(1, len(self.active)))
@@ -538,14 +549,14 @@ class Balance:
                     # max(dev_a, |lowest destination ratio - 1|): a destination above 1 is
                     # below ra (uphill ends the scan). With that bound <= stickiness no
                     # destination qualifies (after >= 0): skip the candidate unevaluated.
-                    dests = dv.destinations(w.vram_bytes)
+                    dests = dv.destinations(w.budget)
                     if not dests or max(dev_a, abs(ratio[dests[0]] - 1.0)) <= stick:
                         continue
             tried = 0
             tp = total - pa  # total_b = total - pa + pb, evaluated left to right
             # destinations: cells short of replicas first, then the most under target, that
             # fit the worker and have room; it tries the first few, so a step is O(candidates)
-            for b, rb, full_b, ref_b, delta_b, n_b, two_n_b, tb, empty_b in dv.dest_info(w.vram_bytes):
+            for b, rb, full_b, ref_b, delta_b, n_b, two_n_b, tb, empty_b in dv.dest_info(w.budget):
                 if b == a:
                     continue
                 if tried >= _DESTINATIONS:
@@ -600,7 +611,7 @@ class Balance:
         for w in cands:
             pf = self._power_fn(w.throughput, w.reputation)
             powers.append({c: pf(c) for c in cells})
-        fits = [self.eligible_set(w.vram_bytes) for w in cands]
+        fits = [self.eligible_set(w.budget) for w in cands]
         for i, w in enumerate(cands):
             a = w.cell_id
             for j, v in enumerate(cands[i + 1 :]):
@@ -697,12 +708,12 @@ class _Derived:
         self.short = self.def0 > 0
         self._order: tuple[str, ...] | None = None
         self._order_idx: np.ndarray | None = None  # positions of order() in bal.active
-        self._dests: dict[int, tuple[str, ...]] = {}
+        self._dests: dict[MemoryBudget, tuple[str, ...]] = {}
         self._open: np.ndarray | None = None  # _order_idx less the full cells
         self._desc: tuple[str, ...] | None = None
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._count_arr: np.ndarray | None = None
-        self._info: dict[int, tuple[_DestRow, ...]] = {}
+        self._info: dict[MemoryBudget, tuple[_DestRow, ...]] = {}
 
     def _counts(self) -> np.ndarray:
         if self._count_arr is None:
@@ -715,15 +726,15 @@ class _Derived:
             self._arrays = (self._refs_arr, self._n_arr, self._counts())
         return self._arrays
 
-    def destinations(self, vram_bytes: int) -> tuple[str, ...]:
-        """`order()` less the cells that are full or do not fit `vram_bytes` (memoised
-        per VRAM size; populations have few)."""
-        got = self._dests.get(vram_bytes)
+    def destinations(self, budget: MemoryBudget) -> tuple[str, ...]:
+        """`order()` less the cells that are full or do not fit `budget` (memoised per
+        memory budget; populations have few)."""
+        got = self._dests.get(budget)
         if got is None:
             bal = self.bal
             if self._nan:
                 count, max_r = bal.count, bal.knobs.max_replicas
-                fit = bal.eligible_set(vram_bytes)
+                fit = bal.eligible_set(budget)
                 got = tuple(b for b in self.order() if count[b] < max_r and b in fit)
             else:
                 o = self._open
@@ -734,28 +745,28 @@ class _Derived:
                     assert oi is not None  # order() sets it when no ratio is NaN
                     cells_i = oi if bal._all_active else bal._active_idx[oi]
                     o = self._open = oi[counts[cells_i] < bal.knobs.max_replicas]
-                fit_mask = bal._fit_active(vram_bytes)
+                fit_mask = bal._fit_active(budget)
                 got = tuple(bal._active_ids[o[fit_mask[o]]].tolist())
-            self._dests[vram_bytes] = got
+            self._dests[budget] = got
         return got
 
-    def dest_info(self, vram_bytes: int) -> tuple[_DestRow, ...]:
+    def dest_info(self, budget: MemoryBudget) -> tuple[_DestRow, ...]:
         """What `best_move` reads of each destination it may try (the first
         _DESTINATIONS + 1 of `destinations`: one may be the candidate's own cell):
         (cell, ratio, count >= m, reference, deficit change of one more member, n,
-        2 * n, target, count == 0). Memoised per VRAM size."""
-        got = self._info.get(vram_bytes)
+        2 * n, target, count == 0). Memoised per memory budget."""
+        got = self._info.get(budget)
         if got is None:
             bal, m = self.bal, self.m
             count, target, n, ratio, refs = bal.count, bal.target, self.n, self.ratio, self.refs
             rows: list[_DestRow] = []
-            for b in self.destinations(vram_bytes)[: _DESTINATIONS + 1]:
+            for b in self.destinations(budget)[: _DESTINATIONS + 1]:
                 k = count[b]
                 d = m - k
                 # def_wo - (d * d if d > 0 else 0) + ((d - 1) * (d - 1) if d > 1 else 0): integers
                 delta = ((d - 1) * (d - 1) if d > 1 else 0) - (d * d if d > 0 else 0)
                 rows.append((b, ratio[b], k >= m, refs[b], delta, n[b], 2 * n[b], target[b], k == 0))
-            got = self._info[vram_bytes] = tuple(rows)
+            got = self._info[budget] = tuple(rows)
         return got
 
     def by_ratio_desc(self) -> tuple[str, ...]:
@@ -803,6 +814,7 @@ def assign(
     knobs: Knobs,
     *,
     max_moves: int | None = None,
+    cell_host: Mapping[str, int] | None = None,
 ) -> dict[str, str]:
     """New assignment worker_id -> cell_id ("" = standby: nothing fits or all cells full).
 
@@ -813,7 +825,7 @@ def assign(
     down (the same bounded repair the state runs on every join, leave and boundary).
     A worker placed by this call holds nothing yet, so it is never sticky.
     """
-    bal = Balance(cell_memory, cell_targets, knobs)
+    bal = Balance(cell_memory, cell_targets, knobs, cell_host)
     by_id = {w.worker_id: w for w in workers}
     if len(by_id) != len(workers):
         raise ValueError("duplicate worker ids")
@@ -823,18 +835,18 @@ def assign(
     # keep what fits, fastest first so a full cell keeps its best members
     for w in sorted(workers, key=lambda w: (-throughput_for(w.throughput, w.cell_id), w.worker_id)):
         c = w.cell_id
-        keep = c in bal.target and bal.target[c] > 0 and c in bal.eligible(w.vram_bytes)
+        keep = c in bal.target and bal.target[c] > 0 and c in bal.eligible(w.budget)
         if c and (not w.movable or (keep and bal.count[c] < knobs.max_replicas)):
             cur[w.worker_id] = c
             bal.add(c, bal.raw_power(w.throughput, w.reputation, c))
     pending = [w for w in workers if w.worker_id not in cur and w.movable]
 
     def constrained_then_fast(w: WorkerView) -> tuple[int, float, str]:
-        el = bal.eligible(w.vram_bytes)
+        el = bal.eligible(w.budget)
         return len(el), -max((throughput_for(w.throughput, c) / bal.ref(c) for c in el), default=0.0), w.worker_id
 
     for w in sorted(pending, key=constrained_then_fast):
-        c = bal.best_cell(w.vram_bytes, w.throughput, w.reputation)
+        c = bal.best_cell(w.budget, w.throughput, w.reputation)
         cur[w.worker_id] = c
         if c:
             bal.add(c, bal.raw_power(w.throughput, w.reputation, c))
@@ -844,9 +856,7 @@ def assign(
 
     def view(w: WorkerView) -> WorkerView:
         c = cur[w.worker_id]
-        return WorkerView(
-            w.worker_id, w.vram_bytes, w.throughput, w.reputation, c, w.movable, w.sticky and c == w.cell_id
-        )
+        return WorkerView(w.worker_id, w.budget, w.throughput, w.reputation, c, w.movable, w.sticky and c == w.cell_id)
 
     for w in workers:
         if cur[w.worker_id]:
@@ -880,9 +890,10 @@ def compute_shares(
     cell_memory: Mapping[str, int],
     cell_targets: Mapping[str, float],
     knobs: Knobs,
+    cell_host: Mapping[str, int] | None = None,
 ) -> dict[str, float]:
     """Each cell's share of total compute under an assignment (the measure `assign` balances)."""
-    bal = Balance(cell_memory, cell_targets, knobs)
+    bal = Balance(cell_memory, cell_targets, knobs, cell_host)
     for w in workers:
         bal.add_reference(w.throughput)
         c = assignment.get(w.worker_id, "")

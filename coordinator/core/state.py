@@ -214,6 +214,7 @@ class CoordinatorState:
             {c: by_id[c].memory_bytes for c in spec.cell_ids},
             {c: by_id[c].target_share for c in spec.cell_ids},
             self.knobs,
+            {c: by_id[c].host_bytes for c in spec.cell_ids},
         )
         self.changes = Changes()
         self.roster = Roster(spec, policy, self.knobs, self.balance, self._cells, self.changes)
@@ -445,11 +446,14 @@ class CoordinatorState:
             raise InvalidEvent("worker_id: required")
         if (
             p.vram_bytes < 0
+            or p.host_memory_bytes < 0
             or p.num_devices < 0
             or not _finite(p.link_bandwidth_bytes_per_s)
             or p.link_bandwidth_bytes_per_s < 0
         ):
-            raise InvalidEvent("profile: vram_bytes, num_devices and link bandwidth must be non-negative")
+            raise InvalidEvent(
+                "profile: vram_bytes, host_memory_bytes, num_devices and link bandwidth must be non-negative"
+            )
         if not _plain_rates(p.samples_per_s):  # the common case is checked in C, the rest here
             for cid, v in p.samples_per_s.items():
                 if not _finite(v) or v < 0:
@@ -473,7 +477,8 @@ class CoordinatorState:
             w = Worker(ev.worker_id, p, ev.peer, now)
             self.roster.workers[w.id] = w
         else:
-            w.profile, w.peer, w.state, w.reason = p, ev.peer, WorkerState.ACTIVE, ""
+            w.set_profile(p)
+            w.peer, w.state, w.reason = ev.peer, WorkerState.ACTIVE, ""
             w.throughput = {c: float(v) for c, v in p.samples_per_s.items() if v > 0}
         w.local = ev.local
         w.phase, w.round, w.inner_step = Phase.UNSPECIFIED, 0, 0
