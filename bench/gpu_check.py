@@ -12,14 +12,15 @@ What it measures, each part on the project's own code path:
    `torch.compile` of the model under bf16 autocast (its first steps, the compilation, are
    timed apart). Each: samples/s, ms/step, peak memory (`torch.cuda.max_memory_allocated`),
    and VRAM headroom = the device's total memory - that peak. Next to the peak, "sched est"
-   is what the coordinator's scheduler assumes the cell needs at this batch
-   (`models.experts.cell_memory_bytes`: STATE_COPIES float32 copies of the parameters plus
-   activations; a GPU gets the cell when that is at most 1 - `vram_headroom` of its memory),
-   and the JSON has the training data this script keeps on the device (`data_bytes`, in the
-   peak, not in the estimate). The worker keeps four copies on the device (weights, grads,
-   AdamW's two moments); the outer state, the round's starting weights and the
-   error-feedback residual are host tensors. So the estimate should exceed the peak less the
-   data, and by how much is what this figure shows on a real card.
+   is what the coordinator's scheduler assumes the cell needs on the device at this batch
+   (`models.experts.cell_memory_bytes`: DEVICE_COPIES float32 copies of the parameters, the
+   weights, gradients and AdamW's two moments, plus activations; a GPU gets the cell when
+   that is at most 1 - `vram_headroom` of its memory, and the host's share,
+   `cell_host_bytes`, fits its RAM), and the JSON has the training data this script keeps
+   on the device (`data_bytes`, in the peak, not in the estimate). The outer state, the
+   round's starting weights and the error-feedback residual are host tensors. So the
+   estimate should be near the peak less the data, and how near is what this figure shows
+   on a real card.
 2. **diloco**: one DiLoCo round between two workers sharing the device: each trains H inner
    steps from the same committed state through the worker's `roundwork.train_round` (two
    threads at once, one `CellRuntime` each), then the two exchange and apply the outer

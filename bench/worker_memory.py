@@ -2,8 +2,9 @@
 coordinator sizes the cell at?
 
 The coordinator gives a worker only cells whose closed-form memory fits (`models.experts.
-cell_memory_bytes`: STATE_COPIES float32 copies of the parameters plus the activations of
-one micro-batch, `bagel.protocol.cellmemory`). This runs the real thing and measures it: a
+cell_memory_bytes` on the device: DEVICE_COPIES float32 copies of the parameters plus the
+activations of one micro-batch; `cell_host_bytes` on the host; on a CPU worker both in its
+RAM, `bagel.protocol.cellmemory`). This runs the real thing and measures it: a
 real `bagel-coordinator serve` and `--workers` real `bagel-worker join` processes on
 loopback, CPU only, one cell, for `--rounds` committed rounds, once with the tiny DiT and
 once with a larger preset (`--preset`, DiT-S/2 by default) on the same spec otherwise. A
@@ -20,11 +21,11 @@ AdamW's two moments) and the ones kept on the host (the committed weights, outer
 and average, the round's new state, the delta and the contribution's residual, the parts
 it reduces in float64, the averaged update, the previous round's state kept for joiners,
 the loss audit's model; `bench/exchange_memory.py` takes the exchange's share apart). The
-table sets that
-against STATE_COPIES. Then, for the larger preset, where each worker's memory went (from
-its `--log-json` events and the sampled trace): before it built a model, while it measured
-its speed, the most while training and while exchanging, and what it held after each
-commit, in MB and in copies of the parameters above the first figure.
+table sets that against the estimate's copies (device and host together). Then, for the
+larger preset, where each worker's memory went (from its `--log-json` events and the
+sampled trace): before it built a model, while it measured its speed, the most while
+training and while exchanging, and what it held after each commit, in MB and in copies of
+the parameters above the first figure.
 
     .venv/bin/python bench/worker_memory.py [--preset S/2] [--image-size 32] [--workers 3]
         [--rounds 3] [--json out.json]
@@ -44,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bagel.models.experts import STATE_COPIES, activation_bytes, cell_config, cell_param_count
+from bagel.models.experts import DEVICE_COPIES, activation_bytes, cell_config, cell_host_bytes, cell_param_count
 from bagel.protocol.runspec import parse_spec
 from bagel.worker.swarm import CoordinatorProc, WorkerProc, cleanup
 
@@ -165,6 +166,7 @@ def run_one(preset: str, args: argparse.Namespace, root: Path) -> dict[str, Any]
         "params": params,
         "param_bytes": 4 * params,
         "activation_bytes": activation_bytes(cell_config(spec, CELL), args.micro_batch),
+        "host_bytes": cell_host_bytes(spec, CELL),
         "peak_bytes": hwm,
         "phases": phases,
     }
@@ -237,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         "large": large,
         "workers": rows,
         "median_copies": copies[len(copies) // 2],
-        "state_copies_assumed": STATE_COPIES + (1 if args.ema > 0 else 0),
+        # the coordinator's closed form on a CPU worker: the device's copies and the host's
+        "estimate_copies": DEVICE_COPIES + (large["host_bytes"] - small["host_bytes"]) / d_param,
         "config": vars(args) | {"json": str(args.json) if args.json else None},
     }
     print(
@@ -254,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"float32 parameter copies held at the peak (difference of the peaks less the activations, "
         f"per parameter byte): {', '.join(f'{c:.2f}' for c in copies)} (median {out['median_copies']:.2f}); "
-        f"the coordinator's estimate counts {out['state_copies_assumed']}"
+        f"the coordinator's estimate counts {out['estimate_copies']:.2f} (device {DEVICE_COPIES}, "
+        f"host {out['estimate_copies'] - DEVICE_COPIES:.2f})"
     )
     print(f"{args.preset}, by phase: MB, and in float32 parameter copies above the worker's memory before its model")
     for name, ph in sorted(large["phases"].items()):
