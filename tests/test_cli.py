@@ -131,7 +131,9 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
             )
             async with client as c:
                 resp = await c.register(
-                    pb.WorkerProfile(name="cli-w", device_kind="cpu", vram_bytes=8 << 30, num_devices=1),
+                    pb.WorkerProfile(
+                        name="cli-w", device_kind="cpu", vram_bytes=8 << 30, host_memory_bytes=8 << 30, num_devices=1
+                    ),
                     pb.PeerAddress(peer_id=fake_peer_id("cli"), maddrs=["/ip4/127.0.0.1/tcp/1"]),
                 )
                 return resp.worker_id
@@ -145,12 +147,14 @@ def test_serve_status_sigterm_and_refusals(tmp_path: Path) -> None:
         assert st.returncode == 0, st.stderr
         doc = json.loads(st.stdout)
         assert doc["run_id"] == "clirun" and [w["worker_id"] for w in doc["workers"]] == [wid]
+        assert doc["workers"][0]["host_memory_bytes"] == 8 << 30  # the declared RAM, kept in the store
         assert {c["cell_id"] for c in doc["cells"]} == {"k0.r0", "k0.r1", "k1.r0", "k1.r1", "router"}
         table = run_cli("status", "--data-dir", str(data))
         assert table.returncode == 0 and "cli-w" in table.stdout and "k1.r1" in table.stdout
         live = run_cli("status", "--target", endpoint, "--tls-fingerprint", fingerprint, "--key", str(key), "--json")
         assert live.returncode == 0, live.stderr
-        assert json.loads(live.stdout)["workers"][0]["worker_id"] == wid
+        live_worker = json.loads(live.stdout)["workers"][0]
+        assert live_worker["worker_id"] == wid and live_worker["host_memory_bytes"] == 8 << 30
         # the TLS matrix from the command line: no pin given, plaintext, a wrong pin
         unpinned = run_cli("status", "--target", endpoint)
         assert unpinned.returncode == 2 and "--tls-fingerprint" in unpinned.stderr

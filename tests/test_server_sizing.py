@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bagel.coordinator import sizing
-from bagel.models.experts import cell_memory_bytes
+from bagel.models.experts import cell_host_bytes, cell_memory_bytes
 from bagel.protocol.runspec import load_spec, parse_spec
 
 from simworkers import cluster_spec_text
@@ -54,6 +54,10 @@ def test_cell_configs_of_the_example_run() -> None:
     # configs stored before sample_bytes existed load as sized at the largest micro-batch (0)
     old = [{k: v for k, v in d.items() if k != "sample_bytes"} for d in sizing.configs_to_json(configs)]
     assert all(c.sample_bytes == 0 for c in sizing.configs_from_json(spec, old))
+    # the host's share: the closed form, kept in the store; configs stored before it load as 0 (not checked)
+    assert by["k0.r0"].host_bytes == cell_host_bytes(spec, "k0.r0") > by["router"].host_bytes > 0
+    older = [{k: v for k, v in d.items() if k != "host_bytes"} for d in sizing.configs_to_json(configs)]
+    assert all(c.host_bytes == 0 for c in sizing.configs_from_json(spec, older))
     other = parse_spec(cluster_spec_text().replace("clusters = 2", "clusters = 3"))
     with pytest.raises(ValueError):
         sizing.configs_from_json(other, sizing.configs_to_json(configs))

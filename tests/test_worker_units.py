@@ -213,6 +213,9 @@ def test_cli_validates_flags_and_hides_byzantine(capsys, tmp_path: Path):
         cli.config_from_args(p.parse_args(["join", "x", "--throttle", "0.5"]))
     with pytest.raises(ValueError, match="--max-vram-gb"):
         cli.config_from_args(p.parse_args(["join", "x", "--max-vram-gb", "0"]))
+    with pytest.raises(ValueError, match="--max-ram-gb"):
+        cli.config_from_args(p.parse_args(["join", "x", "--max-ram-gb", "-2"]))
+    assert cli.config_from_args(p.parse_args(["join", "x", "--max-ram-gb", "48"])).max_ram_gb == 48.0
     with pytest.raises(SystemExit):
         p.parse_args(["join", "x", "--byzantine", "evil"])
     with pytest.raises(SystemExit):
