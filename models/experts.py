@@ -26,6 +26,7 @@ from torch import nn
 
 from bagel.models import dit, flow, router, unet
 from bagel.models.data import DataError, derive_seed, load_dataset
+from bagel.protocol.cellmemory import DEVICE_COPIES, host_bytes_per_param
 
 if TYPE_CHECKING:
     from bagel.protocol.runspec import RunSpec
@@ -35,21 +36,6 @@ ModelConfig = dit.DiTConfig | unet.UNetConfig | router.RouterConfig
 # probability that an expert's training label is replaced by the null label (CFG training);
 # DiT uses 0.1 as well.
 LABEL_DROPOUT = 0.1
-# float32 copies of the parameter vector on the training device: the weights, their
-# gradients and AdamW's two moments (on a CPU worker the device is the host).
-DEVICE_COPIES = 4
-# What a worker holds on the host besides, counted from the worker's code and measured
-# (`bench/worker_memory.py`, `bench/exchange_memory.py`; README, "What a worker really holds"):
-# - committed states, each its weights and outer momentum (and average with `[ema]`) in the
-#   run's `[sync] state_dtype`: the committed one, the new one the outer step builds until
-#   the round's verdict, and the previous one, kept for joiners one round behind for
-#   `worker.statesync.SUPERSEDED_S` after a commit;
-HOST_STATES = 3
-# - float32 working copies: the reducers' loss-audit model (1); the pseudo-gradient, the
-#   error-feedback residual and the averaged update (3); the reduction of a part in
-#   float64 with its decoded inputs (about 7 in a group of two, and about as many in larger
-#   groups, whose parts are smaller but more).
-HOST_WORK_COPIES = 11
 BYTES_PER_FLOAT = 4
 EVAL_BATCH = 256
 
@@ -178,18 +164,16 @@ def cell_memory_bytes(spec: RunSpec, cell_id: str, micro_batch: int) -> int:
 
 
 def cell_host_bytes(spec: RunSpec, cell_id: str) -> int:
-    """What a worker of the cell holds on the host besides the device's share (closed form):
-    HOST_STATES committed states (weights and momentum, and the average with `[ema]`, in
-    the run's `[sync] state_dtype`) plus HOST_WORK_COPIES float32 copies of the parameters.
-    It does not depend on the micro-batch. On a GPU worker it must fit the host's RAM; on a
-    CPU worker the device is the host, so it adds to `cell_memory_bytes`."""
+    """What a worker of the cell holds on the host besides the device's share (closed form,
+    `bagel.protocol.cellmemory.host_bytes_per_param`): HOST_STATES committed states (weights
+    and momentum, and the average with `[ema]`, in the run's `[sync] state_dtype`) plus
+    HOST_WORK_COPIES float32 copies of the parameters. It does not depend on the
+    micro-batch. On a GPU worker it must fit the host's RAM; on a CPU worker the device is
+    the host, so it adds to `cell_memory_bytes`."""
     from bagel.protocol.runspec import STATE_DTYPE_NBYTES
 
-    n = _count(cell_config(spec, cell_id))
-    tensors = 3 if spec.ema.decay > 0 else 2
-    return (
-        HOST_STATES * tensors * STATE_DTYPE_NBYTES[spec.sync.state_dtype] * n + HOST_WORK_COPIES * BYTES_PER_FLOAT * n
-    )
+    per_param = host_bytes_per_param(STATE_DTYPE_NBYTES[spec.sync.state_dtype], spec.ema.decay > 0)
+    return per_param * _count(cell_config(spec, cell_id))
 
 
 def cell_memory_sizes(spec: RunSpec, cell_id: str) -> tuple[int, int, int]:

@@ -19,6 +19,30 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+# The closed form's counts (`bagel.models.experts.cell_memory_bytes` and `cell_host_bytes`;
+# torch-free here, so the simulator sizes its cells by the same figures):
+# float32 copies of the parameters on the training device: the weights, their gradients
+# and AdamW's two moments (on a CPU worker the device is the host).
+DEVICE_COPIES = 4
+# What a worker holds on the host besides, counted from the worker's code and measured
+# (`bench/worker_memory.py`, `bench/exchange_memory.py`; README, "What a worker really holds"):
+# - committed states, each its weights and outer momentum (and average with `[ema]`) in the
+#   run's `[sync] state_dtype`: the committed one, the new one the outer step builds until
+#   the round's verdict, and the previous one, kept for joiners one round behind for
+#   `worker.statesync.SUPERSEDED_S` after a commit;
+HOST_STATES = 3
+# - float32 working copies: the reducers' loss-audit model (1); the pseudo-gradient, the
+#   error-feedback residual and the averaged update (3); the reduction of a part in
+#   float64 with its decoded inputs (about 7 in a group of two, and about as many in larger
+#   groups, whose parts are smaller but more).
+HOST_WORK_COPIES = 11
+
+
+def host_bytes_per_param(state_dtype_nbytes: int, ema: bool) -> int:
+    """Host bytes per parameter of a cell: HOST_STATES states of 2 tensors (3 with `[ema]`)
+    of `state_dtype_nbytes` each, and HOST_WORK_COPIES float32 copies."""
+    return HOST_STATES * (3 if ema else 2) * state_dtype_nbytes + HOST_WORK_COPIES * 4
+
 
 class MemoryBudget(NamedTuple):
     """A worker's memory, as the fit rule reads it.
@@ -76,4 +100,12 @@ def micro_batch_cap(
     return max(1, min(max_micro_batch, 1 + int(room // sample_bytes)))
 
 
-__all__ = ["MemoryBudget", "fits", "micro_batch_cap"]
+__all__ = [
+    "DEVICE_COPIES",
+    "HOST_STATES",
+    "HOST_WORK_COPIES",
+    "MemoryBudget",
+    "fits",
+    "host_bytes_per_param",
+    "micro_batch_cap",
+]

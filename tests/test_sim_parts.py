@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,29 @@ def test_population_is_deterministic_and_follows_the_mix():
     assert a.bandwidth_bytes_per_s[home].min() >= 10e6 / 8 - 1e-6
     assert a.bandwidth_bytes_per_s[home].max() <= 100e6 / 8 + 1e-6
     assert a.bandwidth_bytes_per_s[~home].min() >= 1e9 / 8 - 1e-6
+
+
+def test_host_ram_is_drawn_per_machine_kind_and_only_when_declared():
+    mix = (("rtx3090", 0.75), ("h100-80gb", 0.25))
+    plain = sample_population(PopulationSpec(gpu_mix=mix), 4000, np.random.default_rng(7))
+    spec = PopulationSpec(
+        gpu_mix=mix, host_ram_gb_home=(("32", 3.0), ("64", 1.0)), host_ram_gb_datacenter=(("512", 1.0),)
+    )
+    a = sample_population(spec, 4000, np.random.default_rng(7))
+    assert plain.host_bytes is None and a.host_bytes is not None
+    # drawn after everything else: the same workers as without it
+    assert a.gpu == plain.gpu and np.array_equal(a.bandwidth_bytes_per_s, plain.bandwidth_bytes_per_s)
+    assert np.array_equal(a.byzantine, plain.byzantine) and np.array_equal(a.spot, plain.spot)
+    home = np.array([not GPU_CLASSES[g].datacenter for g in a.gpu])
+    gib = 1 << 30
+    assert set(a.host_bytes[~home].tolist()) == {512 * gib}
+    assert set(a.host_bytes[home].tolist()) == {32 * gib, 64 * gib}
+    assert 0.70 < (a.host_bytes[home] == 32 * gib).mean() < 0.80
+    # one kind declared, the other not (0)
+    only_home = sample_population(replace(spec, host_ram_gb_datacenter=()), 400, np.random.default_rng(7))
+    dc = np.array([GPU_CLASSES[g].datacenter for g in only_home.gpu])
+    assert only_home.host_bytes is not None and set(only_home.host_bytes[dc].tolist()) == {0}
+    assert set(only_home.host_bytes[~dc].tolist()) == {32 * gib, 64 * gib}
 
 
 def test_unknown_gpu_class_is_named():
@@ -200,6 +224,8 @@ def test_inline_run_spec_and_policy_overrides_give_real_run_specs():
         (_INLINE + "\n[bogus]\nx = 1\n", "bogus"),
         (_INLINE.replace("workers = 50", 'workers = "50"'), "scenario.workers"),
         (_INLINE + '\n[[faults]]\nkind = "hang"\nat_s = 5\nduration_s = 3\n', "faults[0].kind"),
+        (_INLINE + 'host_ram_gb_home = { "lots" = 1.0 }\n', "population.host_ram_gb_home"),
+        (_INLINE + 'host_ram_gb_datacenter = { "64" = 0.0 }\n', "population.host_ram_gb_datacenter"),
     ],
 )
 def test_scenario_errors_name_the_key(text, key):

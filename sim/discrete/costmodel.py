@@ -97,6 +97,13 @@ class WorkloadSpec:
     # VRAM fit: weights, grads, AdamW m and v, outer copy and momentum (6 x fp32 per
     # parameter) plus one micro-batch of activations (a scenario figure, not derived)
     train_bytes_per_param: float = 24.0
+    # what a worker holds on the host beside the card, per parameter: the real worker's
+    # closed form (`bagel.protocol.cellmemory.host_bytes_per_param`: three committed states
+    # and eleven float32 working copies; 68 with a float32 state and no average), which a
+    # scenario's `[workload]` takes from its run spec unless it sets the figure itself. The
+    # coordinator checks it only against workers that declare their host RAM
+    # (`[population] host_ram_gb_home` / `host_ram_gb_datacenter`); by default none do.
+    host_bytes_per_param: float = 68.0
     expert_activation_bytes: float = 2e9
     router_activation_bytes: float = 0.25e9
 
@@ -189,6 +196,10 @@ def multi_donor_download_s(nbytes: float, joiner_bw: float, donor_bws: Sequence[
 def cell_memory_bytes(work: WorkloadSpec, cell_id: str) -> int:
     act = work.router_activation_bytes if cell_id == "router" else work.expert_activation_bytes
     return int(cell_params(work, cell_id) * work.train_bytes_per_param + act)
+
+
+def cell_host_bytes(work: WorkloadSpec, cell_id: str) -> int:
+    return int(cell_params(work, cell_id) * work.host_bytes_per_param)
 
 
 def state_bytes_per_param(state_dtype: str = "fp32", ema: bool = False) -> float:

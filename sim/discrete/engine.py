@@ -230,7 +230,13 @@ class Engine(WorkerBehaviour):
         }
         self.commit_hashes: dict[str, dict[int, str]] = {}
         cfgs = [
-            CellConfig(c, cm.cell_memory_bytes(self.work, c), self.targets[c], self.payload[c] * self.comm_rounds)
+            CellConfig(
+                c,
+                cm.cell_memory_bytes(self.work, c),
+                self.targets[c],
+                self.payload[c] * self.comm_rounds,
+                host_bytes=cm.cell_host_bytes(self.work, c),
+            )
             for c in self.cells
         ]
         # the core hands back the live entities it changed, not frozen records: the engine
@@ -286,6 +292,7 @@ class Engine(WorkerBehaviour):
             device_kind="cuda",
             device_name=p.gpu[i],
             vram_bytes=int(p.vram_bytes[i]),
+            host_memory_bytes=0 if p.host_bytes is None else int(p.host_bytes[i]),
             link_bandwidth_bytes_per_s=w.bw,
             samples_per_s={c: (rate_r if c == ROUTER_CELL else rate_e) for c in self.cells},
         )

@@ -118,6 +118,13 @@ class PopulationSpec:
     throughput_jitter: float = 0.1
     links: LinkSpec = LinkSpec()
     availability: AvailabilitySpec = AvailabilitySpec()
+    # free host RAM beside the card, GiB -> weight, for home and for datacenter machines (by
+    # the GPU class's `datacenter`): what a worker declares in its profile, which the
+    # coordinator holds against a cell's host share. Empty: that group declares none (0),
+    # as by default, and the host is not checked. Drawn after everything else, so a
+    # scenario without it draws the same population as before it existed.
+    host_ram_gb_home: tuple[tuple[str, float], ...] = ()
+    host_ram_gb_datacenter: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,7 @@ class Population:
     latency_s: np.ndarray
     spot: np.ndarray  # bool
     byzantine: np.ndarray  # bool
+    host_bytes: np.ndarray | None = None  # declared free host RAM (None or 0: not declared)
 
     def __len__(self) -> int:
         return len(self.gpu)
@@ -187,7 +195,29 @@ def sample_population(spec: PopulationSpec, n: int, rng: np.random.Generator) ->
     )
     spot = rng.random(n) < spec.availability.spot_fraction
     byz = rng.random(n) < spec.byzantine_fraction
-    return Population(gpu, tflops, vram, bw, lat, spot, byz)
+    host = None
+    if spec.host_ram_gb_home or spec.host_ram_gb_datacenter:
+        host = np.where(
+            dc,
+            _draw_gib(spec.host_ram_gb_datacenter, "host_ram_gb_datacenter", n, rng),
+            _draw_gib(spec.host_ram_gb_home, "host_ram_gb_home", n, rng),
+        )
+    return Population(gpu, tflops, vram, bw, lat, spot, byz, host)
+
+
+def _draw_gib(mix: tuple[tuple[str, float], ...], name: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n draws (bytes) from a {GiB: weight} mix; zeros for an empty one (not declared)."""
+    if not mix:
+        return np.zeros(n, dtype=np.int64)
+    try:
+        sizes = [float(k) for k, _ in mix]
+    except ValueError:
+        raise ValueError(f"population.{name}: keys are sizes in GiB, e.g. {{ 32 = 0.5, 64 = 0.5 }}") from None
+    w = np.array([float(v) for _, v in mix])
+    if any(s <= 0 for s in sizes) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"population.{name}: positive sizes, weights non-negative with a positive sum")
+    gib = np.array([int(s * GIB) for s in sizes], dtype=np.int64)
+    return gib[rng.choice(len(sizes), size=n, p=w / w.sum())]
 
 
 # ---------------------------------------------------------------- availability

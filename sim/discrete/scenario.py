@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bagel.protocol.runspec import RunSpec, SpecError, parse_spec
+from bagel.protocol.cellmemory import host_bytes_per_param
+from bagel.protocol.runspec import STATE_DTYPE_NBYTES, RunSpec, SpecError, parse_spec
 from bagel.protocol.typedtoml import TomlTableError, from_table, load_document
 from bagel.sim.discrete.costmodel import WorkloadSpec, state_bytes_per_param
 from bagel.sim.discrete.population import AvailabilitySpec, LinkSpec, PopulationSpec
@@ -125,13 +126,17 @@ _TOP = {"scenario", "run_spec", "population", "workload", "engine", "faults"}
 
 
 def _workload(table: Any, spec: RunSpec) -> WorkloadSpec:
-    """The `[workload]` table; the state's bytes per parameter follow the run spec (its
-    `[sync] state_dtype` and `[ema]`) unless the table sets them."""
+    """The `[workload]` table; the state's and the host's bytes per parameter follow the run
+    spec (its `[sync] state_dtype` and `[ema]`) unless the table sets them."""
     work: WorkloadSpec = _build(WorkloadSpec, table, "workload")
-    if isinstance(table, Mapping) and "state_bytes_per_param" in table:
-        return work
-    per_param = state_bytes_per_param(spec.sync.state_dtype, spec.ema.decay > 0)
-    return dataclasses.replace(work, state_bytes_per_param=per_param)
+    given = table if isinstance(table, Mapping) else {}
+    ema = spec.ema.decay > 0
+    if "state_bytes_per_param" not in given:
+        work = dataclasses.replace(work, state_bytes_per_param=state_bytes_per_param(spec.sync.state_dtype, ema))
+    if "host_bytes_per_param" not in given:
+        per_param = host_bytes_per_param(STATE_DTYPE_NBYTES[spec.sync.state_dtype], ema)
+        work = dataclasses.replace(work, host_bytes_per_param=float(per_param))
+    return work
 
 
 def parse_sim_scenario(text: str, *, base_dir: Path | None = None, path: str = "") -> Scenario:
@@ -204,7 +209,22 @@ def _validate(s: Scenario) -> None:
         v = getattr(av, name)
         need(0.0 <= v <= 1.0, f"population.availability.{name}: in [0, 1]")
     need(0.0 <= s.population.byzantine_fraction <= 1.0, "population.byzantine_fraction: in [0, 1]")
+    for name in ("host_ram_gb_home", "host_ram_gb_datacenter"):
+        mix = getattr(s.population, name)
+        need(
+            all(_positive_number(k) and v >= 0 for k, v in mix) and (not mix or sum(v for _, v in mix) > 0),
+            f"population.{name}: {{ GiB = weight }}, e.g. {{ 32 = 0.5, 64 = 0.5 }}: sizes positive, weights"
+            " non-negative with a positive sum",
+        )
     _ = LinkSpec, AvailabilitySpec  # re-exported for scenario authors' type hints
+
+
+def _positive_number(text: str) -> bool:
+    try:
+        v = float(text)
+    except ValueError:
+        return False
+    return 0 < v < float("inf")
 
 
 def load_sim_scenario(path: str | Path) -> Scenario:
