@@ -195,7 +195,7 @@ class Reducer(ABC):
     ) -> list[int]:
         """The direction check (see `screen`): the parts of `kept` whose cosine to the kept
         parts' coordinate-wise median is at least min_cosine; the others go to `excluded`."""
-        ref = columnwise_median(stacked64([parts[i] for i in kept]))
+        ref = parts_median([parts[i].reshape(-1) for i in kept])
         ref_norm = exact_norm(ref)
         if ref_norm == 0.0:  # no direction to compare with (most coordinates' median is 0)
             return kept
@@ -315,11 +315,24 @@ def columnwise_median(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def stacked64(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parts as the rows of one float64 (n, d) matrix: one copy of each, not a list and a stack."""
-    out = torch.empty((len(parts), parts[0].numel()), dtype=torch.float64)
+def stacked64(parts: Sequence[torch.Tensor], a: int = 0, b: int | None = None) -> torch.Tensor:
+    """Elements [a, b) of the parts as the rows of one float64 (n, b - a) matrix (all of
+    them by default). The rules take it a block of columns at a time, so a reduction holds
+    the parts once (as given) and one block in float64, not a float64 copy of every part:
+    float32 to float64 is exact, so a block holds the same values as the whole matrix would."""
+    end = parts[0].numel() if b is None else b
+    out = torch.empty((len(parts), end - a), dtype=torch.float64)
     for i, p in enumerate(parts):
-        out[i] = p.reshape(-1)
+        out[i] = p.reshape(-1)[a:end]
+    return out
+
+
+def parts_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`columnwise_median(stacked64(parts))`, one block of columns in float64 at a time."""
+    d = parts[0].numel()
+    out = torch.empty(d, dtype=torch.float64)
+    for a in range(0, d, _BLOCK):
+        out[a : a + _BLOCK] = stacked64(parts, a, min(d, a + _BLOCK)).median(dim=0).values
     return out
 
 
@@ -374,11 +387,13 @@ class TrimmedMean(Reducer):
 
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
-        x = stacked64(parts)  # (n, d)
-        out = torch.empty(x.shape[1], dtype=torch.float32)
-        # column by column (a block at a time: the sort's values and indices for a block only)
-        for a in range(0, x.shape[1], _BLOCK):
-            out[a : a + _BLOCK] = self._columns(x[:, a : a + _BLOCK], w)
+        flat = [p.reshape(-1) for p in parts]
+        d = flat[0].numel()
+        out = torch.empty(d, dtype=torch.float32)
+        # column by column (a block at a time: the parts' block in float64, and the sort's
+        # values and indices, for a block only)
+        for a in range(0, d, _BLOCK):
+            out[a : a + _BLOCK] = self._columns(stacked64(flat, a, min(d, a + _BLOCK)), w)
         return out
 
     def _columns(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -425,13 +440,15 @@ class CenteredClip(Reducer):
     def aggregate(self, parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
         w = _check(parts, weights)
         w = w / math.fsum(w.tolist())
-        # The parts in float64, once (the rows of one matrix). Every vector operation below
-        # is elementwise, done a block at a time where it would otherwise make a temporary
-        # the size of the part, and every sum is `exact_sum`'s tree: the same bits as the
-        # whole-vector form (tests/test_reducers.py checks it against that form).
-        x = stacked64(parts)
+        # The parts stay as given (float32); every operation below takes them to float64 a
+        # block at a time (exactly: float32 to float64 loses nothing, and torch promotes a
+        # float32 block minus a float64 one to float64 before it subtracts), so a reduction
+        # holds one float64 vector (v) and its step, not a float64 copy of every part. Every
+        # vector operation is elementwise and every sum is `exact_sum`'s tree: the same bits
+        # as the whole-vector form (tests/test_reducers_blockwise.py checks it against that form).
+        x = [p.reshape(-1) for p in parts]
         # Robust start: the coordinate-wise (lower) median; a mean would be dragged by outliers.
-        v = columnwise_median(x)
+        v = parts_median(x)
         if self.tau is not None:
             tau = self.tau
         else:
@@ -475,6 +492,7 @@ __all__ = [
     "exact_distance",
     "exact_norm",
     "exact_sum",
+    "parts_median",
     "stacked64",
     "PartRejected",
     "Reducer",

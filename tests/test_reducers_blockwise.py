@@ -160,5 +160,6 @@ def test_the_direction_screen_gives_the_whole_vector_forms_cosines(block: int, m
         # the cosine itself, unrounded
         ref = agg.columnwise_median(agg.stacked64(ps))
         assert _bits(ref) == _bits(torch.stack([p.double() for p in ps]).median(dim=0).values)
+        assert _bits(agg.parts_median(ps)) == _bits(ref)  # a block of the parts in float64 at a time
         cos = [agg._exact_dot(p, ref) / (norms[i] * agg.exact_norm(ref)) for i, p in enumerate(ps)]
         assert cos == ref_direction_cosines(ps)
