@@ -32,10 +32,10 @@ DEVICE_COPIES = 4
 #   `worker.statesync.SUPERSEDED_S` after a commit;
 HOST_STATES = 3
 # - float32 working copies: the reducers' loss-audit model (1); the pseudo-gradient, the
-#   error-feedback residual and the averaged update (3); the reduction of a part in
-#   float64 with its decoded inputs (about 7 in a group of two, and about as many in larger
-#   groups, whose parts are smaller but more).
-HOST_WORK_COPIES = 11
+#   error-feedback residual and the averaged update (3); the reduction of a part, its
+#   decoded inputs with a block at a time in float64 (`bench/exchange_memory.py`: 5 in a
+#   group of two, 4 in a group of three; a larger group's parts are smaller but more).
+HOST_WORK_COPIES = 9
 
 
 def host_bytes_per_param(state_dtype_nbytes: int, ema: bool) -> int:

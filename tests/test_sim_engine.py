@@ -215,7 +215,7 @@ def test_a_repeated_ready_answered_by_a_query_changes_nothing(name, monkeypatch)
 
 @pytest.mark.timeout(300)
 def test_home_cards_without_the_ram_for_an_experts_host_share_train_only_the_router(monkeypatch):
-    """`home-ram-32`: a DiT-XL/2 expert keeps 42.7 GiB on the host, more than 80% of the 32
+    """`home-ram-32`: a DiT-XL/2 expert keeps 37.7 GiB on the host, more than 80% of the 32
     GiB every home machine declares, so the daemon's core gives the home cards only the
     router (or nothing), and the datacenter cards the experts. With 64 GiB declared the run
     is heterogeneity-10x's to the last figure: the host is checked, and passes."""

@@ -99,11 +99,11 @@ class WorkloadSpec:
     train_bytes_per_param: float = 24.0
     # what a worker holds on the host beside the card, per parameter: the real worker's
     # closed form (`bagel.protocol.cellmemory.host_bytes_per_param`: three committed states
-    # and eleven float32 working copies; 68 with a float32 state and no average), which a
+    # and nine float32 working copies; 60 with a float32 state and no average), which a
     # scenario's `[workload]` takes from its run spec unless it sets the figure itself. The
     # coordinator checks it only against workers that declare their host RAM
     # (`[population] host_ram_gb_home` / `host_ram_gb_datacenter`); by default none do.
-    host_bytes_per_param: float = 68.0
+    host_bytes_per_param: float = 60.0
     expert_activation_bytes: float = 2e9
     router_activation_bytes: float = 0.25e9
 
