@@ -256,6 +256,11 @@ def _main(args: argparse.Namespace) -> int:
     # first large allocation. Decoding a 16M-value int8 part into a fresh tensor goes from
     # 1.9 to 3.1 GB/s here, the difference being 4 KiB page faults (bench/compression.py).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # two malloc arenas: training, the exchange and state sync reuse what the others freed
+    # (bagel.worker.allocator says what it saves); before the worker starts its threads
+    from bagel.worker.allocator import limit_arenas
+
+    limit_arenas()
     if hasattr(signal, "SIGQUIT"):
         try:
             faulthandler.register(signal.SIGQUIT)  # `kill -QUIT <pid>` prints every thread's stack
