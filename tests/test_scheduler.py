@@ -546,3 +546,20 @@ def test_a_card_that_holds_the_cell_at_a_small_micro_batch_trains_it_there() -> 
     whole = [CellConfig(cell, int(18.4 * GB) + 31 * per_sample, 1.0, payload_bytes=25_000_000)]
     hz2 = Harness(spec, cells=whole)
     assert hz2.reg("a", vram_gb=24).instruction.cell_id == ""
+
+
+def test_the_memo_of_eligible_cells_is_bounded_and_answers_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker may declare any memory it likes: past `_BUDGETS_KEPT` distinct budgets the
+    memo starts afresh instead of growing, and a budget asked again gets the same cells."""
+    import bagel.coordinator.core.scheduler as sched
+
+    monkeypatch.setattr(sched, "_BUDGETS_KEPT", 4)
+    bal = Balance(CELL_MEMORY, TARGETS, Knobs(min_replicas=1))
+    budgets = [MemoryBudget(g * GB) for g in range(2, 30, 2)]  # 14 distinct, around the experts' 11.25 GB
+    first = {b: (bal.eligible(b), bal.eligible_set(b), bal._fit_active(b).tolist()) for b in budgets}
+    assert len(bal._eligible) <= 4 and len(bal._eligible_set) <= 4 and len(bal._fit_mask) <= 4
+    for b in reversed(budgets):
+        got = (bal.eligible(b), bal.eligible_set(b), bal._fit_active(b).tolist())
+        assert got == first[b]
+        assert bal.best_cell(b, {c: 10.0 for c in CELL_MEMORY}, 0.0) in (first[b][0] or ("",))
+    assert first[MemoryBudget(8 * GB)][0] == (ROUTER,) and len(first[MemoryBudget(12 * GB)][0]) == len(CELL_MEMORY)

@@ -54,6 +54,10 @@ from bagel.protocol.runspec import RunSpec, parse_cell
 
 _EPS = 1e-12
 _DESTINATIONS = 4  # destination cells a candidate tries per repair step
+# distinct memory budgets whose eligible cells `Balance` keeps at once: a fleet has few
+# (cards come in a few sizes), but a CPU worker declares its free RAM and any worker may
+# declare what it likes, so the memo starts afresh past this many instead of growing
+_BUDGETS_KEPT = 4096
 # (cell, ratio, count >= m, reference, deficit change of one more member, n, 2 * n, target, count == 0)
 _DestRow = tuple[str, float, bool, float, int, float, float, float, bool]
 
@@ -344,6 +348,10 @@ class Balance:
     def eligible(self, budget: MemoryBudget) -> tuple[str, ...]:
         got = self._eligible.get(budget)
         if got is None:
+            if len(self._eligible) >= _BUDGETS_KEPT:
+                # every memo keyed by budget holds only budgets of this one (see eligible_set)
+                for memo in (self._eligible, self._eligible_idx, self._eligible_set, self._fit_mask):
+                    memo.clear()
             h = self.knobs.vram_headroom
             got = tuple(c for c in self.active if fits(budget, self.memory[c], self.host[c], h))
             self._eligible[budget] = got
