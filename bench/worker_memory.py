@@ -45,7 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bagel.models.experts import DEVICE_COPIES, activation_bytes, cell_config, cell_host_bytes, cell_param_count
+from bagel.models.experts import activation_bytes, cell_config, cell_host_bytes, cell_param_count
+from bagel.protocol.cellmemory import DEVICE_COPIES
 from bagel.protocol.runspec import parse_spec
 from bagel.worker.swarm import CoordinatorProc, WorkerProc, cleanup
 

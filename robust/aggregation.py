@@ -305,30 +305,21 @@ def exact_distance(x: torch.Tensor, y: torch.Tensor) -> float:
     return math.sqrt(blockwise_exact_sum(x.numel(), squares))
 
 
-def columnwise_median(x: torch.Tensor) -> torch.Tensor:
-    """x.median(dim=0).values of an (n, d) matrix, a block of columns at a time: each column's
-    median is a selection within the column, so the values are the same, without the whole
-    (n, d) index matrix torch also returns."""
-    out = torch.empty(x.shape[1], dtype=x.dtype)
-    for a in range(0, x.shape[1], _BLOCK):
-        out[a : a + _BLOCK] = x[:, a : a + _BLOCK].median(dim=0).values
-    return out
-
-
-def stacked64(parts: Sequence[torch.Tensor], a: int = 0, b: int | None = None) -> torch.Tensor:
-    """Elements [a, b) of the parts as the rows of one float64 (n, b - a) matrix (all of
-    them by default). The rules take it a block of columns at a time, so a reduction holds
-    the parts once (as given) and one block in float64, not a float64 copy of every part:
-    float32 to float64 is exact, so a block holds the same values as the whole matrix would."""
-    end = parts[0].numel() if b is None else b
-    out = torch.empty((len(parts), end - a), dtype=torch.float64)
+def stacked64(parts: Sequence[torch.Tensor], a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of the parts as the rows of one float64 (n, b - a) matrix. The rules
+    take the parts a block of columns at a time, so a reduction holds them once (as given)
+    and one block in float64, not a float64 copy of every part: float32 to float64 is
+    exact, so a block holds the same values as a whole float64 matrix would."""
+    out = torch.empty((len(parts), b - a), dtype=torch.float64)
     for i, p in enumerate(parts):
-        out[i] = p.reshape(-1)[a:end]
+        out[i] = p.reshape(-1)[a:b]
     return out
 
 
 def parts_median(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`columnwise_median(stacked64(parts))`, one block of columns in float64 at a time."""
+    """The coordinate-wise (lower) median of the parts in float64, one block of columns at a
+    time: each column's median is a selection within the column, so the values are those of
+    the whole matrix's, without it or the (n, d) index matrix torch also returns."""
     d = parts[0].numel()
     out = torch.empty(d, dtype=torch.float64)
     for a in range(0, d, _BLOCK):
@@ -488,7 +479,6 @@ __all__ = [
     "ZERO_REASON",
     "CenteredClip",
     "blockwise_exact_sum",
-    "columnwise_median",
     "exact_distance",
     "exact_norm",
     "exact_sum",

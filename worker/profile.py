@@ -64,10 +64,6 @@ class MeasuredProfile:
     samples_per_s: dict[str, float] = field(default_factory=dict)
     host_memory_bytes: int = 0  # RAM beside the device (on CPU: the same as vram_bytes)
 
-    @property
-    def budget(self) -> MemoryBudget:
-        return MemoryBudget.of(self.device_kind, self.vram_bytes, self.host_memory_bytes)
-
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
