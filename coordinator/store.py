@@ -431,6 +431,12 @@ class Store:
         q = "SELECT cell_id, epoch, round, state_hash FROM commits ORDER BY cell_id, epoch, round"
         return [(r[0], int(r[1]), int(r[2]), r[3]) for r in self._conn.execute(q)]
 
+    def commit_rows(self) -> list[tuple[str, int, int, str, int]]:
+        """(cell_id, epoch, round, state_hash, committed_unix_ms) of every commit ever
+        recorded, rolled back or not, by cell, epoch and round."""
+        q = "SELECT cell_id, epoch, round, state_hash, committed_unix_ms FROM commits ORDER BY cell_id, epoch, round"
+        return [(r[0], int(r[1]), int(r[2]), r[3], int(r[4])) for r in self._conn.execute(q)]
+
     def commit_records(self) -> list[CommitRecord]:
         """The CommitRecords of each cell's current epoch, by (cell, round)."""
         q = "SELECT m.record" + self._CURRENT + " ORDER BY m.cell_id, m.round"

@@ -186,3 +186,56 @@ def test_rollback_beyond_the_bound_or_without_epochs_is_a_lost_commit():
     # the same history read without epochs: rounds rewritten and rounds 1-2 missing
     flat = tuple(replace(r, commits=tuple(replace(c, epoch=0) for c in r.commits)) for r in h.commit_logs)
     assert failing(replace(h, commit_logs=flat)) == {"no_committed_round_lost", "no_round_applied_twice"}
+
+
+def test_lineage_keeps_the_older_epochs_rows_below_each_rollback_point():
+    from bagel.sim.chaos.evidence import lineage
+
+    def rows(epoch: int, rounds: range, tag: str) -> list[tuple[str, int, int, str, int]]:
+        return [("k0.r0", epoch, r, f"{tag}{r}", 1000 * r) for r in rounds]
+
+    # epoch 0 committed 1..4; back to the round-2 checkpoint; epoch 1 committed 3..5
+    got = lineage(rows(0, range(1, 5), "a") + rows(1, range(3, 6), "b"), {"k0.r0": (1, 5)})
+    assert [(e, r) for _, e, r, _, _ in got] == [(0, 1), (0, 2), (1, 3), (1, 4), (1, 5)]
+    # the fallback happened but the new epoch has not committed yet: the cell's round says where
+    got = lineage(rows(0, range(1, 5), "a"), {"k0.r0": (1, 2)})
+    assert [(e, r) for _, e, r, _, _ in got] == [(0, 1), (0, 2)]
+    # two rollbacks: the lower point bounds every older epoch; back to round 0 drops them all
+    got = lineage(rows(0, range(1, 6), "a") + rows(1, range(4, 7), "b") + rows(2, range(2, 4), "c"), {"k0.r0": (2, 3)})
+    assert [(e, r) for _, e, r, _, _ in got] == [(0, 1), (2, 2), (2, 3)]
+    assert lineage(rows(0, range(1, 3), "a"), {"k0.r0": (1, 0)}) == []
+    assert lineage(rows(0, range(1, 3), "a"), {"k0.r0": (0, 2)}) == rows(0, range(1, 3), "a")
+
+
+def test_a_rollback_read_from_a_real_store_names_only_the_lost_round(tmp_path):
+    """The store reads back the current epoch only; the chaos reader must put the older
+    epoch's kept rounds back with their epochs, or the checker reports every round below
+    the rollback point lost and the re-committed round as a changed hash."""
+    from bagel.coordinator.core.records import CellRecord, CommitRecord
+    from bagel.coordinator.store import Store
+    from bagel.sim.chaos.evidence import read_commit_log
+
+    def commit(rnd: int, h: str, ms: int) -> CommitRecord:
+        return CommitRecord("k0.r0", rnd, 1, h, ms, ("w1",), ("w1",), 40, 0.25)
+
+    h = {r: _h("k0.r0", r) for r in range(1, 4)}
+    redo = "f" * 64
+    store = Store.open(tmp_path)
+    for r in (1, 2, 3):
+        store.write([CellRecord("k0.r0", r, h[r]), commit(r, h[r], 1000 * r)], now_ms=1000 * r)
+    before, _ = read_commit_log(tmp_path, "before the cut", 3.5, 0.0)
+    store.write([CellRecord("k0.r0", 2, h[2], rollbacks=1)], now_ms=4000)  # back to the round-2 checkpoint
+    store.write([CellRecord("k0.r0", 3, redo, rollbacks=1), commit(3, redo, 5000)], now_ms=5000)
+    store.close()
+    after, records = read_commit_log(tmp_path, "end", 6.0, 0.0)
+    assert [(c.epoch, c.round) for c in after.commits] == [(0, 1), (0, 2), (1, 3)]
+    assert [c.committed_s for c in after.commits] == [1.0, 2.0, 5.0]
+    assert [(r.round, r.state_hash) for r in records] == [(3, redo)]  # the report's records: current epoch
+    acked = tuple(CommitEntry("k0.r0", r, h[r]) for r in (1, 2, 3))
+    hist = replace(clean(), commit_logs=(before, after), acknowledged=acked, hashes=(), faults=())
+    res = check_history(hist)
+    assert res["no_round_applied_twice"].ok
+    assert sorted(res["no_committed_round_lost"].violations) == [
+        "k0.r0 round 3: acknowledged as committed but not in the final log",
+        "k0.r0: rounds 3..3 rolled back to the checkpoint (epoch 1) by 'end': 1 > 0 allowed",
+    ]

@@ -109,19 +109,52 @@ class Observations:
 
 
 def read_commit_log(coord_dir: Path, label: str, t: float, origin: float) -> tuple[inv.CommitLogRead, tuple[Any, ...]]:
-    """The coordinator store's commit log at run time `t` (commit times in run time too),
-    and the full commit records (loss, contributors) for the report. Raises StoreError."""
+    """The coordinator store's commit log at run time `t` (commit times in run time too):
+    every cell's committed lineage with its epochs (`lineage`), and the full commit records
+    of the current epochs (loss, contributors) for the report. Raises StoreError."""
     from bagel.coordinator.store import Store
 
     store = Store.open_readonly(coord_dir)
     try:
         snap = store.load(recent_commits=1 << 30)
+        rows = store.commit_rows()
     finally:
         store.close()
+    current = {c.cell_id: (c.rollbacks, c.committed_round) for c in snap.cells}
     entries = tuple(
-        inv.CommitEntry(c.cell_id, c.round, c.state_hash, c.committed_ms / 1000.0 - origin) for c in snap.commits
+        inv.CommitEntry(cell, rnd, hsh, ms / 1000.0 - origin, epoch)
+        for cell, epoch, rnd, hsh, ms in lineage(rows, current)
     )
     return inv.CommitLogRead(t, label, entries), snap.commits
+
+
+def lineage(
+    rows: list[tuple[str, int, int, str, int]], current: dict[str, tuple[int, int]]
+) -> list[tuple[str, int, int, str, int]]:
+    """The commits that are still each cell's history, from every commit ever recorded
+    (`rows`: cell, epoch, round, hash, ms) and each cell's current (epoch, committed round).
+
+    An orphaned cell falls back to its checkpoint at round b and commits b + 1, ... again in
+    the next epoch: the rows of an older epoch above the lowest rollback point of any later
+    epoch were rolled back, and are left out, so the checker sees them lost (as they were);
+    the rows at or below it stay, labelled with their epoch. A later epoch's rollback point
+    is its first commit's round - 1, or, for the current epoch before it commits anything,
+    the cell's committed round (the checkpoint it fell back to)."""
+    by_cell: dict[str, dict[int, list[tuple[str, int, int, str, int]]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        by_cell[row[0]][row[1]].append(row)
+    out: list[tuple[str, int, int, str, int]] = []
+    for cell in sorted(by_cell):
+        epochs = by_cell[cell]
+        cur_epoch, cur_round = current.get(cell, (max(epochs), 1 << 62))
+        floor = cur_round if not epochs.get(cur_epoch) else 1 << 62
+        for epoch in sorted(epochs, reverse=True):
+            kept = epochs[epoch] if epoch >= cur_epoch else [r for r in epochs[epoch] if r[2] <= floor]
+            out.extend(kept)
+            if epochs[epoch]:
+                floor = min(floor, min(r[2] for r in epochs[epoch]) - 1)
+    out.sort(key=lambda r: (r[0], r[1], r[2]))
+    return out
 
 
 def local_hashes(workers: list[tuple[str, Path]], spec: RunSpec, t: float) -> list[inv.HashObservation]:
