@@ -131,6 +131,10 @@ class ScheduleSection:
     # reported (so one that reports a moment after the quorum trains it too), or after this
     # many seconds, whichever is first; 0 opens it at once with the holders so far.
     next_round_grace_s: float = 30.0
+    # a cell whose last holder of the committed state lost its lease (a network cut, a
+    # reboot) waits this long for a holder to come back before it falls back to its
+    # checkpoint; 0 falls back at once. A holder that left or was banned is not waited for.
+    orphan_grace_s: float = 20.0
     vram_headroom: float = 0.2
     # a worker moves only if it cuts the imbalance by more than this share of compute.
     stickiness: float = 0.1
@@ -440,6 +444,7 @@ def _validate(spec: RunSpec) -> None:
     )
     need(0.0 < spec.schedule.quorum <= 1.0, "schedule.quorum: in (0, 1]")
     need(0.0 <= spec.schedule.next_round_grace_s <= 3600.0, "schedule.next_round_grace_s: in [0, 3600]")
+    need(0.0 <= spec.schedule.orphan_grace_s <= 3600.0, "schedule.orphan_grace_s: in [0, 3600]")
     need(1.0 <= spec.guard.max_loss_ratio <= 1e6, "guard.max_loss_ratio: in [1, 1e6]")
     need(0.0 <= spec.guard.abs_slack <= 1e6, "guard.abs_slack: in [0, 1e6]")
     need(1 <= spec.guard.eval_samples <= 4096, "guard.eval_samples: between 1 and 4096")

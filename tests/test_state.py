@@ -456,6 +456,7 @@ def test_orphaned_cell_falls_back_to_its_checkpoint() -> None:
     hz.advance(20_000)
     hz.tick()  # both leases expired: nobody holds round 3, but nobody needs it yet
     assert hz.cell().committed_round == 3
+    hz.advance(20_000)  # `schedule.orphan_grace_s` (20 s): the holders did not come back
     hz.reg("z")  # z needs the state: fall back to the checkpoint
     cell = hz.cell()
     assert (cell.committed_round, cell.committed_hash, cell.rollbacks) == (2, h(2), 1)

@@ -398,6 +398,7 @@ class Cell:
         "donor_load",
         "awaiting",
         "hold_until_ms",
+        "orphan_until_ms",
         "exchange_ms",
         "reduce_overruns",
     )
@@ -428,6 +429,9 @@ class Cell:
         # until when the next round waits for them (`Rounds.hold_next_round`)
         self.awaiting: dict[str, None] = {}
         self.hold_until_ms = 0
+        # volatile: until when a cell whose last holder lost its lease waits for a holder to
+        # come back before it falls back to its checkpoint (`Rounds.check_orphan`); 0: no wait
+        self.orphan_until_ms = 0
         # volatile: how long the last committed exchange took (freeze to commit), and how
         # many exchange attempts in a row since ran past their deadline
         # (`Rounds.reduce_span_ms`); a restarted coordinator starts again from the prediction

@@ -236,10 +236,12 @@ class Roster:
             self.changes.cell(c.id)
         self.changes.worker(w.id)
 
-    def detach(self, w: Worker, now: int, *, fail_fast: bool, distrust: bool = False) -> None:
+    def detach(self, w: Worker, now: int, *, fail_fast: bool, distrust: bool = False, may_return: bool = False) -> None:
         """Take an active worker out of its cell and open round (the caller sets its new
         state). fail_fast=False keeps it counted in its open round until the deadline;
-        distrust=True (a ban) also re-freezes a contributor set it is part of, in any cell."""
+        distrust=True (a ban) also re-freezes a contributor set it is part of, in any cell;
+        may_return=True (a lost lease, a second Register) lets a cell it was the last holder
+        of wait for it before falling back (`Rounds.lose_last_holder`)."""
         self.active -= 1
         self.balance.add_reference(w.profile.samples_per_s, -1)
         self.standby.pop(w.id, None)
@@ -247,7 +249,10 @@ class Roster:
         if w.cell:
             c = self.cells[w.cell]
             awaited = w.id in c.awaiting
+            held = w.id in c.synced
             self._unassign(w)
+            if held and not c.synced:
+                self.rounds.lose_last_holder(c, now, may_return=may_return and not distrust)
             r = c.round
             if r is not None and fail_fast and (r.is_live_member(w.id) or r.is_contributor(w.id)):
                 self.rounds.drop_member(c, r, w.id, now, distrust=distrust)
@@ -273,7 +278,7 @@ class Roster:
                 self.rounds.drop_member(oc, r, w.id, now, distrust=True)
 
     def expire(self, w: Worker, now: int) -> None:
-        self.detach(w, now, fail_fast=self.policy.fail_fast_leases)
+        self.detach(w, now, fail_fast=self.policy.fail_fast_leases, may_return=True)
         w.state, w.reason = WorkerState.LOST, "lease expired"
 
     def _move(self, w: Worker, to: str, now: int) -> None:

@@ -103,6 +103,7 @@ _LEGAL = frozenset(
 )
 
 TRAIN_DEADLINE, REDUCE_DEADLINE, HOLD_DEADLINE, PATIENCE_DEADLINE = "train", "reduce", "hold", "patience"
+ORPHAN_DEADLINE = "orphan"
 # An exchange's deadline follows what the cell's exchanges really take: at least this many
 # times the last committed one (freeze to commit), and doubled after each attempt in a row
 # that ran past its deadline, up to this many doublings (`Rounds.reduce_span_ms`).
@@ -140,6 +141,7 @@ class Rounds:
         self.quorum = spec.schedule.quorum
         self.min_contributors = spec.schedule.min_contributors
         self.grace_ms = int(spec.schedule.next_round_grace_s * 1000)
+        self.orphan_grace_ms = int(spec.schedule.orphan_grace_s * 1000)
         self.guard = CommitGuard(spec.guard)
         # (at, seq, cell, round, attempt, kind, reduce_attempt); stale entries are skipped
         self.deadlines: list[tuple[int, int, str, int, int, str, int]] = []
@@ -166,6 +168,10 @@ class Rounds:
                 if c.awaiting and c.hold_until_ms == at and c.committed_round == rnd:
                     c.awaiting.clear()  # the grace is over: open with the holders there are
                     self._boundary(c, now)
+                continue
+            if kind == ORPHAN_DEADLINE:
+                if c.orphan_until_ms == at and c.committed_round == rnd:
+                    self.check_orphan(c, now)
                 continue
             r = c.round
             if r is None or (r.round, r.attempt) != (rnd, attempt):
@@ -695,13 +701,38 @@ class Rounds:
 
     # ---------------------------------------------------------------- orphaned cells
 
+    def lose_last_holder(self, c: Cell, now: int, *, may_return: bool) -> None:
+        """The last live holder of c's committed state was just detached. One that lost its
+        lease (a network cut, a reboot) or registered again may come back with the state:
+        the cell waits `schedule.orphan_grace_s` for it before it falls back. One that left
+        or was banned will not: no wait."""
+        c.orphan_until_ms = 0
+        if may_return and self.orphan_grace_ms > 0:
+            self.wait_for_holder(c, now + self.orphan_grace_ms)
+
+    def wait_for_holder(self, c: Cell, until_ms: int) -> None:
+        """c falls back no earlier than `until_ms`: then the deadline heap checks it again."""
+        c.orphan_until_ms = until_ms
+        heapq.heappush(self.deadlines, (until_ms, next(self._seq), c.id, c.committed_round, 0, ORPHAN_DEADLINE, 0))
+
+    def orphaned(self, c: Cell) -> bool:
+        """Nobody live holds c's committed state, a worker of the cell needs it, and it is
+        not the checkpoint's (what `check_orphan` would fall back to, now or after the wait)."""
+        return not (c.committed_round == 0 or c.synced or not c.workers or c.checkpoint_round == c.committed_round)
+
     def check_orphan(self, c: Cell, now: int) -> None:
         """Nobody live holds the committed state and an assigned worker needs it: fall back
-        to the latest checkpoint (the loss is bounded by the checkpoint
-        interval). Lazy on purpose: a holder that re-attaches before anyone needs the
-        state (a restart, a reboot) loses nothing."""
-        if c.committed_round == 0 or c.synced or not c.workers or c.checkpoint_round == c.committed_round:
+        to the latest checkpoint (the loss is bounded by the checkpoint interval). Lazy on
+        purpose: a holder that re-attaches before anyone needs the state (a restart, a
+        reboot) loses nothing. Patient too: while the last holder may still come back
+        (`lose_last_holder`), the fallback waits on the deadline heap, and the workers that
+        need the state are told to wait (`CoordinatorState._instruction`); a holder that
+        re-attaches meanwhile is their donor and nothing is rolled back."""
+        if not self.orphaned(c):
             return
+        if now < c.orphan_until_ms:
+            return  # the deadline heap looks again when the wait is over
+        c.orphan_until_ms = 0
         if c.round is not None:
             self.change_state(c, c.round, RoundState.ABORTED, now, "cell orphaned")
         if c.checkpoint_round >= 1:

@@ -408,6 +408,13 @@ class CoordinatorState:
                 st.roster.assign(w, cid, now_ms, restoring=True)
             else:
                 st.roster.wait(w)
+        # A cell nobody restored holds the state of may have holders that re-attach (their
+        # channels back off while the coordinator is down; a LOST one may register again):
+        # its fallback waits for them as for a holder that lost its lease.
+        reattach = now_ms + RESTART_REATTACH_MS + st.roster.lease_ms + st.rounds.orphan_grace_ms
+        for c in st._cells.values():
+            if st.rounds.orphaned(c):
+                st.rounds.wait_for_holder(c, reattach)
         for rrec in rounds:
             if rrec.state.terminal:
                 continue
@@ -472,7 +479,7 @@ class CoordinatorState:
             raise CapacityExceeded(f"the run has its maximum of {self.max_workers} workers")
         # ---- mutate
         if w is not None and rejoining:
-            self.roster.detach(w, now, fail_fast=True)
+            self.roster.detach(w, now, fail_fast=True, may_return=True)  # it is placed again below
         if w is None:
             w = Worker(ev.worker_id, p, ev.peer, now)
             self.roster.workers[w.id] = w
@@ -903,6 +910,17 @@ class CoordinatorState:
                 c.committed_hash,
                 upload_checkpoint=upload,
                 reason=why,
+            )
+        if self.rounds.orphaned(c):
+            # the fallback waits for a holder that may come back (`Rounds.check_orphan`)
+            return Instruction(
+                Order.WAIT,
+                c.id,
+                nxt,
+                c.committed_round,
+                c.committed_hash,
+                reason=f"no live worker holds round {c.committed_round}: waiting for one to come back "
+                f"before the cell falls back to its checkpoint",
             )
         donors = self.roster.donors(w, c)
         return Instruction(
