@@ -42,7 +42,9 @@ The round protocol, per cell:
   contributors' failure reports of that exchange get their reputation back.
 - A lost lease drops the worker from its open round at once (fail_fast_leases) and from
   its cell. A cell whose committed state nobody live holds, when someone needs it, falls
-  back to its latest checkpoint.
+  back to its latest checkpoint; after its last holder lost its lease (or registered
+  again) it first waits `schedule.orphan_grace_s` for a holder to come back, telling the
+  workers that need the state to wait (`Rounds.check_orphan`).
 - Late and duplicate messages are handled on purpose (errors.StaleRound says which are
   errors): a repeated report gets its verdict again, a report of an aborted attempt gets
   VERDICT_ABORTED, a READY of an old attempt (Heartbeat.round_attempt) is ignored.
