@@ -412,10 +412,18 @@ def test_a_newcomer_after_a_restart_does_not_roll_back_rounds_its_holders_still_
     st2.apply(late, Heartbeat("a", Phase.IDLE, CELL, local=LocalState(CELL, 3, h(3))))
     assert st2.cell_view(CELL)[0].committed_round == 3
 
-    # the bound is still there: holders silent past the grace are lost, and then the
-    # newcomer's need rolls the cell back to its checkpoint (what a lost round costs)
+    # the bound is still there: holders silent past the grace are lost, the newcomer waits
+    # `schedule.orphan_grace_s` (20 s) for one of them, and then its need rolls the cell back
+    # to its checkpoint (what a lost round costs)
     st3 = restored(hz)
     gone = hz.now + lease_ms + RESTART_REATTACH_MS + 1
     st3.apply(gone, Tick())
     st3.apply(gone, Register("n", profile(hz.spec), PeerAddress("peer-n", ("/ip4/127.0.0.1/tcp/1",))))
+    assert st3.cell_view(CELL)[0].committed_round == 3
+    assert st3.instruction_for("n").order is Order.WAIT
+    for t in (gone + 8_000, gone + 16_000):  # the newcomer keeps its lease meanwhile
+        st3.apply(t, Heartbeat("n", Phase.IDLE, CELL))
+    st3.apply(gone + 19_999, Tick())
+    assert st3.cell_view(CELL)[0].committed_round == 3
+    st3.apply(gone + 20_000, Tick())
     assert st3.cell_view(CELL)[0].committed_round == 2
