@@ -147,10 +147,11 @@ class CoordinatorApp:
         self.watchers = InstructionWatchers()  # held WatchInstruction calls (`watch`)
         # a held call waits at most a lease: the heartbeats, not the watch, keep a worker alive
         self.watch_cap_ms = int(spec.schedule.lease_s * 1000)
-        workers = state.snapshot().workers
+        snap = state.snapshot()
+        workers = snap.workers
         self.tally = WorkerTally(workers)
         # the run's story (log lines, the dashboard's events) and series, from the same effects
-        self.feed = EventFeed(spec.cell_ids, workers)
+        self.feed = EventFeed(spec.cell_ids, workers, snap.cells)
         self.history = RunHistory(spec.cell_ids, start_ms=clock())
         self._publish_worker_counts()
         self.admission = Admission(spec)
@@ -164,7 +165,7 @@ class CoordinatorApp:
         self._accusations = RateLimiter(1000.0 / ACCUSE_INTERVAL_MS, ACCUSE_BURST, capacity=ACCUSERS_KEPT)
         self._judging = 0
         self.started_ms = clock()
-        self.book = RunBook(spec, metrics, state.snapshot(), self.started_ms)  # the run series
+        self.book = RunBook(spec, metrics, snap, self.started_ms)  # the run series
 
     # ------------------------------------------------------------------ request path
 

@@ -10,6 +10,8 @@ reads them after each transition and derives the events an operator wants to hea
 - `move`             an active worker was placed in another cell (feed only, DEBUG log);
 - `commit`           a round committed (feed, DEBUG log; INFO once a minute, per cell);
 - `abort`            a round attempt aborted, with the reason;
+- `rollback`         a cell fell back to its checkpoint (nobody live held its committed
+  state when a worker needed it): the rounds since are trained again, in a new epoch;
 - `unstaffed`        a cell lost its last member, or has had none for `UNSTAFFED_GRACE_S`
   while workers are active (the case of 2 workers on 5 cells, where 3 never train);
 - `staffed`          a cell without members got one again.
@@ -36,7 +38,15 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from bagel.coordinator.core.records import CommitRecord, Record, RoundRecord, RoundState, WorkerRecord, WorkerState
+from bagel.coordinator.core.records import (
+    CellRecord,
+    CommitRecord,
+    Record,
+    RoundRecord,
+    RoundState,
+    WorkerRecord,
+    WorkerState,
+)
 
 log = logging.getLogger("bagel.coordinator.events")
 
@@ -58,6 +68,7 @@ _LEVELS = {
     "move": logging.DEBUG,
     "commit": logging.DEBUG,
     "abort": logging.INFO,
+    "rollback": logging.WARNING,
     "unstaffed": logging.WARNING,
     "staffed": logging.INFO,
 }
@@ -105,6 +116,7 @@ class EventFeed:
         self,
         cell_ids: Iterable[str],
         workers: Iterable[WorkerRecord] = (),
+        cells: Iterable[CellRecord] = (),
         *,
         capacity: int = DEFAULT_CAPACITY,
         logger: logging.Logger = log,
@@ -121,6 +133,10 @@ class EventFeed:
                 self._members[rec.cell_id].add(rec.worker_id)
         self._aborted: dict[str, tuple[int, int]] = {}  # cell -> last aborted (round, attempt)
         self._committed: dict[str, int] = {}  # cell -> last committed round seen
+        self._epochs: dict[str, int] = {}  # cell -> its rollbacks count seen
+        for cell in cells:
+            self._committed[cell.cell_id] = cell.committed_round
+            self._epochs[cell.cell_id] = cell.rollbacks
         self._unstaffed_said: set[str] = set()  # cells whose current streak without members was reported
         self._empty_since: dict[str, int] = {}  # cell -> first check that found it empty with workers active
         # the summary window
@@ -145,6 +161,8 @@ class EventFeed:
                 self._on_commit(rec, now_ms)
             elif isinstance(rec, RoundRecord) and rec.state is RoundState.ABORTED:
                 self._on_abort(rec, now_ms)
+            elif isinstance(rec, CellRecord) and rec.rollbacks > self._epochs.get(rec.cell_id, 0):
+                self._on_rollback(rec, now_ms)
         for cell in sorted(touched):
             n = len(self._members[cell])
             if n == 0:
@@ -207,6 +225,21 @@ class EventFeed:
             f" {rec.samples} samples, loss {rec.loss:.4f}{heldout})",
             cell_id=rec.cell_id,
             round=rec.round,
+        )
+
+    def _on_rollback(self, rec: CellRecord, now_ms: int) -> None:
+        self._epochs[rec.cell_id] = rec.rollbacks
+        lost = self._committed.get(rec.cell_id, rec.committed_round)
+        # the rounds after the checkpoint are committed again: their commits are news again
+        self._committed[rec.cell_id] = rec.committed_round
+        what = f"round {rec.committed_round}, its checkpoint" if rec.committed_round else "its initial state"
+        rounds = f"; rounds {rec.committed_round + 1}..{lost} are lost" if lost > rec.committed_round else ""
+        self._emit(
+            now_ms,
+            "rollback",
+            f"cell {rec.cell_id} fell back to {what}: no live worker held its committed state{rounds}",
+            cell_id=rec.cell_id,
+            round=rec.committed_round,
         )
 
     def _on_abort(self, rec: RoundRecord, now_ms: int) -> None:

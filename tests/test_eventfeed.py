@@ -9,6 +9,7 @@ import fnmatch
 import logging
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -200,3 +201,55 @@ def test_the_dashboard_files_are_package_data() -> None:
     files = sorted(p.relative_to(ROOT / "coordinator").as_posix() for p in (ROOT / "coordinator" / "static").iterdir())
     assert {"static/dashboard.html", "static/dashboard.js", "static/dashboard.css"} <= set(files)
     assert all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), (files, patterns)
+
+
+def test_a_rollback_is_told_and_the_rounds_committed_again_are_news_again(caplog: pytest.LogCaptureFixture) -> None:
+    """From a real core: two holders leave without offering their state, a joiner needs it,
+    and the cell falls back to its round-2 checkpoint; the feed warns, and round 3, committed
+    again, is a commit event again. A feed built after a restart does not repeat it."""
+    from bagel.coordinator.core.events import CheckpointStored, Leave
+
+    from test_state_harness import Harness, h, make_spec
+
+    log = logging.getLogger("test.feed.rollback")
+    caplog.set_level(logging.INFO, logger="test.feed.rollback")
+    hz = Harness(make_spec(every_rounds=2))
+    feed = EventFeed(hz.spec.cell_ids, logger=log)
+    apply = hz.apply
+
+    def told(event: Any) -> Any:
+        out = apply(event)
+        feed.record(out.effects, hz.now)
+        return out
+
+    hz.apply = told  # every transition's effects go to the feed too
+    for w in "ab":
+        hz.reg(w)
+    hz.hb("a")
+    for n in (1, 2, 3):
+        for w in "ab":
+            hz.ready(w)
+        for w in "ab":
+            hz.report(w, h(n))
+        if n == 2:
+            hz.apply(CheckpointStored("k0.r0", 2, h(2)))
+    hz.apply(Leave("a"))
+    hz.apply(Leave("b"))
+    assert not [e for e in feed.recent() if e.kind == "rollback"]
+    hz.reg("z")
+    (rb,) = [e for e in feed.recent() if e.kind == "rollback"]
+    assert (rb.cell_id, rb.round) == ("k0.r0", 2)
+    assert rb.text == (
+        "cell k0.r0 fell back to round 2, its checkpoint: no live worker held its committed state; rounds 3..3 are lost"
+    )
+    assert any(r.levelno == logging.WARNING and r.getMessage() == rb.text for r in caplog.records)
+    hz.sync("z")
+    hz.hb("z")
+    hz.ready("z")
+    hz.report("z", "e" * 64)
+    commits = [e.round for e in feed.recent() if e.kind == "commit"]
+    assert commits == [1, 2, 3, 3]  # round 3 again, in the new epoch
+    # a restarted daemon's feed starts from the stored cells: nothing to tell
+    again = EventFeed(hz.spec.cell_ids, (), hz.store.cells.values(), logger=log)
+    again.record(hz.store.cells.values(), hz.now)
+    assert not again.recent()
