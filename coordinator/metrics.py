@@ -42,6 +42,7 @@ worker id is ever a label):
 - `bagel_cost_per_committed_sample{cell}`                 gauge: spend / committed samples (this process)
 - `bagel_heldout_loss{cell}`                              gauge: the committed state's median held-out loss
 - `bagel_loss_spikes_total{cell}`                         gauge: attempts the commit guard refused (a jump)
+- `bagel_rollbacks_total{cell}`                           gauge: times the cell fell back to its checkpoint
 - `bagel_committed_samples{cell}`                         gauge: samples in the cell's committed rounds
 """
 
@@ -251,6 +252,12 @@ class Metrics:
         self.committed_samples = Gauge(
             "bagel_committed_samples", "Samples in the cell's committed rounds", ["cell"], registry=r
         )
+        self.rollbacks = Gauge(
+            "bagel_rollbacks_total",
+            "Times the cell fell back to its checkpoint (no live worker held its committed state)",
+            ["cell"],
+            registry=r,
+        )
 
     def observe_rpc(self, method: str, seconds: float, code: str) -> None:
         child = self._latency_children.get(method)
@@ -438,6 +445,7 @@ class RunBook:
         m = self.m
         m.committed_samples.labels(c.cell_id).set(c.samples_committed)
         m.loss_spikes.labels(c.cell_id).set(c.guard_refusals)
+        m.rollbacks.labels(c.cell_id).set(c.rollbacks)
         if c.heldout_loss >= 0:
             m.heldout.labels(c.cell_id).set(c.heldout_loss)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bagel.coordinator.core.records import MemberPlan, RoundRecord, RoundState, Snapshot
+from bagel.coordinator.core.records import CellRecord, MemberPlan, RoundRecord, RoundState, Snapshot
 from bagel.coordinator.daemon import start_coordinator
 from bagel.coordinator.metrics import PHASES, Metrics, RunBook, worker_class
 from bagel.protocol import bagel_pb2 as pb
@@ -123,6 +123,7 @@ async def test_short_run_exports_every_metric(tmp_path: Path) -> None:
         assert 0 < ratio <= 1 and burn == pytest.approx((1 - ratio) / (1 - 0.8))
         assert values(m, "bagel_heldout_loss", cell=cell) == [pytest.approx(0.3)]
         assert values(m, "bagel_loss_spikes_total", cell=cell) == [0.0]
+        assert values(m, "bagel_rollbacks_total", cell=cell) == [0.0]
         assert values(m, "bagel_committed_samples", cell=cell)[0] >= 2 * spec.diloco.group_batch
         cps = values(m, "bagel_cost_per_committed_sample", cell=cell)[0]
         assert 0 < cps < 0.01, cps  # seconds of a 2.0/h and a 0.1/h device per few dozen samples
@@ -173,3 +174,20 @@ def test_label_cardinality_is_bounded_with_1000_workers() -> None:
     assert classes == {"cpu", "H100", "other"}
     # a bound computed from the spec alone: cells x classes x phases dominates
     assert many < 40 * len(spec.cell_ids) * len(classes) + 400
+
+
+def test_rollbacks_follow_the_cells_epoch() -> None:
+    """A cell's record carries how often it fell back to its checkpoint; the gauge shows it
+    (durable, so a restarted daemon shows the same count)."""
+    spec = parse_spec(cluster_spec_text(extra=EXTRA))
+    metrics = Metrics()
+    book = RunBook(spec, metrics, Snapshot((), (), (), ()), 0)
+    cell = spec.cell_ids[0]
+    book.records([CellRecord(cell, 3, "a" * 64), CellRecord(cell, 2, "b" * 64, rollbacks=1)])
+    got = {
+        s.labels["cell"]: s.value
+        for fam in text_string_to_metric_families(metrics.text())
+        for s in fam.samples
+        if s.name == "bagel_rollbacks_total"
+    }
+    assert got == {cell: 1.0}
