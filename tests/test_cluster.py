@@ -6,7 +6,8 @@ simulated asyncio workers speaking the real protocol over real gRPC.
 - a member that reports another hash is told to resync;
 - a member that stops heartbeating loses its lease within the lease time, is dropped
   from its open round, and that round commits with the rest;
-- heterogeneity over gRPC: VRAM fit and throughput-proportional batches.
+- heterogeneity over gRPC: VRAM fit and throughput-proportional batches;
+- holders cut off past their lease come back and are a joiner's donors: no rollback.
 
 Time-based waits poll the coordinator's state with generous timeouts; nothing asserts
 wall-clock durations (the machine is shared).
@@ -21,7 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from bagel.coordinator.core.records import CellConfig, CommitRecord, RoundRecord, RoundState, WorkerState
+from bagel.coordinator.core.records import (
+    CellConfig,
+    CellRecord,
+    CommitRecord,
+    RoundRecord,
+    RoundState,
+    WorkerState,
+)
 from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
 from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
@@ -401,3 +409,65 @@ async def test_a_joiner_that_syncs_while_a_round_trains_is_admitted_into_it_over
     ok = (pb.VERDICT_COMMITTED, pb.VERDICT_PENDING)
     assert not joiner.stats.errors and all(v in ok for _, _, v in joiner.stats.verdicts), joiner.stats.verdicts
     assert_commit_history_sane(commits(h.data_dir))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("grace_s", [10.0, 0.0])
+async def test_holders_cut_off_past_their_lease_come_back_and_nothing_is_rolled_back(
+    tmp_path: Path, grace_s: float
+) -> None:
+    """Both holders of a cell's committed state fall silent past their lease (a network cut)
+    and a joiner needs the state. While the cell waits for a holder (`orphan_grace_s`) the
+    joiner is told to wait, a holder comes back, registers again with the state, and is its donor:
+    no round is lost. With no wait (0) the cell falls back at once (no checkpoint: to its
+    initial state), the rounds it had committed lost."""
+    from bagel.protocol.messages import Order
+
+    text = one_cell_spec(min_replicas=1, lease_s=1.0, heartbeat_s=0.2, every_rounds=1000)
+    text = text.replace("quorum = 0.5", f"quorum = 0.5\norphan_grace_s = {grace_s}")
+    h = await start(tmp_path, text)
+    target, run_id = f"127.0.0.1:{h.port}", h.spec.run.id
+    cells = h.spec.cell_ids
+    a, b = await start_workers(target, run_id, 2, cells=cells, samples_per_s=8.0)
+    z = SimWorker(target, run_id, name="z", cells=cells, seed=9, samples_per_s=8.0)
+    try:
+
+        def cell() -> CellRecord:
+            return h.state.snapshot().cells[0]
+
+        def training(w: SimWorker) -> bool:
+            # trains the next round on the committed state: no report of it can be in flight
+            work = w.work
+            return (
+                work is not None
+                and not work.ready
+                and work.reduce_task is None
+                and w.local.committed_round == cell().committed_round
+            )
+
+        await wait_for(lambda: cell().committed_round >= 2 and training(a) and training(b), 45, "2 commits")
+        await asyncio.gather(a.crash(), b.crash())  # silent from now on, holding the state
+        held = cell().committed_round
+        assert a.local.committed_round == held
+
+        def state(w: SimWorker) -> WorkerState:
+            return next(x.state for x in h.state.snapshot().workers if x.worker_id == w.worker_id)
+
+        await wait_for(lambda: state(a) is state(b) is WorkerState.LOST, 20, "both leases expire")
+        z.start()
+        if not grace_s:
+            await wait_for(lambda: cell().rollbacks == 1, 20, "the fallback")
+            assert cell().committed_round == 0
+            return
+        await wait_for(lambda: z.instruction.order is Order.WAIT and "come back" in z.instruction.reason, 20, "wait")
+        assert (cell().committed_round, cell().rollbacks) == (held, 0)
+        a.stopped, a.work = False, None  # the cut heals: a's next heartbeat hears NOT_FOUND
+        a.start()
+        await wait_for(lambda: z.local.committed_round >= held, 30, "z fetches the committed state")
+        assert (held, "fetch the committed state") in [(r, why) for _, r, why in z.stats.sync_orders]
+        await wait_for(lambda: cell().committed_round > held, 30, "training goes on from it")
+        assert cell().rollbacks == 0
+    finally:
+        await stop_workers([a, b, z])
+        await h.stop()
+    assert_commit_history_sane(commits(h.data_dir))  # one epoch, rounds 1, 2, ... with no gap
