@@ -207,9 +207,10 @@ def test_a_rollback_is_told_and_the_rounds_committed_again_are_news_again(caplog
     """From a real core: two holders leave without offering their state, a joiner needs it,
     and the cell falls back to its round-2 checkpoint; the feed warns, and round 3, committed
     again, is a commit event again. A feed built after a restart does not repeat it."""
-    from bagel.coordinator.core.events import CheckpointStored, Leave
+    from bagel.coordinator.core.events import Leave
 
-    from test_state_harness import Harness, h, make_spec
+    from test_orphan_grace import commit_three_rounds
+    from test_state_harness import Harness, make_spec
 
     log = logging.getLogger("test.feed.rollback")
     caplog.set_level(logging.INFO, logger="test.feed.rollback")
@@ -223,16 +224,7 @@ def test_a_rollback_is_told_and_the_rounds_committed_again_are_news_again(caplog
         return out
 
     hz.apply = told  # every transition's effects go to the feed too
-    for w in "ab":
-        hz.reg(w)
-    hz.hb("a")
-    for n in (1, 2, 3):
-        for w in "ab":
-            hz.ready(w)
-        for w in "ab":
-            hz.report(w, h(n))
-        if n == 2:
-            hz.apply(CheckpointStored("k0.r0", 2, h(2)))
+    commit_three_rounds(hz)
     hz.apply(Leave("a"))
     hz.apply(Leave("b"))
     assert not [e for e in feed.recent() if e.kind == "rollback"]

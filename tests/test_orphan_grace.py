@@ -22,9 +22,8 @@ LEASE_MS = 10_000
 GRACE_MS = 20_000  # the default `schedule.orphan_grace_s`
 
 
-def _three_rounds(hz: Harness) -> None:
-    """a and b commit rounds 1 to 3 (round 2 is checkpointed); z joins and needs round 3
-    (it downloads it, slowly: it never finishes here)."""
+def commit_three_rounds(hz: Harness) -> None:
+    """a and b commit rounds 1 to 3 of the harness's one cell; round 2 is checkpointed."""
     for w in "ab":
         hz.reg(w)
     hz.hb("a")
@@ -35,6 +34,12 @@ def _three_rounds(hz: Harness) -> None:
             hz.report(w, h(n))
         if n == 2:
             hz.apply(CheckpointStored(CELL, 2, h(2)))
+
+
+def _three_rounds(hz: Harness) -> None:
+    """`commit_three_rounds`, then z joins and needs round 3 (it downloads it, slowly: it
+    never finishes here)."""
+    commit_three_rounds(hz)
     hz.reg("z")
     ins = hz.st.instruction_for("z")
     assert ins.order is Order.SYNC and ins.committed_round == 3 and ins.donor is not None and ins.donor.worker_id
@@ -87,16 +92,7 @@ def test_the_cell_falls_back_once_the_wait_is_over() -> None:
 
 def test_a_needer_that_comes_after_the_wait_falls_back_at_once() -> None:
     hz = Harness(make_spec(every_rounds=2))
-    for w in "ab":
-        hz.reg(w)
-    hz.hb("a")
-    for n in (1, 2, 3):
-        for w in "ab":
-            hz.ready(w)
-        for w in "ab":
-            hz.report(w, h(n))
-        if n == 2:
-            hz.apply(CheckpointStored(CELL, 2, h(2)))
+    commit_three_rounds(hz)
     hz.advance(LEASE_MS + 1)
     hz.tick()  # nobody needs round 3 yet: nothing to fall back for
     hz.advance(GRACE_MS)

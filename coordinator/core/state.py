@@ -121,6 +121,19 @@ from bagel.protocol.messages import Instruction, LocalState, Order, PeerRates, P
 from bagel.protocol.runspec import RunSpec
 
 
+def _wait(c: Cell, reason: str, upload: bool = False) -> Instruction:
+    """WAIT in cell c, whose next round is committed_round + 1 (and why)."""
+    return Instruction(
+        Order.WAIT,
+        c.id,
+        c.committed_round + 1,
+        c.committed_round,
+        c.committed_hash,
+        upload_checkpoint=upload,
+        reason=reason,
+    )
+
+
 def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
@@ -743,20 +756,7 @@ class CoordinatorState:
             if c.uploader != w.id or c.upload_round != c.committed_round:
                 c.uploader, c.upload_round = w.id, c.committed_round
                 self.changes.cell(c.id)
-            why = "the last holder of the committed state: upload it, then leave"
-            return (
-                Instruction(
-                    Order.WAIT,
-                    c.id,
-                    c.committed_round + 1,
-                    c.committed_round,
-                    c.committed_hash,
-                    upload_checkpoint=True,
-                    reason=why,
-                ),
-                None,
-                None,
-            )
+            return _wait(c, "the last holder of the committed state: upload it, then leave", upload=True), None, None
         self.roster.detach(w, now, fail_fast=True)
         w.state, w.reason = WorkerState.LEFT, ev.reason
         self.roster.rebalance(now, balance=False)  # redundancy only: the next joiner fills the hole
@@ -880,23 +880,10 @@ class CoordinatorState:
                     round_attempt=r.attempt,
                 )
             if r.is_live_member(w.id):
-                return Instruction(
-                    Order.WAIT,
-                    c.id,
-                    nxt,
-                    c.committed_round,
-                    c.committed_hash,
-                    upload_checkpoint=upload,
-                    reason="not ready at the freeze: sit this round out",
-                )
+                return _wait(c, "not ready at the freeze: sit this round out", upload)
         if r is None and w.id in c.awaiting and w.id not in c.synced:
-            return Instruction(
-                Order.WAIT,
-                c.id,
-                nxt,
-                c.committed_round,
-                c.committed_hash,
-                reason=f"round {c.committed_round} committed: finish its exchange and report; the next round waits",
+            return _wait(
+                c, f"round {c.committed_round} committed: finish its exchange and report; the next round waits"
             )
         if w.id in c.synced:
             why = (
@@ -904,24 +891,12 @@ class CoordinatorState:
                 if r is None and c.awaiting
                 else "holds the committed state: joins the next exchange or round"
             )
-            return Instruction(
-                Order.WAIT,
-                c.id,
-                nxt,
-                c.committed_round,
-                c.committed_hash,
-                upload_checkpoint=upload,
-                reason=why,
-            )
+            return _wait(c, why, upload)
         if self.rounds.orphaned(c):
             # the fallback waits for a holder that may come back (`Rounds.check_orphan`)
-            return Instruction(
-                Order.WAIT,
-                c.id,
-                nxt,
-                c.committed_round,
-                c.committed_hash,
-                reason=f"no live worker holds round {c.committed_round}: waiting for one to come back "
+            return _wait(
+                c,
+                f"no live worker holds round {c.committed_round}: waiting for one to come back "
                 f"before the cell falls back to its checkpoint",
             )
         donors = self.roster.donors(w, c)
