@@ -163,3 +163,21 @@ def test_a_restarted_coordinator_waits_for_holders_to_re_attach() -> None:
     assert (hz.cell().committed_round, hz.cell().rollbacks) == (3, 0)
     hz.keepalive(until, "z")
     assert (hz.cell().committed_round, hz.cell().rollbacks) == (2, 1)
+
+
+def test_after_a_restart_a_holder_lost_before_the_crash_is_still_waited_for() -> None:
+    """The holders' leases ran out before the coordinator crashed, and nobody needed the
+    state then; a joiner that comes right after the restart waits for them too."""
+    hz = Harness(make_spec(every_rounds=2))
+    commit_three_rounds(hz)
+    hz.advance(LEASE_MS + 1)
+    hz.tick()  # a and b lost; nobody needs round 3 yet
+    hz.advance(GRACE_MS + 1)  # the wait of their loss is over (and volatile anyway)
+    hz.st = restored(hz)
+    hz.reg("z")
+    assert (hz.cell().committed_round, hz.cell().rollbacks) == (3, 0)
+    assert hz.st.instruction_for("z").order is Order.WAIT
+    hz.reg("a", local=LocalState(CELL, 3, h(3)))  # a comes back with the state
+    ins = hz.st.instruction_for("z")
+    assert ins.order is Order.SYNC and ins.donor is not None and ins.donor.worker_id == "a"
+    assert hz.cell().rollbacks == 0

@@ -423,12 +423,13 @@ class CoordinatorState:
                 st.roster.assign(w, cid, now_ms, restoring=True)
             else:
                 st.roster.wait(w)
-        # A cell nobody restored holds the state of may have holders that re-attach (their
-        # channels back off while the coordinator is down; a LOST one may register again):
-        # its fallback waits for them as for a holder that lost its lease.
+        # A cell whose committed state no restored worker holds (and no checkpoint has) may
+        # have holders that re-attach: their channels back off while the coordinator is down,
+        # and one lost before the crash may register again (the wait it had is volatile). A
+        # worker that needs the state meanwhile waits for them, as for a lost lease.
         reattach = now_ms + RESTART_REATTACH_MS + st.roster.lease_ms + st.rounds.orphan_grace_ms
         for c in st._cells.values():
-            if st.rounds.orphaned(c):
+            if c.committed_round and not c.synced and c.checkpoint_round != c.committed_round:
                 st.rounds.wait_for_holder(c, reattach)
         for rrec in rounds:
             if rrec.state.terminal:
