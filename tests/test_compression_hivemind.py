@@ -162,8 +162,9 @@ def peer_inputs(seed: int) -> list[list[torch.Tensor]]:
     return out
 
 
-def average_with_hivemind(dhts: list[hivemind.DHT], codec_name: str, seed: int = 0):
-    """Run one hivemind all-reduce over three peers with our codec; return inputs and results."""
+def average_with_hivemind(dhts: list[hivemind.DHT], codec_name: str, seed: int = 0, attempt: int = 0):
+    """Run one hivemind all-reduce over three peers with our codec; return inputs and results.
+    `attempt` makes the group's prefix new, so no declaration of an earlier try is matched."""
     adapter = install(BagelCompression(codec_name, seed=seed))  # before the averagers fork
     inputs = peer_inputs(seed)
     averagers = []
@@ -173,7 +174,7 @@ def average_with_hivemind(dhts: list[hivemind.DHT], codec_name: str, seed: int =
             averager = hivemind.averaging.DecentralizedAverager(
                 [t.clone() for t in tensors],
                 dht=dht,
-                prefix="bagel-codec-" + hashlib.sha256(codec_name.encode()).hexdigest()[:12],  # no '.'s
+                prefix=f"bagel-codec-{hashlib.sha256(codec_name.encode()).hexdigest()[:12]}-{attempt}",  # no '.'s
                 target_group_size=PEERS,
                 min_group_size=PEERS,
                 min_matchmaking_time=MATCHMAKING_S,
@@ -213,6 +214,13 @@ def average_with_hivemind(dhts: list[hivemind.DHT], codec_name: str, seed: int =
                 a.shutdown()
 
 
+def unaveraged_parts(inputs: list[list[torch.Tensor]], results: list[list[torch.Tensor]]) -> list[tuple[int, int]]:
+    """(peer, tensor) whose result is its input, bit for bit: hivemind gave up on that part's
+    reducer (its log says "Averaging: received 66.7% results") and kept the peer's own
+    values. Any completed part moves: a sender adds a nonzero decoded delta to it."""
+    return [(i, j) for i in range(PEERS) for j in range(PEERS) if torch.equal(results[i][j], inputs[i][j])]
+
+
 def spread_between_peers(results: list[list[torch.Tensor]]) -> float:
     return max(
         float((results[i][j] - results[k][j]).abs().max())
@@ -223,13 +231,24 @@ def spread_between_peers(results: list[list[torch.Tensor]]) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * DEADLINE_S + 60)
 @pytest.mark.parametrize(
     "codec_name", ["fp32", "fp16", "bf16", "int8", "int4", "int8:stochastic", "int4:block=32:stochastic", "topk:0.1"]
 )
 def test_three_hivemind_peers_average_within_the_codec_bound(dhts, restore_slot, codec_name: str) -> None:
     codec = get_codec(codec_name)
-    inputs, results = average_with_hivemind(dhts, codec_name)
+    # hivemind tolerates a reducer that fails mid all-reduce (a stream error between p2p
+    # daemons on a loaded machine): its senders keep their own values for that part and the
+    # step still succeeds. That is hivemind's fault tolerance, not the codec's error, so such
+    # a run is said and averaged again once; the bound below holds for every completed part.
+    for attempt in range(2):
+        inputs, results = average_with_hivemind(dhts, codec_name, attempt=attempt)
+        left = unaveraged_parts(inputs, results)
+        if not left:
+            break
+        print(f"\nhivemind left (peer, tensor) {left} unaveraged (a failed reducer); averaging again")
+    else:
+        pytest.fail(f"hivemind left (peer, tensor) {left} unaveraged in two all-reduces in a row")
     for j in range(PEERS):
         xs = [inputs[i][j] for i in range(PEERS)]
         mean = sum(xs) / PEERS
