@@ -237,8 +237,8 @@ def spread_between_peers(results: list[list[torch.Tensor]]) -> float:
 )
 def test_three_hivemind_peers_average_within_the_codec_bound(dhts, restore_slot, codec_name: str) -> None:
     codec = get_codec(codec_name)
-    # hivemind tolerates a reducer that fails mid all-reduce (a stream error between p2p
-    # daemons on a loaded machine): its senders keep their own values for that part and the
+    # hivemind tolerates a reducer that fails mid all-reduce (an error it logs at DEBUG only,
+    # seen once on a loaded machine): its senders keep their own values for that part and the
     # step still succeeds. That is hivemind's fault tolerance, not the codec's error, so such
     # a run is said and averaged again once; the bound below holds for every completed part.
     for attempt in range(2):
