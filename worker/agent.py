@@ -698,7 +698,7 @@ class Agent:
         self.profile = cached_profile(cache, key, self.name)
         if self.profile is not None:  # the host's free RAM is read again: it changes
             self.profile.host_memory_bytes = host_memory_bytes(self.cfg.max_ram_gb)
-        if self.profile is None:
+        else:
             budget = memory_budget(self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
             micro_batches = bench_micro_batches(spec, budget)
             if not any(micro_batches.values()):
