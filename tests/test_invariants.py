@@ -169,15 +169,32 @@ def _rollback_history(max_rollback: int) -> History:
         "after rollback",
         tuple(CommitEntry("k0.r0", r, f"e1-{r}".ljust(64, "0"), 40.0 + r, epoch=1) for r in range(3, 6)),
     )
+    # members applied and were told of rounds 3 and 4 of epoch 0, then of epoch 1's 3..5
+    applied = tuple(
+        HashObservation(t, w, "k0.r0", r, hsh, "applied")
+        for w in ("a", "b")
+        for r, hsh, t in [(r, _h("k0.r0", r), 5.0 * r) for r in (3, 4)]
+        + [(r, f"e1-{r}".ljust(64, "0"), 40.0 + r) for r in (3, 4, 5)]
+    )
+    acked = tuple(CommitEntry("k0.r0", o.round, o.state_hash) for o in applied if o.worker_id == "a")
     return replace(
-        h, commit_logs=(before, after), acknowledged=(), hashes=(), faults=(), max_rollback_rounds=max_rollback
+        h,
+        commit_logs=(before, after),
+        acknowledged=acked,
+        hashes=applied,
+        faults=(),
+        max_rollback_rounds=max_rollback,
     )
 
 
 def test_rollback_within_the_checkpoint_interval_is_allowed_and_noted():
-    res = check_history(_rollback_history(max_rollback=2))
-    assert res["no_committed_round_lost"].ok and res["no_round_applied_twice"].ok
+    h = _rollback_history(max_rollback=2)
+    res = check_history(h)
+    assert all(r.ok for r in res.values()), {n: r.violations for n, r in res.items() if not r.ok}
     assert any("rounds 3..4 rolled back" in n for n in res["no_committed_round_lost"].notes)
+    # a replica that held a round-4 hash no epoch committed still diverged
+    odd = HashObservation(50.0, "b", "k0.r0", 4, "9" * 64, "local")
+    assert failing(replace(h, hashes=(*h.hashes, odd))) == {"replicas_bit_identical"}
 
 
 def test_rollback_beyond_the_bound_or_without_epochs_is_a_lost_commit():

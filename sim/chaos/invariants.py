@@ -25,7 +25,8 @@ Invariants (the names are the keys of the chaos `summary.json`):
   0 (a gap means a round number was skipped or its record lost, a repeat means it was
   applied twice).
 - `replicas_bit_identical`: every hash an honest worker reported or held for a committed
-  (cell, round) equals the committed hash. Workers declared Byzantine are exempt, and
+  (cell, round) equals the committed hash (after a rollback: the hash committed in one of
+  the round's epochs, in any read of the log). Workers declared Byzantine are exempt, and
   their disagreements are listed in `notes`.
 - `progress_resumes`: after each fault ends, some cell commits a round within
   `progress_bound_s`; a bound that runs past the end of the history without a commit
@@ -140,6 +141,7 @@ def check_no_committed_round_lost(h: History) -> InvariantResult:
     out: list[str] = []
     notes: list[str] = []
     logs = sorted(h.commit_logs, key=lambda r: r.t_s)
+    allowed: set[tuple[str, int, str]] = set()  # (cell, round, hash) of allowed rollbacks
     for i, earlier in enumerate(logs):
         before = _log_map(earlier)
         for later in logs[i + 1 :]:
@@ -148,7 +150,7 @@ def check_no_committed_round_lost(h: History) -> InvariantResult:
             for cell, ep, _r in after:
                 newest[cell] = max(newest.get(cell, ep), ep)
             bases = _epoch_bases(later)
-            rolled: dict[tuple[str, int], list[int]] = {}
+            rolled: dict[tuple[str, int], list[tuple[int, str]]] = {}
             for key, hsh in sorted(before.items()):
                 cell, ep, rnd = key
                 if key in after:
@@ -163,18 +165,19 @@ def check_no_committed_round_lost(h: History) -> InvariantResult:
                     base = bases[(cell, cur)]
                     if rnd <= base:
                         continue  # below the rollback point: kept in the older epoch's rows
-                    rolled.setdefault((cell, cur), []).append(rnd)
+                    rolled.setdefault((cell, cur), []).append((rnd, hsh))
                     continue
                 out.append(f"{cell} round {rnd}: in the log at '{earlier.label}' but missing at '{later.label}'")
-            for (cell, ep), rounds in sorted(rolled.items()):
+            for (cell, ep), lost in sorted(rolled.items()):
                 msg = (
-                    f"{cell}: rounds {rounds[0]}..{rounds[-1]} rolled back to the checkpoint "
+                    f"{cell}: rounds {lost[0][0]}..{lost[-1][0]} rolled back to the checkpoint "
                     f"(epoch {ep}) by '{later.label}'"
                 )
-                if len(rounds) > h.max_rollback_rounds:
-                    out.append(f"{msg}: {len(rounds)} > {h.max_rollback_rounds} allowed")
+                if len(lost) > h.max_rollback_rounds:
+                    out.append(f"{msg}: {len(lost)} > {h.max_rollback_rounds} allowed")
                 else:
                     notes.append(msg)
+                    allowed.update((cell, rnd, hsh) for rnd, hsh in lost)
     final = _log_map(logs[-1]) if logs else {}
     by_round: dict[tuple[str, int], set[str]] = {}
     for (cell, _ep, rnd), hsh in final.items():
@@ -187,6 +190,8 @@ def check_no_committed_round_lost(h: History) -> InvariantResult:
                     f"{ack.cell_id} round {ack.round}: acknowledged with hash {ack.state_hash[:12]}, "
                     f"final log has {final[key][:12]}"
                 )
+        elif (ack.cell_id, ack.round, ack.state_hash) in allowed:
+            continue  # committed, then rolled back within the bound (noted above)
         elif ack.state_hash not in by_round.get((ack.cell_id, ack.round), set()):
             out.append(f"{ack.cell_id} round {ack.round}: acknowledged as committed but not in the final log")
     return _result("no_committed_round_lost", dict.fromkeys(out), dict.fromkeys(notes))
@@ -218,10 +223,13 @@ def check_no_round_applied_twice(h: History) -> InvariantResult:
 def check_replicas_bit_identical(h: History) -> InvariantResult:
     out: list[str] = []
     notes: list[str] = []
-    final = max(h.commit_logs, key=lambda r: r.t_s) if h.commit_logs else CommitLogRead(0.0, "", ())
+    # a (cell, round) may have been committed in several epochs (an orphan rollback and the
+    # rounds committed again): a replica that applied any of them agreed with its round's
+    # members; whether the rollback itself was allowed is no_committed_round_lost's to say
     committed: dict[tuple[str, int], set[str]] = defaultdict(set)
-    for c in final.commits:
-        committed[(c.cell_id, c.round)].add(c.state_hash)
+    for read in h.commit_logs:
+        for c in read.commits:
+            committed[(c.cell_id, c.round)].add(c.state_hash)
     for ob in h.hashes:
         want = committed.get((ob.cell_id, ob.round))
         if not want or ob.state_hash in want:
