@@ -520,5 +520,6 @@ class CoordinatorApp:
                 sample_target=self.spec.slo.cell_sample_target,
                 samples_per_s=commit_rate(list(self.book.commits.get(cell_id, ()))),
                 last_commit_unix_ms=self.book.commits[cell_id][-1][0] if self.book.commits.get(cell_id) else 0,
+                rollbacks=rec.rollbacks,
             )
         return out

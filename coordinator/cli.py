@@ -462,6 +462,7 @@ def status_from_store(data_dir: Path, rounds: int = 10) -> dict[str, Any]:
                 sample_target=target,
                 samples_per_s=rate,
                 last_commit_unix_ms=last_ms,
+                rollbacks=c.rollbacks,
             )
         return document(
             resp,
@@ -545,7 +546,21 @@ def _render(doc: dict[str, Any]) -> None:
         f"[bold]run[/bold] {doc['run_id']}  spec {doc['spec_hash'][:12]}  up {_age(doc['uptime_s'])}  ({doc['source']})"
     )
     cells = Table(title="cells")
-    for col in ("cell", "round", "state", "committed", "hash", "members", "samples", "target", "ETA", "loss", "ckpt"):
+    cols = (
+        "cell",
+        "round",
+        "state",
+        "committed",
+        "hash",
+        "members",
+        "samples",
+        "target",
+        "ETA",
+        "loss",
+        "ckpt",
+        "rollbacks",
+    )
+    for col in cols:
         cells.add_column(col)
     for c in doc["cells"]:
         cells.add_row(
@@ -560,6 +575,7 @@ def _render(doc: dict[str, Any]) -> None:
             _age(c["eta_s"]),
             DASH if c["last_loss"] is None else f"{c['last_loss']:.4f}",
             DASH if c["latest_checkpoint_round"] is None else str(c["latest_checkpoint_round"]),
+            str(c["rollbacks"]),
         )
     console.print(cells)
     workers = Table(title=f"workers ({len(doc['workers'])})")

@@ -176,6 +176,7 @@ class DashboardState:
                     "members": [names.get(m, "")[:32] or m for m in sorted(members)[:32]],
                     "member_count": len(members),
                     "samples_committed": rec.samples_committed,
+                    "rollbacks": rec.rollbacks,
                     "last_commit_age_s": None if last is None else max(0.0, (now - last.committed_ms) / 1000.0),
                     "bytes_per_round": None if last is None else last.bytes_sent,
                     "heldout_loss": None if rec.heldout_loss < 0 else rec.heldout_loss,

@@ -81,6 +81,7 @@ def cell_doc(c: Any, *, members: Sequence[str], shares: tuple[float, float] | No
         "sample_target": target or None,
         "samples_per_s": rate if rate > 0 else None,
         "eta_s": eta_s(int(c.samples_committed), target, rate),
+        "rollbacks": int(c.rollbacks),
     }
 
 

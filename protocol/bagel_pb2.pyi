@@ -479,7 +479,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[str] = ..., cell_id: _Optional[str] = ..., phase: _Optional[_Union[Phase, str]] = ..., lease_expires_unix_ms: _Optional[int] = ..., reputation: _Optional[float] = ..., samples_per_s: _Optional[float] = ..., vram_bytes: _Optional[int] = ..., rounds_contributed: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., last_heartbeat_unix_ms: _Optional[int] = ..., reachability: _Optional[_Union[PeerReachability, str]] = ..., reachability_detail: _Optional[str] = ...) -> None: ...
 
 class CellStatus(_message.Message):
-    __slots__ = ("cell_id", "kind", "round", "round_state", "committed_round", "committed_hash", "members", "target_share", "actual_share", "last_loss", "latest_checkpoint_round", "samples_committed", "sample_target", "samples_per_s", "last_commit_unix_ms")
+    __slots__ = ("cell_id", "kind", "round", "round_state", "committed_round", "committed_hash", "members", "target_share", "actual_share", "last_loss", "latest_checkpoint_round", "samples_committed", "sample_target", "samples_per_s", "last_commit_unix_ms", "rollbacks")
     CELL_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +495,7 @@ class CellStatus(_message.Message):
     SAMPLE_TARGET_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_S_FIELD_NUMBER: _ClassVar[int]
     LAST_COMMIT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
     cell_id: str
     kind: str
     round: int
@@ -510,7 +511,8 @@ class CellStatus(_message.Message):
     sample_target: int
     samples_per_s: float
     last_commit_unix_ms: int
-    def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[str] = ..., round: _Optional[int] = ..., round_state: _Optional[str] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., target_share: _Optional[float] = ..., actual_share: _Optional[float] = ..., last_loss: _Optional[float] = ..., latest_checkpoint_round: _Optional[int] = ..., samples_committed: _Optional[int] = ..., sample_target: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., last_commit_unix_ms: _Optional[int] = ...) -> None: ...
+    rollbacks: int
+    def __init__(self, cell_id: _Optional[str] = ..., kind: _Optional[str] = ..., round: _Optional[int] = ..., round_state: _Optional[str] = ..., committed_round: _Optional[int] = ..., committed_hash: _Optional[str] = ..., members: _Optional[_Iterable[str]] = ..., target_share: _Optional[float] = ..., actual_share: _Optional[float] = ..., last_loss: _Optional[float] = ..., latest_checkpoint_round: _Optional[int] = ..., samples_committed: _Optional[int] = ..., sample_target: _Optional[int] = ..., samples_per_s: _Optional[float] = ..., last_commit_unix_ms: _Optional[int] = ..., rollbacks: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_id", "spec_hash", "now_unix_ms", "workers", "cells", "detailed", "worker_counts", "started_unix_ms")

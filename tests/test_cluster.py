@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from bagel.coordinator.cli import status_from_store
 from bagel.coordinator.core.records import (
     CellConfig,
     CellRecord,
@@ -31,6 +32,7 @@ from bagel.coordinator.core.records import (
     WorkerState,
 )
 from bagel.coordinator.daemon import CoordinatorHandle, start_coordinator
+from bagel.coordinator.dashboard import DashboardState
 from bagel.coordinator.store import Store
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.runspec import parse_spec
@@ -458,6 +460,11 @@ async def test_holders_cut_off_past_their_lease_come_back_and_nothing_is_rolled_
         if not grace_s:
             await wait_for(lambda: cell().rollbacks == 1, 20, "the fallback")
             assert cell().committed_round == 0
+            # an operator sees it: the status of the live daemon and of its store, the dashboard
+            assert [c.rollbacks for c in h.app.status().cells] == [1]
+            assert [c["rollbacks"] for c in status_from_store(h.data_dir)["cells"]] == [1]
+            dash = DashboardState(h.app, started_ms=0).build()
+            assert [c["rollbacks"] for c in dash["cells"]] == [1]
             return
         await wait_for(lambda: z.instruction.order is Order.WAIT and "come back" in z.instruction.reason, 20, "wait")
         assert (cell().committed_round, cell().rollbacks) == (held, 0)

@@ -161,6 +161,10 @@ function renderCells(s) {
       empty: c.member_count ? "no commit yet" : "no members: not training" });
     card.append(chart);
     if (!c.member_count) card.append(el("div", { class: "note" }, "no members: this cell trains nothing"));
+    if (c.rollbacks) {
+      card.append(el("div", { class: "note rollbacks" },
+        `fell back to its checkpoint ${c.rollbacks}× (no live worker held its committed state)`));
+    }
     cards.push(card);
   }
   grid.replaceChildren(...cards);
