@@ -289,6 +289,7 @@ def start_dht(
     `p2pd_env` is added to the environment of the child, and so of its p2p daemon, alone.
     Blocking: call it through `asyncio.to_thread` from a coroutine.
     """
+    _free_update_lock()
     dht = _child_safe_dht_class()(start=False, **kwargs)
     dht.p2pd_env = dict(p2pd_env or {})
     # The node is a forked child. Objects it inherits from us (gRPC channels and servers
@@ -303,8 +304,13 @@ def start_dht(
         dht.run_in_background(await_ready=True, timeout=timeout_s)
     except BaseException as e:
         if dht.is_alive():
-            dht.terminate()
-            dht.join(5)
+            if not isinstance(e, TimeoutError):
+                # the child sent its error and exits by itself: let it, or it may be killed
+                # still holding the update lock it sent under (`_free_update_lock`)
+                dht.join(FAILED_CHILD_EXIT_S)
+            if dht.is_alive():
+                dht.terminate()
+                dht.join(5)
         if isinstance(e, Exception) and "failed to connect to bootstrap peers" in str(e):
             peers = ", ".join(kwargs.get("initial_peers") or []) or "none"
             raise BootstrapUnreachable(f"none of the DHT bootstrap peers answered ({peers})") from e
@@ -318,6 +324,39 @@ def start_dht(
         if not frozen_before:
             gc.unfreeze()
     return dht
+
+
+FAILED_CHILD_EXIT_S = 5.0
+"""How long a DHT child that failed to start is given to exit by itself before it is terminated."""
+
+STALE_LOCK_S = 2.0
+"""A hivemind MPFuture update lock held this long when no DHT child of ours should be sending
+is taken to be held by a dead process (`_free_update_lock`)."""
+
+
+def _free_update_lock() -> None:
+    """Make sure hivemind's MPFuture update lock can be taken before a DHT child is forked.
+
+    A DHT child reports its start (ready, or the error it failed with) to this process through
+    an MPFuture, writing under `MPFuture._update_lock`: one multiprocessing semaphore that every
+    child forked from here shares. A child that dies while holding it (terminated just after
+    its error arrived, but before it released the lock, or killed by the OOM killer) never
+    releases it, and every later child blocks on it: each later DHT start of this process
+    ends on `DHT_START_TIMEOUT_S` (seen: eight workers waiting for a coordinator that was down,
+    on a 2-core host, hung for the whole timeout on 5 of 78 tries). `start_dht` lets a failed
+    child exit by itself, which closes the common way in; this repairs any other: a lock not
+    free within `STALE_LOCK_S` is replaced by a new one, which the next child inherits. A live
+    holder only ever holds it for one pipe write."""
+    from hivemind.utils.mpfuture import MPFuture
+
+    lock = MPFuture._update_lock
+    if lock.acquire(timeout=STALE_LOCK_S):
+        lock.release()
+        return
+    import multiprocessing as mp
+
+    logger.warning("hivemind's MPFuture update lock is held by a process that is gone: replacing it")
+    MPFuture._update_lock = mp.Lock()
 
 
 def _is_daemon_start_timeout(e: BaseException) -> bool:

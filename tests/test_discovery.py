@@ -14,6 +14,7 @@ from bagel.protocol.discovery import (
     DEFAULT_TTL_S,
     MAX_EXPIRATION_AHEAD_S,
     MAX_TTL_S,
+    BootstrapUnreachable,
     CoordinatorNotFound,
     CoordinatorPublisher,
     CoordinatorRecord,
@@ -507,3 +508,74 @@ def test_only_a_slow_daemon_start_counts_as_a_start_timeout() -> None:
     assert not _is_daemon_start_timeout(P2PDaemonError("Daemon failed to start: address already in use"))
     assert not _is_daemon_start_timeout(ValueError("failed to start in 15.0 seconds"))
     assert issubclass(DhtStartTimeout, DiscoveryError)
+
+
+def _dead_peer() -> tuple[object, str]:
+    """A bound port nothing listens on (a dial is refused at once), as a bootstrap peer."""
+    import socket
+
+    from simworkers import fake_peer_id
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock, f"/ip4/127.0.0.1/tcp/{sock.getsockname()[1]}/p2p/{fake_peer_id('dead')}"
+
+
+@pytest.mark.timeout(60)
+def test_a_child_that_failed_to_start_exits_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child reports its error under hivemind's MPFuture update lock, a semaphore every
+    later child of this process shares. Terminated as soon as the error arrived, it could die
+    before releasing it (seen under load: 5 of 78 tries of eight waiting workers then hung for
+    the whole start timeout, and every later start of that worker would have), so it is given
+    the time to exit on its own."""
+    import multiprocessing.process
+
+    terminated: list[int] = []
+    real = multiprocessing.process.BaseProcess.terminate
+
+    def record(self: multiprocessing.process.BaseProcess) -> None:
+        terminated.append(self.pid or 0)
+        real(self)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", record)
+    sock, dead = _dead_peer()
+    try:
+        for _ in range(3):
+            with pytest.raises(BootstrapUnreachable):
+                start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[dead], timeout_s=30)
+    finally:
+        sock.close()
+    assert terminated == []
+    from hivemind.utils.mpfuture import MPFuture
+
+    assert MPFuture._update_lock.acquire(timeout=1)
+    MPFuture._update_lock.release()
+
+
+@pytest.mark.timeout(60)
+def test_an_update_lock_left_held_by_a_dead_process_does_not_stop_later_starts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A process that died holding the shared update lock (killed mid-write) would block every
+    later DHT child's report of its start: the start sees the lock stuck and replaces it."""
+    import multiprocessing as mp
+    import os
+
+    from hivemind.utils.mpfuture import MPFuture
+
+    def die_holding_it() -> None:
+        MPFuture._update_lock.acquire()
+        os._exit(0)
+
+    holder = mp.get_context("fork").Process(target=die_holding_it)
+    holder.start()
+    holder.join(10)
+    assert holder.exitcode == 0
+    assert not MPFuture._update_lock.acquire(timeout=0.2)  # stuck: the holder is gone
+    with caplog.at_level("WARNING", logger="bagel.protocol.discovery"):
+        dht = start_dht(host_maddrs=["/ip4/127.0.0.1/tcp/0"], timeout_s=30)
+    try:
+        assert dht.is_alive() and _maddrs(dht)
+    finally:
+        dht.shutdown()
+    assert "held by a process that is gone" in caplog.text
