@@ -21,6 +21,7 @@ from safetensors.numpy import save as save_safetensors
 from bagel.coordinator.daemon import start_coordinator
 from bagel.protocol import bagel_pb2 as pb
 from bagel.protocol.envelope import sign_request
+from bagel.protocol.messages import Instruction
 from bagel.protocol.runspec import parse_spec
 from bagel.protocol.statehash import state_hash
 
@@ -82,12 +83,26 @@ async def test_bad_uploads_are_refused_and_leave_nothing(tmp_path: Path) -> None
     workers = await start_workers(f"127.0.0.1:{h.port}", spec.run.id, 3, cells=spec.cell_ids, upload=False)
     try:
         await wait_for(lambda: any(w.instruction.upload_checkpoint for w in workers), 60, "an upload request")
-        uploader: SimWorker = next(w for w in workers if w.instruction.upload_checkpoint)
-        ins = uploader.instruction
-        cell, rnd, committed = ins.cell_id, ins.committed_round, ins.committed_hash
         # freeze the cluster, so the request stays what it is
         for w in workers:
             await w.crash()
+
+        # the request as the core holds it once they stopped: the instruction a worker heard
+        # last may be stale (seen in a fresh-clone run: a round committed while the others
+        # were still being stopped, the request moved on, and the upload was taken for one
+        # stored already)
+        def wanted() -> tuple[SimWorker, Instruction] | None:
+            for w in workers:
+                ins = h.state.instruction_for(w.worker_id)
+                if ins.upload_checkpoint and (ins.cell_id, ins.committed_round) in w.states:
+                    return w, ins
+            return None
+
+        await wait_for(lambda: wanted() is not None, 30, "the core's upload request")
+        found = wanted()
+        assert found is not None
+        uploader, ins = found
+        cell, rnd, committed = ins.cell_id, ins.committed_round, ins.committed_hash
         tensors = uploader.states[(cell, rnd)]
         good = save_safetensors(tensors)
         assert state_hash(tensors) == committed
