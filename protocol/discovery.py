@@ -42,6 +42,7 @@ import asyncio
 import functools
 import gc
 import logging
+import multiprocessing
 import os
 import re
 import time
@@ -304,9 +305,10 @@ def start_dht(
         dht.run_in_background(await_ready=True, timeout=timeout_s)
     except BaseException as e:
         if dht.is_alive():
-            if not isinstance(e, TimeoutError):
+            if isinstance(e, Exception) and not isinstance(e, TimeoutError):
                 # the child sent its error and exits by itself: let it, or it may be killed
-                # still holding the update lock it sent under (`_free_update_lock`)
+                # still holding the update lock it sent under (`_free_update_lock`); a child
+                # that did not answer, or a caller interrupted, is not waited for
                 dht.join(FAILED_CHILD_EXIT_S)
             if dht.is_alive():
                 dht.terminate()
@@ -353,10 +355,8 @@ def _free_update_lock() -> None:
     if lock.acquire(timeout=STALE_LOCK_S):
         lock.release()
         return
-    import multiprocessing as mp
-
     logger.warning("hivemind's MPFuture update lock is held by a process that is gone: replacing it")
-    MPFuture._update_lock = mp.Lock()
+    MPFuture._update_lock = multiprocessing.Lock()
 
 
 def _is_daemon_start_timeout(e: BaseException) -> bool:
