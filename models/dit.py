@@ -110,14 +110,15 @@ def timestep_embedding(t: torch.Tensor, dim: int = FREQ_DIM, max_period: float =
 
 
 def sincos_pos_embed(dim: int, grid: int) -> torch.Tensor:
-    """Fixed 2-D sin-cos position embedding, [grid * grid, dim] (MAE / DiT)."""
+    """Fixed 2-D sin-cos position embedding, [grid * grid, dim] (MAE / DiT), computed on the
+    CPU whatever the default device (so every device gets the same table)."""
 
     def one_axis(d: int, pos: torch.Tensor) -> torch.Tensor:
-        omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64) / (d / 2.0))
+        omega = 1.0 / 10000 ** (torch.arange(d // 2, dtype=torch.float64, device="cpu") / (d / 2.0))
         out = pos.reshape(-1)[:, None].double() * omega[None]
         return torch.cat([torch.sin(out), torch.cos(out)], dim=1)
 
-    coords = torch.arange(grid, dtype=torch.float64)
+    coords = torch.arange(grid, dtype=torch.float64, device="cpu")
     gy, gx = torch.meshgrid(coords, coords, indexing="ij")
     emb = torch.cat([one_axis(dim // 2, gy), one_axis(dim // 2, gx)], dim=1)
     return emb.float()
@@ -203,7 +204,9 @@ class DiT(nn.Module):
         self.t_embed = TimestepEmbedder(d)
         self.y_embed = nn.Embedding(cfg.num_classes + 1, d) if cfg.num_classes > 0 else None
         self.register_buffer(
-            "pos_embed", sincos_pos_embed(d, cfg.image_size // cfg.patch).unsqueeze(0), persistent=False
+            "pos_embed",
+            sincos_pos_embed(d, cfg.image_size // cfg.patch).unsqueeze(0).to(torch.get_default_device()),
+            persistent=False,
         )
         self.blocks = nn.ModuleList(DiTBlock(d, cfg.heads, cfg.mlp_hidden) for _ in range(cfg.depth))
         self.final = FinalLayer(d, cfg.patch, cfg.channels)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from bagel.models import dit, flow, router, unet
 from bagel.models.data import DataError, derive_seed, load_dataset
@@ -133,6 +134,29 @@ EMA_PREFIX = "ema."
 SAFETENSORS_STATE_DTYPES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
 
 
+class _NoRandomFill(TorchFunctionMode):
+    """Skips the random fills of a model built on the meta device, where they have no values
+    to fill. Only their cost is saved: torch implements `normal_` on meta through a Python
+    reference that imports `torch._dynamo` on its first call, over a second of CPU in a
+    process that never trains, as the coordinator's (its preflight and checkpoint checks
+    call `cell_state_schema`; `dit.sincos_pos_embed` computes its table on the CPU for the
+    same reason). A mode is thread-local, so a model another thread builds at
+    the same moment keeps its initialisation; the same idea as `no_init_weights` in Hugging
+    Face transformers, without its patching of `torch.nn.init` for every thread."""
+
+    FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # every `torch.nn.init` function fills its tensor in place and returns it (it hands
+        # the tensor on by keyword, a Tensor method positionally)
+        fill = func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init"
+        target = args[0] if args else kwargs.get("tensor")
+        if fill and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
 def cell_state_schema(spec: RunSpec, cell_id: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{tensor name: (safetensors dtype, shape)} of a cell's committed state, from the spec
     alone: the trainable parameters of its model, built on the meta device (no memory,
@@ -140,7 +164,7 @@ def cell_state_schema(spec: RunSpec, cell_id: str) -> dict[str, tuple[str, tuple
     spec keeps one (`[ema]`), all in the spec's `[sync] state_dtype`. What a checkpoint of
     the cell must hold, exactly (the coordinator checks uploads against it: a tensor in
     another dtype is refused, not cast)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoRandomFill():
         model = build(cell_config(spec, cell_id))
     dtype = SAFETENSORS_STATE_DTYPES[spec.sync.state_dtype]
     out: dict[str, tuple[str, tuple[int, ...]]] = {}

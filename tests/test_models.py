@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -75,6 +77,67 @@ def test_router_shapes_and_param_count(preset):
     model = router.Router(cfg)
     assert _numel(model) == router.param_count(cfg)
     assert model(torch.randn(5, 1, 8, 8), torch.rand(5)).shape == (5, 4)
+
+
+_SCHEMA_SCRIPT = """
+import json, sys
+from bagel.models.experts import cell_state_schema
+from bagel.protocol.runspec import parse_spec
+out = {}
+for text in json.loads(sys.argv[1]):
+    spec = parse_spec(text)
+    out.update({f"{spec.model.arch}/{c}": cell_state_schema(spec, c) for c in spec.cell_ids})
+print(json.dumps({"schemas": out, "dynamo": "torch._dynamo" in sys.modules}))
+"""
+
+
+def _specs() -> list[str]:
+    from simworkers import cluster_spec_text
+
+    dit_text = cluster_spec_text("models")  # 2 clusters x 2 timestep ranges and the router
+    return [dit_text, dit_text.replace('arch = "dit"', 'arch = "unet"')]
+
+
+def test_state_schema_is_the_models_own_and_loads_no_compiler():
+    """`cell_state_schema` builds each cell's model on the meta device for its names and
+    shapes. It gives exactly the trainable parameters of the model as built for training,
+    and, in a fresh interpreter, it does not load `torch._dynamo` (over a second of CPU
+    that a coordinator, which never trains, would pay at every start)."""
+    from bagel.protocol.runspec import parse_spec
+
+    texts = _specs()
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCHEMA_SCRIPT, json.dumps(texts)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout)
+    assert got["dynamo"] is False
+    for text in texts:
+        spec = parse_spec(text)
+        for cell in spec.cell_ids:
+            schema = got["schemas"][f"{spec.model.arch}/{cell}"]
+            model = experts.build(experts.cell_config(spec, cell))
+            params = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+            assert {k[2:]: shape for k, (_dt, shape) in schema.items() if k.startswith("w.")} == params
+            assert {k[2:] for k in schema if k.startswith("m.")} == set(params)
+
+
+def test_skipping_fills_touches_only_meta_tensors():
+    """The schema's build skips the random fills of meta tensors only: a model built on the
+    CPU inside the same mode is initialised exactly as outside it."""
+    cfg = dit.preset_config("tiny")
+    torch.manual_seed(3)
+    plain = dit.DiT(cfg)
+    torch.manual_seed(3)
+    with experts._NoRandomFill():
+        inside = dit.DiT(cfg)
+    for (n, a), (_n, b) in zip(plain.state_dict().items(), inside.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    assert any(p.abs().sum() > 0 for p in inside.parameters())
+    with torch.device("meta"), experts._NoRandomFill():
+        meta = dit.DiT(cfg)
+    assert meta.pos_embed.is_meta and all(p.is_meta for p in meta.parameters())
+    assert torch.equal(plain.pos_embed, dit.sincos_pos_embed(cfg.hidden, cfg.image_size // cfg.patch).unsqueeze(0))
 
 
 @pytest.mark.parametrize(
