@@ -140,17 +140,18 @@ class _NoRandomFill(TorchFunctionMode):
     reference that imports `torch._dynamo` on its first call, over a second of CPU in a
     process that never trains, as the coordinator's (its preflight and checkpoint checks
     call `cell_state_schema`; `dit.sincos_pos_embed` computes its table on the CPU for the
-    same reason). A mode is thread-local, so a model another thread builds at
-    the same moment keeps its initialisation; the same idea as `no_init_weights` in Hugging
-    Face transformers, without its patching of `torch.nn.init` for every thread."""
+    same reason). A mode is thread-local, so a model another thread builds at the same
+    moment keeps its initialisation: the idea of `no_init_weights` in Hugging Face
+    transformers, without its patching of `torch.nn.init` for every thread."""
 
     FILLS = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # every `torch.nn.init` function fills its tensor in place and returns it (it hands
-        # the tensor on by keyword, a Tensor method positionally)
-        fill = func in self.FILLS or getattr(func, "__module__", None) == "torch.nn.init"
+        # the in-place `torch.nn.init` functions (a trailing underscore) fill their tensor
+        # and return it; they hand it on by keyword, a Tensor method positionally
+        name = getattr(func, "__name__", "")
+        fill = func in self.FILLS or (getattr(func, "__module__", None) == "torch.nn.init" and name.endswith("_"))
         target = args[0] if args else kwargs.get("tensor")
         if fill and isinstance(target, torch.Tensor) and target.is_meta:
             return target
