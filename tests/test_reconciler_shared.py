@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import importlib.util
 import sys
 from collections import Counter
@@ -50,10 +51,15 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Wrap reconciler.decide; count the calls per calling file."""
     seen: Counter[str] = Counter()
     real = reconciler.decide
-    by_path = {str(p): name for name, p in CALLERS.items()}
+    by_path = {p.resolve(): name for name, p in CALLERS.items()}
+
+    @functools.cache
+    def caller(filename: str) -> str:
+        # resolved: the tree may be imported through links (a PYTHONPATH of symlinks)
+        return by_path.get(Path(filename).resolve(), "other")
 
     def counting(i: Instruction, view: reconciler.WorkerView) -> tuple[reconciler.Action, ...]:
-        seen[by_path.get(sys._getframe(1).f_code.co_filename, "other")] += 1
+        seen[caller(sys._getframe(1).f_code.co_filename)] += 1
         return real(i, view)
 
     monkeypatch.setattr(reconciler, "decide", counting)
