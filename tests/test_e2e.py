@@ -398,6 +398,7 @@ def test_sigkilled_worker_round_commits_without_it_and_it_rejoins(swarm: Swarm):
         return None
 
     killed_round = s.wait("c mid-round", training_now, timeout_s=60)
+    assert [e["cached"] for e in s.workers["c"].events("profile")] == [False]  # a new data dir: measured
     s.workers["c"].kill()
     # that round (or its re-run) commits with the two survivors
     survivors = s.wait(
@@ -411,6 +412,8 @@ def test_sigkilled_worker_round_commits_without_it_and_it_rejoins(swarm: Swarm):
     s.start_worker("c", throttle=SLOW)
     reg = s.wait("c re-registered", lambda: s.workers["c"].events("registered"), timeout_s=90)
     assert s.workers["c"].events("resumed") or s.workers["c"].events("synced")
+    # the same machine, run and settings: its measurement is reused, with the memory read again
+    assert [e["cached"] for e in s.workers["c"].events("profile")] == [True]
     at_restart = max(s.commits("a"))  # the last round committed before c came back
 
     def rejoined() -> list[int]:

@@ -25,10 +25,12 @@ from bagel.worker.profile import (
     bench_micro_batches,
     benchmark_cell,
     cached_profile,
+    device_name,
     host_memory_bytes,
     measure,
     memory_budget,
     memory_bytes,
+    profile_key,
 )
 from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, claimed, corrupt, fresh_feedback
 
@@ -350,16 +352,28 @@ def test_profile_measures_throughput_and_caps_memory(tmp_path: Path, monkeypatch
     import dataclasses
     import time
 
-    key = {"spec_hash": "s", "device": "cpu", "throttle": 1.0}
+    mbs = {"c2": 16, "c1": 16}
+    key = profile_key(cpu, mbs, spec_hash="s", throttle=1.0)
+    assert key == {"spec_hash": "s", "throttle": 1.0, "device": "cpu", "device_name": device_name(cpu),
+                   "torch": torch.__version__, "micro_batches": {"c1": 16, "c2": 16}}  # fmt: skip
+    assert json.loads(json.dumps(key)) == key  # what the file holds compares equal to a new key
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(prof)}))
-    back = cached_profile(path, key, "renamed")
+    back = cached_profile(path, key, "renamed", cpu, max_vram_gb=1.0)
     assert back is not None and back.samples_per_s == prof.samples_per_s and back.name == "renamed"
-    assert cached_profile(path, {**key, "throttle": 2.0}, "x") is None
+    assert (back.vram_bytes, back.host_memory_bytes) == (1 << 30, 8 << 30)
+    # the memory is read at each start, never taken from the file: here the machine has less free now
+    monkeypatch.setattr(profile_module, "_mem_available", lambda: 3 << 30)
+    back = cached_profile(path, key, "x", cpu)
+    assert back is not None and back.vram_bytes == back.host_memory_bytes == 3 << 30
+    # anything the speed depends on, changed: measured again
+    assert cached_profile(path, {**key, "throttle": 2.0}, "x", cpu) is None
+    assert cached_profile(path, {**key, "device_name": "another card in the same slot"}, "x", cpu) is None
+    assert cached_profile(path, profile_key(cpu, {**mbs, "c1": 8}, spec_hash="s", throttle=1.0), "x", cpu) is None
     path.write_text(json.dumps({"key": key, "measured_unix_s": 0, "profile": dataclasses.asdict(prof)}))
-    assert cached_profile(path, key, "x") is None
+    assert cached_profile(path, key, "x", cpu) is None
     path.write_text("not json")
-    assert cached_profile(path, key, "x") is None
+    assert cached_profile(path, key, "x", cpu) is None
     assert os.path.exists(path)
 
 

@@ -96,6 +96,7 @@ from bagel.worker.profile import (
     measure,
     memory_budget,
     memory_bytes,
+    profile_key,
 )
 from bagel.worker.roundwork import BAD_REDUCER_SCALE, LIAR_SAMPLES_PER_S, ddp_follower
 from bagel.worker.stopping import StopBudget, in_daemon_thread
@@ -686,23 +687,24 @@ class Agent:
         spec = self.spec
         assert spec is not None
         cache = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "profile.json"
-        key = {
-            "spec_hash": spec.spec_hash,
-            "device": str(self.device),
-            "throttle": self.cfg.throttle,
-            "world": self.ctx.world_size,
-            "max_vram_gb": self.cfg.max_vram_gb,
-            "max_ram_gb": self.cfg.max_ram_gb,
-            "uplink_mbps": self.cfg.uplink_mbps,
-        }
-        self.profile = cached_profile(cache, key, self.name)
-        if self.profile is not None:  # the host's free RAM is read again: it changes
-            self.profile.host_memory_bytes = host_memory_bytes(self.cfg.max_ram_gb)
-        else:
-            budget = memory_budget(self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
-            micro_batches = bench_micro_batches(spec, budget)
-            if not any(micro_batches.values()):
-                raise UsageError(self._holds_no_cell(spec, budget))
+        budget = memory_budget(self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
+        micro_batches = bench_micro_batches(spec, budget)
+        if not any(micro_batches.values()):
+            raise UsageError(self._holds_no_cell(spec, budget))
+        key = profile_key(
+            self.device,
+            micro_batches,
+            spec_hash=spec.spec_hash,
+            software=SOFTWARE_VERSION,
+            throttle=self.cfg.throttle,
+            world=self.ctx.world_size,
+            max_vram_gb=self.cfg.max_vram_gb,
+            max_ram_gb=self.cfg.max_ram_gb,
+            uplink_mbps=self.cfg.uplink_mbps,
+        )
+        self.profile = cached_profile(cache, key, self.name, self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
+        cached = self.profile is not None
+        if self.profile is None:
             self.display.update(phase="profiling")
             tasks: list[tuple[str, Any]]
             if self.datafetch is not None:  # no data yet: time the step on zeros of the right shape
@@ -733,6 +735,7 @@ class Agent:
             vram_gb=round(self.profile.vram_bytes / 2**30, 1),
             ram_gb=round(self.profile.host_memory_bytes / 2**30, 1),
             samples_per_s=sps,
+            cached=cached,
         )
 
     def _holds_no_cell(self, spec: RunSpec, budget: MemoryBudget) -> str:

@@ -24,7 +24,9 @@ memory, so these numbers come from a measurement, not a guess:
   uplink), which the scheduler uses to predict communication time.
 
 A measurement is cached in the data dir (`cached_profile`, written by the agent), so a
-restart after a crash does not spend its first seconds re-benchmarking.
+restart after a crash does not spend its first seconds re-benchmarking. It is reused only
+under the same `profile_key` (the card, the torch build, the micro-batches, the settings),
+and its memory figures are never reused.
 """
 
 from __future__ import annotations
@@ -213,8 +215,19 @@ def measure(
     )
 
 
-def cached_profile(path: Path, key: dict[str, Any], name: str) -> MeasuredProfile | None:
-    """A profile measured earlier under the same key (run spec, device, throttle, ...)."""
+def cached_profile(
+    path: Path,
+    key: dict[str, Any],
+    name: str,
+    device: torch.device,
+    max_vram_gb: float | None = None,
+    max_ram_gb: float | None = None,
+) -> MeasuredProfile | None:
+    """A profile measured earlier under the same key, with its memory figures read now.
+
+    The key (`profile_key`) holds everything the measured speeds depend on; the memory is
+    not cached, because what else the machine runs changes it (on a CPU worker both figures
+    are `MemAvailable`)."""
     try:
         body = json.loads(path.read_text())
         if body.get("key") != key or time.time() - float(body["measured_unix_s"]) > PROFILE_MAX_AGE_S:
@@ -224,10 +237,26 @@ def cached_profile(path: Path, key: dict[str, Any], name: str) -> MeasuredProfil
             name=name,
             device_kind=str(p["device_kind"]),
             device_name=str(p["device_name"]),
-            vram_bytes=int(p["vram_bytes"]),
+            vram_bytes=memory_bytes(device, max_vram_gb, max_ram_gb),
             num_devices=int(p["num_devices"]),
             link_bandwidth_bytes_per_s=float(p["link_bandwidth_bytes_per_s"]),
             samples_per_s={str(k): float(v) for k, v in p["samples_per_s"].items()},
+            host_memory_bytes=host_memory_bytes(max_ram_gb),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def profile_key(device: torch.device, micro_batches: Mapping[str, int], **settings: Any) -> dict[str, Any]:
+    """What a cached measurement must match to be reused: the caller's settings (run spec,
+    throttle, world size, caps, ...), the card itself (by name: `cuda:0` is whichever card
+    sits in the slot), the torch build (its kernels set the step time) and the micro-batch
+    each cell was measured at (it follows the memory free at the start, so a start with
+    much less free memory measures again)."""
+    return {
+        **settings,
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "micro_batches": dict(sorted(micro_batches.items())),
+    }
