@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -352,27 +353,47 @@ def test_profile_measures_throughput_and_caps_memory(tmp_path: Path, monkeypatch
     import dataclasses
     import time
 
-    mbs = {"c2": 16, "c1": 16}
-    key = profile_key(cpu, mbs, spec_hash="s", throttle=1.0)
-    assert key == {"spec_hash": "s", "throttle": 1.0, "device": "cpu", "device_name": device_name(cpu),
-                   "torch": torch.__version__, "micro_batches": {"c1": 16, "c2": 16}}  # fmt: skip
+    mbs = {"c2": 16, "c1": 16, "c3": 0}  # c3: not measured (the memory does not hold it)
+    key = profile_key(cpu, mbs, world=2, uplink_mbps=80, spec_hash="s", throttle=1.0)
+    assert key == {"spec_hash": "s", "throttle": 1.0, "world": 2, "uplink_mbps": 80, "device": "cpu",
+                   "device_name": device_name(cpu), "torch": torch.__version__,
+                   "micro_batches": {"c1": 16, "c2": 16, "c3": 0}}  # fmt: skip
     assert json.loads(json.dumps(key)) == key  # what the file holds compares equal to a new key
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(prof)}))
+
+    def write(*, at: float | None = None, **profile: Any) -> None:
+        body = {**dataclasses.asdict(prof), **profile}
+        path.write_text(json.dumps({"key": key, "measured_unix_s": time.time() if at is None else at, "profile": body}))
+
+    write()
     back = cached_profile(path, key, "renamed", cpu, max_vram_gb=1.0)
     assert back is not None and back.samples_per_s == prof.samples_per_s and back.name == "renamed"
+    assert (back.num_devices, back.link_bandwidth_bytes_per_s, back.device_name) == (2, 10e6, device_name(cpu))
     assert (back.vram_bytes, back.host_memory_bytes) == (1 << 30, 8 << 30)
     # the memory is read at each start, never taken from the file: here the machine has less free now
     monkeypatch.setattr(profile_module, "_mem_available", lambda: 3 << 30)
     back = cached_profile(path, key, "x", cpu)
     assert back is not None and back.vram_bytes == back.host_memory_bytes == 3 << 30
+    # only the speeds come from the file: what else it says is not read
+    write(device_kind="cuda", num_devices=64, link_bandwidth_bytes_per_s=1e12, vram_bytes=1 << 50)
+    back = cached_profile(path, key, "x", cpu)
+    assert back is not None and (back.device_kind, back.num_devices, back.vram_bytes) == ("cpu", 2, 3 << 30)
     # anything the speed depends on, changed: measured again
     assert cached_profile(path, {**key, "throttle": 2.0}, "x", cpu) is None
     assert cached_profile(path, {**key, "device_name": "another card in the same slot"}, "x", cpu) is None
-    assert cached_profile(path, profile_key(cpu, {**mbs, "c1": 8}, spec_hash="s", throttle=1.0), "x", cpu) is None
-    path.write_text(json.dumps({"key": key, "measured_unix_s": 0, "profile": dataclasses.asdict(prof)}))
-    assert cached_profile(path, key, "x", cpu) is None
+    other_mb = profile_key(cpu, {**mbs, "c1": 8}, world=2, uplink_mbps=80, spec_hash="s", throttle=1.0)
+    assert cached_profile(path, other_mb, "x", cpu) is None
+    # a damaged or edited file is measured again rather than sent (the coordinator would refuse it)
+    for bad in ({"c1": 5.0}, {"c1": 5.0, "c2": 5.0, "c3": 5.0}, {"c1": 5.0, "c2": float("nan")},
+                {"c1": 5.0, "c2": -1.0}, {"c1": 5.0, "c2": "fast"}, ["c1", "c2"], None):  # fmt: skip
+        write(samples_per_s=bad)
+        assert cached_profile(path, key, "x", cpu) is None, bad
+    for at in (0.0, time.time() + 3600, float("nan")):  # too old, from the future, no time
+        write(at=at)
+        assert cached_profile(path, key, "x", cpu) is None, at
     path.write_text("not json")
+    assert cached_profile(path, key, "x", cpu) is None
+    path.write_text("[]")
     assert cached_profile(path, key, "x", cpu) is None
     assert os.path.exists(path)
 

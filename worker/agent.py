@@ -697,9 +697,9 @@ class Agent:
             spec_hash=spec.spec_hash,
             software=SOFTWARE_VERSION,
             throttle=self.cfg.throttle,
-            world=self.ctx.world_size,
             max_vram_gb=self.cfg.max_vram_gb,
             max_ram_gb=self.cfg.max_ram_gb,
+            world=self.ctx.world_size,
             uplink_mbps=self.cfg.uplink_mbps,
         )
         self.profile = cached_profile(cache, key, self.name, self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)

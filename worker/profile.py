@@ -32,6 +32,7 @@ and its memory figures are never reused.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -223,38 +224,50 @@ def cached_profile(
     max_vram_gb: float | None = None,
     max_ram_gb: float | None = None,
 ) -> MeasuredProfile | None:
-    """A profile measured earlier under the same key, with its memory figures read now.
+    """A profile measured earlier under the same key (`profile_key`), or None.
 
-    The key (`profile_key`) holds everything the measured speeds depend on; the memory is
-    not cached, because what else the machine runs changes it (on a CPU worker both figures
-    are `MemAvailable`)."""
+    Only the measured speeds and their time come from the file, and they are checked: a
+    positive finite figure for exactly the cells the key's micro-batches measure, taken in
+    the last `PROFILE_MAX_AGE_S` by this clock. Anything else in the file is not trusted:
+    a damaged or edited file that the coordinator would refuse must not stop every start
+    for a day. The rest comes from the key, and the memory figures are read now, because
+    what else the machine runs changes them (on a CPU worker both are `MemAvailable`)."""
     try:
         body = json.loads(path.read_text())
-        if body.get("key") != key or time.time() - float(body["measured_unix_s"]) > PROFILE_MAX_AGE_S:
+        age_s = time.time() - float(body["measured_unix_s"])
+        if body.get("key") != key or not 0.0 <= age_s <= PROFILE_MAX_AGE_S:
             return None
-        p = body["profile"]
+        raw = body["profile"]["samples_per_s"]
+        sps = {str(c): float(v) for c, v in raw.items()}
+        measured = {c for c, mb in key["micro_batches"].items() if mb > 0}
+        if set(sps) != measured or not all(math.isfinite(v) and v > 0 for v in sps.values()):
+            return None
         return MeasuredProfile(
             name=name,
-            device_kind=str(p["device_kind"]),
-            device_name=str(p["device_name"]),
+            device_kind=device.type,
+            device_name=str(key["device_name"]),
             vram_bytes=memory_bytes(device, max_vram_gb, max_ram_gb),
-            num_devices=int(p["num_devices"]),
-            link_bandwidth_bytes_per_s=float(p["link_bandwidth_bytes_per_s"]),
-            samples_per_s={str(k): float(v) for k, v in p["samples_per_s"].items()},
+            num_devices=int(key["world"]),
+            link_bandwidth_bytes_per_s=float(key["uplink_mbps"]) * 1e6 / 8,
+            samples_per_s=sps,
             host_memory_bytes=host_memory_bytes(max_ram_gb),
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def profile_key(device: torch.device, micro_batches: Mapping[str, int], **settings: Any) -> dict[str, Any]:
+def profile_key(
+    device: torch.device, micro_batches: Mapping[str, int], *, world: int, uplink_mbps: float, **settings: Any
+) -> dict[str, Any]:
     """What a cached measurement must match to be reused: the caller's settings (run spec,
-    throttle, world size, caps, ...), the card itself (by name: `cuda:0` is whichever card
-    sits in the slot), the torch build (its kernels set the step time) and the micro-batch
-    each cell was measured at (it follows the memory free at the start, so a start with
-    much less free memory measures again)."""
+    throttle, caps, ...), the world size and uplink the profile reports, the card itself
+    (by name: `cuda:0` is whichever card sits in the slot), the torch build (its kernels set
+    the step time) and the micro-batch each cell was measured at (it follows the memory
+    free at the start, so a start with much less free memory measures again)."""
     return {
         **settings,
+        "world": world,
+        "uplink_mbps": uplink_mbps,
         "device": str(device),
         "device_name": device_name(device),
         "torch": torch.__version__,
