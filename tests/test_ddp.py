@@ -11,6 +11,7 @@ requested on rank 0 alone ends the round at the same step on both ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -24,8 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from bagel.models import datashards
 from bagel.models.data import shard
+from bagel.protocol.runspec import parse_spec
 from bagel.worker import ddp
+from bagel.worker.roundwork import share_cell_data
 from bagel.worker.trainer import InnerPlan, InnerTrainer, RoundKey, round_indices
 
 
@@ -54,6 +58,14 @@ KEY = RoundKey("run", "k0.r0", 3, 1, 2)
 def _train(collective, model: nn.Module, task: LinearTask, plan: InnerPlan, stop=None, on_step=None):
     tr = InnerTrainer(task, model, torch.device("cpu"), lr=0.02, collective=collective)
     return tr.run(KEY, plan, round_indices(shard, KEY, tr.num_train, plan), stop=stop, on_step=on_step)
+
+
+def _cell_data() -> datashards.CellData:
+    g = torch.Generator().manual_seed(5)
+    return datashards.CellData(
+        torch.rand(20, 1, 8, 8, generator=g), torch.randint(0, 10, (20,), generator=g),
+        torch.rand(4, 1, 8, 8, generator=g), torch.arange(4),
+    )  # fmt: skip
 
 
 def _rank_main(out: Path) -> None:
@@ -90,6 +102,14 @@ def _rank_main(out: Path) -> None:
 
         res = _train(ctx, model, task, PLAN, stop=stop, on_step=on_step)
         results["stopped_steps"] = res.steps
+        # a cell's fetched data: sent when the other ranks are to build the cell, not again
+        spec = parse_spec(DDP_SPEC)
+        datashards.install(spec, "k0.r0", _cell_data())
+        results["shared"] = [share_cell_data(ctx, spec, "k0.r0"), share_cell_data(ctx, spec, "k0.r0")]
+        # bytes that do not match the announced digest: rank 1 refuses them
+        tensors = list(dataclasses.astuple(_cell_data()))
+        ddp.send_command(ctx, {"op": "data", **ddp.describe_tensors(tensors), "sha256": "0" * 64})
+        ddp.send_tensors(ctx, tensors)
         ddp.send_command(ctx, {"op": "exit"})
     else:
 
@@ -99,7 +119,15 @@ def _rank_main(out: Path) -> None:
                 {k: v.contiguous() for k, v in model.state_dict().items()}, str(out / f"rank{ctx.rank}.safetensors")
             )
 
-        ddp.follow(ctx, {"train": on_train_and_save, "stop_round": on_stop_round})
+        def on_data(cmd):
+            try:
+                got = ddp.recv_tensors(ctx, cmd)
+            except ValueError as e:
+                results.setdefault("refused", []).append(str(e))
+                return
+            save_file({f"t{i}": t for i, t in enumerate(got)}, str(out / "rank1-data.safetensors"))
+
+        ddp.follow(ctx, {"train": on_train_and_save, "stop_round": on_stop_round, "data": on_data})
     (out / f"rank{ctx.rank}.json").write_text(json.dumps(results | {"backend": ctx.backend, "world": ctx.world_size}))
     ctx.shutdown()
     # The group is left (barrier, destroy) above, so a crash there still fails the test. Skip
@@ -140,6 +168,13 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path):
     assert info0["backend"] == info1["backend"] == "gloo" and info0["world"] == 2
     assert info0["train"] == PLAN.samples  # rank 0 reports the whole worker's samples
     assert info0["stopped_steps"] == info1["stopped_steps"] == 2
+    # the fetched data reached rank 1 whole, once; a mismatched digest was refused
+    want = list(dataclasses.astuple(_cell_data()))
+    nbytes = sum(t.numel() * t.element_size() for t in want)
+    assert info0["shared"] == [[True, nbytes], [True, 0]]
+    got = load_file(str(tmp_path / "rank1-data.safetensors"))
+    assert len(got) == 4 and all(torch.equal(got[f"t{i}"], t) for i, t in enumerate(want))
+    assert len(info1["refused"]) == 1 and "digest" in info1["refused"][0]
 
     # the same round in one process, from rank 0's starting weights
     task = LinearTask()
@@ -152,6 +187,31 @@ def test_two_gloo_ranks_train_like_one_process(tmp_path):
     for k in r0:
         torch.testing.assert_close(r0[k], single[k], rtol=1e-5, atol=1e-6)
     assert not torch.equal(r0["0.weight"], task.build_model().state_dict()["0.weight"])
+
+
+def test_a_data_description_out_of_bounds_is_refused_before_any_broadcast():
+    """Checked before a buffer is allocated or a collective joined (no process group here)."""
+    one = {"dtype": "float32", "shape": [2, 3]}
+    for bad in (
+        None,
+        {"tensors": []},
+        {"tensors": [one] * (ddp.MAX_DATA_TENSORS + 1)},
+        {"tensors": [{"dtype": "bfloat16", "shape": [2]}]},
+        {"tensors": [{"dtype": "object", "shape": [2]}]},
+        {"tensors": [{"dtype": "float32", "shape": [2, -1]}]},
+        {"tensors": [{"dtype": "float32", "shape": [2.5]}]},
+        {"tensors": [{"dtype": "float32", "shape": [1] * 9}]},
+        {"tensors": [{"dtype": "float32", "shape": [ddp.MAX_DATA_BYTES // 4 + 1]}]},
+        {"tensors": [{"dtype": "uint8", "shape": [ddp.MAX_DATA_BYTES]}, {"dtype": "uint8", "shape": [1]}]},
+        {"tensors": ["float32"]},
+    ):
+        with pytest.raises(ValueError):
+            ddp.recv_tensors(ddp.DistContext(), bad)
+    t = [torch.arange(6.0).reshape(2, 3), torch.tensor([1, 2])]
+    d = ddp.describe_tensors(t)
+    assert d["tensors"] == [{"dtype": "float32", "shape": [2, 3]}, {"dtype": "int64", "shape": [2]}]
+    assert d["sha256"] == ddp.tensors_digest([x.clone() for x in t]) != ddp.tensors_digest([t[0], t[1] + 1])
+    assert ddp.tensors_digest([t[0].reshape(3, 2)]) != ddp.tensors_digest([t[0]])  # the shape counts too
 
 
 DDP_SPEC = """
@@ -184,10 +244,14 @@ min_round_s = 6.0
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path):
+@pytest.mark.parametrize("data", ["local", "fetched"])
+def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path, data):
     """`torchrun --nproc-per-node 2 -m bagel.worker join ...` next to a one-process worker:
     rank 0 talks to the coordinator and the DHT, rank 1 follows it; each round both
-    workers end bit-identical (equal hashes in their commit events)."""
+    workers end bit-identical (equal hashes in their commit events). With `fetched`, the
+    DDP worker has no data of its own (`--fetch-data always`): rank 0 fetches its cell's
+    shards and sends rank 1 the decoded tensors, which rank 1 checks against their sha256
+    and must use (it refuses to train on a copy of its own)."""
     import time
 
     from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup, free_port
@@ -202,7 +266,8 @@ def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path):
         single = WorkerProc.make(coord.join, tmp_path / "single", tmp_path / "single.log", name="single")
         procs.append(single)
         single.start()
-        ddp_w = WorkerProc.make(coord.join, tmp_path / "ddp", tmp_path / "ddp.log", name="ddp")
+        fetch = ["--fetch-data", "always"] if data == "fetched" else []
+        ddp_w = WorkerProc.make(coord.join, tmp_path / "ddp", tmp_path / "ddp.log", name="ddp", extra=fetch)
         ddp_w.argv = [
             sys.executable,
             "-m",
@@ -236,6 +301,11 @@ def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path):
             assert a[r]["hash"] == b[r]["hash"] and a[r]["contributors"] == 2
         prof = ddp_w.events("profile")[0]
         assert prof  # rank 0 profiled and registered for the whole worker
+        fetched, sent = ddp_w.events("data-ready"), ddp_w.events("data-to-ranks")
+        assert bool(fetched) == bool(sent) == (data == "fetched") and not single.events("data-ready")
+        if sent:  # once, before rank 1 built the cell's model, and never again for the same cell
+            assert [(e["cell"], e["ranks"]) for e in sent] == [("k0.r0", 1)] and sent[0]["nbytes"] > 0
+        assert not [e for e in ddp_w.events("data-fetch-failed")], ddp_w.log_text()[-3000:]
         # torchrun forwards SIGTERM to both ranks (rank 1 ignores it and waits for rank 0's
         # exit command); torchrun itself then exits non-zero by design (SignalException),
         # so what is checked is that rank 0 left gracefully and every rank is gone in time

@@ -782,13 +782,7 @@ class Agent:
         from bagel.worker.datafetch import DataFetcher, needs_fetch
 
         if needs_fetch(spec, self.cfg.fetch_data):
-            if self.ctx.enabled:
-                self.display.event(
-                    "data-fetch-ddp",
-                    level="error",
-                    message=f"no local copy of the data at {spec.data.path!r}: a multi-GPU worker (torchrun) needs "
-                    "one on this machine (its other ranks cannot use fetched shards); run one process per GPU instead",
-                )
+            # rank 0 fetches; the other ranks get each cell's data from it (`share_cell_data`)
             if self.datafetch is None:
                 root = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "datashards"
                 self.datafetch = DataFetcher(root, lambda: self.link.client, self.display, on_bytes=self._data_bytes)

@@ -8,6 +8,11 @@ take their share of every inner step's micro-batches; the trainer sums gradients
 ranks with one all-reduce per inner step (`InnerTrainer._reduce_grads`), so every rank
 applies the same AdamW update and rank 0 ends the round holding the worker's local weights.
 
+A worker without a local copy of the dataset fetches its cell's shards on rank 0 only
+(`datafetch`); before the other ranks build a cell's runtime, rank 0 sends them the cell's
+decoded tensors (`send_tensors`: described in a command, then broadcast, then checked
+against the sha256 the command carries), so every rank trains on the same fetched data.
+
 Backends: NCCL when the ranks own CUDA devices, gloo on CPU (tested with 2 processes).
 Commands travel as JSON bytes in a uint8 tensor broadcast from rank 0, never pickled
 (`broadcast_object_list` would unpickle; the house rule forbids it even between our own
@@ -17,9 +22,11 @@ processes, so one code path handles all bytes the same way).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +38,12 @@ from torch import nn
 # must outlast the longest idle stretch (a worker may wait hours for a cell).
 DEFAULT_TIMEOUT_S = float(os.environ.get("BAGEL_DDP_TIMEOUT_S", 7 * 24 * 3600))
 MAX_COMMAND_BYTES = 16 << 20
+# what rank 0 may send the other ranks as data: a cell's decoded training and held-out
+# tensors (`models.datashards.CellData`); the bound stops a wrong description from
+# allocating the machine's memory, it is not a limit any real cell comes near
+MAX_DATA_TENSORS = 8
+MAX_DATA_BYTES = 64 << 30
+_DATA_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int64, torch.float32, torch.float16)}
 
 
 @dataclass
@@ -41,6 +54,9 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     backend: str = ""
+    # rank 0: the cell whose runtime the other ranks hold; they build a new one when a train
+    # command names another cell, and that is when they need its fetched data (`roundwork`)
+    followers_cell: str = ""
 
     @property
     def is_leader(self) -> bool:
@@ -116,6 +132,60 @@ def recv_command(ctx: DistContext) -> dict[str, Any]:
     out = json.loads(bytes(buf.cpu().numpy()).decode())
     if not isinstance(out, dict) or "op" not in out:
         raise ValueError("malformed command from rank 0")
+    return out
+
+
+def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """sha256 over the tensors' dtypes, shapes and bytes, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def describe_tensors(tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """The part of a command that lets the other ranks receive `send_tensors`."""
+    return {
+        "tensors": [{"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for t in tensors],
+        "sha256": tensors_digest(tensors),
+    }
+
+
+def send_tensors(ctx: DistContext, tensors: Sequence[torch.Tensor]) -> None:
+    """Rank 0: broadcast CPU tensors, after a command carrying `describe_tensors` of them."""
+    dev = _comm_device(ctx)
+    for t in tensors:
+        dist.broadcast(t.detach().contiguous().to(dev), src=0)
+
+
+def recv_tensors(ctx: DistContext, described: Any) -> list[torch.Tensor]:
+    """Ranks > 0: the CPU tensors rank 0 describes (`describe_tensors`) and then sends.
+    ValueError for a description out of bounds, or bytes that do not match its digest."""
+    items = described.get("tensors") if isinstance(described, dict) else None
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_DATA_TENSORS:
+        raise ValueError("rank 0 described no tensors, or too many")
+    shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    total = 0
+    for item in items:
+        dtype = _DATA_DTYPES.get(str(item.get("dtype"))) if isinstance(item, dict) else None
+        shape = item.get("shape") if isinstance(item, dict) else None
+        if dtype is None or not isinstance(shape, list) or len(shape) > 8:
+            raise ValueError(f"rank 0 described a tensor this rank does not take: {item!r:.200}")
+        if not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ValueError(f"rank 0 described a tensor of shape {shape!r:.200}")
+        total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if total > MAX_DATA_BYTES:
+            raise ValueError(f"rank 0 described more than {MAX_DATA_BYTES} bytes of tensors")
+        shapes.append((dtype, tuple(shape)))
+    dev = _comm_device(ctx)
+    out = []
+    for dtype, shape in shapes:
+        buf = torch.empty(shape, dtype=dtype, device=dev)
+        dist.broadcast(buf, src=0)
+        out.append(buf.cpu())
+    if tensors_digest(out) != described.get("sha256"):
+        raise ValueError("the tensors rank 0 sent do not match the digest it announced")
     return out
 
 

@@ -524,9 +524,12 @@ class Orders:
             w.inner_step, w.last_loss = p.step, p.loss
             self.display.update(step=p.step, loss=p.loss, samples_per_s=p.samples_per_s)
 
+        def on_data_sent(cell_id: str, nbytes: int) -> None:
+            self.display.event("data-to-ranks", cell=cell_id, ranks=self.ctx.world_size - 1, nbytes=nbytes)
+
         try:
             res, delta = await asyncio.to_thread(
-                train_round, self.run_id, rt, held.state, w, self.ctx, reset_optimizer, on_step, ahead
+                train_round, self.run_id, rt, held.state, w, self.ctx, reset_optimizer, on_step, ahead, on_data_sent
             )
         except Exception as e:
             log.exception("training failed")

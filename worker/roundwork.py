@@ -253,11 +253,13 @@ def train_round(
     reset_optimizer: bool,
     on_step: Callable[[StepProgress], None] | None,
     ahead: AheadRun | None = None,
+    on_data_sent: Callable[[str, int], None] | None = None,
 ) -> tuple[TrainResult, dict[str, torch.Tensor]]:
     """Blocking: H inner steps from the committed weights; returns the result and delta.
     With `ahead` (its steps are this round's first ones, trained from the weights before
     `committed`'s outer step), those steps are moved onto `committed` and the round goes on
-    from the step after them."""
+    from the step after them. In a DDP worker, `on_data_sent(cell_id, nbytes)` hears of
+    fetched data sent to the other ranks (`share_cell_data`)."""
     key = w.key(run_id)
     if ahead is not None and ahead.result is not None and ahead.start is not None and ahead.result.steps > 0:
         g = ahead.guess.key(run_id)
@@ -290,6 +292,9 @@ def train_round(
         rt.trainer.reset_optimizer()
     committed.load_into(rt.model)
     if ctx.enabled:
+        fetched, sent = share_cell_data(ctx, rt.task.spec, w.cell_id)
+        if sent and on_data_sent is not None:
+            on_data_sent(w.cell_id, sent)
         ddp.send_command(
             ctx,
             {
@@ -298,6 +303,7 @@ def train_round(
                 "key": asdict(key),
                 "plan": asdict(w.plan),
                 "reset_optimizer": reset_optimizer,
+                "fetched": fetched,
             },
         )
         ddp.broadcast_model(ctx, rt.model)
@@ -305,6 +311,25 @@ def train_round(
     res = rt.trainer.run(key, w.plan, idx, on_step=on_step, stop=w.stop)
     delta = pseudo_gradient(committed.weights, trainable(rt.model)) if res.completed else {}
     return res, delta
+
+
+def share_cell_data(ctx: ddp.DistContext, spec: Any, cell_id: str) -> tuple[bool, int]:
+    """Rank 0, before a train command: whether `cell_id`'s data was fetched from the
+    coordinator rather than loaded from a local copy, and the bytes sent now. If it was
+    fetched, and the other ranks are about to build the cell's runtime (the cell changed),
+    send them that data first (`ddp.send_tensors`): they have no coordinator session to
+    fetch it themselves."""
+    from bagel.models import datashards
+
+    data = datashards.installed(spec, cell_id)
+    sent = 0
+    if data is not None and ctx.followers_cell != cell_id:
+        tensors = [data.x_train, data.y_train, data.x_heldout, data.y_heldout]
+        ddp.send_command(ctx, {"op": "data", "cell_id": cell_id, **ddp.describe_tensors(tensors)})
+        ddp.send_tensors(ctx, tensors)
+        sent = sum(t.numel() * t.element_size() for t in tensors)
+    ctx.followers_cell = cell_id
+    return data is not None, sent
 
 
 def follow_round(ctx: ddp.DistContext, rt: CellRuntime, cmd: Mapping[str, Any]) -> TrainResult:
@@ -539,11 +564,26 @@ def ddp_follower(ctx: ddp.DistContext, device_req: str, throttle: float) -> None
         # the initial weights' digest travels beside the text, as in the Register answer
         state["spec"] = dataclasses.replace(parse_spec(cmd["spec_toml"]), init_sha256=str(cmd.get("init_sha256", "")))
 
+    def on_data(cmd: dict[str, Any]) -> None:
+        from bagel.models import datashards
+
+        tensors = ddp.recv_tensors(ctx, cmd)  # taken off the group first: rank 0 has sent them
+        if len(tensors) != 4:
+            raise ValueError(f"rank 0 sent {len(tensors)} data tensors, not a cell's 4")
+        if state["spec"] is None:
+            raise ValueError("rank 0 sent a cell's data before the run spec")
+        datashards.install(state["spec"], str(cmd["cell_id"]), datashards.CellData(*tensors))
+
     def on_train(cmd: dict[str, Any]) -> None:
+        from bagel.models import datashards
+
         rt = state["rt"]
         if rt is None or rt.cell_id != cmd["cell_id"]:
+            if cmd.get("fetched") and datashards.installed(state["spec"], cmd["cell_id"]) is None:
+                # never train on a local copy rank 0 did not use: it may be another dataset
+                raise ValueError(f"rank 0 trains {cmd['cell_id']!r:.80} on fetched data it did not send")
             rt = build_runtime(state["spec"], cmd["cell_id"], device, throttle=throttle, collective=ctx)
             state["rt"] = rt
         follow_round(ctx, rt, cmd)
 
-    ddp.follow(ctx, {"spec": on_spec, "train": on_train})
+    ddp.follow(ctx, {"spec": on_spec, "data": on_data, "train": on_train})
