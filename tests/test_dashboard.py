@@ -6,7 +6,8 @@ with simulated workers speaking real gRPC (tests/simworkers.py), opens the page 
 Debian's Chromium driven by Playwright (the system browser: nothing is downloaded), and
 checks that cells, workers and events appear and then change without a reload: a commit
 raises a cell's round, a worker joining and one leaving show up in the table and the
-event list. It saves a screenshot to the test's tmp_path and a copy to
+event list, and a cell that falls back to its initial state (no live worker held its
+committed state) says so on its card and in the events. It saves a screenshot to the test's tmp_path and a copy to
 build/test-artifacts/dashboard.png, and reads the daemon's log for the story it told.
 """
 
@@ -127,7 +128,9 @@ async def test_dashboard_shows_a_live_run_in_chromium(tmp_path: Path) -> None:
     playwright_api = pytest.importorskip("playwright.async_api", reason="playwright is a test dependency")
 
     spec_path = tmp_path / "dash.toml"
-    spec_path.write_text(cluster_spec_text("dashrun", lease_s=4.0, heartbeat_s=0.3, min_round_s=1.0))
+    text = cluster_spec_text("dashrun", lease_s=4.0, heartbeat_s=0.3, min_round_s=1.0)
+    # a cell whose every holder is gone falls back at once when a newcomer needs it (below)
+    spec_path.write_text(text.replace("quorum = 0.5", "quorum = 0.5\norphan_grace_s = 0", 1))
     cells = parse_spec(spec_path.read_text()).cell_ids  # the workers claim a speed on each
     target = f"127.0.0.1:{free_port()}"
     dash_port = free_port()
@@ -139,6 +142,7 @@ async def test_dashboard_shows_a_live_run_in_chromium(tmp_path: Path) -> None:
     )
     workers: list[SimWorker] = []
     extra: SimWorker | None = None
+    newcomers: list[SimWorker] = []
     try:
         async with playwright_api.async_playwright() as pw:
             # the browser starts while the daemon does (leaving the `async with` stops both)
@@ -200,6 +204,44 @@ async def test_dashboard_shows_a_live_run_in_chromium(tmp_path: Path) -> None:
                         .some(li => li.textContent.includes('the test sent it home'))""",
                     "the leave event with its reason",
                 )
+                # no live worker is left holding any committed state: the one sent home took its
+                # cell's with it, and the others drop dead (their leases run out 4 s later). A
+                # newcomer placed in a committed cell then makes it fall back at once
+                # (orphan_grace_s = 0; no checkpoint: to its initial state), whichever of the two
+                # ways its holder went. Five newcomers on five cells: the scheduler fills the
+                # cells' missing replicas (a convex penalty) before it doubles any, so committed
+                # cells get newcomers. Each cell that fell back says so on its card and in the
+                # events, and only a cell that had committed can fall back.
+                trained = await page.evaluate(
+                    """[...document.querySelectorAll('#cells .cell')]
+                        .filter(c => +c.dataset.committedRound > 0).map(c => c.dataset.cellId)"""
+                )
+                assert trained, "no cell had committed a round"
+                await asyncio.gather(workers[1].crash(), extra.crash())
+                newcomers = [
+                    SimWorker(target, "dashrun", name=f"newcomer{i}", samples_per_s=64.0, cells=cells, seed=10 + i)
+                    for i in range(5)
+                ]
+                for w in newcomers:
+                    w.start()
+                await until(
+                    """() => {
+                        const note = (c) => c.querySelector('.note.rollbacks')?.textContent ?? '';
+                        const fell = [...document.querySelectorAll('#cells .cell')]
+                            .filter(c => note(c).includes('fell back to its checkpoint 1×'));
+                        const told = [...document.querySelectorAll('#events li[data-kind="rollback"]')]
+                            .map(li => li.textContent);
+                        const says = (c) => `cell ${c.dataset.cellId} fell back to its initial state`;
+                        return fell.length > 0 && fell.length === told.length
+                            && fell.every(c => told.some(t => t.includes(says(c))));
+                    }""",
+                    "a fallback on a cell's card and in the events",
+                )
+                fell = await page.evaluate(
+                    """[...document.querySelectorAll('#cells .cell')]
+                        .filter(c => c.querySelector('.note.rollbacks') !== null).map(c => c.dataset.cellId)"""
+                )
+                assert set(fell) <= set(trained), (fell, trained)  # a cell that never committed has nothing to lose
                 assert await page.evaluate("window.__sameDocument === true")
                 health = await page.text_content("#health")
                 assert health is not None and "workers healthy]" in health
@@ -211,7 +253,7 @@ async def test_dashboard_shows_a_live_run_in_chromium(tmp_path: Path) -> None:
         SCREENSHOT_COPY.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(shot, SCREENSHOT_COPY)
     finally:
-        await stop_workers([*workers, *([extra] if extra else [])])
+        await stop_workers([*workers, *([extra] if extra else []), *newcomers])
         if daemon.proc.poll() is None:
             daemon.signal(signal.SIGTERM)
             daemon.wait(30)
@@ -221,5 +263,6 @@ async def test_dashboard_shows_a_live_run_in_chromium(tmp_path: Path) -> None:
     for name in ("sim000", "sim001", "late-joiner"):
         assert f"({name}) joined" in log, log[-3000:]
     assert "left: the test sent it home" in log
+    assert re.search(r"cell \S+ fell back to its initial state: no live worker held its committed state", log)
     # the health line, with the cells that have no members named
     assert re.search(r"\[\d+/\d+ workers healthy\]; \d/5 cells with members; no members: ", log), log[-3000:]
