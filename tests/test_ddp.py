@@ -244,14 +244,15 @@ min_round_s = 6.0
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("data", ["local", "fetched"])
-def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path, data):
+def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path):
     """`torchrun --nproc-per-node 2 -m bagel.worker join ...` next to a one-process worker:
     rank 0 talks to the coordinator and the DHT, rank 1 follows it; each round both
-    workers end bit-identical (equal hashes in their commit events). With `fetched`, the
-    DDP worker has no data of its own (`--fetch-data always`): rank 0 fetches its cell's
-    shards and sends rank 1 the decoded tensors, which rank 1 checks against their sha256
-    and must use (it refuses to train on a copy of its own)."""
+    workers end bit-identical (equal hashes in their commit events). The DDP worker has no
+    data of its own (`--fetch-data always`), the case of a volunteer without the dataset:
+    rank 0 fetches its cell's shards and sends rank 1 the decoded tensors, which rank 1
+    checks against their sha256 and must use (it refuses to train on a copy of its own).
+    The one-process worker loads the bundled dataset itself, as a rank with a local copy
+    does (`cell_task`, the same code on every rank)."""
     import time
 
     from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup, free_port
@@ -266,7 +267,7 @@ def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path, data):
         single = WorkerProc.make(coord.join, tmp_path / "single", tmp_path / "single.log", name="single")
         procs.append(single)
         single.start()
-        fetch = ["--fetch-data", "always"] if data == "fetched" else []
+        fetch = ["--fetch-data", "always"]
         ddp_w = WorkerProc.make(coord.join, tmp_path / "ddp", tmp_path / "ddp.log", name="ddp", extra=fetch)
         ddp_w.argv = [
             sys.executable,
@@ -301,10 +302,9 @@ def test_torchrun_worker_with_two_gloo_ranks_commits_rounds(tmp_path, data):
             assert a[r]["hash"] == b[r]["hash"] and a[r]["contributors"] == 2
         prof = ddp_w.events("profile")[0]
         assert prof  # rank 0 profiled and registered for the whole worker
-        fetched, sent = ddp_w.events("data-ready"), ddp_w.events("data-to-ranks")
-        assert bool(fetched) == bool(sent) == (data == "fetched") and not single.events("data-ready")
-        if sent:  # once, before rank 1 built the cell's model, and never again for the same cell
-            assert [(e["cell"], e["ranks"]) for e in sent] == [("k0.r0", 1)] and sent[0]["nbytes"] > 0
+        assert ddp_w.events("data-ready") and not single.events("data-ready")
+        sent = ddp_w.events("data-to-ranks")  # once, before rank 1 built the cell's model, never again
+        assert [(e["cell"], e["ranks"]) for e in sent] == [("k0.r0", 1)] and sent[0]["nbytes"] > 0, sent
         assert not [e for e in ddp_w.events("data-fetch-failed")], ddp_w.log_text()[-3000:]
         # torchrun forwards SIGTERM to both ranks (rank 1 ignores it and waits for rank 0's
         # exit command); torchrun itself then exits non-zero by design (SignalException),
