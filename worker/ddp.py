@@ -22,7 +22,6 @@ processes, so one code path handles all bytes the same way).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import os
@@ -34,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bagel.protocol.statehash import state_hash
+
 # Followers block in a broadcast while rank 0 waits for orders, so the collective timeout
 # must outlast the longest idle stretch (a worker may wait hours for a cell).
 DEFAULT_TIMEOUT_S = float(os.environ.get("BAGEL_DDP_TIMEOUT_S", 7 * 24 * 3600))
@@ -41,7 +42,7 @@ MAX_COMMAND_BYTES = 16 << 20
 # what rank 0 may send the other ranks as data: a cell's decoded training and held-out
 # tensors (`models.datashards.CellData`); the bound stops a wrong description from
 # allocating the machine's memory, it is not a limit any real cell comes near
-MAX_DATA_TENSORS = 8
+MAX_DATA_TENSORS = 8  # at most 10: `tensors_digest` names them by one digit
 MAX_DATA_BYTES = 64 << 30
 _DATA_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.uint8, torch.int64, torch.float32, torch.float16)}
 
@@ -136,12 +137,10 @@ def recv_command(ctx: DistContext) -> dict[str, Any]:
 
 
 def tensors_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """sha256 over the tensors' dtypes, shapes and bytes, in order."""
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    """The canonical state hash (`protocol.statehash`: dtype, shape and bytes of each) of
+    the tensors, named by their position (at most `MAX_DATA_TENSORS`, so one digit each and
+    the hash's sorted order is theirs)."""
+    return state_hash({str(i): t for i, t in enumerate(tensors)})
 
 
 def describe_tensors(tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
@@ -174,7 +173,7 @@ def recv_tensors(ctx: DistContext, described: Any) -> list[torch.Tensor]:
             raise ValueError(f"rank 0 described a tensor this rank does not take: {item!r:.200}")
         if not all(isinstance(n, int) and n >= 0 for n in shape):
             raise ValueError(f"rank 0 described a tensor of shape {shape!r:.200}")
-        total += math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        total += math.prod(shape) * dtype.itemsize
         if total > MAX_DATA_BYTES:
             raise ValueError(f"rank 0 described more than {MAX_DATA_BYTES} bytes of tensors")
         shapes.append((dtype, tuple(shape)))
