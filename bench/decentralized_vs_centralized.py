@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import signal
 import sys
@@ -55,7 +54,8 @@ import torch
 from bagel.models import compose, experts, flow, train
 from bagel.models import evaluate as ev
 from bagel.models.data import derive_seed, load_dataset
-from bagel.protocol.runspec import ROUTER_CELL, RunSpec, load_spec
+from bagel.protocol.runspec import ROUTER_CELL, RunSpec, SpecError, load_spec
+from bagel.protocol.specoverride import set_keys
 from bagel.worker import demo
 from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup, get_status
 
@@ -89,31 +89,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, value)
     return args
-
-
-# ---------------------------------------------------------------------------- the spec
-
-
-def override_spec(text: str, sets: list[str]) -> str:
-    """The spec text with each `section.key=value` set (replaced in its section, else added)."""
-    for item in sets:
-        m = re.fullmatch(r"([a-z_]+)\.([a-z_]+)=(.+)", item.strip())
-        if not m:
-            raise SystemExit(f"--set {item!r}: expected SECTION.KEY=VALUE")
-        section, key, value = m.groups()
-        lines = text.splitlines()
-        start = next((i for i, line in enumerate(lines) if line.strip() == f"[{section}]"), None)
-        if start is None:
-            lines += ["", f"[{section}]", f"{key} = {value}"]
-        else:
-            end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
-            at = next((i for i in range(start + 1, end) if re.match(rf"\s*{key}\s*=", lines[i])), None)
-            if at is None:
-                lines.insert(start + 1, f"{key} = {value}")
-            else:
-                lines[at] = f"{key} = {value}"
-        text = "\n".join(lines) + "\n"
-    return text
 
 
 # ---------------------------------------------------------------------------- (d) decentralized
@@ -381,7 +356,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec_path = out / "spec.toml"
-    spec_path.write_text(override_spec(Path(args.spec).read_text(), args.set))
+    try:
+        spec_path.write_text(set_keys(Path(args.spec).read_text(), args.set))
+    except SpecError as e:
+        raise SystemExit(str(e)) from None
     spec = load_spec(spec_path)
     if spec.data.source != "digits" or spec.model.num_classes != 10:
         raise SystemExit("this benchmark needs the digits source with 10 classes")
