@@ -1,8 +1,11 @@
 """`make demo`: a whole Bagel run on this machine, then a report of what it achieved.
 
     python -m bagel.worker.demo --run examples/digits-2x2.toml --out demo-out [--duration-s 300]
+        [--set section.key=value ...]
 
 1. starts a coordinator on the run spec (a subprocess, loopback only) and reads its join string;
+   with `--set`, on the spec's text with those keys changed (`protocol/specoverride.py`),
+   written to `OUT/run.toml` (`make demo` sets `diloco.overlap=delayed`: `DEMO_SET`);
 2. starts `--workers` workers (default 4) with different `--throttle` values, so one machine
    plays a heterogeneous swarm (the scheduler gives slower workers smaller batches);
 3. shows live progress: a table from the coordinator's GetStatus every few seconds;
@@ -50,6 +53,14 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated --throttle per worker, cycled (default: 1,1.5,2,3)",
     )
     p.add_argument("--sample-steps", type=int, default=32, help="Euler steps of the composed sampler (default: 32)")
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="change one key of the run spec for this run (repeatable), e.g. diloco.overlap=delayed",
+    )
     return p
 
 
@@ -71,22 +82,24 @@ class _Stop:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from bagel.protocol.runspec import SpecError, load_spec
+    from bagel.protocol.runspec import SpecError
     from bagel.worker.swarm import CoordinatorProc, Managed, WorkerProc, cleanup, stop_all
 
+    out: Path = args.out
     try:
-        spec = load_spec(args.run)
         throttles = [float(x) for x in args.throttles.split(",") if x.strip()]
+        run_path, spec = _run_spec(args.run, args.sets, out)
     except (SpecError, ValueError, OSError) as e:
         print(f"demo: {e}", file=sys.stderr)
         return 2
     if args.workers < 1 or not throttles or min(throttles) < 1:
         print("demo: --workers must be >= 1 and every throttle >= 1", file=sys.stderr)
         return 2
-    out: Path = args.out
     for sub in ("coordinator", "workers", "logs"):
         shutil.rmtree(out / sub, ignore_errors=True)  # a fresh run every time
     out.mkdir(parents=True, exist_ok=True)
+    if args.sets:
+        print(f"run spec: {args.run} with {', '.join(args.sets)} ({run_path})", flush=True)
     stop = _Stop()
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
@@ -95,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         with cleanup(procs):
-            coord = CoordinatorProc.make(args.run, out / "coordinator", out / "logs" / "coordinator.log", tick_ms=200)
+            coord = CoordinatorProc.make(run_path, out / "coordinator", out / "logs" / "coordinator.log", tick_ms=200)
             procs.append(coord)
             coord.start_and_wait(timeout_s=120)
             print(f"coordinator listening on {coord.endpoint}\njoin string: {coord.join}\n", flush=True)
@@ -125,12 +138,32 @@ def main(argv: list[str] | None = None) -> int:
             )
             coord.stop(timeout_s=30)
         print("all processes stopped; evaluating...", flush=True)
-        report = _report(spec, out, workers, start_losses, final_status, time.time() - started, args.sample_steps)
+        used = {"path": str(args.run), "set": list(args.sets), "overlap": spec.diloco.overlap}
+        report = _report(spec, out, workers, start_losses, final_status, time.time() - started, args.sample_steps, used)
         print(_markdown(report))
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted: every process was stopped", file=sys.stderr)
         return 130
+
+
+def _run_spec(path: Path, sets: list[str], out: Path) -> tuple[Path, Any]:
+    """The spec file the coordinator serves, and its parsed spec: `path` itself, or with
+    `--set` its text with those keys changed, written to `out/run.toml` (a relative
+    `model.init_from` is made absolute first, as it is read against the file's folder)."""
+    from bagel.protocol.runspec import load_spec, parse_spec
+    from bagel.protocol.specoverride import set_keys
+
+    if not sets:
+        return path, load_spec(path)
+    text = set_keys(path.read_text(), sets)
+    init = parse_spec(text).model.init_from
+    if init and not Path(init).is_absolute():
+        text = set_keys(text, [f"model.init_from={json.dumps(str(path.resolve().parent / init))}"])
+    out.mkdir(parents=True, exist_ok=True)
+    run_path = out / "run.toml"
+    run_path.write_text(text)
+    return run_path, load_spec(run_path)
 
 
 # ---------------------------------------------------------------------------- live view
@@ -235,7 +268,14 @@ def _ddp_bytes(commit: dict[str, Any], params: int) -> float:
 
 
 def _report(
-    spec: Any, out: Path, workers: list, start_losses: dict[str, float], status: Any, wall_s: float, sample_steps: int
+    spec: Any,
+    out: Path,
+    workers: list,
+    start_losses: dict[str, float],
+    status: Any,
+    wall_s: float,
+    sample_steps: int,
+    used: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     import torch
 
@@ -304,6 +344,7 @@ def _report(
         save_grid(images, png, nrow=10)
     report = {
         "run_id": spec.run.id,
+        "spec": used,
         "wall_s": round(wall_s, 1),
         "cells": cells,
         "workers": wrows,
@@ -362,12 +403,20 @@ def _fmt_bytes(n: float) -> str:
     return human_bytes(n)
 
 
+def _spec_lines(spec: dict[str, Any] | None) -> list[str]:
+    if not spec:
+        return []
+    changed = f" with {', '.join(f'`{x}`' for x in spec['set'])}" if spec["set"] else ""
+    return [f"Run spec: `{spec['path']}`{changed}; overlap of the exchange with compute: `{spec['overlap']}`.", ""]
+
+
 def _markdown(r: dict[str, Any]) -> str:
     lines = [
         f"# Bagel demo: run `{r['run_id']}`",
         "",
         f"Wall time: {r['wall_s']:.0f} s.",
         "",
+        *_spec_lines(r.get("spec")),
         "## Cells",
         "",
         "| cell | committed rounds | held-out loss start | end | state used |",
