@@ -32,6 +32,7 @@ from bagel.worker.profile import (
     memory_budget,
     memory_bytes,
     profile_key,
+    read_memory,
 )
 from bagel.worker.roundwork import BYZANTINE_MODES, RoundWork, claimed, corrupt, fresh_feedback
 
@@ -378,6 +379,17 @@ def test_profile_measures_throughput_and_caps_memory(tmp_path: Path, monkeypatch
     write(device_kind="cuda", num_devices=64, link_bandwidth_bytes_per_s=1e12, vram_bytes=1 << 50)
     back = cached_profile(path, key, "x", cpu)
     assert back is not None and (back.device_kind, back.num_devices, back.vram_bytes) == ("cpu", 2, 3 << 30)
+    # a start reads the memory once: the figures it sized its micro-batches by are the ones
+    # declared, cached or measured, whatever MemAvailable says by the time the profile is built
+    memory = read_memory(cpu, None, 2.0)
+    assert memory == (2 << 30, 2 << 30) and memory_budget(cpu, memory=memory) == MemoryBudget(2 << 30, 0, True)
+    monkeypatch.setattr(profile_module, "_mem_available", lambda: 1 << 30)
+    back = cached_profile(path, key, "x", cpu, memory=memory)
+    assert back is not None and (back.vram_bytes, back.host_memory_bytes) == (2 << 30, 2 << 30)
+    fresh = measure("me", cpu, [("c1", _Tiny)], memory=memory)
+    assert (fresh.vram_bytes, fresh.host_memory_bytes) == (2 << 30, 2 << 30)
+    assert measure("me", cpu, [("c1", _Tiny)]).vram_bytes == 1 << 30  # without it: read after the benchmark
+    monkeypatch.setattr(profile_module, "_mem_available", lambda: 3 << 30)
     # anything the speed depends on, changed: measured again
     assert cached_profile(path, {**key, "throttle": 2.0}, "x", cpu) is None
     assert cached_profile(path, {**key, "device_name": "another card in the same slot"}, "x", cpu) is None

@@ -97,6 +97,7 @@ from bagel.worker.profile import (
     memory_budget,
     memory_bytes,
     profile_key,
+    read_memory,
 )
 from bagel.worker.roundwork import BAD_REDUCER_SCALE, LIAR_SAMPLES_PER_S, ddp_follower
 from bagel.worker.stopping import StopBudget, in_daemon_thread
@@ -687,7 +688,9 @@ class Agent:
         spec = self.spec
         assert spec is not None
         cache = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "profile.json"
-        budget = memory_budget(self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
+        # one reading of the memory: the micro-batches are sized by it and the profile declares it
+        memory = read_memory(self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
+        budget = memory_budget(self.device, memory=memory)
         micro_batches = bench_micro_batches(spec, budget)
         if not any(micro_batches.values()):
             raise UsageError(self._holds_no_cell(spec, budget))
@@ -702,7 +705,7 @@ class Agent:
             world=self.ctx.world_size,
             uplink_mbps=self.cfg.uplink_mbps,
         )
-        self.profile = cached_profile(cache, key, self.name, self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
+        self.profile = cached_profile(cache, key, self.name, self.device, memory=memory)
         cached = self.profile is not None
         if self.profile is None:
             self.display.update(phase="profiling")
@@ -725,6 +728,7 @@ class Agent:
                 uplink_mbps=self.cfg.uplink_mbps,
                 same_model={c: cell_config(spec, c) for c in spec.cell_ids},
                 micro_batches=micro_batches,
+                memory=memory,
             )
             body = {"key": key, "measured_unix_s": time.time(), "profile": dataclasses.asdict(self.profile)}
             await asyncio.to_thread(atomic_write, cache, json.dumps(body).encode())

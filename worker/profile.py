@@ -96,11 +96,26 @@ def host_memory_bytes(max_ram_gb: float | None = None) -> int:
     return _capped(_mem_available(), max_ram_gb, "--max-ram-gb")
 
 
-def memory_budget(
+def read_memory(
     device: torch.device, max_vram_gb: float | None = None, max_ram_gb: float | None = None
+) -> tuple[int, int]:
+    """(`memory_bytes`, `host_memory_bytes`) read now: what a profile declares as
+    `vram_bytes` and `host_memory_bytes`. A start reads them once, sizes its micro-batches
+    by them and declares the same figures (on a CPU worker both are `MemAvailable`, which
+    moves with everything the machine runs, this worker's own benchmark included)."""
+    return memory_bytes(device, max_vram_gb, max_ram_gb), host_memory_bytes(max_ram_gb)
+
+
+def memory_budget(
+    device: torch.device,
+    max_vram_gb: float | None = None,
+    max_ram_gb: float | None = None,
+    memory: tuple[int, int] | None = None,
 ) -> MemoryBudget:
-    """What this worker declares of its memory (`WorkerProfile.vram_bytes` and `host_memory_bytes`)."""
-    return MemoryBudget.of(device.type, memory_bytes(device, max_vram_gb, max_ram_gb), host_memory_bytes(max_ram_gb))
+    """What this worker declares of its memory (`WorkerProfile.vram_bytes` and
+    `host_memory_bytes`), from `memory` (`read_memory`) or read now."""
+    vram, host = memory if memory is not None else read_memory(device, max_vram_gb, max_ram_gb)
+    return MemoryBudget.of(device.type, vram, host)
 
 
 def _capped(total: int, cap_gb: float | None, flag: str) -> int:
@@ -180,6 +195,7 @@ def measure(
     uplink_mbps: float = DEFAULT_UPLINK_MBPS,
     same_model: Mapping[str, Hashable] | None = None,
     micro_batches: Mapping[str, int] | None = None,
+    memory: tuple[int, int] | None = None,
 ) -> MeasuredProfile:
     """Profile this worker for every (cell_id, task factory) given.
 
@@ -189,7 +205,9 @@ def measure(
     instead of 256, and its experts are not ranked by the noise between measurements.
     `micro_batches` (`bench_micro_batches`) gives the micro-batch to measure each cell at;
     a cell at 0 is not measured and gets no figure. Without it, every cell is measured at
-    `BENCH_MICRO_BATCH`.
+    `BENCH_MICRO_BATCH`. `memory` is (`memory_bytes`, `host_memory_bytes`) as read once
+    by the caller, who sized the micro-batches by it (`read_memory`); without it they are
+    read after the benchmark, when on a CPU worker its own freed buffers may still be held.
     """
     if uplink_mbps <= 0:
         raise ValueError(f"--uplink-mbps must be positive, got {uplink_mbps}")
@@ -204,15 +222,16 @@ def measure(
         if key not in measured:
             measured[key] = benchmark_cell(make(), device, throttle=throttle, micro_batch=mb) * num_devices
         sps[cell] = measured[key]
+    vram, host = memory if memory is not None else read_memory(device, max_vram_gb, max_ram_gb)
     return MeasuredProfile(
         name=name,
         device_kind=device.type,
         device_name=device_name(device),
-        vram_bytes=memory_bytes(device, max_vram_gb, max_ram_gb),
+        vram_bytes=vram,
         num_devices=num_devices,
         link_bandwidth_bytes_per_s=uplink_mbps * 1e6 / 8,
         samples_per_s=sps,
-        host_memory_bytes=host_memory_bytes(max_ram_gb),
+        host_memory_bytes=host,
     )
 
 
@@ -223,6 +242,7 @@ def cached_profile(
     device: torch.device,
     max_vram_gb: float | None = None,
     max_ram_gb: float | None = None,
+    memory: tuple[int, int] | None = None,
 ) -> MeasuredProfile | None:
     """A profile measured earlier under the same key (`profile_key`), or None.
 
@@ -231,7 +251,8 @@ def cached_profile(
     the last `PROFILE_MAX_AGE_S` by this clock. Anything else in the file is not trusted:
     a damaged or edited file that the coordinator would refuse must not stop every start
     for a day. The rest comes from the key, and the memory figures are read now, because
-    what else the machine runs changes them (on a CPU worker both are `MemAvailable`)."""
+    what else the machine runs changes them (on a CPU worker both are `MemAvailable`):
+    `memory` as the caller read it (`read_memory`) for the key's micro-batches, else now."""
     try:
         body = json.loads(path.read_text())
         age_s = time.time() - float(body["measured_unix_s"])
@@ -242,15 +263,16 @@ def cached_profile(
         measured = {c for c, mb in key["micro_batches"].items() if mb > 0}
         if set(sps) != measured or not all(math.isfinite(v) and v > 0 for v in sps.values()):
             return None
+        vram, host = memory if memory is not None else read_memory(device, max_vram_gb, max_ram_gb)
         return MeasuredProfile(
             name=name,
             device_kind=device.type,
             device_name=str(key["device_name"]),
-            vram_bytes=memory_bytes(device, max_vram_gb, max_ram_gb),
+            vram_bytes=vram,
             num_devices=int(key["world"]),
             link_bandwidth_bytes_per_s=float(key["uplink_mbps"]) * 1e6 / 8,
             samples_per_s=sps,
-            host_memory_bytes=host_memory_bytes(max_ram_gb),
+            host_memory_bytes=host,
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
