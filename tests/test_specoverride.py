@@ -11,7 +11,7 @@ import pytest
 
 from bagel.protocol.runspec import SpecError, load_spec, parse_spec
 from bagel.protocol.specoverride import MAX_SETS, set_key, set_keys
-from bagel.worker.demo import _markdown, _run_spec, main
+from bagel.worker.demo import _markdown, _run_spec, committed_samples, main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "digits-2x2.toml"
 
@@ -92,6 +92,11 @@ def test_the_demo_serves_the_changed_text_and_reports_what_it_changed(tmp_path: 
         "spec": {"path": "examples/x.toml", "set": ["diloco.overlap=delayed"], "overlap": "delayed"},
     }  # fmt: skip
     assert "Run spec: `examples/x.toml` with `diloco.overlap=delayed`; overlap" in _markdown(report)
+    # the throughput beside the time split: what the cells committed, per second of wall time
+    cells = {"k0.r0": {"samples_committed": 300}, "router": {"samples_committed": 100}, "k0.r1": {}}
+    assert committed_samples(cells, 4.0) == {"expert_cells": 300, "router": 100, "per_s": 100.0}
+    report["committed_samples"] = committed_samples(cells, 4.0)
+    assert "Committed samples: 300 in the expert cells, 100 in the router: 100 per second" in _markdown(report)
 
 
 def test_a_bad_set_is_one_line_and_exit_2_before_anything_starts(

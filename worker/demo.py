@@ -351,10 +351,23 @@ def _report(
         "swarm_time": swarm,
         "samples_png": str(png) if models else None,
         "loss_fell_in_every_cell": all(c["loss_fell"] for c in cells.values()),
+        "committed_samples": committed_samples(cells, wall_s),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(_markdown(report))
     return report
+
+
+def committed_samples(cells: dict[str, dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """The samples the cells committed (the coordinator's count), in all and per second of
+    the run's wall time: the swarm's real throughput. The time split cannot show it: a step
+    that shares a CPU with other processes counts as training however slowly it runs."""
+    from bagel.protocol.runspec import ROUTER_CELL
+
+    expert = sum(c.get("samples_committed", 0) for k, c in cells.items() if k != ROUTER_CELL)
+    router = sum(c.get("samples_committed", 0) for k, c in cells.items() if k == ROUTER_CELL)
+    per_s = (expert + router) / wall_s if wall_s > 0 else 0.0
+    return {"expert_cells": expert, "router": router, "per_s": round(per_s, 1)}
 
 
 def time_accounts(logs: dict[str, list[dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -445,6 +458,14 @@ def _markdown(r: dict[str, Any]) -> str:
         )
     if r.get("swarm_time"):
         lines += ["", *time_markdown({n: w["time"] for n, w in r["workers"].items()}, r["swarm_time"])]
+    if r.get("committed_samples"):
+        cs = r["committed_samples"]
+        lines += [
+            "",
+            f"Committed samples: {cs['expert_cells']} in the expert cells, {cs['router']} in the router: "
+            f"{cs['per_s']:.0f} per second of wall time (the throughput: on a shared CPU a step counts as "
+            "training however slowly it runs).",
+        ]
     lines += ["", f"Held-out loss fell in every cell: **{r['loss_fell_in_every_cell']}**."]
     if r.get("samples_png"):
         lines.append(f"Samples of the composed model (one row per class): `{r['samples_png']}`.")
