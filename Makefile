@@ -76,10 +76,11 @@ typecheck-root:
 # two members before anything is averaged; with 4 workers one cell never trains.
 DEMO_WORKERS ?= 10
 DEMO_DURATION_S ?= 300
-# Keys of the example spec the demo changes (`--set`, space-separated). The example spec
-# keeps the run spec's default, overlap "off"; the demo trains ahead during the exchange, as
-# a run wanting the most from its GPUs would. `make demo DEMO_SET=` runs the spec unchanged.
-DEMO_SET ?= diloco.overlap=delayed
+# Keys of the example spec the demo changes (`--set`, space-separated), none by default:
+# `make demo DEMO_SET=diloco.overlap=delayed` trains ahead during the exchange. On this
+# project's 2-core machine, ten CPU workers have no idle core for that to use, and it
+# committed fewer samples (README, "Overlapping the exchange with compute").
+DEMO_SET ?=
 
 demo: setup
 	$(PY) -m bagel.worker.demo --run examples/digits-2x2.toml --out demo-out \

@@ -5,7 +5,7 @@
 
 1. starts a coordinator on the run spec (a subprocess, loopback only) and reads its join string;
    with `--set`, on the spec's text with those keys changed (`protocol/specoverride.py`),
-   written to `OUT/run.toml` (`make demo` sets `diloco.overlap=delayed`: `DEMO_SET`);
+   written to `OUT/run.toml` (`make demo DEMO_SET="diloco.overlap=delayed"`);
 2. starts `--workers` workers (default 4) with different `--throttle` values, so one machine
    plays a heterogeneous swarm (the scheduler gives slower workers smaller batches);
 3. shows live progress: a table from the coordinator's GetStatus every few seconds;
