@@ -80,6 +80,7 @@ def test_the_demo_serves_the_changed_text_and_reports_what_it_changed(tmp_path: 
     path, spec = _run_spec(EXAMPLE, ["diloco.overlap=delayed"], tmp_path / "b")
     assert path == tmp_path / "b" / "run.toml" and spec.diloco.overlap == "delayed"
     assert load_spec(path).spec_hash == spec.spec_hash  # the file written is the spec used
+    assert _run_spec(EXAMPLE, [], tmp_path / "b")[0] == EXAMPLE and not path.exists()  # no stale copy left
     # a relative model.init_from is read against the original file's folder, not the output's
     src = tmp_path / "spec" / "run.toml"
     src.parent.mkdir()

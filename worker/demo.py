@@ -155,6 +155,7 @@ def _run_spec(path: Path, sets: list[str], out: Path) -> tuple[Path, Any]:
     from bagel.protocol.specoverride import set_keys
 
     if not sets:
+        (out / "run.toml").unlink(missing_ok=True)  # an earlier run's changed spec would mislead
         return path, load_spec(path)
     text = set_keys(path.read_text(), sets)
     init = parse_spec(text).model.init_from
