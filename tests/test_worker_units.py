@@ -367,46 +367,47 @@ def test_profile_measures_throughput_and_caps_memory(tmp_path: Path, monkeypatch
         path.write_text(json.dumps({"key": key, "measured_unix_s": time.time() if at is None else at, "profile": body}))
 
     write()
-    back = cached_profile(path, key, "renamed", cpu, max_vram_gb=1.0)
+    back = cached_profile(path, key, "renamed", cpu, read_memory(cpu, 1.0))
     assert back is not None and back.samples_per_s == prof.samples_per_s and back.name == "renamed"
     assert (back.num_devices, back.link_bandwidth_bytes_per_s, back.device_name) == (2, 10e6, device_name(cpu))
     assert (back.vram_bytes, back.host_memory_bytes) == (1 << 30, 8 << 30)
-    # the memory is read at each start, never taken from the file: here the machine has less free now
+    # the memory is this start's reading, never taken from the file: here the machine has less free now
     monkeypatch.setattr(profile_module, "_mem_available", lambda: 3 << 30)
-    back = cached_profile(path, key, "x", cpu)
+    now = read_memory(cpu)
+    back = cached_profile(path, key, "x", cpu, now)
     assert back is not None and back.vram_bytes == back.host_memory_bytes == 3 << 30
     # only the speeds come from the file: what else it says is not read
     write(device_kind="cuda", num_devices=64, link_bandwidth_bytes_per_s=1e12, vram_bytes=1 << 50)
-    back = cached_profile(path, key, "x", cpu)
+    back = cached_profile(path, key, "x", cpu, now)
     assert back is not None and (back.device_kind, back.num_devices, back.vram_bytes) == ("cpu", 2, 3 << 30)
     # a start reads the memory once: the figures it sized its micro-batches by are the ones
     # declared, cached or measured, whatever MemAvailable says by the time the profile is built
     memory = read_memory(cpu, None, 2.0)
-    assert memory == (2 << 30, 2 << 30) and memory_budget(cpu, memory=memory) == MemoryBudget(2 << 30, 0, True)
+    assert memory == (2 << 30, 2 << 30) and MemoryBudget.of("cpu", *memory) == memory_budget(cpu, None, 2.0)
     monkeypatch.setattr(profile_module, "_mem_available", lambda: 1 << 30)
-    back = cached_profile(path, key, "x", cpu, memory=memory)
+    back = cached_profile(path, key, "x", cpu, memory)
     assert back is not None and (back.vram_bytes, back.host_memory_bytes) == (2 << 30, 2 << 30)
     fresh = measure("me", cpu, [("c1", _Tiny)], memory=memory)
     assert (fresh.vram_bytes, fresh.host_memory_bytes) == (2 << 30, 2 << 30)
     assert measure("me", cpu, [("c1", _Tiny)]).vram_bytes == 1 << 30  # without it: read after the benchmark
     monkeypatch.setattr(profile_module, "_mem_available", lambda: 3 << 30)
     # anything the speed depends on, changed: measured again
-    assert cached_profile(path, {**key, "throttle": 2.0}, "x", cpu) is None
-    assert cached_profile(path, {**key, "device_name": "another card in the same slot"}, "x", cpu) is None
+    assert cached_profile(path, {**key, "throttle": 2.0}, "x", cpu, now) is None
+    assert cached_profile(path, {**key, "device_name": "another card in the same slot"}, "x", cpu, now) is None
     other_mb = profile_key(cpu, {**mbs, "c1": 8}, world=2, uplink_mbps=80, spec_hash="s", throttle=1.0)
-    assert cached_profile(path, other_mb, "x", cpu) is None
+    assert cached_profile(path, other_mb, "x", cpu, now) is None
     # a damaged or edited file is measured again rather than sent (the coordinator would refuse it)
     for bad in ({"c1": 5.0}, {"c1": 5.0, "c2": 5.0, "c3": 5.0}, {"c1": 5.0, "c2": float("nan")},
                 {"c1": 5.0, "c2": -1.0}, {"c1": 5.0, "c2": "fast"}, ["c1", "c2"], None):  # fmt: skip
         write(samples_per_s=bad)
-        assert cached_profile(path, key, "x", cpu) is None, bad
+        assert cached_profile(path, key, "x", cpu, now) is None, bad
     for at in (0.0, time.time() + 3600, float("nan")):  # too old, from the future, no time
         write(at=at)
-        assert cached_profile(path, key, "x", cpu) is None, at
+        assert cached_profile(path, key, "x", cpu, now) is None, at
     path.write_text("not json")
-    assert cached_profile(path, key, "x", cpu) is None
+    assert cached_profile(path, key, "x", cpu, now) is None
     path.write_text("[]")
-    assert cached_profile(path, key, "x", cpu) is None
+    assert cached_profile(path, key, "x", cpu, now) is None
     assert os.path.exists(path)
 
 

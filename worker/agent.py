@@ -94,7 +94,6 @@ from bagel.worker.profile import (
     cached_profile,
     host_memory_bytes,
     measure,
-    memory_budget,
     memory_bytes,
     profile_key,
     read_memory,
@@ -690,7 +689,7 @@ class Agent:
         cache = Path(self.cfg.data_dir) / "runs" / self.join.run_id / "profile.json"
         # one reading of the memory: the micro-batches are sized by it and the profile declares it
         memory = read_memory(self.device, self.cfg.max_vram_gb, self.cfg.max_ram_gb)
-        budget = memory_budget(self.device, memory=memory)
+        budget = MemoryBudget.of(self.device.type, *memory)
         micro_batches = bench_micro_batches(spec, budget)
         if not any(micro_batches.values()):
             raise UsageError(self._holds_no_cell(spec, budget))
@@ -705,7 +704,7 @@ class Agent:
             world=self.ctx.world_size,
             uplink_mbps=self.cfg.uplink_mbps,
         )
-        self.profile = cached_profile(cache, key, self.name, self.device, memory=memory)
+        self.profile = cached_profile(cache, key, self.name, self.device, memory)
         cached = self.profile is not None
         if self.profile is None:
             self.display.update(phase="profiling")

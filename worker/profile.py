@@ -107,15 +107,10 @@ def read_memory(
 
 
 def memory_budget(
-    device: torch.device,
-    max_vram_gb: float | None = None,
-    max_ram_gb: float | None = None,
-    memory: tuple[int, int] | None = None,
+    device: torch.device, max_vram_gb: float | None = None, max_ram_gb: float | None = None
 ) -> MemoryBudget:
-    """What this worker declares of its memory (`WorkerProfile.vram_bytes` and
-    `host_memory_bytes`), from `memory` (`read_memory`) or read now."""
-    vram, host = memory if memory is not None else read_memory(device, max_vram_gb, max_ram_gb)
-    return MemoryBudget.of(device.type, vram, host)
+    """What this worker declares of its memory (`WorkerProfile.vram_bytes` and `host_memory_bytes`)."""
+    return MemoryBudget.of(device.type, *read_memory(device, max_vram_gb, max_ram_gb))
 
 
 def _capped(total: int, cap_gb: float | None, flag: str) -> int:
@@ -240,9 +235,7 @@ def cached_profile(
     key: dict[str, Any],
     name: str,
     device: torch.device,
-    max_vram_gb: float | None = None,
-    max_ram_gb: float | None = None,
-    memory: tuple[int, int] | None = None,
+    memory: tuple[int, int],
 ) -> MeasuredProfile | None:
     """A profile measured earlier under the same key (`profile_key`), or None.
 
@@ -250,9 +243,9 @@ def cached_profile(
     positive finite figure for exactly the cells the key's micro-batches measure, taken in
     the last `PROFILE_MAX_AGE_S` by this clock. Anything else in the file is not trusted:
     a damaged or edited file that the coordinator would refuse must not stop every start
-    for a day. The rest comes from the key, and the memory figures are read now, because
-    what else the machine runs changes them (on a CPU worker both are `MemAvailable`):
-    `memory` as the caller read it (`read_memory`) for the key's micro-batches, else now."""
+    for a day. The rest comes from the key, and the memory figures are this start's
+    (`memory`: `read_memory`, by which the key's micro-batches were sized), because what
+    else the machine runs changes them (on a CPU worker both are `MemAvailable`)."""
     try:
         body = json.loads(path.read_text())
         age_s = time.time() - float(body["measured_unix_s"])
@@ -263,7 +256,7 @@ def cached_profile(
         measured = {c for c, mb in key["micro_batches"].items() if mb > 0}
         if set(sps) != measured or not all(math.isfinite(v) and v > 0 for v in sps.values()):
             return None
-        vram, host = memory if memory is not None else read_memory(device, max_vram_gb, max_ram_gb)
+        vram, host = memory
         return MeasuredProfile(
             name=name,
             device_kind=device.type,
